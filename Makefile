@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine (see README):
+#   make demo   installs into .venv and runs the main job
+#   make test   installs into .venv (with test extras) and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch lies on this kind of machine's disk; an unpinned torch would pull a
+# multi-GB CUDA build. GPU users install their CUDA torch first and run `pip install -e .`.
+TORCH_CPU ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+.PHONY: demo test check
+demo: $(VENV)/.installed
+	$(VENV)/bin/ds4t demo
+
+check: $(VENV)/.installed
+	$(VENV)/bin/ds4t check
+
+# -n 2: the suite is CPU-bound in the Triton interpreter; CI machines have 2 cores.
+test: $(VENV)/.installed
+	$(PY) -m pytest -n 2 --durations=15 tests

@@ -1,0 +1,3 @@
+from ds4t.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""The one place that decides how Triton kernels run, and that works around the interpreter.
+
+On a machine with a CUDA GPU, kernels compile with Triton for that GPU. Without one, they run
+through the Triton interpreter on the CPU (``TRITON_INTERPRET=1``), which must be set before
+``triton`` is first imported; importing :mod:`ds4t` does that.
+
+Interpreter defects handled here (DESIGN.md §5), each with a test in tests/test_backend.py:
+
+* ``tl.dot`` on bf16 tiles multiplies raw bit patterns -> :func:`mma` upcasts to fp32 first
+  (bf16*bf16 products are exact in fp32, so only the summation order differs from the GPU).
+* fp32 -> bf16 ``.to()`` truncates instead of rounding to nearest even -> :func:`cast`.
+* autotune with several configs and ``do_bench`` need a GPU -> kernels use one fixed config
+  per weight shape (which batch invariance wants anyway); :func:`timer` times with CUDA events
+  on the GPU and wall clock on the CPU.
+* the interpreter re-patches ``triton.language`` on every launch (~3 ms); :func:`_keep_interpreter_patched`
+  patches it once, which makes tiny models usable on the CPU.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when kernels run in the Triton interpreter (on the CPU)."""
+
+if not INTERPRET and not torch.cuda.is_available():
+    raise RuntimeError(
+        "ds4t: no CUDA GPU and triton was imported before ds4t without TRITON_INTERPRET=1; "
+        "import ds4t first or set TRITON_INTERPRET=1"
+    )
+
+_INTERPRET_C = tl.constexpr(INTERPRET)
+
+
+def default_device() -> torch.device:
+    """``cuda`` when kernels compile for a GPU, else ``cpu`` (interpreter)."""
+    return torch.device("cpu" if INTERPRET else "cuda")
+
+
+def device_name() -> str:
+    if INTERPRET:
+        return "cpu (Triton interpreter)"
+    return torch.cuda.get_device_name()
+
+
+@triton.jit
+def mma(a, b, acc):
+    """acc + a @ b with fp32 accumulation; a [M,K], b [K,N] tiles of the same float dtype.
+
+    fp32 inputs use IEEE fp32 (never TF32): a TF32 result would not match the reference. M must
+    be >= 16 for the GPU; keep M a fixed constant so a row's result never depends on the batch.
+    """
+    if _INTERPRET_C:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x.to(dtype), rounding to nearest even for fp32 -> bf16 also in the interpreter.
+
+    (The interpreter still flushes fp32 denormals to zero on this cast.)
+    """
+    if _INTERPRET_C:
+        if dtype == tl.bfloat16:
+            if x.dtype == tl.float32:
+                bits = x.to(tl.uint32, bitcast=True)
+                bias = ((bits >> 16) & 1) + 0x7FFF
+                # NaN/Inf keep their bits (adding the bias could carry a NaN into Inf).
+                finite = (bits & 0x7F800000) != 0x7F800000
+                bits = tl.where(finite, bits + bias, bits) & 0xFFFF0000
+                x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+TORCH_TO_TL = {
+    torch.float32: tl.float32,
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype for a torch float dtype (pass as a constexpr)."""
+    try:
+        return TORCH_TO_TL[dtype]
+    except KeyError:
+        raise TypeError(f"ds4t kernels support float32/bfloat16/float16, not {dtype}") from None
+
+
+def timer(fn, warmup: int = 2, iters: int = 5) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on the GPU, wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if INTERPRET:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    else:
+        for _ in range(iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _keep_interpreter_patched() -> None:
+    """Patch ``triton.language`` for the interpreter once instead of on every launch.
+
+    The interpreter swaps every builtin of ``triton.language`` for an interpreted one before
+    each launch and swaps it back after (~3 ms a launch, more than a small kernel's work).
+    On a CPU-only process nothing ever compiles Triton for real, so the patched state can stay.
+    Set DS4T_INTERPRETER_REPATCH=1 to keep Triton's own behaviour.
+    """
+    if os.environ.get("DS4T_INTERPRETER_REPATCH") == "1":
+        return
+    from triton.runtime import interpreter as _interp
+
+    original = _interp._patch_lang
+    if getattr(original, "_ds4t_cached", False):
+        return
+    state = {}
+
+    class _NoRestore:
+        def restore(self):
+            pass
+
+    lang_modules = (tl, tl.core)
+
+    def patch_once(fn):
+        # Triton patches whichever of tl / tl.core the function's globals name; patch each
+        # combination once.
+        key = tuple(sorted({id(v) for v in fn.__globals__.values() if any(v is m for m in lang_modules)}))
+        if key not in state:
+            state[key] = original(fn)
+        return _NoRestore()
+
+    patch_once._ds4t_cached = True
+    _interp._patch_lang = patch_once
+
+
+if INTERPRET:
+    _keep_interpreter_patched()

@@ -1,0 +1,64 @@
+import torch
+import triton
+import triton.language as tl
+
+from ds4t import backend
+from ds4t.backend import cast, mma
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    rm = tl.arange(0, M)
+    rk = tl.arange(0, K)
+    rn = tl.arange(0, N)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    acc = mma(a, b, tl.zeros((M, N), tl.float32))
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r, mask=r < n)
+    tl.store(y_ptr + r, cast(x, y_ptr.dtype.element_ty), mask=r < n)
+
+
+def test_bf16_dot_matches_torch(device):
+    a = torch.randn(16, 32, device=device).bfloat16()
+    b = torch.randn(32, 16, device=device).bfloat16()
+    c = torch.full((16, 16), float("nan"), device=device)
+    _dot_kernel[(1,)](a, b, c, 16, 32, 16)
+    ref = a.float() @ b.float()
+    torch.testing.assert_close(c, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_fp32_dot_is_ieee_not_tf32(device):
+    a = torch.randn(16, 64, device=device, dtype=torch.float64).float()
+    b = torch.randn(64, 16, device=device, dtype=torch.float64).float()
+    c = torch.full((16, 16), float("nan"), device=device)
+    _dot_kernel[(1,)](a, b, c, 16, 64, 16)
+    ref = (a.double() @ b.double()).float()
+    torch.testing.assert_close(c, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_to_bf16_rounds_to_nearest_even(device):
+    # values chosen on and around bf16 rounding boundaries, plus specials
+    base = torch.randn(1000, device=device)
+    bits = base.view(torch.int32)
+    halfway = (bits & ~0xFFFF) | 0x8000  # exact ties
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4e38], device=device)
+    x = torch.cat([base, halfway.view(torch.float32), specials])
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    _cast_kernel[(1,)](x, y, x.numel(), triton.next_power_of_2(x.numel()))
+    assert torch.equal(y, x.to(torch.bfloat16))
+
+
+def test_backend_matches_device():
+    assert backend.INTERPRET == (not torch.cuda.is_available())
+    assert backend.default_device().type == ("cpu" if backend.INTERPRET else "cuda")
+
+
+def test_timer_returns_positive_ms(device):
+    x = torch.randn(1000, device=device)
+    assert backend.timer(lambda: x.sum(), warmup=1, iters=3) > 0
