@@ -12,8 +12,9 @@ Interpreter defects handled here (DESIGN.md §5), each with a test in tests/test
 * autotune with several configs and ``do_bench`` need a GPU -> kernels use one fixed config
   per weight shape (which batch invariance wants anyway); :func:`timer` times with CUDA events
   on the GPU and wall clock on the CPU.
-* the interpreter re-patches ``triton.language`` on every launch (~3 ms); :func:`_keep_interpreter_patched`
-  patches it once, which makes tiny models usable on the CPU.
+* the interpreter re-patches ``triton.language`` on every launch (~3 ms) and checks every int32
+  op for overflow (compiled kernels don't, outside debug mode); :func:`_keep_interpreter_patched`
+  patches once and turns the check off, which makes tiny models usable on the CPU.
 """
 from __future__ import annotations
 
@@ -158,6 +159,12 @@ def _keep_interpreter_patched() -> None:
 
     patch_once._ds4t_cached = True
     _interp._patch_lang = patch_once
+    # Compiled kernels only check integer overflow in debug mode; the interpreter checks every
+    # int32 multiply/add by default, which costs ~30% of its time. Match the compiled default.
+    import dataclasses
+
+    _interp.interpreter_builder.options = dataclasses.replace(
+        _interp.interpreter_builder.options, sanitize_overflow=False)
 
 
 if INTERPRET:

@@ -39,12 +39,123 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _prompts(n: int, vocab: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(n)]
+
+
+def cmd_demo(args) -> int:
+    """N sessions, greedy decode, ordered then native; tok/s, speed-up, and a bit-exactness check."""
+    import time
+
+    import torch
+
+    import ds4t
+    from ds4t.backend import device_name
+
+    model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
+    print(f"ds4t demo: {args.model} ({model.family}, {model.dtype}) on {device_name()}; "
+          f"{args.sessions} sessions x {args.steps} greedy steps")
+    prompts = _prompts(args.sessions, model.vocab_size)
+    runs = {}
+    for mode in ("ordered", "native"):
+        sessions = [model.new_session(max_ctx=64 + args.steps) for _ in prompts]
+        toks = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts)]
+        rows = []
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode=mode)
+            rows.append(res.logits)
+            toks = [int(t) for t in res.logits.argmax(dim=1).tolist()]
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        runs[mode] = (torch.stack(rows), dt, res.paths, [s.tokens[-args.steps:] for s in sessions])
+        for s in sessions:
+            s.close()
+    n_tok = args.sessions * args.steps
+    (lo, to, _, txt_o), (ln, tn, paths, txt_n) = runs["ordered"], runs["native"]
+    exact = torch.equal(lo, ln) and txt_o == txt_n
+    print(_table(["mode", "steps", "tokens", "seconds", "tok/s"], [
+        ["ordered", args.steps, n_tok, f"{to:.2f}", f"{n_tok / to:.1f}"],
+        ["native", args.steps, n_tok, f"{tn:.2f}", f"{n_tok / tn:.1f}"],
+    ]))
+    print(f"native paths: {sorted(set(paths))}")
+    print(f"speed-up (native vs ordered): {to / tn:.2f}x")
+    print(f"bit-exact: {'yes' if exact else 'NO'} ({lo.numel()} float32 logits compared)")
+    return 0 if exact else 1
+
+
+def cmd_exactness(args) -> int:
+    """Random session mixes: native against ordered, bitwise; then the negative control."""
+    import random
+
+    import ds4t
+    from ds4t.backend import device_name
+    from ds4t.exactness.harness import Report, plant, random_scenario, run_scenario
+
+    model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
+    print(f"ds4t exactness: {args.model} ({model.family}, {model.dtype}) on {device_name()}")
+    rng = random.Random(args.seed)
+    total = Report()
+    rows = []
+    for r in range(args.rounds):
+        sc = random_scenario(rng, model.vocab_size, args.sessions, args.steps, max_prompt=args.max_prompt,
+                             max_ctx=args.max_prompt + args.steps + 8)
+        rep = run_scenario(model, sc, mode=args.mode)
+        total.merge(rep)
+        rows.append([r, rep.sessions, rep.steps, rep.rows, rep.states, rep.mismatches,
+                     " ".join(f"{k}={v}" for k, v in sorted(rep.paths.items())), rep.first_mismatch or "-"])
+    print(_table(["round", "sessions", "steps", "rows compared", "states compared", "mismatches", "paths",
+                  "first mismatch"], rows))
+    ok = total.ok
+    if args.negative_control:
+        caught = []
+        for kind in ("ulp", "batch-dependent"):
+            sc = random_scenario(random.Random(args.seed + 1), model.vocab_size, max(2, min(args.sessions, 4)),
+                                 min(args.steps, 3), max_prompt=8, max_ctx=64)
+            with plant(kind):
+                rep = run_scenario(model, sc, mode=args.mode)
+            caught.append([kind, rep.mismatches, "caught" if rep.mismatches else "NOT CAUGHT"])
+            ok = ok and rep.mismatches > 0
+        print("negative control (planted deviations):")
+        print(_table(["planted", "mismatches", "verdict"], caught))
+    print("exact: yes" if total.ok else f"exact: NO ({total.mismatches} mismatches, "
+          f"{total.native_missing} rows not native)")
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ds4t", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="run every kernel against its reference on this device")
+
+    def model_args(sp, default="tiny-qwen"):
+        sp.add_argument("--model", default=default, help="preset name or HF checkpoint directory")
+        sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+        sp.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: checkpoint's)")
+
+    d = sub.add_parser("demo", help="batched vs ordered decode on a tiny model, with a bit-exactness check")
+    model_args(d)
+    d.add_argument("--sessions", type=int, default=8)
+    d.add_argument("--steps", type=int, default=32)
+
+    e = sub.add_parser("exactness", help="native vs ordered, bitwise, on random session mixes")
+    model_args(e)
+    e.add_argument("--sessions", type=int, default=6)
+    e.add_argument("--steps", type=int, default=6)
+    e.add_argument("--rounds", type=int, default=1)
+    e.add_argument("--max-prompt", type=int, default=40)
+    e.add_argument("--mode", default="native", choices=["native", "auto"])
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
+                   help="skip the planted-deviation runs")
     args = p.parse_args(argv)
-    return {"check": cmd_check}[args.cmd](args)
+    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""eval_batch: one decode step (or prefill chunk) for several sessions, native or ordered.
+
+Native: every item's tokens are rows of ONE model.forward call (weights read once).
+Ordered: each item alone, in the given order (a 1-item forward per session).
+The kernels are batch-invariant, so both give the same bits; the exactness harness checks it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ds4t.batch.errors import BatchError, NotNativeError
+from ds4t.batch.session import Session, as_token_list
+from ds4t.models.base import StepBatch
+
+MODES = ("auto", "native", "ordered")
+
+
+@dataclasses.dataclass
+class DecodeItem:
+    """One session's work in a batch: a decode token (int), or a chunk of prompt tokens (list)."""
+
+    session: Session
+    token: Union[int, Sequence[int], torch.Tensor]
+
+
+@dataclasses.dataclass
+class BatchResult:
+    logits: torch.Tensor          # float32 [count, vocab], row i for item i (last token of a chunk)
+    paths: List[str]              # per item: "native" or "ordered" — what actually ran
+    reasons: List[Optional[str]]  # per item: why native was not taken (None when it was)
+    elapsed_s: float = 0.0
+
+
+def run_segments(model, work: Sequence[Tuple[Session, List[int]]], all_logits: bool = False) -> torch.Tensor:
+    """One model.forward over (session, tokens) pairs; advances each session."""
+    batch = StepBatch.build([(s.slot, toks, s.pos) for s, toks in work], model.device, all_logits=all_logits)
+    logits = model.forward(batch)
+    for s, toks in work:
+        s.pos += len(toks)
+        s.tokens.extend(toks)
+    return logits
+
+
+def _validate(items: Sequence[DecodeItem]):
+    if not isinstance(items, (list, tuple)) or not items:
+        raise BatchError("eval_batch: empty batch")
+    model, seen, work = None, {}, []
+    for i, it in enumerate(items):
+        if not isinstance(it, DecodeItem):
+            raise BatchError(f"item {i}: expected DecodeItem, got {type(it).__name__}")
+        s = it.session
+        if not isinstance(s, Session):
+            raise BatchError(f"item {i}: session is {type(s).__name__}, not a ds4t Session")
+        if model is None:
+            model = s.model
+        elif s.model is not model:
+            raise BatchError(f"item {i}: session belongs to model {s.model.name!r}, item 0's to {model.name!r}")
+        if id(s) in seen:
+            raise BatchError(f"item {i}: session already in the batch as item {seen[id(s)]}")
+        seen[id(s)] = i
+        toks = as_token_list(it.token, model.vocab_size, f"item {i}")
+        if not toks:
+            raise BatchError(f"item {i}: no tokens")
+        try:
+            s._check_usable(f"item {i}", len(toks))
+        except BatchError as e:
+            raise BatchError(str(e)) from None
+        work.append((s, toks))
+    return model, work
+
+
+def eval_batch(items: Sequence[DecodeItem], mode: str = "auto") -> BatchResult:
+    """Run one step for every item. mode: "auto" (native where the model allows, ordered for the
+    rest, in the same call), "native" (all rows in one batched call, or an error naming the
+    reason), "ordered" (each item alone, in order).
+
+    Invalid input raises BatchError naming the item and changes no session.
+    """
+    if mode not in MODES:
+        raise BatchError(f"mode must be one of {MODES}, got {mode!r}")
+    model, work = _validate(items)
+    t0 = time.perf_counter()
+    n = len(work)
+    if mode == "ordered":
+        reasons = ["ordered mode requested"] * n
+    else:
+        reasons = list(model.row_reasons([(s.pos, len(toks)) for s, toks in work]))
+        if mode == "native":
+            bad = [(i, r) for i, r in enumerate(reasons) if r is not None]
+            if bad:
+                i, r = bad[0]
+                raise NotNativeError(f"item {i}: native path not available: {r}")
+    native = [i for i in range(n) if reasons[i] is None]
+    logits: List[Optional[torch.Tensor]] = [None] * n
+    if native:
+        out = run_segments(model, [work[i] for i in native])
+        for j, i in enumerate(native):
+            logits[i] = out[j]
+    for i in range(n):
+        if reasons[i] is not None:
+            logits[i] = run_segments(model, [work[i]])[0]
+    paths = ["native" if r is None else "ordered" for r in reasons]
+    return BatchResult(torch.stack(logits), paths, reasons, time.perf_counter() - t0)

@@ -1,0 +1,120 @@
+"""Elementwise activations between kernels, in fp32.
+
+    silu_mul(gate, up)      [R, C] -> fp32 [R, C] = silu(gate) · up      (SwiGLU MLPs)
+    sigmoid_mul(x, gate)    [R, C] -> fp32 [R, C] = x · sigmoid(gate)    (gated attention output)
+    add(a, b)               [R, C] -> fp32 [R, C] = a + b
+
+Inputs are 2-D, any float dtype (fp32 / bf16 / fp16), with unit column stride and any row stride,
+so column slices of a fused projection (``gu[:, :I]``, ``gu[:, I:]``) need no copy. Elementwise:
+trivially batch invariant (no reductions).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, timer
+from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+
+__all__ = ["silu_mul", "sigmoid_mul", "add", "silu_mul_ref", "sigmoid_mul_ref", "add_ref"]
+
+_OP_SILU_MUL, _OP_SIGMOID_MUL, _OP_ADD = 0, 1, 2
+_BLOCK_R = 1 if not INTERPRET else 64
+_MAX_BLOCK_C = 2048 if not INTERPRET else 1 << 14
+
+
+@triton.jit
+def _binary_kernel(a_ptr, b_ptr, y_ptr, R, C, stride_a, stride_b, stride_y,
+                   OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if OP == 0:
+        y = a * tl.sigmoid(a) * b
+    elif OP == 1:
+        y = a * tl.sigmoid(b)
+    else:
+        y = a + b
+    tl.store(y_ptr + r64 * stride_y + cols[None, :], y, mask=m)
+
+
+def _prep(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _binary(a, b, out, op, names):
+    a = _prep(a, names[0])
+    b = _prep(b, names[1])
+    if a.shape != b.shape:
+        raise ValueError(f"{names[0]} {tuple(a.shape)} and {names[1]} {tuple(b.shape)} differ in shape")
+    R, C = a.shape
+    if out is None:
+        out = torch.empty((R, C), dtype=torch.float32, device=a.device)
+    elif out.shape != (R, C) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be fp32 [{R}, {C}] with unit column stride")
+    if R == 0 or C == 0:
+        return out
+    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
+    grid = (triton.cdiv(R, _BLOCK_R), triton.cdiv(C, block_c))
+    _binary_kernel[grid](a, b, out, R, C, a.stride(0), b.stride(0), out.stride(0),
+                         OP=op, BLOCK_R=_BLOCK_R, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 [B, I] = silu(gate) · up, computed in fp32."""
+    return _binary(gate, up, out, _OP_SILU_MUL, ("gate", "up"))
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 = x · sigmoid(gate), same 2-D shape, computed in fp32."""
+    return _binary(x, gate, out, _OP_SIGMOID_MUL, ("x", "gate"))
+
+
+def add(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 = a + b elementwise (2-D, same shape), in fp32."""
+    return _binary(a, b, out, _OP_ADD, ("a", "b"))
+
+
+def silu_mul_ref(gate, up):
+    return torch.nn.functional.silu(gate.float()) * up.float()
+
+
+def sigmoid_mul_ref(x, gate):
+    return x.float() * torch.sigmoid(gate.float())
+
+
+def add_ref(a, b):
+    return a.float() + b.float()
+
+
+_TOL = 1e-6  # relative to max|ref|: fp32 math, exp may be approximate on the GPU
+
+
+@register_check
+def _check(device) -> list:
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    B, C = 7, 333
+    t = (torch.randn(B, 2 * C, generator=g) * 3).to(device)
+    results = []
+    for name, fn, ref in (("silu_mul", silu_mul, silu_mul_ref), ("sigmoid_mul", sigmoid_mul, sigmoid_mul_ref),
+                          ("add", add, add_ref)):
+        def run(u, fn=fn):
+            return fn(u[:, :C], u[:, C:])
+        y, yr = run(t), ref(t[:, :C], t[:, C:])
+        err = ((y - yr).abs().max() / yr.abs().max()).item()
+        results.append(CheckResult(name, f"B={B} C={C} fp32 (strided halves)", err, _TOL,
+                                   rows_invariant(run, t), timer(lambda: run(t), warmup=1, iters=3),
+                                   note="relative to max|ref|"))
+    return results

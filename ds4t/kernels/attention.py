@@ -1,0 +1,404 @@
+"""Paged-by-slot KV cache writes and batch-invariant split-KV decode attention (GQA / MQA).
+
+State model: per layer, pools ``k_cache`` [S, L, Hkv, D] and ``v_cache`` [S, L, Hkv, Dv]
+(S session slots, capacity L tokens; fp32, bf16 or fp16). Batch row b reads slot ``slots[b]``
+and attends to cache positions ``0 .. lengths[b]-1`` (the current token already written with
+:func:`write_kv`). Prefill is the same call: T rows with the same slot and lengths
+``start+1 .. start+T`` give causal attention, so chunked prefill and mixed prefill + decode
+batches need nothing else.
+
+Algorithm (two kernels, no host synchronisation, grid from shapes only):
+
+1. ``_attn_split_kernel``, grid ``(B, Hkv, cdiv(L, SPLIT))``. One program = one row, one kv
+   head, one split of SPLIT consecutive positions. All G = Hq/Hkv query heads of the kv head
+   are processed together (rows of a [BLOCK_H, D] tile, BLOCK_H = max(16, next_pow2(G)),
+   padding rows masked), so each K/V tile is read once per group. Splits at or past the row's
+   length exit at once. Inside a split, tiles of BLOCK_N positions are folded with the usual
+   online softmax (fixed order: ascending positions). Each split stores its un-normalised
+   output, running max and running sum (fp32).
+2. ``_attn_merge_kernel``, grid ``(B, Hkv)``: merges the ``cdiv(lengths[b], SPLIT)`` valid
+   splits of a row in ascending split order with log-sum-exp rescaling and divides by the sum.
+
+Batch invariance (DESIGN.md §3): SPLIT (the split *size*) and BLOCK_N depend only on head dims,
+cache dtype and the backend, never on B or on lengths; a row's programs see only that row's q,
+slot and length; merge order is fixed. So a row's bits never depend on the other rows, on B or
+on its position in the batch.
+
+Numerics: fp32 statistics; scores are computed as ``(q * scale * log2 e) . k`` and
+exponentials as ``exp2``. For bf16/fp16 caches the products use tensor-core dots without
+rounding q or p to 16 bits: q (and the probabilities p) are split as ``hi + lo`` with
+``hi = x.to(cache dtype)``, ``lo = (x - hi).to(cache dtype)`` and both halves are multiplied
+with the (exact) 16-bit K / V tile, accumulating in fp32. This keeps ~16 extra mantissa bits,
+i.e. effectively fp32 math (relative error ~1e-5 rather than bf16's 4e-3), for twice the
+tensor-core work, which decode (memory bound) does not notice. With fp16 caches q·scale·log2e
+must lie within the fp16 range (|x| < 65504), as in any fp16 model. fp32 caches use IEEE fp32
+dots (no TF32), see :func:`ds4t.backend.mma`.
+
+Positions ``>= lengths[b]`` are never loaded (masked loads), so garbage / NaN in unused cache
+positions cannot leak into outputs. ``lengths[b]`` is clamped to L in the kernel; a row with
+length 0 returns zeros.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
+from ds4t.kernels.registry import CheckResult, register_check
+
+_LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> int:
+    """The fixed split size (positions per split) for these head dims and cache dtype.
+
+    Depends on nothing else (never on the batch size or on lengths). 256 when one position of one
+    kv head is >= 1 KiB of K+V (e.g. D = Dv = 256 in bf16), else 512: at L = 8k, B = 8 that keeps
+    >= 256 programs in flight on a 132-SM H200 for both target shapes.
+    """
+    elsize = torch.empty((), dtype=dtype).element_size()
+    return 256 if (head_dim + head_dim_v) * elsize >= 1024 else 512
+
+
+def _block_n(split: int, block_d: int, block_dv: int) -> int:
+    """Positions per inner tile, a function of split and head dims only. GPU: ~32 KiB of K (or V)
+    per tile. Interpreter: up to 64 (few loop iterations at the small splits tests use, while
+    splits > 64 still run the multi-tile online softmax the GPU runs)."""
+    if INTERPRET:
+        return min(split, 64)
+    bn = 64 if block_d + block_dv >= 512 else 128
+    return min(split, bn)
+
+
+def _gpu_launch_opts(block_d: int, block_dv: int) -> dict:
+    # One fixed config per head shape (no autotune); warps/stages never change numerics.
+    if INTERPRET:
+        return {}
+    return {"num_warps": 4, "num_stages": 2 if block_d + block_dv >= 512 else 3}
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, sk_b, sk_h, sk_d,
+    v_ptr, sv_b, sv_h, sv_d,
+    kc_ptr, skc_s, skc_l, skc_h, skc_d,
+    vc_ptr, svc_s, svc_l, svc_h, svc_d,
+    slots_ptr, pos_ptr,
+    S, L,
+    HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    ok = (slot >= 0) & (slot < S) & (pos >= 0) & (pos < L)   # never write outside the pool
+    h = tl.arange(0, BLOCK_H)
+    # (a scalar bool & a tensor mask gives a bad mask in the triton 3.9 interpreter)
+    hm = h < tl.where(ok, HKV, 0)
+    d = tl.arange(0, BLOCK_D)
+    m = hm[:, None] & (d < D)[None, :]
+    kx = tl.load(k_ptr + b * sk_b + h[:, None] * sk_h + d[None, :] * sk_d, mask=m, other=0.0)
+    tl.store(kc_ptr + slot * skc_s + pos * skc_l + h[:, None] * skc_h + d[None, :] * skc_d,
+             cast(kx, kc_ptr.dtype.element_ty), mask=m)
+    dv = tl.arange(0, BLOCK_DV)
+    mv = hm[:, None] & (dv < DV)[None, :]
+    vx = tl.load(v_ptr + b * sv_b + h[:, None] * sv_h + dv[None, :] * sv_d, mask=mv, other=0.0)
+    tl.store(vc_ptr + slot * svc_s + pos * svc_l + h[:, None] * svc_h + dv[None, :] * svc_d,
+             cast(vx, vc_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, sq_b, sq_h, sq_d,
+    kc_ptr, skc_s, skc_l, skc_h, skc_d,
+    vc_ptr, svc_s, svc_l, svc_h, svc_d,
+    slots_ptr, lens_ptr,
+    o_ptr, m_ptr, l_ptr,            # partials: o [B, NS, HQ, DV], m / l [B, NS, HQ] fp32
+    qk_scale, L, NS,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
+    split_start = s * SPLIT
+    if split_start >= length:
+        return
+    split_end = tl.minimum(split_start + SPLIT, length)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+
+    h = tl.arange(0, BLOCK_H)
+    hm = h < G
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    dv = tl.arange(0, BLOCK_DV)
+    dvm = dv < DV
+    n = tl.arange(0, BLOCK_N)
+
+    # q of the G heads that share kv head g, pre-scaled so that softmax uses exp2.
+    qh = g * G + h
+    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
+                mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
+    if kc_ptr.dtype.element_ty == tl.float32:
+        q_hi = q
+        q_lo = q
+    else:
+        q_hi = cast(q, kc_ptr.dtype.element_ty)
+        q_lo = cast(q - q_hi.to(tl.float32), kc_ptr.dtype.element_ty)
+
+    # int64 for the slot / split base; offsets inside a split stay small.
+    k_base = kc_ptr + slot * skc_s + g.to(tl.int64) * skc_h + split_start.to(tl.int64) * skc_l
+    v_base = vc_ptr + slot * svc_s + g.to(tl.int64) * svc_h + split_start.to(tl.int64) * svc_l
+    n_in = split_end - split_start           # valid positions of this split, 1..SPLIT
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for t0 in range(0, n_in, BLOCK_N):      # ascending positions; tiles past the end skipped
+        pm = (t0 + n) < n_in
+        kt = tl.load(k_base + (t0 + n)[:, None] * skc_l + d[None, :] * skc_d,
+                     mask=pm[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(v_base + (t0 + n)[:, None] * svc_l + dv[None, :] * svc_d,
+                     mask=pm[:, None] & dvm[None, :], other=0.0)
+        ktt = tl.trans(kt)
+        sc = mma(q_hi, ktt, tl.zeros([BLOCK_H, BLOCK_N], tl.float32))
+        if kc_ptr.dtype.element_ty != tl.float32:
+            sc = mma(q_lo, ktt, sc)
+        sc = tl.where(pm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if vc_ptr.dtype.element_ty == tl.float32:
+            acc = mma(p, vt, acc)
+        else:
+            p_hi = cast(p, vc_ptr.dtype.element_ty)
+            p_lo = cast(p - p_hi.to(tl.float32), vc_ptr.dtype.element_ty)
+            acc = mma(p_hi, vt, acc)
+            acc = mma(p_lo, vt, acc)
+        m_i = m_new
+
+    row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
+    tl.store(m_ptr + row, m_i, mask=hm)
+    tl.store(l_ptr + row, l_i, mask=hm)
+    tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=hm[:, None] & dvm[None, :])
+
+
+@triton.jit
+def _attn_merge_kernel(
+    o_ptr, m_ptr, l_ptr,
+    lens_ptr,
+    out_ptr, so_b, so_h, so_d,
+    L, NS,
+    HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
+    nvalid = tl.cdiv(length, SPLIT)
+    h = tl.arange(0, BLOCK_H)
+    hm = h < G
+    qh = g * G + h
+    dv = tl.arange(0, BLOCK_DV)
+    om = hm[:, None] & (dv < DV)[None, :]
+
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for s in range(0, nvalid):               # fixed ascending order
+        row = (b * NS + s) * HQ + qh
+        m_s = tl.load(m_ptr + row, mask=hm, other=0.0)
+        l_s = tl.load(l_ptr + row, mask=hm, other=0.0)
+        o_s = tl.load(o_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        a = tl.exp2(m_run - m_new)
+        c = tl.exp2(m_s - m_new)
+        acc = acc * a[:, None] + o_s * c[:, None]
+        l_run = l_run * a + l_s * c
+        m_run = m_new
+    res = tl.where(l_run[:, None] > 0, acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res, mask=om)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _check_cache(k_cache, v_cache):
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(f"caches must be [S, L, Hkv, D], got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} disagree on [S, L, Hkv]")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype}, v_cache is {v_cache.dtype}")
+    tl_dtype(k_cache.dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor, positions: torch.Tensor) -> None:
+    """Store one token per row: ``k_cache[slots[b], positions[b]] = k[b]`` and the same for v.
+
+    k [B, Hkv, D], v [B, Hkv, Dv] (any float dtype; rounded to nearest even into the cache
+    dtype, also in the interpreter), caches [S, L, Hkv, D|Dv], slots / positions [B] int32 or
+    int64. Rows whose slot or position is out of range are not written (no host check, no sync).
+    Rows must name distinct (slot, position) pairs.
+    """
+    _check_cache(k_cache, v_cache)
+    S, L, HKV, D = k_cache.shape
+    DV = v_cache.shape[3]
+    B = k.shape[0]
+    if k.shape != (B, HKV, D) or v.shape != (B, HKV, DV):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if slots.shape != (B,) or positions.shape != (B,):
+        raise ValueError(f"slots {tuple(slots.shape)} and positions {tuple(positions.shape)} must be [{B}]")
+    if B == 0:
+        return
+    _write_kv_kernel[(B,)](
+        k, *k.stride(), v, *v.stride(),
+        k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
+        slots, positions, S, L,
+        HKV=HKV, D=D, DV=DV,
+        BLOCK_H=triton.next_power_of_2(HKV), BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_DV=triton.next_power_of_2(DV),
+    )
+
+
+def _attn_args(q, k_cache, v_cache, slots, lengths, split_size):
+    _check_cache(k_cache, v_cache)
+    S, L, HKV, D = k_cache.shape
+    DV = v_cache.shape[3]
+    if q.dim() != 3 or q.shape[2] != D:
+        raise ValueError(f"q must be [B, Hq, {D}], got {tuple(q.shape)}")
+    B, HQ, _ = q.shape
+    if HQ % HKV != 0:
+        raise ValueError(f"Hq={HQ} is not a multiple of Hkv={HKV}")
+    if slots.shape != (B,) or lengths.shape != (B,):
+        raise ValueError(f"slots {tuple(slots.shape)} and lengths {tuple(lengths.shape)} must be [{B}]")
+    if split_size is None:
+        split_size = default_split_size(D, DV, k_cache.dtype)
+    if split_size < 16 or split_size & (split_size - 1):
+        raise ValueError(f"split_size must be a power of two >= 16, got {split_size}")
+    return B, HQ, HKV, D, DV, L, split_size
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
+                     split_size: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
+
+    q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
+    bf16 / fp16), slots, lengths [B] int32 (lengths in 1..L). Hq must be a multiple of Hkv: q head
+    h uses kv head h // (Hq // Hkv). ``split_size`` (power of two >= 16; default
+    :func:`default_split_size`) is the fixed number of positions per KV split. Returns fp32
+    [B, Hq, Dv] (written into ``out`` if given). Batch invariant; no host synchronisation.
+    """
+    B, HQ, HKV, D, DV, L, split = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
+    if out is None:
+        out = torch.empty((B, HQ, DV), dtype=torch.float32, device=q.device)
+    elif out.shape != (B, HQ, DV) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 [{B}, {HQ}, {DV}]")
+    if B == 0:
+        return out
+    G = HQ // HKV
+    NS = triton.cdiv(L, split)
+    BLOCK_H = max(16, triton.next_power_of_2(G))
+    BLOCK_D = max(16, triton.next_power_of_2(D))       # dot operands need >= 16
+    BLOCK_DV = max(16, triton.next_power_of_2(DV))
+    BLOCK_N = _block_n(split, BLOCK_D, BLOCK_DV)
+    o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
+    m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
+    opts = _gpu_launch_opts(BLOCK_D, BLOCK_DV)
+    _attn_split_kernel[(B, HKV, NS)](
+        q, *q.stride(),
+        k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
+        slots, lengths,
+        o_part, m_part, l_part,
+        float(scale) * _LOG2E, L, NS,
+        HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N,
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **opts,
+    )
+    _attn_merge_kernel[(B, HKV)](
+        o_part, m_part, l_part, lengths,
+        out, *out.stride(),
+        L, NS,
+        HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
+        **({} if INTERPRET else {"num_warps": 4}),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slots, positions) -> None:
+    """Plain-torch :func:`write_kv` (torch's ``.to`` rounds to nearest even)."""
+    s = slots.long()
+    p = positions.long()
+    k_cache[s, p] = k.to(k_cache.dtype)
+    v_cache[s, p] = v.to(v_cache.dtype)
+
+
+def decode_attention_ref(q, k_cache, v_cache, slots, lengths, scale, *, split_size=None, out=None):
+    """Plain-torch :func:`decode_attention`, one row at a time, fp32 (``split_size`` is ignored)."""
+    B, HQ, D = q.shape
+    HKV = k_cache.shape[2]
+    G = HQ // HKV
+    DV = v_cache.shape[3]
+    res = torch.empty((B, HQ, DV), dtype=torch.float32, device=q.device) if out is None else out
+    for b in range(B):
+        n = int(lengths[b])
+        s = int(slots[b])
+        k = k_cache[s, :n].float().repeat_interleave(G, dim=1)      # [n, HQ, D]
+        v = v_cache[s, :n].float().repeat_interleave(G, dim=1)      # [n, HQ, DV]
+        sc = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        p = torch.softmax(sc, dim=-1)
+        res[b] = torch.einsum("hn,nhd->hd", p, v)
+    return res
+
+
+# ----------------------------------------------------------------------------- self-check
+
+_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+
+
+@register_check
+def _check(device) -> List[CheckResult]:
+    results = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    S, L, HQ, HKV, D, B, SPLIT = 3, 48, 6, 2, 48, 4, 16
+    scale = D ** -0.5
+    slots = torch.tensor([2, 0, 0, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([48, 1, 37, 17], dtype=torch.int32, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        kc = torch.randn(S, L, HKV, D, generator=g).to(dtype).to(device)
+        vc = torch.randn(S, L, HKV, D, generator=g).to(dtype).to(device)
+        q = torch.randn(B, HQ, D, generator=g).to(device)
+
+        def run(idx, q=q, kc=kc, vc=vc):
+            return decode_attention(q[idx], kc, vc, slots[idx], lengths[idx], scale, split_size=SPLIT)
+
+        idx = torch.arange(B, device=device)
+        got = run(idx)
+        ref = decode_attention_ref(q, kc, vc, slots, lengths, scale)
+        err = (got - ref).abs().max().item()
+        perm = torch.tensor([3, 1, 0, 2], device=device)
+        inv = torch.equal(run(perm), got[perm])
+        inv = inv and all(torch.equal(run(idx[i:i + 1])[0], got[i]) for i in (0, 2))
+        ms = timer(lambda: run(idx), warmup=1, iters=1 if INTERPRET else 20)
+        results.append(CheckResult(f"decode_attention {str(dtype).replace('torch.', '')}",
+                                   f"B={B} Hq={HQ} Hkv={HKV} D={D} L={L} split={SPLIT}", err, _TOL[dtype], inv, ms,
+                                   note="row invariance: permuted batch and rows alone"))
+    return results

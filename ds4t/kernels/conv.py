@@ -1,0 +1,325 @@
+"""Depthwise causal conv1d with a per-session state (Qwen3-Next Gated DeltaNet front end).
+
+State model: a per-layer pool ``conv_state`` [S, C, W-1] float32, one slot per session, holding
+the last W-1 inputs of the conv (oldest first; zeros for a fresh session). Each batch row names
+its slot; kernels read the slot's history and update it in place.
+
+For one channel c and one output position, with ``inp = [state[c, 0], ..., state[c, W-2], x[c]]``::
+
+    acc = bias[c] (or 0)
+    for j in 0..W-1:  acc = acc + w[c, j] * inp[j]        # always this order
+    out = silu(acc) if silu else acc
+
+Numerics: inputs/weights/bias of any float dtype are upcast to fp32; all arithmetic is fp32; the
+state stores the fp32 value of each input (bf16 inputs are exact in it). The decode kernel and
+the prefill kernel evaluate each output with the same expression in the same order, so prefill
+equals successive decodes bitwise (checked in the interpreter by tests/kernels/test_conv.py).
+
+Batch invariance: one program per (row, channel block); the channel block depends on C only;
+there is no reduction across rows. Rows must name distinct slots.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, timer
+from ds4t.kernels.registry import CheckResult, register_check
+
+
+def _block_c(C: int) -> int:
+    # Interpreter: one big block (few programs). GPU: 256 channels per program.
+    if INTERPRET:
+        return triton.next_power_of_2(C)
+    return min(256, triton.next_power_of_2(C))
+
+
+def _block_t(T: int) -> int:
+    # Tokens per tile in prefill; the tile never changes which operations an output sees.
+    return 64 if INTERPRET else 16
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _conv1d_update_kernel(
+    x_ptr, sx_b, sx_c,
+    state_ptr, ss_s, ss_c, ss_w,
+    w_ptr, sw_c, sw_w,
+    bias_ptr,
+    slots_ptr,
+    out_ptr, so_b, so_c,
+    C,
+    W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    # Index math in int64 (no overflow on big pools; also skips the interpreter's int32
+    # overflow checks, which cost more than the arithmetic).
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+    cm = c < C
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    sbase = state_ptr + slot * ss_s + c * ss_c       # [BC] pointers to state[slot, c, 0]
+    wbase = w_ptr + c * sw_c
+
+    xv = tl.load(x_ptr + r * sx_b + c * sx_c, mask=cm, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BC], dtype=tl.float32)
+    # Taps over the history (oldest first), then the new input: the fixed order.
+    sp = sbase
+    wp = wbase
+    for j in tl.static_range(W - 1):
+        sj = tl.load(sp, mask=cm, other=0.0)
+        wj = tl.load(wp, mask=cm, other=0.0).to(tl.float32)
+        acc = acc + wj * sj
+        sp += ss_w
+        wp += sw_w
+    wl = tl.load(wp, mask=cm, other=0.0).to(tl.float32)
+    acc = acc + wl * xv
+    if SILU:
+        acc = _silu(acc)
+    tl.store(out_ptr + r * so_b + c * so_c, acc, mask=cm)
+
+    # Shift the history left and append x: new[i] = state[i + 1] (i < W-2), new[W-2] = x. All
+    # reads of the slot come before the barrier, all writes after it (threads may own
+    # different columns of the same channel).
+    i = tl.arange(0, BW).to(tl.int64)
+    iw = i * ss_w
+    m2 = cm[:, None] & (i < W - 2)[None, :]
+    sptr = sbase[:, None] + iw[None, :]
+    sh = tl.load(sptr + ss_w, mask=m2, other=0.0)
+    new = tl.where((i == W - 2)[None, :], xv[:, None], sh)
+    tl.debug_barrier()
+    tl.store(sptr, new, mask=cm[:, None] & (i < W - 1)[None, :])
+
+
+@triton.jit
+def _conv1d_prefill_kernel(
+    x_ptr, sx_t, sx_c,
+    state_ptr, ss_c, ss_w,
+    w_ptr, sw_c, sw_w,
+    bias_ptr,
+    out_ptr, so_t, so_c,
+    T, C,
+    W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    # state_ptr already points at the session's slot. Index math in int64 (see above).
+    c = tl.program_id(0).to(tl.int64) * BC + tl.arange(0, BC)
+    cm = c < C
+    xc = x_ptr + c * sx_c
+    sc = state_ptr + c * ss_c
+    wc = w_ptr + c * sw_c
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT).to(tl.int64)
+        m2 = (t < T)[:, None] & cm[None, :]
+        if HAS_BIAS:
+            acc = tl.zeros([BT, BC], dtype=tl.float32) + bias[None, :]
+        else:
+            acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            # input j of output t is concat(history, x)[t + j]; x position p = t + j - (W-1)
+            p = t + (j - (W - 1))
+            from_x = (p >= 0)[:, None]
+            xv = tl.load(xc[None, :] + (p * sx_t)[:, None], mask=m2 & from_x, other=0.0).to(tl.float32)
+            sv = tl.load(sc[None, :] + ((t + j) * ss_w)[:, None], mask=m2 & (p < 0)[:, None], other=0.0)
+            inp = tl.where(from_x, xv, sv)
+            wj = tl.load(wc + j * sw_w, mask=cm, other=0.0).to(tl.float32)
+            acc = acc + wj[None, :] * inp
+        if SILU:
+            acc = _silu(acc)
+        tl.store(out_ptr + (t * so_t)[:, None] + (c * so_c)[None, :], acc, mask=m2)
+
+    # New history: concat(history, x)[T + i] for i < W-1. All reads of the slot precede the
+    # barrier, all writes follow it.
+    i = tl.arange(0, BW).to(tl.int64)
+    p = i + (T - (W - 1))
+    m2 = cm[:, None] & (i < W - 1)[None, :]
+    xv = tl.load(xc[:, None] + (p * sx_t)[None, :], mask=m2 & (p >= 0)[None, :], other=0.0).to(tl.float32)
+    sv = tl.load(sc[:, None] + ((i + T) * ss_w)[None, :], mask=m2 & (p < 0)[None, :], other=0.0)
+    new = tl.where((p >= 0)[None, :], xv, sv)
+    tl.debug_barrier()
+    tl.store(sc[:, None] + (i * ss_w)[None, :], new, mask=m2)
+
+
+def _out(out, shape, device):
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _check_args(x, conv_state, weight, bias):
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [C, W] (squeeze HF's [C, 1, W]), got {tuple(weight.shape)}")
+    C, W = weight.shape
+    if W < 2:
+        raise ValueError(f"conv width W={W} not supported (W >= 2)")
+    if conv_state.dtype != torch.float32 or conv_state.dim() != 3 or conv_state.shape[1:] != (C, W - 1):
+        raise ValueError(f"conv_state must be float32 [S, {C}, {W - 1}], got {conv_state.dtype} {tuple(conv_state.shape)}")
+    if x.shape[-1] != C:
+        raise ValueError(f"x has {x.shape[-1]} channels, weight has {C}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias must be [{C}]")
+    return C, W
+
+
+def conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    silu: bool = True,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One decode step of the depthwise causal conv for B rows of B distinct sessions.
+
+    x [B, C] (fp32/bf16/fp16), conv_state [S, C, W-1] fp32 (updated in place: the slot's history
+    shifted left with x appended), weight [C, W], slots [B] int32 (distinct), bias [C] or None.
+    Returns fp32 [B, C] (``out`` if given): act(bias + sum_j w[:, j] * concat(state, x)[:, j]).
+    """
+    C, W = _check_args(x, conv_state, weight, bias)
+    B = x.shape[0]
+    out = _out(out, (B, C), x.device)
+    if B == 0:
+        return out
+    BC = _block_c(C)
+    grid = (B, triton.cdiv(C, BC))
+    _conv1d_update_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight, weight.stride(0), weight.stride(1),
+        bias if bias is not None else weight,
+        slots,
+        out, out.stride(0), out.stride(1),
+        C,
+        W=W, BW=triton.next_power_of_2(W - 1), BC=BC, HAS_BIAS=bias is not None, SILU=silu,
+    )
+    return out
+
+
+def conv1d_prefill(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slot: int,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    silu: bool = True,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """T consecutive tokens of one session: x [T, C], history from ``conv_state[slot]``.
+
+    Leaves the last W-1 inputs of concat(history, x) in the slot (history included when
+    T < W-1). Returns fp32 [T, C]; bitwise equal to T successive :func:`conv1d_update` calls.
+    """
+    C, W = _check_args(x, conv_state, weight, bias)
+    T = x.shape[0]
+    out = _out(out, (T, C), x.device)
+    if T == 0:
+        return out
+    st = conv_state[slot]
+    BC = _block_c(C)
+    grid = (triton.cdiv(C, BC),)
+    _conv1d_prefill_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        st, st.stride(0), st.stride(1),
+        weight, weight.stride(0), weight.stride(1),
+        bias if bias is not None else weight,
+        out, out.stride(0), out.stride(1),
+        T, C,
+        W=W, BW=triton.next_power_of_2(W - 1), BT=_block_t(T), BC=BC, HAS_BIAS=bias is not None, SILU=silu,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def conv1d_update_ref(x, conv_state, weight, slots, *, bias=None, silu=True, out=None):
+    """Plain-torch :func:`conv1d_update` (same signature, same in-place state update)."""
+    C, W = weight.shape
+    idx = slots.long()
+    hist = conv_state[idx]                                            # [B, C, W-1]
+    inp = torch.cat([hist, x.float()[:, :, None]], dim=-1)            # [B, C, W]
+    w = weight.float()
+    acc = bias.float().expand(x.shape[0], C).clone() if bias is not None else torch.zeros(
+        x.shape[0], C, dtype=torch.float32, device=x.device)
+    for j in range(W):
+        acc = acc + w[:, j] * inp[:, :, j]
+    if silu:
+        acc = acc / (1.0 + torch.exp(-acc))
+    conv_state[idx] = inp[:, :, 1:]
+    if out is not None:
+        out.copy_(acc)
+        return out
+    return acc
+
+
+def conv1d_prefill_ref(x, conv_state, weight, slot, *, bias=None, silu=True, out=None):
+    """Plain-torch :func:`conv1d_prefill`: T successive :func:`conv1d_update_ref` steps."""
+    slots = torch.tensor([slot], dtype=torch.int32, device=x.device)
+    res = torch.stack(
+        [conv1d_update_ref(x[t : t + 1], conv_state, weight, slots, bias=bias, silu=silu)[0] for t in range(x.shape[0])]
+    ) if x.shape[0] else torch.empty((0, weight.shape[0]), dtype=torch.float32, device=x.device)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+# ----------------------------------------------------------------------------- self-check
+
+
+@register_check
+def _check(device) -> List[CheckResult]:
+    g = torch.Generator().manual_seed(0)
+    results = []
+    S, B, C, W, T = 6, 5, 200, 4, 7
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        w = (torch.randn(C, W, generator=g) * 0.5).to(device, dt)
+        bias = (torch.randn(C, generator=g) * 0.1).to(device, dt)
+        x = torch.randn(B, C, generator=g).to(device, dt)
+        state0 = torch.randn(S, C, W - 1, generator=g).to(device)
+        slots = torch.tensor([3, 0, 5, 1, 4], dtype=torch.int32, device=device)
+
+        def run(rows):
+            st = state0.clone()
+            o = conv1d_update(x[rows], st, w, slots[rows], bias=bias)
+            return o, st
+
+        o, st = run(list(range(B)))
+        st_r = state0.clone()
+        ref = conv1d_update_ref(x, st_r, w, slots, bias=bias)
+        err = max((o - ref).abs().max().item(), (st - st_r).abs().max().item())
+        inv = True
+        for i in range(B):
+            oi, sti = run([i])
+            s = slots[i].item()
+            inv &= torch.equal(oi[0], o[i]) and torch.equal(sti[s], st[s])
+        st_t = state0.clone()
+        ms = timer(lambda: conv1d_update(x, st_t, w, slots, bias=bias), warmup=1, iters=3)
+        results.append(CheckResult(f"conv1d_update {str(dt).split('.')[-1]}", f"B={B} C={C} W={W}", err, tol, inv, ms))
+
+        xs = torch.randn(T, C, generator=g).to(device, dt)
+        st_p, st_d = state0.clone(), state0.clone()
+        op = conv1d_prefill(xs, st_p, w, 2, bias=bias)
+        sl = torch.tensor([2], dtype=torch.int32, device=device)
+        od = torch.stack([conv1d_update(xs[t : t + 1], st_d, w, sl, bias=bias)[0] for t in range(T)])
+        err = max((op - od).abs().max().item(), (st_p - st_d).abs().max().item())
+        st_t = state0.clone()
+        ms = timer(lambda: conv1d_prefill(xs, st_t, w, 2, bias=bias), warmup=1, iters=3)
+        results.append(CheckResult(f"conv1d_prefill {str(dt).split('.')[-1]}", f"T={T} C={C} W={W}", err, tol, True, ms,
+                                   note="max_err vs successive conv1d_update"))
+    return results

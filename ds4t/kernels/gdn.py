@@ -1,0 +1,311 @@
+"""Gated DeltaNet recurrence (Qwen3-Next linear attention), decode and prefill.
+
+State model: a per-layer pool ``state`` [S, Hv, Dk, Dv] float32 (fp32 even for bf16 models), one
+slot per session; each batch row names its slot and the kernels update it in place.
+
+Per token, value head h (key head h // (Hv // Hk), as HF's repeat_interleave)::
+
+    q = l2norm(q) * Dk**-0.5,  k = l2norm(k)          # l2norm(x) = x * rsqrt(sum(x^2) + 1e-6)
+    g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
+    S = exp(g) * S
+    delta = beta * (v - S^T k)
+    S = S + k (x) delta
+    o = S^T q
+
+Inputs of any float dtype are upcast to fp32; all arithmetic is fp32.
+
+Kernels: one program per (row, block of value heads, Dv tile). On the GPU a program holds one
+value head and a Dv tile of 32 columns (columns of S are independent, so splitting Dv changes no
+sum); in the interpreter one program holds all heads and all of Dv (fewer, bigger programs). The
+Dk reductions always run over the whole of Dk inside one program. Tiles depend on (Hv, Dk, Dv)
+only, never on the number of rows; rows never interact, so a row's output and new state are
+bitwise the same whatever else shares the launch. Rows must name distinct slots.
+
+``gdn_prefill`` loops over its T tokens inside the kernel with S in registers, calling the same
+step function with the same tiles as ``gdn_decode``: it equals T successive decode steps bitwise
+in the interpreter (and, by construction, is expected to on the GPU).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, timer
+from ds4t.kernels.registry import CheckResult, register_check
+
+L2_EPS = 1e-6
+
+
+def _tiles(Hv: int, Dk: int, Dv: int):
+    """(BH, BK, BV, num_warps) from head shapes only."""
+    BK = triton.next_power_of_2(Dk)
+    if INTERPRET:
+        return triton.next_power_of_2(Hv), BK, triton.next_power_of_2(Dv), 4
+    return 1, BK, min(32, triton.next_power_of_2(Dv)), 4
+
+
+@triton.jit
+def _softplus(x):
+    # torch.nn.functional.softplus (beta=1, threshold=20) with an accurate log1p(exp(x)):
+    # log1p(e) = log(u) * e / (u - 1), u = 1 + e (exact when u == 1).
+    e = tl.exp(x)
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS: tl.constexpr):
+    """One token. S [BH,BK,BV] fp32; q,k [BH,BK]; v [BH,BV]; a,b,A_log,dt_bias [BH]. -> (S, o)."""
+    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + EPS)[:, None]
+    q = q * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
+    g = -tl.exp(A_log) * _softplus(a + dt_bias)
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    S = S * tl.exp(g)[:, None, None]
+    kv = tl.sum(S * k[:, :, None], axis=1)                 # S^T k   [BH, BV]
+    delta = (v - kv) * beta[:, None]
+    S = S + k[:, :, None] * delta[:, None, :]
+    o = tl.sum(S * q[:, :, None], axis=1)                  # S^T q   [BH, BV]
+    return S, o
+
+
+@triton.jit
+def _load_token(
+    h, hk, dk, dv, hm, km, vm,
+    q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d, a_ptr, sa_h, b_ptr, sb_h,
+):
+    # The pointers point at the token's row.
+    qk_m = hm[:, None] & km[None, :]
+    q = tl.load(q_ptr + hk[:, None] * sq_h + dk[None, :] * sq_d, mask=qk_m, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + hk[:, None] * sk_h + dk[None, :] * sk_d, mask=qk_m, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + h[:, None] * sv_h + dv[None, :] * sv_d,
+                mask=hm[:, None] & vm[None, :], other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + h * sa_h, mask=hm, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + h * sb_h, mask=hm, other=0.0).to(tl.float32)
+    return q, k, v, a, b
+
+
+@triton.jit
+def _gdn_kernel(
+    q_ptr, sq_r, sq_h, sq_d,
+    k_ptr, sk_r, sk_h, sk_d,
+    v_ptr, sv_r, sv_h, sv_d,
+    a_ptr, sa_r, sa_h,
+    b_ptr, sb_r, sb_h,
+    A_log_ptr, dt_bias_ptr,
+    state_ptr, ss_s, ss_h, ss_k, ss_v,
+    slots_ptr,
+    out_ptr, so_r, so_h, so_v,
+    T, Hv, Dk, Dv, G, scale,
+    PREFILL: tl.constexpr,
+    BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
+):
+    # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
+    # Prefill: program (0, head block, Dv tile), T tokens of one session; state_ptr points at
+    # the session's slot.
+    pid_r = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    # Index math in int64: no overflow on big pools, and it skips the interpreter's int32
+    # overflow checks (which cost more than the arithmetic).
+    h = pid_h.to(tl.int64) * BH + tl.arange(0, BH)
+    dk = tl.arange(0, BK).to(tl.int64)
+    dv = pid_v.to(tl.int64) * BV + tl.arange(0, BV)
+    hm = h < Hv
+    km = dk < Dk
+    vm = dv < Dv
+    hk = h // G
+    if not PREFILL:
+        state_ptr += tl.load(slots_ptr + pid_r).to(tl.int64) * ss_s
+    A_log = tl.load(A_log_ptr + h, mask=hm, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=hm, other=0.0).to(tl.float32)
+
+    s_off = h[:, None, None] * ss_h + dk[None, :, None] * ss_k + dv[None, None, :] * ss_v
+    s_m = hm[:, None, None] & km[None, :, None] & vm[None, None, :]
+    S = tl.load(state_ptr + s_off, mask=s_m, other=0.0)
+    o_m = hm[:, None] & vm[None, :]
+
+    o_off = h[:, None] * so_h + dv[None, :] * so_v
+    if PREFILL:
+        # Walk the token rows by advancing 64-bit pointers.
+        for t in range(T):
+            q, k, v, a, b = _load_token(h, hk, dk, dv, hm, km, vm,
+                                        q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d,
+                                        a_ptr, sa_h, b_ptr, sb_h)
+            S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
+            tl.store(out_ptr + o_off, o, mask=o_m)
+            q_ptr += sq_r
+            k_ptr += sk_r
+            v_ptr += sv_r
+            a_ptr += sa_r
+            b_ptr += sb_r
+            out_ptr += so_r
+    else:
+        r = pid_r.to(tl.int64)
+        q, k, v, a, b = _load_token(h, hk, dk, dv, hm, km, vm,
+                                    q_ptr + r * sq_r, sq_h, sq_d, k_ptr + r * sk_r, sk_h, sk_d,
+                                    v_ptr + r * sv_r, sv_h, sv_d, a_ptr + r * sa_r, sa_h, b_ptr + r * sb_r, sb_h)
+        S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
+        tl.store(out_ptr + r * so_r + o_off, o, mask=o_m)
+    # Each element of S is read and written by the same thread (same layout), and no two
+    # programs share an element: no barrier needed.
+    tl.store(state_ptr + s_off, S, mask=s_m)
+
+
+def _check_args(q, k, v, a, b, A_log, dt_bias, state):
+    R, Hk, Dk = q.shape
+    Rv, Hv, Dv = v.shape
+    if k.shape != q.shape or Rv != R:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: shapes disagree")
+    if Hv % Hk:
+        raise ValueError(f"value heads {Hv} not a multiple of key heads {Hk}")
+    if a.shape != (R, Hv) or b.shape != (R, Hv):
+        raise ValueError(f"a, b must be [{R}, {Hv}], got {tuple(a.shape)}, {tuple(b.shape)}")
+    if A_log.shape != (Hv,) or dt_bias.shape != (Hv,):
+        raise ValueError(f"A_log, dt_bias must be [{Hv}]")
+    if state.dtype != torch.float32 or state.dim() != 4 or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"state must be float32 [S, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
+    return R, Hk, Hv, Dk, Dv
+
+
+def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill):
+    R, Hk, Hv, Dk, Dv = _check_args(q, k, v, a, b, A_log, dt_bias, state)
+    if out is None:
+        out = torch.empty((R, Hv, Dv), dtype=torch.float32, device=q.device)
+    elif tuple(out.shape) != (R, Hv, Dv) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {(R, Hv, Dv)}, got {out.dtype} {tuple(out.shape)}")
+    if R == 0:
+        return out
+    BH, BK, BV, nw = _tiles(Hv, Dk, Dv)
+    grid = (1 if prefill else R, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
+    _gdn_kernel[grid](
+        q, *q.stride(), k, *k.stride(), v, *v.stride(),
+        a, *a.stride(), b, *b.stride(),
+        A_log, dt_bias,
+        state, *state.stride(),
+        slots,
+        out, *out.stride(),
+        R, Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+        PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS,
+        num_warps=nw,
+    )
+    return out
+
+
+def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One gated-delta-rule step for B rows of B distinct sessions.
+
+    q, k [B, Hk, Dk], v [B, Hv, Dv] (post-conv activations), a, b [B, Hv], A_log, dt_bias [Hv]
+    (any float dtype); state [S, Hv, Dk, Dv] fp32, updated in place at ``slots`` [B] int32.
+    Returns o fp32 [B, Hv, Dv] (``out`` if given).
+    """
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill=False)
+
+
+def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slot: int, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """T consecutive tokens of one session, from ``state[slot]``, leaving the final state there.
+
+    q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv]. Returns o fp32 [T, Hv, Dv]; equal to T
+    successive :func:`gdn_decode` steps (bitwise in the interpreter).
+    """
+    st = state[int(slot)].unsqueeze(0)   # [1, Hv, Dk, Dv] view of the slot, updated in place
+    return _launch(q, k, v, a, b, A_log, dt_bias, st, st, out, prefill=True)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _l2norm(x):
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, state, slots, *, out=None):
+    """Plain-torch :func:`gdn_decode` (same signature, same in-place state update)."""
+    Hk, Dk = q.shape[1:]
+    Hv = v.shape[1]
+    idx = slots.long()
+    q = _l2norm(q.float().repeat_interleave(Hv // Hk, dim=1)) * (Dk ** -0.5)
+    k = _l2norm(k.float().repeat_interleave(Hv // Hk, dim=1))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())      # [B, Hv]
+    beta = torch.sigmoid(b.float())
+    S = state[idx] * g.exp()[..., None, None]                             # [B, Hv, Dk, Dv]
+    kv = (S * k[..., None]).sum(dim=-2)
+    delta = (v.float() - kv) * beta[..., None]
+    S = S + k[..., None] * delta[..., None, :]
+    o = (S * q[..., None]).sum(dim=-2)
+    state[idx] = S
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+def gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, state, slot, *, out=None):
+    """Plain-torch :func:`gdn_prefill`: T successive :func:`gdn_decode_ref` steps."""
+    slots = torch.tensor([slot], dtype=torch.int32, device=q.device)
+    T, Hv, Dv = v.shape
+    o = torch.empty((T, Hv, Dv), dtype=torch.float32, device=q.device)
+    for t in range(T):
+        o[t] = gdn_decode_ref(q[t : t + 1], k[t : t + 1], v[t : t + 1], a[t : t + 1], b[t : t + 1],
+                              A_log, dt_bias, state, slots)[0]
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+# ----------------------------------------------------------------------------- self-check
+
+
+@register_check
+def _check(device) -> List[CheckResult]:
+    g = torch.Generator().manual_seed(0)
+    results = []
+    S_, B, Hk, Hv, Dk, Dv, T = 6, 4, 2, 4, 16, 24, 5
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        q, k = rnd(B, Hk, Dk).to(dt), rnd(B, Hk, Dk).to(dt)
+        v = rnd(B, Hv, Dv).to(dt)
+        a, b = rnd(B, Hv).to(dt), rnd(B, Hv).to(dt)
+        A_log, dt_bias = rnd(Hv, scale=0.5), rnd(Hv, scale=0.5)
+        state0 = rnd(S_, Hv, Dk, Dv, scale=0.1)
+        slots = torch.tensor([2, 5, 0, 3], dtype=torch.int32, device=device)
+
+        def run(rows):
+            st = state0.clone()
+            o = gdn_decode(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias, st, slots[rows])
+            return o, st
+
+        o, st = run(list(range(B)))
+        st_r = state0.clone()
+        ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, st_r, slots)
+        err = max((o - ref).abs().max().item(), (st - st_r).abs().max().item())
+        inv = True
+        for i in range(B):
+            oi, sti = run([i])
+            s = slots[i].item()
+            inv &= torch.equal(oi[0], o[i]) and torch.equal(sti[s], st[s])
+        st_t = state0.clone()
+        ms = timer(lambda: gdn_decode(q, k, v, a, b, A_log, dt_bias, st_t, slots), warmup=1, iters=3)
+        name = str(dt).split(".")[-1]
+        results.append(CheckResult(f"gdn_decode {name}", f"B={B} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", err, tol, inv, ms))
+
+        qs, ks, vs = rnd(T, Hk, Dk).to(dt), rnd(T, Hk, Dk).to(dt), rnd(T, Hv, Dv).to(dt)
+        as_, bs = rnd(T, Hv).to(dt), rnd(T, Hv).to(dt)
+        st_p, st_r = state0.clone(), state0.clone()
+        op = gdn_prefill(qs, ks, vs, as_, bs, A_log, dt_bias, st_p, 1)
+        ref = gdn_prefill_ref(qs, ks, vs, as_, bs, A_log, dt_bias, st_r, 1)
+        err = max((op - ref).abs().max().item(), (st_p - st_r).abs().max().item())
+        st_t = state0.clone()
+        ms = timer(lambda: gdn_prefill(qs, ks, vs, as_, bs, A_log, dt_bias, st_t, 1), warmup=1, iters=3)
+        results.append(CheckResult(f"gdn_prefill {name}", f"T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}", err, tol, True, ms,
+                                   note="loop over tokens in one kernel"))
+    return results

@@ -1,0 +1,295 @@
+"""Batch-invariant decode linear: ``y = round_to(w.dtype)(x) @ w^T (+ bias)`` with fp32 accumulation.
+
+Shapes and dtypes
+    x       [B, K]  fp32 / bf16 / fp16 (activations; rounded to the weight dtype inside the kernel)
+    weight  [N, K]  fp32 / bf16 / fp16 (row-major, K contiguous, as stored by nn.Linear)
+    bias    [N] or None, any float dtype, added in fp32
+    returns [B, N]  fp32
+
+Batch invariance (DESIGN.md §3): every launch parameter -- BLOCK_N, BLOCK_K, the split-K count,
+warps, stages and whether the product is computed as ``x @ w^T`` or ``(w @ x^T)^T`` -- comes from
+:func:`linear_config`, a function of ``(K, N, weight dtype, x dtype)`` only, never of B. Rows are
+tiled in fixed tiles of ``BLOCK_M = 16``; more rows only add M tiles. With a split-K count S > 1
+each of the S programs of an output tile writes its fp32 partial sum to a workspace and a second
+kernel adds the S partials in the fixed order 0..S-1 (no atomics). So a row's bits never depend
+on how many rows share the launch or where the row sits.
+
+The GPU configs of the four weight shapes that matter for decode were measured on an H200 (see
+bench/bench_kernels.py and bench/results/*-h200-kernels.md); other shapes use a heuristic that
+also only reads (K, N).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, cast, mma, tl_dtype, timer
+from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+
+__all__ = ["linear", "linear_ref", "linear_config", "LinearConfig", "BLOCK_M"]
+
+BLOCK_M = 16
+"""Rows per tile: a fixed constant (tl.dot needs M >= 16 on the GPU)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["B"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    B, stride_xm, stride_wn, stride_ys, stride_ym,
+    N: tl.constexpr, K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One (M tile, N tile, K split) of y. Grid: (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
+
+    The K loop always runs k = s*K_PER_SPLIT, +BLOCK_K, ... whatever B is. With SWAP the tile is
+    computed as w_tile @ x_tile^T (the weight is the MMA's M operand, which lets wide weight tiles
+    use the big MMA shapes); the per-element K order is fixed by the config either way.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < B
+    # Out-of-range weight rows are clamped (loads stay in bounds and unmasked, so they vectorise);
+    # their results are never stored.
+    rn_ld = tl.where(rn < N, rn, N - 1).to(tl.int64)
+    k0 = pid_s * K_PER_SPLIT
+
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
+    if SWAP:
+        w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]      # [BN, BK]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        w_ptrs = w_ptr + rn_ld[None, :] * stride_wn + (k0 + rk)[:, None]      # [BK, BN]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            wt = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + kk + rk) < K
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            if SWAP:
+                wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            else:
+                wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy="evict_first")
+        # Round the activation to the weight dtype (nearest even), as a bf16 model would.
+        xt = cast(xt.to(tl.float32), W_DTYPE)
+        if SWAP:
+            acc = mma(wt, tl.trans(xt), acc)
+        else:
+            acc = mma(xt, wt, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if SWAP:
+        acc = tl.trans(acc)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    y_ptrs = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc, mask=m_mask[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps,
+                       N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = ((p[0,i] + p[1,i]) + p[2,i]) + ... (+ bias): the split partials in a fixed order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: a function of the weight shape and dtypes only
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+    block_n: int
+    block_k: int
+    split: int          # number of K splits (1: no split-K)
+    num_warps: int = 4
+    num_stages: int = 4
+    swap: bool = False  # compute (w @ x^T)^T
+
+    def k_per_split(self, K: int) -> int:
+        return triton.cdiv(triton.cdiv(K, self.split), self.block_k) * self.block_k
+
+    def programs_per_m_tile(self, K: int, N: int) -> int:
+        return triton.cdiv(N, self.block_n) * triton.cdiv(K, self.k_per_split(K))
+
+
+# Measured on one H200 (bf16 weights, fp32 x), keyed on (K, N, weight dtype). Rows: the best of
+# the sweep in bench/bench_kernels.py at B=1 (the config is then used for every B).
+_GPU_TABLE: dict = {
+}
+
+
+def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
+    """Enough CTAs to cover 132 SMs several times, 16-byte weight loads, K order fixed by K."""
+    block_k = 256 if wbytes == 2 else 128
+    block_k = max(16, min(block_k, triton.next_power_of_2(K)))
+    block_n = 64 if N >= 64 * 264 else 32
+    block_n = max(16, min(block_n, triton.next_power_of_2(N)))
+    n_tiles = triton.cdiv(N, block_n)
+    split = 1
+    k_blocks = triton.cdiv(K, block_k)
+    # Split K only when the N tiles alone cannot fill the chip, and keep >= 4 K blocks a split.
+    while n_tiles * split < 264 and k_blocks >= 8 * split:
+        split *= 2
+    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4)
+
+
+def _interpret_config(K: int, N: int) -> LinearConfig:
+    # Interpreter: few programs, big tiles (its cost is per program and per op, not per element).
+    block_k = max(16, min(512, triton.next_power_of_2(K)))
+    block_n = max(16, min(512, triton.next_power_of_2(N)))
+    return LinearConfig(block_n=block_n, block_k=block_k, split=1, num_warps=4, num_stages=1)
+
+
+@functools.lru_cache(maxsize=None)
+def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32) -> LinearConfig:
+    """The launch config for a weight [N, K]: depends on (K, N, dtypes) and the backend, never on B."""
+    if INTERPRET:
+        return _interpret_config(K, N)
+    cfg = _GPU_TABLE.get((K, N, w_dtype))
+    if cfg is None:
+        cfg = _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size())
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+def _launch(x, weight, bias, out, cfg: LinearConfig):
+    B, K = x.shape
+    N = weight.shape[0]
+    kps = cfg.k_per_split(K)
+    split = triton.cdiv(K, kps)
+    even_k = (K % kps == 0) and (kps % cfg.block_k == 0)
+    m_tiles = triton.cdiv(B, BLOCK_M)
+    has_bias = bias is not None
+    b_arg = bias if has_bias else weight  # unused pointer when HAS_BIAS is False
+    w_dt = tl_dtype(weight.dtype)
+    if B == 0:
+        return out
+    if split == 1:
+        grid = (m_tiles, triton.cdiv(N, cfg.block_n), 1)
+        _linear_kernel[grid](
+            x, weight, b_arg, out, B, x.stride(0), weight.stride(0), 0, out.stride(0),
+            N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
+    part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
+    grid = (m_tiles, triton.cdiv(N, cfg.block_n), split)
+    _linear_kernel[grid](
+        x, weight, b_arg, part, B, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
+        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, SWAP=cfg.swap, EVEN_K=even_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    total = B * N
+    block = 1024 if not INTERPRET else max(16, min(1 << 16, triton.next_power_of_2(total)))
+    _splitk_sum_kernel[(triton.cdiv(total, block),)](
+        part, b_arg, out, total, part.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
+def _check_args(x, weight, bias, out):
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"linear: x must be [B, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    B, K = x.shape
+    N, Kw = weight.shape
+    if K != Kw:
+        raise ValueError(f"linear: x has K={K} but weight has K={Kw}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"linear: bias must be [{N}], got {tuple(bias.shape)}")
+    if out is not None and (out.shape != (B, N) or out.dtype != torch.float32 or out.stride(1) != 1):
+        raise ValueError(f"linear: out must be fp32 [{B}, {N}] with unit column stride")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           out: Optional[torch.Tensor] = None, config: Optional[LinearConfig] = None) -> torch.Tensor:
+    """fp32 ``[B, N] = round_to(weight.dtype)(x) @ weight^T (+ bias)``, fp32 accumulation.
+
+    x [B, K] fp32/bf16/fp16; weight [N, K] fp32/bf16/fp16; bias [N] (any float) or None;
+    ``out``: optional fp32 [B, N] buffer to write. Batch invariant: row i's bits do not depend on
+    B or on the other rows. ``config`` overrides :func:`linear_config` (benchmarks only; the
+    override must itself not depend on B).
+    """
+    _check_args(x, weight, bias, out)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    B, K = x.shape
+    N = weight.shape[0]
+    if out is None:
+        out = torch.empty((B, N), dtype=torch.float32, device=x.device)
+    cfg = config if config is not None else linear_config(K, N, weight.dtype, x.dtype)
+    return _launch(x, weight, bias, out, cfg)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-torch reference: fp32 ``round_to(weight.dtype)(x) @ weight^T (+ bias)``."""
+    xr = x.to(weight.dtype).float()
+    y = xr @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Self-check for `ds4t check`
+# ----------------------------------------------------------------------------------------------
+_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-4, torch.float16: 2e-4}
+"""Max |kernel - reference| / max|reference|: both sum exact products in fp32, in different orders."""
+
+
+@register_check
+def _check(device) -> list:
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    results = []
+    B, K, N = 5, 200, 333
+    for wdt in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(B, K, generator=g).to(device)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(wdt).to(device)
+        b = torch.randn(N, generator=g).to(device)
+        ref = linear_ref(x, w, b)
+        y = linear(x, w, b)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        inv = rows_invariant(lambda t: linear(t, w, b), x)
+        ms = timer(lambda: linear(x, w, b), warmup=1, iters=3)
+        cfg = linear_config(K, N, wdt, x.dtype)
+        results.append(CheckResult(f"linear {str(wdt).replace('torch.', '')}", f"B={B} K={K} N={N}",
+                                   err, _TOL[wdt], inv, ms, note=f"relative to max|ref|; {cfg}"))
+    return results

@@ -1,0 +1,435 @@
+"""Absorbed MLA decode (DeepSeek-V2/V3 multi-head latent attention) over a slotted latent cache.
+
+State model: a per-layer pool ``cache`` [S, L, R + Dr] (S slots, capacity L tokens,
+R = kv_lora_rank, Dr = qk_rope_head_dim; float32 / bfloat16 / float16). Per token it holds
+``[c_kv (after kv_a_layernorm) || k_pe (after RoPE)]``. Batch row b reads slot ``slots[b]`` and
+attends to positions ``t < lengths[b]`` (the current token already written with
+:func:`write_latent`). Prefill is the same call with T rows of one slot and lengths
+start+1 .. start+T.
+
+Absorption (the caller's side): with W_UK [H, nope, R] and W_UV [H, v, R] taken from kv_b_proj,
+``q_nope . (W_UK c) = (q_nope W_UK) . c``, so the caller passes ``q_latent = q_nope @ W_UK``
+[B, H, R]; the kernel returns the latent ``o = sum_t p_t c_t`` [B, H, R] and the caller applies
+W_UV and o_proj. All H heads share one cache row: MQA.
+
+Numerics, per row b and head h::
+
+    s_t = scale * (q_latent . c_t + q_pe . k_pe_t)        t < lengths[b]
+    o   = sum_t softmax(s)_t * c_t                        (fp32 result)
+
+* q_latent / q_pe are rounded to the cache dtype (as a bf16 model's activations are) and the
+  products accumulate in fp32 (:func:`ds4t.backend.mma`; fp32 caches use IEEE fp32, never TF32).
+* Softmax statistics are fp32, in the log2 domain (``exp2`` with ``scale * log2(e)``).
+* The probabilities are rounded to the cache dtype before the P.V product (tensor cores on the
+  GPU, as FlashMLA / FlashAttention do); the normaliser sums those rounded probabilities.
+  The reference keeps exact probabilities; the tolerance table covers the difference.
+
+Split-KV: the positions of a row are cut into splits of a FIXED size ``split_size`` (default
+:func:`default_split_size`, from R, Dr and the cache dtype only). Kernel 1 runs one program per
+(head block, split, row); a split past the row's length exits at once. A row with one split
+writes its output directly (a row of length 0 gets zeros); otherwise each split writes
+(unnormalised acc, max, sumexp) and kernel 2 merges the splits in ascending order with
+log-sum-exp. The grid comes from shapes (B, H, L) only; nothing is read back to the host.
+The fp32 partials take B * ceil(L / split) * H * (R + 2) * 4 bytes of scratch (allocated per call
+when L > split; never read or written past a row's length).
+
+Batch invariance: every program reads one row's q, slot and length and writes only that row;
+tile sizes, the split size and the reduction order depend on (H, R, Dr, dtype, interpreter or
+GPU), never on B or on the lengths. So a row's bits never depend on the other rows of the launch.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, cast, mma, timer
+from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+
+_LOG2E = 1.4426950408889634
+_MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are launched in chunks
+
+
+# --------------------------------------------------------------------------------------------
+# configuration (shapes only)
+# --------------------------------------------------------------------------------------------
+
+def default_split_size(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> int:
+    """Tokens per KV split: the power of two nearest below 2 MiB of cache per split, in [64, 1024].
+
+    Depends only on the latent width and the cache dtype (never on the batch or the lengths).
+    DeepSeek-V3 (R=512, Dr=64): 1024 for bf16/fp16, 512 for fp32. Bigger splits write fewer
+    fp32 partials ([H, R] per split and row, 256 KiB at H=128); smaller ones give more programs
+    at small batch.
+    """
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_token = (kv_lora_rank + rope_dim) * elt
+    n = max(1, (2 << 20) // max(1, per_token))
+    p = 1 << (n.bit_length() - 1)
+    return int(min(1024, max(64, p)))
+
+
+def _config(H: int, R: int, Dr: int, split: int):
+    """(BH heads per program, BLOCK_N tokens per tile, MH heads per merge program, warps)."""
+    RP = triton.next_power_of_2(R)
+    if INTERPRET:
+        # Few, big programs: every head in one block, long tiles.
+        BH = max(16, triton.next_power_of_2(H))
+        BLOCK_N = 128
+        MH = triton.next_power_of_2(H)
+        warps = 4
+    else:
+        # tl.dot needs M >= 16. 64 heads x R in one dot: each cache tile is read once per
+        # 64 heads (DeepSeek-V3: 2 head blocks per split, the second read usually from L2).
+        BH = max(16, min(64, triton.next_power_of_2(H)))
+        BLOCK_N = 32 if RP >= 256 else 64
+        MH = max(1, min(triton.next_power_of_2(H), 4096 // RP))
+        warps = 8 if BH * RP >= 64 * 256 else 4
+    BLOCK_N = max(16, min(BLOCK_N, triton.next_power_of_2(split)))
+    return BH, BLOCK_N, MH, warps
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _write_latent_kernel(
+    ckv_ptr, s_ckv,
+    kpe_ptr, s_kpe,
+    cache_ptr, s_cs, s_cl,
+    slots_ptr, pos_ptr,
+    R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr, DRP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    b64 = b.to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    dst = cache_ptr + slot * s_cs + pos * s_cl
+    dt = cache_ptr.dtype.element_ty
+    rr = tl.arange(0, RP)
+    x = tl.load(ckv_ptr + b64 * s_ckv + rr, mask=rr < R, other=0.0).to(tl.float32)
+    tl.store(dst + rr, cast(x, dt), mask=rr < R)
+    rp = tl.arange(0, DRP)
+    y = tl.load(kpe_ptr + b64 * s_kpe + rp, mask=rp < DR, other=0.0).to(tl.float32)
+    tl.store(dst + R + rp, cast(y, dt), mask=rp < DR)
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, s_qb, s_qh,
+    qpe_ptr, s_pb, s_ph,
+    cache_ptr, s_cs, s_cl,
+    slots_ptr, lengths_ptr,
+    out_ptr, s_ob, s_oh,
+    po_ptr, pm_ptr, pl_ptr,
+    qk_scale, H, L, NS,
+    R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr, DRP: tl.constexpr,
+    BH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NHB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    hb = pid % NHB
+    s = pid // NHB
+    length = tl.load(lengths_ptr + b)
+    length = tl.maximum(tl.minimum(length, L), 0)
+    lo = s * SPLIT
+    if lo < length:
+        hi = tl.minimum(lo + SPLIT, length)
+        dt = cache_ptr.dtype.element_ty
+        b64 = b.to(tl.int64)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        heads = hb * BH + tl.arange(0, BH)
+        hm = heads < H
+        rr = tl.arange(0, RP)
+        rm = rr < R
+        rp = tl.arange(0, DRP)
+        pm = rp < DR
+
+        q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + rr[None, :],
+                    mask=hm[:, None] & rm[None, :], other=0.0)
+        q = cast(q.to(tl.float32), dt)
+        qpe = tl.load(qpe_ptr + b64 * s_pb + heads[:, None] * s_ph + rp[None, :],
+                      mask=hm[:, None] & pm[None, :], other=0.0)
+        qpe = cast(qpe.to(tl.float32), dt)
+
+        base = cache_ptr + slot * s_cs
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, RP], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            nm = pos < hi
+            rows = base + pos[:, None] * s_cl
+            # One load of the tile serves every head of the block, for both products.
+            c = tl.load(rows + rr[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
+            kpe = tl.load(rows + R + rp[None, :], mask=nm[:, None] & pm[None, :], other=0.0)
+            sc = mma(q, tl.trans(c), tl.zeros([BH, BLOCK_N], tl.float32))
+            sc = mma(qpe, tl.trans(kpe), sc)
+            sc = tl.where(nm[None, :], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = cast(tl.exp2(sc - m_new[:, None]), dt)
+            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+            acc = mma(p, c, acc * alpha[:, None])
+            m_i = m_new
+
+        om = hm[:, None] & rm[None, :]
+        if tl.cdiv(length, SPLIT) == 1:
+            # The row has one split: normalise and write the output; the merge skips the row.
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], o, mask=om)
+        else:
+            prow = (b64 * NS + s) * H + heads
+            tl.store(po_ptr + prow[:, None] * R + rr[None, :], acc, mask=om)
+            tl.store(pm_ptr + prow, m_i, mask=hm)
+            tl.store(pl_ptr + prow, l_i, mask=hm)
+    elif s == 0:
+        # An empty row (length 0) gets zeros.
+        heads = hb * BH + tl.arange(0, BH)
+        rr = tl.arange(0, RP)
+        om = (heads < H)[:, None] & (rr < R)[None, :]
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + rr[None, :],
+                 tl.zeros([BH, RP], tl.float32), mask=om)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    out_ptr, s_ob, s_oh,
+    po_ptr, pm_ptr, pl_ptr,
+    lengths_ptr, H, L, NS,
+    R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr, SPLIT: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    length = tl.load(lengths_ptr + b)
+    length = tl.maximum(tl.minimum(length, L), 0)
+    n = tl.cdiv(length, SPLIT)
+    if n > 1:
+        b64 = b.to(tl.int64)
+        heads = hb * MH + tl.arange(0, MH)
+        hm = heads < H
+        rr = tl.arange(0, RP)
+        om = hm[:, None] & (rr < R)[None, :]
+        row0 = b64 * NS * H + heads
+        m_max = tl.full([MH], float("-inf"), tl.float32)
+        for s in range(0, n):
+            m_s = tl.load(pm_ptr + row0 + s * H, mask=hm, other=0.0)
+            m_max = tl.maximum(m_max, m_s)
+        num = tl.zeros([MH, RP], tl.float32)
+        den = tl.zeros([MH], tl.float32)
+        for s in range(0, n):  # ascending split order, always
+            prow = row0 + s * H
+            w = tl.exp2(tl.load(pm_ptr + prow, mask=hm, other=0.0) - m_max)
+            den = den + w * tl.load(pl_ptr + prow, mask=hm, other=1.0)
+            a = tl.load(po_ptr + prow[:, None] * R + rr[None, :], mask=om, other=0.0)
+            num = num + w[:, None] * a
+        o = num / den[:, None]
+        tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], o, mask=om)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+
+def _last_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                 slots: torch.Tensor, positions: torch.Tensor) -> None:
+    """cache[slots[b], positions[b]] = [c_kv[b] || k_pe[b]], rounded to the cache dtype (RNE).
+
+    c_kv [B, R], k_pe [B, Dr] (fp32, or any float dtype); cache [S, L, R + Dr] fp32/bf16/fp16
+    with a contiguous last dim; slots, positions [B] int32. Rows must name distinct (slot,
+    position) pairs. In place, no host sync.
+    """
+    B, R = c_kv.shape
+    Dr = k_pe.shape[-1]
+    if k_pe.shape != (B, Dr) or cache.dim() != 3 or cache.shape[-1] != R + Dr:
+        raise ValueError(f"write_latent: shapes c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, "
+                         f"cache {tuple(cache.shape)} do not fit [B,R], [B,Dr], [S,L,R+Dr]")
+    if slots.shape != (B,) or positions.shape != (B,):
+        raise ValueError("write_latent: slots and positions must be [B]")
+    if cache.stride(-1) != 1:
+        raise ValueError("write_latent: cache must have a contiguous last dim")
+    if B == 0:
+        return
+    c_kv = _last_contig(c_kv)
+    k_pe = _last_contig(k_pe)
+    _write_latent_kernel[(B,)](
+        c_kv, c_kv.stride(0), k_pe, k_pe.stride(0),
+        cache, cache.stride(0), cache.stride(1),
+        slots, positions,
+        R=R, DR=Dr, RP=triton.next_power_of_2(R), DRP=triton.next_power_of_2(max(Dr, 1)),
+        num_warps=4 if INTERPRET else max(1, min(4, triton.next_power_of_2(R) // 128)),
+    )
+
+
+def write_latent_ref(c_kv, k_pe, cache, slots, positions) -> None:
+    """Plain-torch :func:`write_latent`."""
+    row = torch.cat([c_kv.float(), k_pe.float()], dim=-1).to(cache.dtype)
+    cache[slots.long(), positions.long()] = row
+
+
+def _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank):
+    if q_latent.dim() != 3 or q_pe.dim() != 3 or cache.dim() != 3:
+        raise ValueError("mla_decode: q_latent [B,H,R], q_pe [B,H,Dr], cache [S,L,R+Dr] expected")
+    B, H, R = q_latent.shape
+    if R != kv_lora_rank:
+        raise ValueError(f"mla_decode: q_latent last dim {R} != kv_lora_rank {kv_lora_rank}")
+    Dr = cache.shape[-1] - R
+    if Dr < 0 or q_pe.shape != (B, H, Dr):
+        raise ValueError(f"mla_decode: q_pe {tuple(q_pe.shape)} / cache {tuple(cache.shape)} do not "
+                         f"fit q_latent {tuple(q_latent.shape)}")
+    if slots.shape != (B,) or lengths.shape != (B,):
+        raise ValueError("mla_decode: slots and lengths must be [B]")
+    if slots.dtype.is_floating_point or lengths.dtype.is_floating_point:
+        raise TypeError("mla_decode: slots and lengths must be integer (int32) tensors")
+    return B, H, R, Dr
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+               slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
+               kv_lora_rank: int, split_size: Optional[int] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Absorbed MLA attention over the latent cache; returns the latent output fp32 [B, H, R].
+
+    q_latent [B, H, R] (q_nope @ W_UK) and q_pe [B, H, Dr] (after RoPE), fp32 (any float dtype is
+    read and rounded to the cache dtype); cache [S, L, R + Dr] fp32/bf16/fp16, last dim
+    contiguous; slots, lengths [B] int32 (1 <= lengths[b] <= L; lengths are clamped to [0, L],
+    a row of length 0 gets zeros). ``scale`` multiplies q.k (include YaRN mscale). ``split_size``
+    (tokens per KV split) defaults to :func:`default_split_size`; results depend on it, never on
+    B. ``out``: optional fp32 [B, H, R] destination (may be strided, last dim contiguous).
+    """
+    B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
+    S, L, _ = cache.shape
+    if cache.stride(-1) != 1:
+        raise ValueError("mla_decode: cache must have a contiguous last dim")
+    split = int(split_size) if split_size is not None else default_split_size(R, Dr, cache.dtype)
+    if split < 1:
+        raise ValueError(f"mla_decode: split_size must be >= 1, got {split}")
+    if out is None:
+        out = torch.empty((B, H, R), dtype=torch.float32, device=q_latent.device)
+    elif out.shape != (B, H, R) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("mla_decode: out must be fp32 [B, H, R] with a contiguous last dim")
+    if B == 0 or H == 0:
+        return out
+    q_latent = _last_contig(q_latent)
+    q_pe = _last_contig(q_pe)
+
+    NS = triton.cdiv(L, split)
+    BH, BLOCK_N, MH, warps = _config(H, R, Dr, split)
+    RP = triton.next_power_of_2(R)
+    DRP = max(16, triton.next_power_of_2(max(Dr, 1)))
+    NHB = triton.cdiv(H, BH)
+    dev = q_latent.device
+    if NS > 1:
+        po = torch.empty((B, NS, H, R), dtype=torch.float32, device=dev)
+        pm = torch.empty((B, NS, H), dtype=torch.float32, device=dev)
+        pl = torch.empty((B, NS, H), dtype=torch.float32, device=dev)
+    else:  # every row fits one split: partials are never touched
+        po = pm = pl = torch.empty((1,), dtype=torch.float32, device=dev)
+    qk_scale = float(scale) * _LOG2E
+
+    for b0 in range(0, B, _MAX_GRID_Y):
+        b1 = min(B, b0 + _MAX_GRID_Y)
+        nb = b1 - b0
+        if NS > 1:
+            po_c, pm_c, pl_c = po[b0:b1], pm[b0:b1], pl[b0:b1]
+        else:
+            po_c, pm_c, pl_c = po, pm, pl
+        o_c = out[b0:b1]
+        _mla_split_kernel[(NHB * NS, nb)](
+            q_latent[b0:b1], q_latent.stride(0), q_latent.stride(1),
+            q_pe[b0:b1], q_pe.stride(0), q_pe.stride(1),
+            cache, cache.stride(0), cache.stride(1),
+            slots[b0:b1], lengths[b0:b1],
+            o_c, out.stride(0), out.stride(1),
+            po_c, pm_c, pl_c,
+            qk_scale, H, L, NS,
+            R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, SPLIT=split, NHB=NHB,
+            num_warps=warps, num_stages=2,
+        )
+        if NS > 1:
+            _mla_merge_kernel[(triton.cdiv(H, MH), nb)](
+                o_c, out.stride(0), out.stride(1),
+                po_c, pm_c, pl_c,
+                lengths[b0:b1], H, L, NS,
+                R=R, RP=RP, MH=MH, SPLIT=split,
+                num_warps=4,
+            )
+    return out
+
+
+def mla_decode_ref(q_latent, q_pe, cache, slots, lengths, scale, *, kv_lora_rank,
+                   split_size=None, out=None) -> torch.Tensor:
+    """Plain-torch :func:`mla_decode` (float64 inside, exact softmax; ``split_size`` is ignored).
+
+    Like the kernel, q is rounded to the cache dtype first; unlike it, probabilities are not.
+    """
+    B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
+    L = cache.shape[1]
+    kv = cache[slots.long()]                                           # [B, L, R+Dr]
+    n = lengths.long().clamp(0, L)
+    valid = torch.arange(L, device=cache.device)[None, :] < n[:, None]  # [B, L]
+    kv = torch.where(valid[:, :, None], kv.double(), torch.zeros((), dtype=torch.float64,
+                                                                   device=cache.device))
+    q = q_latent.to(cache.dtype).double()
+    qp = q_pe.to(cache.dtype).double()
+    s = torch.einsum("bhr,blr->bhl", q, kv[..., :R]) + torch.einsum("bhd,bld->bhl", qp, kv[..., R:])
+    s = (s * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # an empty row -> zeros
+    o = torch.einsum("bhl,blr->bhr", p, kv[..., :R]).float()
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+# --------------------------------------------------------------------------------------------
+# self-check
+# --------------------------------------------------------------------------------------------
+
+# (atol, rtol) against mla_decode_ref, per cache dtype (the kernel rounds probabilities).
+TOLERANCE = {
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (3e-3, 3e-3),
+}
+
+
+@register_check
+def _check(device) -> List[CheckResult]:
+    res = []
+    g = torch.Generator().manual_seed(1234)
+    H, R, Dr, S, L, B, split = 4, 16, 8, 4, 40, 5, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(S, L, R + Dr, generator=g).to(dtype).to(device)
+        q = torch.randn(B, H, R, generator=g).to(device)
+        qp = torch.randn(B, H, Dr, generator=g).to(device)
+        slots = torch.tensor([2, 0, 3, 1, 2], dtype=torch.int32, device=device)
+        lengths = torch.tensor([1, 40, 17, 33, 16], dtype=torch.int32, device=device)
+        scale = 1.0 / math.sqrt(24)
+
+        def run(idx):
+            return mla_decode(q[idx], qp[idx], cache, slots[idx], lengths[idx], scale,
+                              kv_lora_rank=R, split_size=split)
+
+        idx = torch.arange(B, device=device)
+        got = run(idx)
+        ref = mla_decode_ref(q, qp, cache, slots, lengths, scale, kv_lora_rank=R)
+        atol, rtol = TOLERANCE[dtype]
+        err = ((got - ref).abs() - rtol * ref.abs()).max().item()
+        res.append(CheckResult(
+            kernel=f"mla_decode {str(dtype).replace('torch.', '')}",
+            shapes=f"B={B} H={H} R={R} Dr={Dr} L={L} split={split}",
+            max_err=max(err, 0.0), tol=atol,
+            batch_invariant=rows_invariant(run, idx),
+            ms=timer(lambda: run(idx), warmup=1, iters=3),
+            note="max(|err| - rtol*|ref|)",
+        ))
+    return res

@@ -1,0 +1,288 @@
+"""Routed MoE experts (SwiGLU), natively batched: each chosen expert's weights are read once for all
+the (row, rank) pairs that chose it.
+
+    out[b] = sum_{j = 0..k-1, in rank order} weights[b, j] * down_e(silu(gate_e(h_b)) * up_e(h_b)),
+    e = ids[b, j]
+
+Shapes: h [B, D] (fp32; bf16/fp16 upcast), ids [B, k] int (from :mod:`ds4t.kernels.router`),
+weights [B, k] fp32, w_gate / w_up [E, I, D], w_down [E, D, I] (fp32, bf16 or fp16, all one dtype;
+HF's fused ``gate_up_proj`` [E, 2I, D] splits into ``[:, :I]`` and ``[:, I:]`` views, which work as is).
+
+Numerics: the activation is rounded to the weight dtype before each product (h before gate/up,
+silu(g)·u before down); products accumulate in fp32 (``ds4t.backend.mma``); silu, the product g·u,
+the routing weight and the rank sum are fp32. Returns fp32 [B, D].
+
+How it runs (no host synchronisation; every grid comes from shapes):
+
+1. Group the P = B·k pairs by expert on the device: a stable sort of the flat expert ids gives the
+   pairs of expert e as ``order[bounds[e]:bounds[e+1]]`` (``bounds`` from ``searchsorted``).
+2. ``_moe_gate_up_kernel``, grid (E, cdiv(I, BN)): program (e, n) loops over its expert's pairs in
+   tiles of BLOCK_M = 16 rows, K (= D) in fixed BK steps, and writes silu(g)·u for its I columns to a
+   per-pair buffer act [P, I]. Programs of experts nobody chose run zero iterations.
+3. ``_moe_down_kernel``, grid (E, cdiv(D, BN)): the same over I, writes y [P, D] (= [B, k, D]).
+4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
+
+Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
+fixed tile constants (BM, BN, BK depend on the weight shapes and the backend, never on B or on
+how many pairs share an expert); a tile row's dot product does not depend on the other rows of the
+tile; the rank combine is per row in a fixed order. No atomics.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
+from ds4t.kernels.registry import CheckResult, register_check
+
+BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
+
+
+def _tiles(N: int, K: int):
+    """(BN, BK) for a [N, K] weight: from the weight shape and the backend only."""
+    if INTERPRET:
+        # few, big programs: the interpreter pays per program and per op
+        return max(16, min(128, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K)))
+    return max(16, min(64, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
+
+
+_INTERPRET_C = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _mma_rows(a, b, acc):
+    """acc + a @ b, each row of the result independent of its position in the tile.
+
+    On the GPU this is :func:`ds4t.backend.mma`. In the interpreter ``tl.dot`` is numpy's matmul
+    (OpenBLAS), whose result for a row depends on the row's position in the tile (Haswell sgemm works
+    in 6-row panels; rows 12..15 of a 16-row tile take a remainder kernel with another summation
+    order). A pair's position in its expert's tile depends on which other pairs chose that expert, so
+    here the product is an explicit broadcast-multiply + sum over K (same order for every row).
+    """
+    if _INTERPRET_C:
+        acc = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = mma(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    h_ptr, sh_b, order_ptr, bounds_ptr,
+    wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
+    act_ptr, sa_p,
+    D, I, KTOP,
+    WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(bounds_ptr + e).to(tl.int32)
+    end = tl.load(bounds_ptr + e + 1).to(tl.int32)
+    n = pid_n * BN + tl.arange(0, BN)
+    nm = n < I
+    wbase = e.to(tl.int64) * sw_e
+    for m0 in range(start, end, BM):
+        q = m0 + tl.arange(0, BM)
+        qm = q < end
+        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        b = p // KTOP
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < D
+            a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
+            a = cast(a.to(tl.float32), WDT)
+            woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
+            wmask = km[:, None] & nm[None, :]
+            wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
+            wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
+            acc_g = _mma_rows(a, wg, acc_g)
+            acc_u = _mma_rows(a, wu, acc_u)
+        act = _silu(acc_g) * acc_u
+        tl.store(act_ptr + p[:, None] * sa_p + n[None, :], act, mask=qm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr, sa_p, order_ptr, bounds_ptr,
+    wd_ptr, sw_e, sw_n, sw_k,
+    y_ptr, sy_p,
+    D, I,
+    WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(bounds_ptr + e).to(tl.int32)
+    end = tl.load(bounds_ptr + e + 1).to(tl.int32)
+    n = pid_n * BN + tl.arange(0, BN)
+    nm = n < D
+    wbase = e.to(tl.int64) * sw_e
+    for m0 in range(start, end, BM):
+        q = m0 + tl.arange(0, BM)
+        qm = q < end
+        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < I
+            a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
+            a = cast(a, WDT)
+            w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
+                        mask=km[:, None] & nm[None, :], other=0.0)
+            acc = _mma_rows(a, w, acc)
+        tl.store(y_ptr + p[:, None] * sy_p + n[None, :], acc, mask=qm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    y_ptr, sy_p, w_ptr, sw_b, out_ptr, so_b, B, D,
+    KTOP: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n = tl.program_id(1) * BD + tl.arange(0, BD)
+    rm = r < B
+    m2 = rm[:, None] & (n < D)[None, :]
+    r64 = r.to(tl.int64)
+    acc = tl.zeros([ROWS, BD], dtype=tl.float32)
+    for j in tl.static_range(KTOP):
+        wj = tl.load(w_ptr + r64 * sw_b + j, mask=rm, other=0.0).to(tl.float32)
+        yj = tl.load(y_ptr + (r64 * KTOP + j)[:, None] * sy_p + n[None, :], mask=m2, other=0.0)
+        acc = acc + wj[:, None] * yj
+    tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
+
+
+def _check_args(h, ids, weights, w_gate, w_up, w_down):
+    if h.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != h.shape[0]:
+        raise ValueError(f"h [B, D], ids [B, k], weights [B, k] expected; got {tuple(h.shape)}, "
+                         f"{tuple(ids.shape)}, {tuple(weights.shape)}")
+    E, I, D = w_gate.shape
+    if h.shape[1] != D or w_up.shape != (E, I, D) or w_down.shape != (E, D, I):
+        raise ValueError(f"weights must be w_gate/w_up [E, I, D], w_down [E, D, I] with D={h.shape[1]}; got "
+                         f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
+    if not (w_gate.dtype == w_up.dtype == w_down.dtype):
+        raise TypeError("w_gate, w_up, w_down must share one dtype")
+    return E, I, D
+
+
+def moe_experts(
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Routed SwiGLU experts for B rows, each with its k (expert id, weight) pairs.
+
+    h [B, D], ids [B, k] int32/int64 in [0, E), weights [B, k] fp32, w_gate/w_up [E, I, D],
+    w_down [E, D, I]. Returns fp32 [B, D] (``out`` if given). See the module docstring.
+    """
+    E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down)
+    B, k = ids.shape
+    dev = h.device
+    if out is None:
+        out = torch.empty((B, D), dtype=torch.float32, device=dev)
+    if B == 0:
+        return out
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    P = B * k
+    # 1. group pairs by expert on the device (stable: pairs of an expert in pair order)
+    sorted_ids, order = torch.sort(ids.reshape(-1).to(torch.int64), stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=dev, dtype=torch.int64))
+    order = order.to(torch.int32)
+    act = torch.empty((P, I), dtype=torch.float32, device=dev)
+    y = torch.empty((P, D), dtype=torch.float32, device=dev)
+    WDT = tl_dtype(w_gate.dtype)
+    if w_gate.stride() != w_up.stride():
+        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    # 2. gate/up + activation
+    BN, BK = _tiles(I, D)
+    _moe_gate_up_kernel[(E, triton.cdiv(I, BN))](
+        h, h.stride(0), order, bounds,
+        w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        act, act.stride(0),
+        D, I, k,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK,
+    )
+    # 3. down
+    BN, BK = _tiles(D, I)
+    _moe_down_kernel[(E, triton.cdiv(D, BN))](
+        act, act.stride(0), order, bounds,
+        w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        y, y.stride(0),
+        D, I,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK,
+    )
+    # 4. rank-ordered combine
+    ROWS = 16
+    BD = triton.next_power_of_2(D) if INTERPRET else min(256, triton.next_power_of_2(D))
+    _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
+        y, y.stride(0), weights, weights.stride(0), out, out.stride(0), B, D,
+        KTOP=k, ROWS=ROWS, BD=BD,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, out=None):
+    """Plain-torch :func:`moe_experts` (same rounding points, rank-ordered sum)."""
+    wdt = w_gate.dtype
+    B, k = ids.shape
+    x = h.float().to(wdt).float()
+    res = torch.zeros((B, w_gate.shape[2]), dtype=torch.float32, device=h.device)
+    idx = ids.long()
+    for j in range(k):
+        e = idx[:, j]
+        g = torch.einsum("bd,bid->bi", x, w_gate[e].float())
+        u = torch.einsum("bd,bid->bi", x, w_up[e].float())
+        a = (F.silu(g) * u).to(wdt).float()
+        yj = torch.einsum("bi,bdi->bd", a, w_down[e].float())
+        res = res + weights[:, j].float()[:, None] * yj
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+# ----------------------------------------------------------------------------- self-check
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@register_check
+def _check(device) -> List[CheckResult]:
+    g = torch.Generator().manual_seed(0)
+    results = []
+    B, E, k, D, I = 6, 10, 3, 48, 40
+    h = torch.randn(B, D, generator=g).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)]).to(device, torch.int32)
+    ids[1] = ids[0]  # rows sharing experts
+    wts = torch.rand(B, k, generator=g).to(device)
+    for dt in (torch.float32, torch.bfloat16):
+        wg = (torch.randn(E, I, D, generator=g) / D ** 0.5).to(device, dt)
+        wu = (torch.randn(E, I, D, generator=g) / D ** 0.5).to(device, dt)
+        wd = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(device, dt)
+        o = moe_experts(h, ids, wts, wg, wu, wd)
+        ref = moe_experts_ref(h, ids, wts, wg, wu, wd)
+        err = ((o - ref).abs().max() / ref.abs().max()).item()
+        inv = all(torch.equal(moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], wg, wu, wd)[0], o[i])
+                  for i in range(B))
+        ms = timer(lambda: moe_experts(h, ids, wts, wg, wu, wd), warmup=1, iters=3)
+        results.append(CheckResult(f"moe_experts {str(dt).split('.')[-1]}", f"B={B} E={E} k={k} D={D} I={I}",
+                                   err, TOL[dt], inv, ms, note="max_err relative to max |ref|"))
+    return results

@@ -1,0 +1,204 @@
+"""RMSNorm family: plain / zero-centred, fused residual add, gated (Qwen3-Next GDN output norm).
+
+Shapes and dtypes
+    x, residual, z  [R, D]  any float dtype (fp32 / bf16 / fp16); rows R = batch (or batch*heads)
+    weight          [D]     any float dtype, applied in fp32
+    returns         fp32 [R, D]
+
+Math (all in fp32):  x̂ = x * rsqrt(mean(x², over D) + eps)
+    rms_norm        y = x̂ · w            (zero_centered: y = x̂ · (1 + w), Qwen3-Next)
+    add_rms_norm    s = x + residual;  y = rms_norm(s)  -> (y, s)
+    gated_rms_norm  y = x̂ · w · silu(z)  (callers reshape [B, H*D] -> [B*H, D] for per-head norms)
+
+Batch invariance: each row's statistics are reduced over D alone, in an order fixed by D
+(BLOCK_D chunks, then one tl.sum over the chunk accumulator). On the GPU a program owns one row;
+in the interpreter a program owns a fixed number of rows (ROWS, not derived from R) because
+programs are what cost time there.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import INTERPRET, timer
+from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+
+__all__ = [
+    "rms_norm", "add_rms_norm", "gated_rms_norm",
+    "rms_norm_ref", "add_rms_norm_ref", "gated_rms_norm_ref",
+]
+
+_MAX_BLOCK_D = 8192 if not INTERPRET else 1 << 16
+_ROWS = 1 if not INTERPRET else 32
+
+
+@triton.jit
+def _norm_kernel(
+    x_ptr, r_ptr, z_ptr, w_ptr, y_ptr, s_ptr,
+    R, stride_x, stride_r, stride_z, stride_y, stride_s, eps,
+    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+):
+    """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    NUM_CHUNKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+
+    # Pass 1: sum of squares, per-column partials over the chunks in order, then one tl.sum.
+    sq = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for c in tl.static_range(NUM_CHUNKS):
+        cc = c * BLOCK_D + cols
+        m = row_ok[:, None] & (cc < D)[None, :]
+        v = tl.load(x_ptr + rows64[:, None] * stride_x + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        if ADD_RESIDUAL:
+            v += tl.load(r_ptr + rows64[:, None] * stride_r + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(s_ptr + rows64[:, None] * stride_s + cc[None, :], v, mask=m)
+        sq += v * v
+    # IEEE sqrt and division (not the approximate GPU defaults), as torch computes them.
+    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((ROWS,), D, tl.float32))
+    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+    # Pass 2: normalise and scale (re-reads the row; a single chunk stays in cache).
+    for c in tl.static_range(NUM_CHUNKS):
+        cc = c * BLOCK_D + cols
+        m = row_ok[:, None] & (cc < D)[None, :]
+        v = tl.load(x_ptr + rows64[:, None] * stride_x + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        if ADD_RESIDUAL:
+            v += tl.load(r_ptr + rows64[:, None] * stride_r + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = 1.0 + w
+        y = (v * rstd[:, None]) * w[None, :]
+        if GATED:
+            z = tl.load(z_ptr + rows64[:, None] * stride_z + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            y = y * (z * tl.sigmoid(z))
+        tl.store(y_ptr + rows64[:, None] * stride_y + cc[None, :], y, mask=m)
+
+
+def _rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, D], got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _out(out, R, D, device, name="out"):
+    if out is None:
+        return torch.empty((R, D), dtype=torch.float32, device=device)
+    if out.shape != (R, D) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"{name} must be fp32 [{R}, {D}] with unit column stride")
+    return out
+
+
+def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=None, summed=None):
+    x = _rows_view(x, "x")
+    R, D = x.shape
+    if weight.shape != (D,):
+        raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
+    weight = weight.contiguous()
+    if residual is not None:
+        residual = _rows_view(residual, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must be {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if z is not None:
+        z = _rows_view(z, "z")
+        if z.shape != x.shape:
+            raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
+    y = _out(out, R, D, x.device)
+    if residual is not None:
+        summed = _out(summed, R, D, x.device, "summed")
+    if R == 0:
+        return y, summed
+    block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
+    r_arg = residual if residual is not None else x
+    z_arg = z if z is not None else x
+    s_arg = summed if summed is not None else y
+    num_warps = 1 if block_d <= 256 else (4 if block_d <= 2048 else 8)
+    _norm_kernel[(triton.cdiv(R, _ROWS),)](
+        x, r_arg, z_arg, weight, y, s_arg,
+        R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
+        D=D, ROWS=_ROWS, BLOCK_D=block_d,
+        ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
+        num_warps=num_warps,
+    )
+    return y, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 [B, D] = x̂ · w (or x̂ · (1 + w) when zero_centered); x [B, D] any float, w [D]."""
+    return _launch(x, weight, eps, zero_centered=zero_centered, out=out)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 zero_centered: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(normed, summed), both fp32 [B, D]: summed = x + residual in fp32, normed = rms_norm(summed)."""
+    return _launch(x, weight, eps, residual=residual, zero_centered=zero_centered)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 [R, D] = x̂ · w · silu(z) (plain weight). For per-head norms pass [B*H, D] views."""
+    return _launch(x, weight, eps, z=z, out=out)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------
+def rms_norm_ref(x, weight, eps, *, zero_centered=False):
+    xf = x.float()
+    xh = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float()
+    return xh * ((1.0 + w) if zero_centered else w)
+
+
+def add_rms_norm_ref(x, residual, weight, eps, *, zero_centered=False):
+    s = x.float() + residual.float()
+    return rms_norm_ref(s, weight, eps, zero_centered=zero_centered), s
+
+
+def gated_rms_norm_ref(x, z, weight, eps):
+    return rms_norm_ref(x, weight, eps) * torch.nn.functional.silu(z.float())
+
+
+# ----------------------------------------------------------------------------------------------
+# Self-check
+# ----------------------------------------------------------------------------------------------
+_TOL = 1e-5  # relative to max|ref|; everything is fp32 arithmetic on the same inputs
+
+
+@register_check
+def _check(device) -> list:
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    B, D, eps = 6, 333, 1e-6
+    x = (torch.randn(B, D, generator=g) * 3).to(device)
+    r = torch.randn(B, D, generator=g).to(device)
+    z = torch.randn(B, D, generator=g).to(device)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(device)
+    cases = [
+        ("rms_norm", lambda t: rms_norm(t, w, eps), lambda t: rms_norm_ref(t, w, eps)),
+        ("rms_norm zero_centered", lambda t: rms_norm(t, w - 1, eps, zero_centered=True),
+         lambda t: rms_norm_ref(t, w - 1, eps, zero_centered=True)),
+        ("add_rms_norm", lambda t: torch.cat(add_rms_norm(t[:, :D], t[:, D:], w, eps), 1),
+         lambda t: torch.cat(add_rms_norm_ref(t[:, :D], t[:, D:], w, eps), 1)),
+        ("gated_rms_norm", lambda t: gated_rms_norm(t[:, :D], t[:, D:], w, eps),
+         lambda t: gated_rms_norm_ref(t[:, :D], t[:, D:], w, eps)),
+    ]
+    inputs = {"rms_norm": x, "rms_norm zero_centered": x.bfloat16(),
+              "add_rms_norm": torch.cat([x, r], 1), "gated_rms_norm": torch.cat([x, z], 1)}
+    results = []
+    for name, run, ref in cases:
+        t = inputs[name]
+        y, yr = run(t), ref(t)
+        err = ((y - yr).abs().max() / yr.abs().max()).item()
+        results.append(CheckResult(name, f"B={B} D={D} {str(t.dtype).replace('torch.', '')}", err, _TOL,
+                                   rows_invariant(run, t), timer(lambda: run(t), warmup=1, iters=3),
+                                   note="relative to max|ref|"))
+    return results

@@ -1,0 +1,290 @@
+"""MoE routers (top-k expert selection), shared by every model family.
+
+Two routers, each a Triton kernel + launcher beside a plain-torch reference:
+
+* :func:`router_softmax_topk` — Qwen3-Next (``Qwen3NextTopKRouter``): softmax over the experts in
+  fp32, top-k, optionally renormalised to sum 1 (``norm_topk_prob``).
+* :func:`router_sigmoid_grouped` — DeepSeek-V3 / GLM-4.5 ``noaux_tc`` (``DeepseekV3TopkRouter``,
+  ``Glm4MoeTopkRouter``): sigmoid scores, selection on scores + ``e_score_correction_bias`` restricted
+  to the ``topk_group`` best of ``n_group`` expert groups, weights = the *unbiased* scores of the chosen
+  experts, renormalised (``/ (sum + 1e-20)``) when ``norm_topk_prob``, × ``routed_scaling_factor``.
+
+Both take the router linear output ``logits`` [B, E] (fp32; other float dtypes are upcast) and return
+``(weights fp32 [B, k], ids int32 [B, k])`` with the experts in descending order of the selection score,
+ties to the lower expert index (the rank order the MoE combine sums in).
+
+Dropped groups. HF transformers 5.x (the oracle; checked against 5.24) fills the biased scores of experts
+in dropped groups with ``-inf`` before the final top-k; transformers 4.x filled them with ``0.0``, which
+picks differently when biased scores are negative (a dropped expert at 0.0 beats a kept expert at < 0).
+``router_sigmoid_grouped(..., dropped=...)`` takes the fill value; the default :data:`DROPPED_SCORE`
+follows the installed oracle (``-inf``). tests/kernels/test_router.py runs HF's own router on a case
+where the two fills choose differently, so a change of HF's behaviour fails loudly.
+
+Batch invariance: one program per block of ROWS rows; every reduction is along a row (over experts);
+nothing depends on B. Selection is an iterated "max, then first index holding it, then remove it", so a
+row's result depends on that row only.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import timer
+from ds4t.kernels.registry import CheckResult, register_check
+
+DROPPED_SCORE: float = float("-inf")
+"""The biased score HF transformers 5.x gives experts of dropped groups (4.x used 0.0)."""
+
+
+def _rows_per_program() -> int:
+    # Rows per program: a fixed constant (never from B). The interpreter's cost is per program and
+    # per op, so one block of 16 rows keeps a decode batch to one or two programs.
+    return 16
+
+
+@triton.jit
+def _take_max(x, avail, cols, BIG: tl.constexpr):
+    """Per row of x [R, C] among the ``avail`` columns: (max value, first column holding it, avail
+    without that column). Works when the max is -inf (a separate mask, not a sentinel value)."""
+    m = tl.max(tl.where(avail, x, float("-inf")), axis=1)
+    idx = tl.min(tl.where(avail & (x == m[:, None]), cols[None, :], BIG), axis=1)
+    avail = avail & (cols[None, :] != idx[:, None])
+    return m, idx, avail
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    x_ptr, sx_b, w_ptr, id_ptr, B, E,
+    K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rm = r < B
+    c = tl.arange(0, BE)
+    cm = c < E
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx_b + c[None, :], mask=rm[:, None] & cm[None, :],
+                other=0.0).to(tl.float32)
+    x = tl.where(cm[None, :], x, float("-inf"))  # padded columns (rows past B hold zeros)
+    m = tl.max(x, axis=1)
+    e = tl.exp(x - m[:, None])
+    e = tl.where(cm[None, :], e, 0.0)
+    den = tl.sum(e, axis=1)
+    p = e / den[:, None]
+    # Top-k on the probabilities (HF: topk(softmax)), descending, ties to the lower index.
+    avail = cm[None, :] & (r >= 0)[:, None]
+    tot = tl.zeros([ROWS], dtype=tl.float32)
+    for j in tl.static_range(K):
+        v, idx, avail = _take_max(p, avail, c, BE)
+        tot = tot + v
+        tl.store(w_ptr + r * K + j, v, mask=rm)
+        tl.store(id_ptr + r * K + j, idx.to(tl.int32), mask=rm)
+    if RENORM:
+        for j in tl.static_range(K):
+            v = tl.load(w_ptr + r * K + j, mask=rm, other=1.0)
+            tl.store(w_ptr + r * K + j, v / tot, mask=rm)
+
+
+@triton.jit
+def _sigmoid_grouped_kernel(
+    x_ptr, sx_b, bias_ptr, w_ptr, id_ptr, B, E, GS, scaling, dropped,
+    K: tl.constexpr, NG: tl.constexpr, TOPKG: tl.constexpr, TWO: tl.constexpr, RENORM: tl.constexpr,
+    ROWS: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rm = r < B
+    c = tl.arange(0, BE)
+    cm = c < E
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx_b + c[None, :], mask=rm[:, None] & cm[None, :],
+                other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-x))
+    bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    biased = s + bias[None, :]
+    gid = c // GS
+    all_rows = (r >= 0)[:, None]
+    # Group score: sum of the two largest biased scores of each group (HF: topk(2).sum()).
+    gc = tl.arange(0, BG)
+    gscore = tl.zeros([ROWS, BG], dtype=tl.float32)
+    for g in tl.static_range(NG):
+        ing = ((gid == g) & cm)[None, :] & all_rows
+        m1, _, ing = _take_max(biased, ing, c, BE)
+        if TWO:
+            m2, _, ing = _take_max(biased, ing, c, BE)
+            m1 = m1 + m2
+        gscore = tl.where(gc[None, :] == g, m1[:, None], gscore)
+    # Keep the TOPKG best groups (ties to the lower group index).
+    gavail = (gc < NG)[None, :] & all_rows
+    keep = (c < 0)[None, :] & all_rows
+    for j in tl.static_range(TOPKG):
+        _, gi, gavail = _take_max(gscore, gavail, gc, BG)
+        keep = keep | (gid[None, :] == gi[:, None])
+    sel = tl.where(keep, biased, dropped)
+    avail = cm[None, :] & all_rows
+    tot = tl.zeros([ROWS], dtype=tl.float32)
+    for j in tl.static_range(K):
+        _, idx, avail = _take_max(sel, avail, c, BE)
+        v = tl.sum(tl.where(c[None, :] == idx[:, None], s, 0.0), axis=1)  # s[idx], exact
+        tot = tot + v
+        tl.store(w_ptr + r * K + j, v, mask=rm)
+        tl.store(id_ptr + r * K + j, idx.to(tl.int32), mask=rm)
+    for j in tl.static_range(K):
+        v = tl.load(w_ptr + r * K + j, mask=rm, other=1.0)
+        if RENORM:
+            v = v / (tot + 1e-20)
+        tl.store(w_ptr + r * K + j, v * scaling, mask=rm)
+
+
+def _prep(logits: torch.Tensor, top_k: int, out):
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, E], got {tuple(logits.shape)}")
+    B, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in 1..E={E}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if out is None:
+        w = torch.empty((B, top_k), dtype=torch.float32, device=logits.device)
+        ids = torch.empty((B, top_k), dtype=torch.int32, device=logits.device)
+    else:
+        w, ids = out
+        if w.shape != (B, top_k) or w.dtype != torch.float32 or not w.is_contiguous() or \
+                ids.shape != (B, top_k) or ids.dtype != torch.int32 or not ids.is_contiguous():
+            raise ValueError(f"out must be contiguous (fp32 [{B}, {top_k}], int32 [{B}, {top_k}])")
+    return logits, B, E, w, ids
+
+
+def router_softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, *, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router (Qwen3-Next).
+
+    logits [B, E] (fp32 router output). p = softmax(logits) in fp32; the top_k largest p in
+    descending order (ties to the lower expert index); weights = p / sum(top-k p) when ``renormalize``.
+    Returns (weights fp32 [B, top_k], ids int32 [B, top_k]) (``out`` if given).
+    """
+    logits, B, E, w, ids = _prep(logits, top_k, out)
+    if B == 0:
+        return w, ids
+    ROWS = _rows_per_program()
+    _softmax_topk_kernel[(triton.cdiv(B, ROWS),)](
+        logits, logits.stride(0), w, ids, B, E,
+        K=top_k, RENORM=bool(renormalize), ROWS=ROWS, BE=triton.next_power_of_2(E),
+    )
+    return w, ids
+
+
+def router_sigmoid_grouped(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+    *,
+    dropped: float = DROPPED_SCORE,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Grouped sigmoid router, DeepSeek-V3 / GLM-4.5 ``noaux_tc``.
+
+    logits [B, E] (fp32 router output), correction_bias [E] (``e_score_correction_bias``).
+    s = sigmoid(logits); biased = s + bias; group score = sum of the 2 largest biased scores of each of
+    the n_group contiguous groups; the topk_group best groups are kept; experts of dropped groups get the
+    selection score ``dropped`` (HF 5.x: -inf); the top_k of the selection scores are chosen (descending,
+    ties to the lower index). weights = s[ids] (unbiased), / (sum + 1e-20) when ``renormalize``, then
+    × ``scaling``. Returns (weights fp32 [B, top_k], ids int32 [B, top_k]) (``out`` if given).
+    """
+    logits, B, E, w, ids = _prep(logits, top_k, out)
+    if E % n_group != 0:
+        raise ValueError(f"E={E} is not a multiple of n_group={n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in 1..n_group={n_group}")
+    if correction_bias.shape != (E,):
+        raise ValueError(f"correction_bias must be [{E}], got {tuple(correction_bias.shape)}")
+    if B == 0:
+        return w, ids
+    ROWS = _rows_per_program()
+    _sigmoid_grouped_kernel[(triton.cdiv(B, ROWS),)](
+        logits, logits.stride(0), correction_bias.contiguous(), w, ids, B, E, E // n_group,
+        float(scaling), float(dropped),
+        K=top_k, NG=n_group, TOPKG=topk_group, TWO=E // n_group >= 2, RENORM=bool(renormalize),
+        ROWS=ROWS, BE=triton.next_power_of_2(E), BG=triton.next_power_of_2(n_group),
+    )
+    return w, ids
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _topk_first(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, descending, ties to the lower index (stable sort)."""
+    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+    return v[..., :k], i[..., :k]
+
+
+def _ret(w, ids, out):
+    if out is not None:
+        out[0].copy_(w)
+        out[1].copy_(ids)
+        return out
+    return w.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def router_softmax_topk_ref(logits, top_k, renormalize, *, out=None):
+    """Plain-torch :func:`router_softmax_topk`."""
+    p = torch.softmax(logits.float(), dim=-1)
+    w, i = _topk_first(p, top_k)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return _ret(w, i, out)
+
+
+def router_sigmoid_grouped_ref(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                               *, dropped: float = DROPPED_SCORE, out=None):
+    """Plain-torch :func:`router_sigmoid_grouped` (the HF formula, written out)."""
+    B, E = logits.shape
+    s = torch.sigmoid(logits.float())
+    biased = s + correction_bias.float()
+    grp = biased.view(B, n_group, E // n_group)
+    gscore = _topk_first(grp, min(2, E // n_group))[0].sum(dim=-1)
+    _, gi = _topk_first(gscore, topk_group)
+    gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gi, True)
+    emask = gmask[:, :, None].expand(B, n_group, E // n_group).reshape(B, E)
+    sel = biased.masked_fill(~emask, dropped)
+    _, ids = _topk_first(sel, top_k)
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    w = w * scaling
+    return _ret(w, ids, out)
+
+
+# ----------------------------------------------------------------------------- self-check
+
+
+@register_check
+def _check(device) -> List[CheckResult]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    B, E, k = 7, 10, 3
+    x = (torch.randn(B, E, generator=g) * 2).to(device)
+    bias = (torch.randn(E, generator=g) * 0.3).to(device)
+
+    def one(name, fn, ref):
+        w, i = fn(x)
+        wr, ir = ref(x)
+        err = (w - wr).abs().max().item() if torch.equal(i, ir) else math.inf
+        inv = all(torch.equal(fn(x[j : j + 1])[0][0], w[j]) and torch.equal(fn(x[j : j + 1])[1][0], i[j])
+                  for j in range(B))
+        ms = timer(lambda: fn(x), warmup=1, iters=3)
+        out.append(CheckResult(name, f"B={B} E={E} k={k}", err, 1e-6, inv, ms, note="inf if ids differ"))
+
+    one("router_softmax_topk", lambda t: router_softmax_topk(t, k, True),
+        lambda t: router_softmax_topk_ref(t, k, True))
+    one("router_sigmoid_grouped", lambda t: router_sigmoid_grouped(t, bias, k, 2, 1, True, 2.5),
+        lambda t: router_sigmoid_grouped_ref(t, bias, k, 2, 1, True, 2.5))
+    return out

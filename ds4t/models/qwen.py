@@ -1,0 +1,378 @@
+"""Qwen3-Next (``model_type`` qwen3_next): Gated DeltaNet + gated attention + MoE.
+
+Layer i is full attention iff layer_types[i] == "full_attention" (default: (i+1) %
+full_attention_interval == 0), else Gated DeltaNet. Norms are zero-centred (x̂·(1+w)).
+Projections are fused at load time: GDN in_proj_qkvz + in_proj_ba become one linear whose
+output is [q | k | v | z | b | a] (HF interleaves them per key-head group); attention q/k/v
+become one linear with output [q | gate | k | v]; the MoE router and the shared-expert gate
+become one linear [E+1, D].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from ds4t.kernels import activation, attention, conv, gdn, norm, rope
+from ds4t.models.base import CTX, StateSpec, StepBatch
+from ds4t.models.blocks import MoEWeights, RouterConfig, default_inv_freq, fused_linear, moe_block, stack_experts, swiglu
+from ds4t.models.checkpoint import CheckpointError, require, rope_params
+from ds4t.models.decoder import DecoderModel
+from ds4t.models.loading import WeightReader
+
+
+@dataclasses.dataclass
+class QwenConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: List[str]
+    eps: float
+    # gated attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    attention_bias: bool
+    # gated delta net
+    lin_k_heads: int
+    lin_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    conv_kernel: int
+    # mlp / moe
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: List[bool]
+    max_position: int
+    tie_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "QwenConfig":
+        n = require(c, "num_hidden_layers", int)
+        types = c.get("layer_types")
+        if types is None:
+            interval = c.get("full_attention_interval", 4)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+        if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
+            raise CheckpointError(f"config.json: layer_types {types!r} must list {n} of full_attention/linear_attention")
+        heads = require(c, "num_attention_heads", int)
+        hidden = require(c, "hidden_size", int)
+        head_dim = c.get("head_dim") or hidden // heads
+        rp = rope_params(c)
+        if rp["rope_type"] != "default":
+            raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for qwen3_next yet")
+        rotary = int(head_dim * rp.get("partial_rotary_factor", 1.0))
+        num_experts = c.get("num_experts", 0) or 0
+        step = c.get("decoder_sparse_step", 1) or 1
+        mlp_only = set(c.get("mlp_only_layers") or [])
+        sparse = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
+        kv = c.get("num_key_value_heads") or heads
+        if heads % kv:
+            raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
+        lk, lv = require(c, "linear_num_key_heads", int), require(c, "linear_num_value_heads", int)
+        if lv % lk:
+            raise CheckpointError(f"config.json: linear_num_value_heads {lv} not a multiple of linear_num_key_heads {lk}")
+        return cls(
+            vocab_size=require(c, "vocab_size", int), hidden_size=hidden, num_layers=n, layer_types=list(types),
+            eps=c.get("rms_norm_eps", 1e-6), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+            rotary_dim=rotary, rope_theta=float(rp["rope_theta"]), attention_bias=bool(c.get("attention_bias", False)),
+            lin_k_heads=lk, lin_v_heads=lv, lin_k_dim=require(c, "linear_key_head_dim", int),
+            lin_v_dim=require(c, "linear_value_head_dim", int), conv_kernel=c.get("linear_conv_kernel_dim", 4),
+            intermediate_size=c.get("intermediate_size", 0), num_experts=num_experts,
+            top_k=c.get("num_experts_per_tok", 0), moe_intermediate_size=c.get("moe_intermediate_size", 0),
+            shared_intermediate_size=c.get("shared_expert_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)), sparse_layers=sparse,
+            max_position=c.get("max_position_embeddings", 4096), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+
+def expected_tensors(c: QwenConfig) -> Dict[str, tuple]:
+    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
+    D = c.hidden_size
+    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    if not c.tie_embeddings:
+        t["lm_head.weight"] = (c.vocab_size, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (D,)
+        t[p + "post_attention_layernorm.weight"] = (D,)
+        if c.layer_types[i] == "linear_attention":
+            a = p + "linear_attn."
+            hk, hv, dk, dv = c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
+            t[a + "in_proj_qkvz.weight"] = (2 * hk * dk + 2 * hv * dv, D)
+            t[a + "in_proj_ba.weight"] = (2 * hv, D)
+            t[a + "conv1d.weight"] = (c.conv_dim, 1, c.conv_kernel)
+            t[a + "A_log"] = (hv,)
+            t[a + "dt_bias"] = (hv,)
+            t[a + "norm.weight"] = (dv,)
+            t[a + "out_proj.weight"] = (D, hv * dv)
+        else:
+            a = p + "self_attn."
+            H, KV, hd = c.num_heads, c.num_kv_heads, c.head_dim
+            t[a + "q_proj.weight"] = (2 * H * hd, D)
+            t[a + "k_proj.weight"] = (KV * hd, D)
+            t[a + "v_proj.weight"] = (KV * hd, D)
+            t[a + "o_proj.weight"] = (D, H * hd)
+            if c.attention_bias:
+                t[a + "q_proj.bias"], t[a + "k_proj.bias"] = (2 * H * hd,), (KV * hd,)
+                t[a + "v_proj.bias"], t[a + "o_proj.bias"] = (KV * hd,), (D,)
+            t[a + "q_norm.weight"] = (hd,)
+            t[a + "k_norm.weight"] = (hd,)
+        m = p + "mlp."
+        if c.sparse_layers[i]:
+            E, I = c.num_experts, c.moe_intermediate_size
+            t[m + "gate.weight"] = (E, D)
+            for e in range(E):
+                t[m + f"experts.{e}.gate_proj.weight"] = (I, D)
+                t[m + f"experts.{e}.up_proj.weight"] = (I, D)
+                t[m + f"experts.{e}.down_proj.weight"] = (D, I)
+            if c.shared_intermediate_size:
+                Is = c.shared_intermediate_size
+                t[m + "shared_expert.gate_proj.weight"] = (Is, D)
+                t[m + "shared_expert.up_proj.weight"] = (Is, D)
+                t[m + "shared_expert.down_proj.weight"] = (D, Is)
+                t[m + "shared_expert_gate.weight"] = (1, D)
+        else:
+            I = c.intermediate_size
+            t[m + "gate_proj.weight"] = (I, D)
+            t[m + "up_proj.weight"] = (I, D)
+            t[m + "down_proj.weight"] = (D, I)
+    return t
+
+
+def _gdn_row_order(c: QwenConfig):
+    """Row permutations turning HF's per-key-head-group interleave into [q|k|v|z] and [b|a]."""
+    hk, dk, dv, r = c.lin_k_heads, c.lin_k_dim, c.lin_v_dim, c.lin_v_heads // c.lin_k_heads
+    group = 2 * dk + 2 * r * dv
+    q = [g * group + j for g in range(hk) for j in range(dk)]
+    k = [g * group + dk + j for g in range(hk) for j in range(dk)]
+    v = [g * group + 2 * dk + j for g in range(hk) for j in range(r * dv)]
+    z = [g * group + 2 * dk + r * dv + j for g in range(hk) for j in range(r * dv)]
+    b = [g * 2 * r + j for g in range(hk) for j in range(r)]
+    a = [g * 2 * r + r + j for g in range(hk) for j in range(r)]
+    return torch.tensor(q + k + v + z), torch.tensor(b + a)
+
+
+def _q_gate_order(c: QwenConfig):
+    """HF q_proj emits [q_h | gate_h] per head; reorder rows to [q all heads | gate all heads]."""
+    H, hd = c.num_heads, c.head_dim
+    q = [h * 2 * hd + j for h in range(H) for j in range(hd)]
+    g = [h * 2 * hd + hd + j for h in range(H) for j in range(hd)]
+    return torch.tensor(q + g)
+
+
+class QwenModel(DecoderModel):
+    family = "qwen3_next"
+    zero_centered_norms = True
+
+    def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
+        self.cfg = c = QwenConfig.from_dict(cfg)
+        self.name, self.device, self.dtype = name, torch.device(device), dtype
+        self.vocab_size, self.max_position = c.vocab_size, c.max_position
+        self.num_layers, self.eps = c.num_layers, c.eps
+        get = WeightReader(source, expected_tensors(c), self.device, dtype, ignore_prefixes=("mtp.",), progress=progress)
+        f32 = torch.float32
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_embeddings else get("lm_head.weight")
+        self.final_norm = get("model.norm.weight", f32)
+        self.input_norms, self.post_norms, self.layers = [], [], []
+        qkvz_order, ba_order = _gdn_row_order(c)
+        qg_order = _q_gate_order(c)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            self.input_norms.append(get(p + "input_layernorm.weight", f32))
+            self.post_norms.append(get(p + "post_attention_layernorm.weight", f32))
+            L: Dict[str, object] = {}
+            if c.layer_types[i] == "linear_attention":
+                a = p + "linear_attn."
+                qkvz = get(a + "in_proj_qkvz.weight")[qkvz_order.to(self.device)]
+                ba = get(a + "in_proj_ba.weight")[ba_order.to(self.device)]
+                L["w_in"] = torch.cat([qkvz, ba]).contiguous()
+                L["conv_w"] = get(a + "conv1d.weight", f32).squeeze(1).contiguous()
+                L["A_log"] = get(a + "A_log", f32)
+                L["dt_bias"] = get(a + "dt_bias", f32)
+                L["norm_w"] = get(a + "norm.weight", f32)
+                L["w_out"] = get(a + "out_proj.weight")
+            else:
+                a = p + "self_attn."
+                q = get(a + "q_proj.weight")[qg_order.to(self.device)]
+                L["w_qkv"] = torch.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]).contiguous()
+                L["b_qkv"] = None
+                L["b_o"] = None
+                if c.attention_bias:
+                    qb = get(a + "q_proj.bias", f32)[qg_order.to(self.device)]
+                    L["b_qkv"] = torch.cat([qb, get(a + "k_proj.bias", f32), get(a + "v_proj.bias", f32)])
+                    L["b_o"] = get(a + "o_proj.bias", f32)
+                L["w_o"] = get(a + "o_proj.weight")
+                L["q_norm"] = get(a + "q_norm.weight", f32)
+                L["k_norm"] = get(a + "k_norm.weight", f32)
+            m = p + "mlp."
+            if c.sparse_layers[i]:
+                wg, wu, wd = stack_experts(get, m + "experts", c.num_experts)
+                router_w = get(m + "gate.weight")
+                moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd)
+                if c.shared_intermediate_size:
+                    moe_w.router = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
+                    moe_w.shared_gate_up = torch.cat(
+                        [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")]).contiguous()
+                    moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
+                    moe_w.shared_gated = True
+                L["moe"] = moe_w
+            else:
+                L["mlp_gate_up"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous()
+                L["mlp_down"] = get(m + "down_proj.weight")
+            self.layers.append(L)
+        get.finish()
+        self.router_cfg = RouterConfig("softmax", c.num_experts, c.top_k, c.norm_topk_prob)
+        self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
+        super().__init__()
+
+    # -- state -------------------------------------------------------------------------------
+    def state_specs(self) -> Dict[str, StateSpec]:
+        c, f32 = self.cfg, torch.float32
+        s = {}
+        for i, kind in enumerate(c.layer_types):
+            if kind == "linear_attention":
+                s[f"layers.{i}.conv"] = StateSpec((c.conv_dim, c.conv_kernel - 1), f32)
+                s[f"layers.{i}.recurrent"] = StateSpec((c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f32)
+            else:
+                s[f"layers.{i}.k"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
+                s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
+        return s
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        p = self.common_parameters()
+        for i, L in enumerate(self.layers):
+            for k, v in L.items():
+                if isinstance(v, torch.Tensor):
+                    p[f"layers.{i}.{k}"] = v
+                elif isinstance(v, MoEWeights):
+                    for f in dataclasses.fields(v):
+                        t = getattr(v, f.name)
+                        if isinstance(t, torch.Tensor):
+                            p[f"layers.{i}.moe.{f.name}"] = t
+        return p
+
+    # -- compute -----------------------------------------------------------------------------
+    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        if self.cfg.layer_types[i] == "linear_attention":
+            return self._gated_deltanet(i, x, batch)
+        return self._gated_attention(i, x, batch)
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        L = self.layers[i]
+        if "moe" in L:
+            return moe_block(x, L["moe"], self.router_cfg)
+        return swiglu(x, L["mlp_gate_up"], L["mlp_down"])
+
+    def _gated_attention(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        c, L = self.cfg, self.layers[i]
+        R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = fused_linear(x, L["w_qkv"], L["b_qkv"])
+        q = qkv[:, : H * hd].reshape(R * H, hd)
+        gate = qkv[:, H * hd: 2 * H * hd].contiguous()
+        k = qkv[:, 2 * H * hd: 2 * H * hd + KV * hd].reshape(R * KV, hd)
+        v = qkv[:, 2 * H * hd + KV * hd:].reshape(R, KV, hd)
+        q = norm.rms_norm(q, L["q_norm"], c.eps, zero_centered=True).view(R, H, hd)
+        k = norm.rms_norm(k, L["k_norm"], c.eps, zero_centered=True).view(R, KV, hd)
+        q = rope.rope(q, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)
+        k = rope.rope(k, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)
+        kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
+        attention.write_kv(k, v, kc, vc, batch.slots, batch.positions)
+        o = attention.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5)
+        o = activation.sigmoid_mul(o.reshape(R, H * hd), gate)
+        return fused_linear(o, L["w_o"], L["b_o"])
+
+    def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        c, L = self.cfg, self.layers[i]
+        R, hk, hv, dk, dv = x.shape[0], c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
+        cd = c.conv_dim
+        proj = fused_linear(x, L["w_in"])
+        mixed = proj[:, :cd].contiguous()
+        z = proj[:, cd: cd + hv * dv]
+        b = proj[:, cd + hv * dv: cd + hv * dv + hv].contiguous()
+        a = proj[:, cd + hv * dv + hv:].contiguous()
+        conv_state = self.pool.tensors[f"layers.{i}.conv"]
+        rec = self.pool.tensors[f"layers.{i}.recurrent"]
+
+        def split(m):
+            n = m.shape[0]
+            q = m[:, : hk * dk].reshape(n, hk, dk)
+            k = m[:, hk * dk: 2 * hk * dk].reshape(n, hk, dk)
+            v = m[:, 2 * hk * dk:].reshape(n, hv, dv)
+            return q, k, v
+
+        if batch.all_single:
+            mixed = conv.conv1d_update(mixed, conv_state, L["conv_w"], batch.slots)
+            q, k, v = split(mixed)
+            o = gdn.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots)
+        else:
+            o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
+            singles = [s.start_row for s in batch.segments if s.n == 1]
+            if singles:
+                idx = torch.tensor(singles, device=x.device)
+                m1 = conv.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
+                q, k, v = split(m1)
+                o[idx] = gdn.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
+            for s in batch.segments:
+                if s.n == 1:
+                    continue
+                rows = slice(s.start_row, s.start_row + s.n)
+                m1 = conv.conv1d_prefill(mixed[rows], conv_state, L["conv_w"], s.slot)
+                q, k, v = split(m1)
+                o[rows] = gdn.gdn_prefill(q, k, v, a[rows], b[rows], L["A_log"], L["dt_bias"], rec, s.slot)
+        y = norm.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), L["norm_w"], c.eps)
+        return fused_linear(y.view(R, hv * dv), L["w_out"])
+
+
+def preset_config(name: str) -> dict:
+    """HF-style config dicts for the built-in Qwen3-Next presets."""
+    if name == "tiny-qwen":
+        return dict(
+            # Two layers (one of each mixer) keep the CPU demo fast in the Triton interpreter.
+            model_type="qwen3_next", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            tie_word_embeddings=False)
+    if name == "qwen3-next-80b-4l":
+        # Qwen3-Next-80B-A3B layer dimensions, 4 layers (3 Gated DeltaNet + 1 gated attention).
+        return dict(
+            model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+            num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+            max_position_embeddings=262144, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            tie_word_embeddings=False)
+    raise KeyError(name)
+
+
+def preset_init(name: str, shape, g: torch.Generator) -> torch.Tensor:
+    """Random weights that keep activations O(1) through the stack."""
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.0, 2.5, generator=g)
+    if name.endswith("dt_bias"):
+        return torch.empty(shape).uniform_(-1.0, 1.0, generator=g)
+    if name.endswith("linear_attn.norm.weight"):  # the one plain (not zero-centred) norm
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if len(shape) == 1:  # zero-centred norm weights: gain 1 + w
+        return 0.1 * torch.randn(shape, generator=g)
+    fan_in = shape[-1]
+    return torch.randn(shape, generator=g) * (fan_in ** -0.5)

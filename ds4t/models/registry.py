@@ -1,0 +1,95 @@
+"""Model families by ``model_type`` and built-in presets; ``load`` builds a model from either."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ds4t.backend import default_device
+from ds4t.models.checkpoint import CheckpointError, TensorSource, parse_dtype, read_config
+from ds4t.models.loading import PresetSource
+
+
+def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
+    """model_type -> (model class, config parser, expected_tensors, preset_init)."""
+    from ds4t.models import qwen
+
+    fam = {"qwen3_next": (qwen.QwenModel, qwen.QwenConfig.from_dict, qwen.expected_tensors, qwen.preset_init)}
+    try:
+        from ds4t.models import deepseek
+
+        fam["deepseek_v3"] = (deepseek.DeepseekModel, deepseek.DeepseekConfig.from_dict,
+                              deepseek.expected_tensors, deepseek.preset_init)
+    except ImportError:
+        pass
+    try:
+        from ds4t.models import glm
+
+        fam["glm4_moe"] = (glm.GlmModel, glm.GlmConfig.from_dict, glm.expected_tensors, glm.preset_init)
+    except ImportError:
+        pass
+    return fam
+
+
+def _preset_configs() -> Dict[str, dict]:
+    from ds4t.models import qwen
+
+    out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l")}
+    for mod_name in ("deepseek", "glm"):
+        try:
+            mod = __import__(f"ds4t.models.{mod_name}", fromlist=["PRESETS"])
+        except ImportError:
+            continue
+        for n in getattr(mod, "PRESETS", ()):
+            out[n] = mod.preset_config(n)
+    return out
+
+
+def presets() -> list:
+    return sorted(_preset_configs())
+
+
+def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0):
+    """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
+
+    device: "cuda" when a GPU is present, else "cpu" (default). dtype: torch dtype or name
+    ("bf16", "fp16", "fp32"); default: the checkpoint's ``torch_dtype``/``dtype`` (presets: fp32
+    for tiny-*, bf16 for the full-size presets). Tensors stored in another dtype are cast.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = parse_dtype(dtype)
+    families = _families()
+    configs = _preset_configs()
+    if path_or_preset in configs:
+        cfg = configs[path_or_preset]
+        model_cls, parse, expected, init = families[cfg["model_type"]]
+        source = PresetSource(expected(parse(cfg)), init, seed, origin=f"preset {path_or_preset}")
+        name = path_or_preset
+        if dtype is None:
+            dtype = torch.float32 if path_or_preset.startswith("tiny-") else torch.bfloat16
+        tokenizer = None
+    elif os.path.isdir(str(path_or_preset)):
+        path = str(path_or_preset)
+        cfg = read_config(path)
+        mt = cfg.get("model_type")
+        if mt not in families:
+            raise CheckpointError(f"{path}/config.json: model_type {mt!r} is not supported "
+                                  f"(supported: {sorted(families)})")
+        model_cls = families[mt][0]
+        source = TensorSource.from_dir(path)
+        name = os.path.abspath(path)
+        if dtype is None:
+            dtype = parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        tokenizer = None
+        tok_path = os.path.join(path, "tokenizer.json")
+        if os.path.exists(tok_path):
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(tok_path)
+    else:
+        raise CheckpointError(
+            f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
+    model = model_cls(cfg, source, device, dtype, name=name, progress=progress)
+    model.tokenizer = tokenizer
+    return model

@@ -1,0 +1,250 @@
+"""write_kv and split-KV decode attention: reference, splits, NaN leaks, batch invariance."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ds4t.kernels.attention import (
+    decode_attention,
+    decode_attention_ref,
+    default_split_size,
+    write_kv,
+    write_kv_ref,
+)
+from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (atol, rtol) of the kernel against the fp32 reference on the same (already rounded) cache:
+# the math is fp32 in every case (16-bit caches via hi/lo-split dots), so only rounding order
+# differs; outputs are O(1).
+TOL = {
+    torch.float32: (2e-6, 1e-5),
+    torch.bfloat16: (2e-5, 1e-4),
+    torch.float16: (1e-5, 1e-4),
+}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _cache(S, L, HKV, D, DV, dtype, device, g):
+    kc = torch.randn(S, L, HKV, D, generator=g).to(dtype).to(device)
+    vc = torch.randn(S, L, HKV, DV, generator=g).to(dtype).to(device)
+    return kc, vc
+
+
+def _run(q, kc, vc, slots, lengths, scale, **kw):
+    B, HQ, _ = q.shape
+    out = poisoned((B, HQ, vc.shape[3]), device=q.device)
+    res = decode_attention(q, kc, vc, slots, lengths, scale, out=out, **kw)
+    assert res is out
+    return res
+
+
+def _assert_close(got, ref, dtype):
+    atol, rtol = TOL[dtype]
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+# (Hq, Hkv, D, Dv): GQA with non-power-of-two dims, MQA, MHA with D != Dv
+SHAPES = [(6, 2, 48, 48), (4, 1, 80, 80), (3, 3, 16, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq%d-Hkv%d-D%d-Dv%d" % s)
+def test_matches_reference(device, dtype, shape):
+    HQ, HKV, D, DV = shape
+    g = _gen(1)
+    S, L = 4, 70                        # capacity not a multiple of the split size
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    # lengths 1, capacity, split boundaries (32, 33), and odd ones
+    slots = torch.tensor([2, 0, 3, 1, 2, 0], dtype=torch.int32, device=device)
+    lengths = torch.tensor([1, 70, 33, 32, 5, 51], dtype=torch.int32, device=device)
+    q = (torch.randn(6, HQ, D, generator=g) * 2).to(device)   # peaky softmax too
+    scale = 1 / math.sqrt(D)
+    got = _run(q, kc, vc, slots, lengths, scale, split_size=32)
+    ref = decode_attention_ref(q, kc, vc, slots, lengths, scale)
+    _assert_close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_split_sizes_agree(device, dtype):
+    HQ, HKV, D, DV = 6, 2, 48, 48
+    g = _gen(2)
+    S, L = 3, 100
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    slots = torch.tensor([1, 0, 2, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([100, 17, 64, 1], dtype=torch.int32, device=device)
+    q = torch.randn(4, HQ, D, generator=g).to(device)
+    scale = 0.2
+    ref = decode_attention_ref(q, kc, vc, slots, lengths, scale)
+    outs = {sp: _run(q, kc, vc, slots, lengths, scale, split_size=sp) for sp in (16, 64, 128, None)}
+    for sp, o in outs.items():
+        _assert_close(o, ref, dtype)
+        _assert_close(o, outs[16], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_garbage_beyond_length_never_leaks(device, dtype):
+    """NaN / Inf in cache positions >= lengths[b] (and in unused slots) change no output bit."""
+    HQ, HKV, D, DV = 4, 2, 48, 80
+    g = _gen(3)
+    S, L = 4, 50
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([1, 50, 21], dtype=torch.int32, device=device)
+    q = torch.randn(3, HQ, D, generator=g).to(device)
+    clean = _run(q, kc, vc, slots, lengths, 0.15, split_size=16)
+    kp, vp = kc.clone(), vc.clone()
+    kp[2] = float("nan")
+    vp[2] = float("inf")
+    for s, n in zip(slots.tolist(), lengths.tolist()):
+        kp[s, n:] = float("nan")
+        vp[s, n:] = float("nan")
+    dirty = _run(q, kp, vp, slots, lengths, 0.15, split_size=16)
+    assert torch.equal(clean, dirty)
+    _assert_close(dirty, decode_attention_ref(q, kc, vc, slots, lengths, 0.15), dtype)
+
+
+def test_prefill_rows_are_causal_attention(device):
+    """T rows of one slot with lengths start+1..start+T == causal attention over the slot."""
+    HQ, HKV, D = 4, 2, 32
+    g = _gen(4)
+    S, L, start, T = 2, 40, 7, 25
+    kc, vc = _cache(S, L, HKV, D, D, torch.float32, device, g)
+    q = torch.randn(T, HQ, D, generator=g).to(device)
+    slots = torch.full((T,), 1, dtype=torch.int32, device=device)
+    lengths = torch.arange(start + 1, start + T + 1, dtype=torch.int32, device=device)
+    got = _run(q, kc, vc, slots, lengths, D ** -0.5, split_size=16)
+    k = kc[1, : start + T].permute(1, 0, 2).repeat_interleave(HQ // HKV, 0)   # [HQ, n, D]
+    v = vc[1, : start + T].permute(1, 0, 2).repeat_interleave(HQ // HKV, 0)
+    mask = torch.arange(start + T)[None, :] <= (start + torch.arange(T))[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 0, 2), k, v, attn_mask=mask.to(device), scale=D ** -0.5).permute(1, 0, 2)
+    _assert_close(got, ref, torch.float32)
+
+
+def test_length_zero_row_is_zero_and_tiny_head_dim(device):
+    g = _gen(5)
+    kc, vc = _cache(2, 20, 1, 8, 8, torch.float32, device, g)     # D = 8 < 16: padded dot operands
+    q = torch.randn(2, 2, 8, generator=g).to(device)
+    out = _run(q, kc, vc, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32), 0.25,
+               split_size=16)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    _assert_close(out[1:], decode_attention_ref(q[1:], kc, vc, torch.tensor([1]), torch.tensor([20]), 0.25),
+                  torch.float32)
+
+
+def test_bad_arguments(device):
+    kc = torch.randn(2, 16, 2, 16)
+    vc = torch.randn(2, 16, 2, 16)
+    ok = dict(slots=torch.zeros(1, dtype=torch.int32), lengths=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(torch.randn(1, 3, 16), kc, vc, scale=1.0, **ok)
+    with pytest.raises(ValueError, match="split_size"):
+        decode_attention(torch.randn(1, 4, 16), kc, vc, scale=1.0, split_size=48, **ok)
+    with pytest.raises(TypeError):
+        decode_attention(torch.randn(1, 4, 16), kc, vc.bfloat16(), scale=1.0, **ok)
+
+
+def test_default_split_size_depends_on_head_dims_only():
+    assert default_split_size(256, 256, torch.bfloat16) == 256
+    assert default_split_size(128, 128, torch.bfloat16) == 512
+    assert default_split_size(128, 128, torch.float32) == 256
+
+
+# ----------------------------------------------------------------------------- write_kv
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_write_kv_round_trip(device, dtype):
+    g = _gen(6)
+    S, L, HKV, D, DV = 3, 9, 3, 20, 12
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    kc0, vc0 = kc.clone(), vc.clone()
+    B = 5
+    k = torch.randn(B, HKV, D, generator=g)
+    # exact bf16 / fp16 rounding ties in k
+    bits = k.view(torch.int32)
+    k[0] = ((bits[0] & ~0xFFFF) | 0x8000).view(torch.float32)
+    k[1] = ((bits[1] & ~0x1FFF) | 0x1000).view(torch.float32)
+    v = torch.randn(B, HKV, DV, generator=g)
+    slots = torch.tensor([0, 2, 2, 1, 0], dtype=torch.int32)
+    pos = torch.tensor([0, 8, 3, 4, 8], dtype=torch.int64)
+    write_kv(k.to(device), v.to(device), kc, vc, slots.to(device), pos.to(device))
+    kr, vr = kc0.clone(), vc0.clone()
+    write_kv_ref(k, v, kr, vr, slots, pos)
+    assert torch.equal(kc.cpu(), kr.cpu()) and torch.equal(vc.cpu(), vr.cpu())
+    assert torch.equal(kc[2, 8], k[1].to(dtype)) and torch.equal(vc[0, 0], v[0].to(dtype))
+
+
+def test_write_kv_strided_input_and_out_of_range_rows(device):
+    g = _gen(7)
+    kc, vc = _cache(2, 4, 2, 8, 8, torch.bfloat16, device, g)
+    before_k, before_v = kc.clone(), vc.clone()
+    kv = torch.randn(3, 2, 16, generator=g).to(device)        # k, v as views of one projection
+    k, v = kv[..., :8], kv[..., 8:]
+    slots = torch.tensor([1, 5, 0], dtype=torch.int32)       # slot 5 does not exist: dropped
+    pos = torch.tensor([3, 0, 4], dtype=torch.int32)         # position 4 == L: dropped
+    write_kv(k, v, kc, vc, slots, pos)
+    before_k[1, 3] = k[0].bfloat16()
+    before_v[1, 3] = v[0].bfloat16()
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
+
+
+def test_write_then_attend(device):
+    """Decode loop: write the token's k/v, then attend over lengths = pos + 1."""
+    g = _gen(8)
+    HQ, HKV, D = 4, 2, 16
+    kc = poisoned((2, 12, HKV, D), torch.bfloat16, device)
+    vc = poisoned((2, 12, HKV, D), torch.bfloat16, device)
+    ks = torch.randn(12, HKV, D, generator=g)
+    vs = torch.randn(12, HKV, D, generator=g)
+    slot = torch.tensor([1], dtype=torch.int32)
+    for t in range(12):
+        write_kv(ks[t:t + 1], vs[t:t + 1], kc, vc, slot, torch.tensor([t], dtype=torch.int32))
+    q = torch.randn(1, HQ, D, generator=g)
+    got = _run(q, kc, vc, slot, torch.tensor([12], dtype=torch.int32), 0.3, split_size=16)
+    k = ks.bfloat16().float().repeat_interleave(2, 1)
+    v = vs.bfloat16().float().repeat_interleave(2, 1)
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q[0], k) * 0.3, -1)
+    _assert_close(got[0], torch.einsum("hn,nhd->hd", p, v), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- batch invariance
+
+_POOL = 33
+_S, _L = 5, 48
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """33 rows of q over one bf16 MQA cache (L = 48: two splits of 32, the second partial)."""
+    g = _gen(9)
+    HQ, HKV, D = 4, 1, 32
+    kc, vc = _cache(_S, _L, HKV, D, D, torch.bfloat16, "cpu", g)
+    q = torch.randn(_POOL, HQ, D, generator=g)
+    return kc, vc, q
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_rows_batch_invariant(pool, data):
+    """Row i among B rows (random slots, lengths 1..L, random order) == row i alone, bitwise."""
+    kc, vc, q = pool
+    slots = torch.tensor(data.draw(st.lists(st.integers(0, _S - 1), min_size=_POOL, max_size=_POOL), label="slots"),
+                         dtype=torch.int32)
+    lengths = torch.tensor(data.draw(st.lists(st.integers(1, _L), min_size=_POOL, max_size=_POOL), label="lengths"),
+                           dtype=torch.int32)
+    B = data.draw(st.integers(1, _POOL), label="B")
+    rows = data.draw(st.permutations(range(_POOL)), label="order")[:B]
+    i = data.draw(st.integers(0, B - 1), label="i")
+
+    def run(r):
+        idx = torch.tensor(r, dtype=torch.long)
+        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=32)
+
+    assert_rows_invariant(run, rows, i)

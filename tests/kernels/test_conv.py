@@ -1,0 +1,155 @@
+"""ds4t.kernels.conv: depthwise causal conv1d with per-session state (decode and prefill)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds4t.backend import INTERPRET
+from ds4t.kernels.conv import conv1d_prefill, conv1d_prefill_ref, conv1d_update, conv1d_update_ref
+from tests.kernels.invariance import poisoned
+
+# Inputs of every dtype are upcast to fp32 exactly, in the kernel and in the reference alike, and
+# all arithmetic is fp32: the only differences are exp() implementations (silu) -> tight for all.
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-5, rtol=1e-5),
+}
+S = 7  # slots in the pool
+
+
+def _params(C, W, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(C, W, generator=g) * 0.5).to(device=device, dtype=dtype)
+    bias = (torch.randn(C, generator=g) * 0.3).to(device=device, dtype=dtype)
+    state0 = torch.randn(S, C, W - 1, generator=g).to(device)
+    return g, w, bias, state0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("C,W", [(200, 4), (200, 3), (37, 2)])
+@pytest.mark.parametrize("use_bias,silu", [(True, True), (False, False)])
+def test_update_matches_reference(device, dtype, C, W, use_bias, silu):
+    g, w, bias, state0 = _params(C, W, dtype, device)
+    bias = bias if use_bias else None
+    x = torch.randn(5, C, generator=g).to(device=device, dtype=dtype)
+    slots = torch.tensor([4, 0, 6, 2, 3], dtype=torch.int32, device=device)
+    st_k, st_r = state0.clone(), state0.clone()
+    out = poisoned((5, C), device=device)
+    res = conv1d_update(x, st_k, w, slots, bias=bias, silu=silu, out=out)
+    assert res is out
+    ref = conv1d_update_ref(x, st_r, w, slots, bias=bias, silu=silu)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    # State after the call: the named slots shifted with x appended, the others untouched, exactly.
+    assert torch.equal(st_k, st_r)
+    assert torch.equal(st_k[[1, 5]], state0[[1, 5]])
+    assert torch.equal(st_k[slots.long(), :, -1], x.float())
+
+
+def test_update_noncontiguous_inputs(device):
+    # x as a column slice of a wider activation (as after a split), weight as a squeezed [C,1,W].
+    C, W = 200, 4
+    g, w, bias, state0 = _params(C, W, torch.float32, device)
+    wide = torch.randn(3, C + 50, generator=g).to(device)
+    x = wide[:, 50:]
+    w3 = w.unsqueeze(1).contiguous()
+    slots = torch.tensor([1, 4, 2], dtype=torch.int32, device=device)
+    st_k, st_r = state0.clone(), state0.clone()
+    out = conv1d_update(x, st_k, w3.squeeze(1), slots, bias=bias)
+    ref = conv1d_update_ref(x.contiguous(), st_r, w, slots, bias=bias)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    assert torch.equal(st_k, st_r)
+
+
+@pytest.mark.parametrize(
+    "dtype,C,W,T,fresh",
+    [(dt, 200, W, T, False) for dt in (torch.float32, torch.bfloat16) for W in (4, 3) for T in (1, 2, 9)]
+    + [(torch.float32, 200, 4, 2, True), (torch.bfloat16, 200, 3, 9, True),
+       (torch.float32, 200, 4, 70, False)],  # T=70 spans two token tiles in the interpreter
+)
+def test_prefill_matches_reference_and_decodes(device, dtype, C, W, T, fresh):
+    g, w, bias, state0 = _params(C, W, dtype, device, seed=T)
+    if fresh:
+        state0[3] = 0.0  # a new session starts from zeros
+    x = torch.randn(T, C, generator=g).to(device=device, dtype=dtype)
+    st_k, st_r, st_d = state0.clone(), state0.clone(), state0.clone()
+    out = poisoned((T, C), device=device)
+    conv1d_prefill(x, st_k, w, 3, bias=bias, out=out)
+    ref = conv1d_prefill_ref(x, st_r, w, 3, bias=bias)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert torch.equal(st_k, st_r)
+    # history kept when T < W-1
+    hist = torch.cat([state0[3], x.float().t()], dim=1)[:, -(W - 1):]
+    assert torch.equal(st_k[3], hist)
+    # T successive decode steps: bitwise in the interpreter (same expression, same order)
+    one = torch.tensor([3], dtype=torch.int32, device=device)
+    dec = torch.stack([conv1d_update(x[t : t + 1], st_d, w, one, bias=bias)[0] for t in range(T)])
+    if INTERPRET:
+        assert torch.equal(out, dec)
+    else:
+        torch.testing.assert_close(out, dec, atol=1e-6, rtol=1e-6)
+    assert torch.equal(st_k, st_d)
+
+
+def _hf():
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    upd = getattr(m, "torch_causal_conv1d_update", None) or m.causal_conv1d_update
+    fn = getattr(m, "torch_causal_conv1d_fn", None) or m.causal_conv1d_fn
+    return upd, fn
+
+
+@pytest.mark.parametrize("W", [4, 3])
+def test_reference_matches_hf(W):
+    hf_update, hf_fn = _hf()
+    C, B, T = 200, 4, 6
+    g, w, bias, state0 = _params(C, W, torch.float32, "cpu")
+    x = torch.randn(B, C, generator=g)
+    slots = torch.tensor([5, 1, 0, 3], dtype=torch.int32)
+    st_r = state0.clone()
+    ref = conv1d_update_ref(x, st_r, w, slots, bias=bias)
+    hf_state = state0[slots.long()].clone()
+    hf = hf_update(x[:, :, None], hf_state, w, bias, "silu")[:, :, 0]
+    torch.testing.assert_close(ref, hf, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st_r[slots.long()], hf_state, atol=0, rtol=0)
+    # prefill of a fresh session == HF's full causal conv
+    xs = torch.randn(T, C, generator=g)
+    st_p = torch.zeros(1, C, W - 1)
+    ref_p = conv1d_prefill_ref(xs, st_p, w, 0, bias=bias)
+    hf_p = hf_fn(xs.t()[None], w, bias, activation="silu")[0].t()
+    torch.testing.assert_close(ref_p, hf_p, atol=1e-5, rtol=1e-5)
+
+
+POOL = 40
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    perm=st.permutations(list(range(POOL))),
+    n=st.integers(1, 33),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    W=st.sampled_from([3, 4]),
+)
+def test_rows_batch_invariant(perm, n, dtype, W):
+    """Each row's output and its slot's new state are bitwise the same in a batch and alone."""
+    device = "cpu" if INTERPRET else "cuda"
+    C = 200
+    g = torch.Generator().manual_seed(n * 7 + W)
+    w = (torch.randn(C, W, generator=g) * 0.5).to(device=device, dtype=dtype)
+    bias = (torch.randn(C, generator=g) * 0.3).to(device=device, dtype=dtype)
+    state0 = torch.randn(POOL, C, W - 1, generator=g).to(device)
+    xpool = torch.randn(POOL, C, generator=g).to(device=device, dtype=dtype)
+    slots = torch.tensor(perm[:n], dtype=torch.int32, device=device)
+
+    st_b = state0.clone()
+    out_b = poisoned((n, C), device=device)
+    conv1d_update(xpool[slots.long()], st_b, w, slots, bias=bias, out=out_b)
+    untouched = sorted(set(range(POOL)) - set(perm[:n]))
+    assert torch.equal(st_b[untouched], state0[untouched])
+    for i in range(n):
+        s = perm[i]
+        st_a = state0.clone()
+        out_a = poisoned((1, C), device=device)
+        conv1d_update(xpool[s : s + 1], st_a, w, slots[i : i + 1], bias=bias, out=out_a)
+        assert torch.equal(out_a[0], out_b[i]), f"row {i} (slot {s}) output differs in batch of {n}"
+        assert torch.equal(st_a[s], st_b[s]), f"row {i} (slot {s}) state differs in batch of {n}"

@@ -1,0 +1,189 @@
+"""ds4t.kernels.gdn: gated delta rule recurrence (decode and prefill) with per-session state."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds4t.backend import INTERPRET
+from ds4t.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from tests.kernels.invariance import poisoned
+
+# Inputs of every dtype are upcast to fp32 exactly (kernel and reference alike) and the state is
+# fp32, so the tolerance is fp32 summation-order noise for every input dtype.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-5, rtol=1e-5),
+}
+SHAPES = [(2, 4, 16, 24), (3, 3, 32, 32)]  # (Hk, Hv, Dk, Dv)
+S = 7  # slots in the pool
+
+
+def _params(Hv, Dk, Dv, device, seed=0, pool=S):
+    g = torch.Generator().manual_seed(seed)
+    A_log = (torch.rand(Hv, generator=g) * 3 - 1.5).to(device)     # A in (0.22, 4.5)
+    dt_bias = (torch.randn(Hv, generator=g) * 0.5).to(device)
+    state0 = (torch.randn(pool, Hv, Dk, Dv, generator=g) * 0.3).to(device)
+    return g, A_log, dt_bias, state0
+
+
+def _inputs(g, R, Hk, Hv, Dk, Dv, dtype, device):
+    q = torch.randn(R, Hk, Dk, generator=g)
+    k = torch.randn(R, Hk, Dk, generator=g)
+    v = torch.randn(R, Hv, Dv, generator=g)
+    a = torch.randn(R, Hv, generator=g) * 2
+    b = torch.randn(R, Hv, generator=g) * 2
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, a, b)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)
+def test_decode_matches_reference(device, dtype, Hk, Hv, Dk, Dv):
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device)
+    B = 5
+    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, dtype, device)
+    slots = torch.tensor([4, 0, 6, 2, 3], dtype=torch.int32, device=device)
+    st_k, st_r = state0.clone(), state0.clone()
+    out = poisoned((B, Hv, Dv), device=device)
+    res = gdn_decode(q, k, v, a, b, A_log, dt_bias, st_k, slots, out=out)
+    assert res is out
+    ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, st_r, slots)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(st_k, st_r, **TOL[dtype])
+    assert torch.equal(st_k[[1, 5]], state0[[1, 5]])  # other slots untouched
+
+
+def test_decode_strided_inputs(device):
+    # q, k, v as views into one [B, 2*Hk*Dk + Hv*Dv] activation (what the conv produces).
+    Hk, Hv, Dk, Dv = 2, 4, 16, 24
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device)
+    B = 3
+    mixed = torch.randn(B, 2 * Hk * Dk + Hv * Dv, generator=g).to(device)
+    q, k, v = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.view(B, Hk, Dk), k.view(B, Hk, Dk), v.view(B, Hv, Dv)
+    ab = torch.randn(B, 2 * Hv, generator=g).to(device)
+    b, a = ab[:, :Hv], ab[:, Hv:]
+    slots = torch.tensor([6, 1, 3], dtype=torch.int32, device=device)
+    st_k, st_r = state0.clone(), state0.clone()
+    out = gdn_decode(q, k, v, a, b, A_log, dt_bias, st_k, slots)
+    ref = gdn_decode_ref(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(), b.contiguous(),
+                         A_log, dt_bias, st_r, slots)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    torch.testing.assert_close(st_k, st_r, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)
+@pytest.mark.parametrize("T", [1, 6])
+def test_prefill_matches_reference_and_decodes(device, dtype, Hk, Hv, Dk, Dv, T):
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=T)
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, dtype, device)
+    st_k, st_r, st_d = state0.clone(), state0.clone(), state0.clone()
+    out = poisoned((T, Hv, Dv), device=device)
+    gdn_prefill(q, k, v, a, b, A_log, dt_bias, st_k, 2, out=out)
+    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, st_r, 2)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(st_k, st_r, **TOL[dtype])
+    assert torch.equal(st_k[[0, 1, 3, 4, 5, 6]], state0[[0, 1, 3, 4, 5, 6]])
+    # T successive decode steps of the same session: bitwise in the interpreter (same step
+    # function, same tiles); within fp32 tolerance is the contract elsewhere.
+    one = torch.tensor([2], dtype=torch.int32, device=device)
+    dec = torch.cat([gdn_decode(q[t : t + 1], k[t : t + 1], v[t : t + 1], a[t : t + 1], b[t : t + 1],
+                                A_log, dt_bias, st_d, one) for t in range(T)])
+    if INTERPRET:
+        assert torch.equal(out, dec)
+        assert torch.equal(st_k, st_d)
+    else:
+        torch.testing.assert_close(out, dec, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(st_k, st_d, atol=1e-6, rtol=1e-6)
+
+
+def test_prefill_fresh_session_long(device):
+    # A new session (zero state) over more tokens; decays near 0 and near 1 both occur.
+    Hk, Hv, Dk, Dv = 2, 4, 16, 24
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=11)
+    state0[5] = 0.0
+    T = 24
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, device)
+    st_k, st_r = state0.clone(), state0.clone()
+    out = gdn_prefill(q, k, v, a, b, A_log, dt_bias, st_k, 5)
+    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, st_r, 5)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    torch.testing.assert_close(st_k, st_r, **TOL[torch.float32])
+
+
+def _hf_inputs(q, k, v, a, b, A_log, dt_bias):
+    """HF layout [1 or B, T, H, D] and its g/beta, computed as Qwen3NextGatedDeltaNet.forward does."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v, g, b.sigmoid()
+
+
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)
+def test_reference_matches_hf(Hk, Hv, Dk, Dv):
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, "cpu")
+    # decode: B rows, one token each (HF batch B, T=1)
+    B = 4
+    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, "cpu")
+    slots = torch.tensor([3, 6, 0, 1], dtype=torch.int32)
+    st_r = state0.clone()
+    ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, st_r, slots)
+    hq, hk, hv, hg, hb = _hf_inputs(q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log, dt_bias)
+    o_hf, s_hf = torch_recurrent_gated_delta_rule(hq, hk, hv, g=hg, beta=hb, initial_state=state0[slots.long()].clone(),
+                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ref, o_hf[:, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st_r[slots.long()], s_hf, atol=1e-5, rtol=1e-5)
+
+    # prefill: T tokens of one session, against HF's recurrent and chunked forms
+    T = 9
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, "cpu")
+    st_r = state0.clone()
+    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, st_r, 4)
+    hq, hk, hv, hg, hb = _hf_inputs(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias)
+    o_hf, s_hf = torch_recurrent_gated_delta_rule(hq, hk, hv, g=hg, beta=hb, initial_state=state0[4:5].clone(),
+                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ref, o_hf[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st_r[4], s_hf[0], atol=1e-5, rtol=1e-5)
+    o_c, s_c = torch_chunk_gated_delta_rule(hq, hk, hv, g=hg, beta=hb, chunk_size=4, initial_state=state0[4:5].clone(),
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ref, o_c[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st_r[4], s_c[0], atol=1e-4, rtol=1e-4)
+
+
+POOL = 40
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    perm=st.permutations(list(range(POOL))),
+    n=st.integers(1, 33),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    shape=st.sampled_from(SHAPES),
+)
+def test_rows_batch_invariant(perm, n, dtype, shape):
+    """Each row's output and its slot's new state are bitwise the same in a batch and alone."""
+    device = "cpu" if INTERPRET else "cuda"
+    Hk, Hv, Dk, Dv = shape
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=n, pool=POOL)
+    q, k, v, a, b = _inputs(g, POOL, Hk, Hv, Dk, Dv, dtype, device)  # one input row per slot
+    slots = torch.tensor(perm[:n], dtype=torch.int32, device=device)
+    idx = slots.long()
+
+    st_b = state0.clone()
+    out_b = poisoned((n, Hv, Dv), device=device)
+    gdn_decode(q[idx], k[idx], v[idx], a[idx], b[idx], A_log, dt_bias, st_b, slots, out=out_b)
+    untouched = sorted(set(range(POOL)) - set(perm[:n]))
+    assert torch.equal(st_b[untouched], state0[untouched])
+    for i in range(n):
+        s = perm[i]
+        st_a = state0.clone()
+        out_a = poisoned((1, Hv, Dv), device=device)
+        sl = slice(s, s + 1)
+        gdn_decode(q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, st_a, slots[i : i + 1], out=out_a)
+        assert torch.equal(out_a[0], out_b[i]), f"row {i} (slot {s}) output differs in batch of {n}"
+        assert torch.equal(st_a[s], st_b[s]), f"row {i} (slot {s}) state differs in batch of {n}"

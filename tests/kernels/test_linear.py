@@ -1,0 +1,188 @@
+"""ds4t.kernels.linear: against the reference, batch invariance, and a negative control."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from ds4t.backend import INTERPRET
+from ds4t.kernels import linear as L
+from ds4t.kernels.linear import LinearConfig, linear, linear_config, linear_ref
+from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Both sides sum exact fp32 products (bf16/fp16 x bf16/fp16 is exact in fp32), in different orders.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=1e-4, rtol=1e-4),
+}
+SHAPES = [(5, 200, 333), (1, 96, 17), (33, 64, 130), (17, 1000, 48)]  # (B, K, N): odd, not tile multiples
+
+# Configs that exercise the GPU code paths (split-K with a ragged last split, swapped operands,
+# small tiles, several N tiles) at sizes the interpreter runs quickly.
+PATH_CONFIGS = [
+    LinearConfig(block_n=64, block_k=32, split=3, swap=True),
+    LinearConfig(block_n=128, block_k=64, split=2, swap=False),
+    LinearConfig(block_n=16, block_k=128, split=1, swap=True),
+    LinearConfig(block_n=256, block_k=16, split=1, swap=False),
+]
+
+
+def _data(B, K, N, wdt, xdt=torch.float32, device="cpu", seed=0, bias=True):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, K, generator=g).to(xdt).to(device)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(wdt).to(device)
+    b = (torch.randn(N, generator=g) * 0.5 + 0.1).to(device) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("wdt", DTYPES, ids=str)
+@pytest.mark.parametrize("B,K,N", SHAPES)
+def test_matches_reference(device, wdt, B, K, N):
+    x, w, b = _data(B, K, N, wdt, device=device)
+    out = poisoned((B, N), device=device)
+    y = linear(x, w, b, out=out)
+    assert y is out
+    torch.testing.assert_close(y, linear_ref(x, w, b), **TOL[wdt])
+
+
+@pytest.mark.parametrize("xdt", DTYPES, ids=str)
+@pytest.mark.parametrize("wdt", DTYPES, ids=str)
+def test_activation_dtypes_no_bias(device, xdt, wdt):
+    x, w, _ = _data(7, 200, 333, wdt, xdt, device=device, seed=1, bias=False)
+    y = linear(x, w)
+    assert y.dtype == torch.float32 and y.shape == (7, 333)
+    torch.testing.assert_close(y, linear_ref(x, w), **TOL[wdt])
+
+
+def test_activation_is_rounded_to_weight_dtype(device):
+    # x values that bf16 cannot hold: the kernel must round x to bf16 (nearest even) first.
+    x, w, _ = _data(3, 64, 40, torch.bfloat16, device=device, seed=2, bias=False)
+    x = x + 1e-3 * torch.rand_like(x)
+    y = linear(x, w)
+    exact_fp32 = x @ w.float().t()
+    torch.testing.assert_close(y, linear_ref(x, w), **TOL[torch.bfloat16])
+    assert (y - exact_fp32).abs().max() > 1e-4  # the rounding is visible at these magnitudes
+
+
+@pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_paths_match_reference(device, cfg, wdt):
+    x, w, b = _data(19, 200, 333, wdt, device=device, seed=3)
+    out = poisoned((19, 333), device=device)
+    linear(x, w, b, out=out, config=cfg)
+    torch.testing.assert_close(out, linear_ref(x, w, b), **TOL[wdt])
+
+
+def test_strided_x_and_bf16_bias(device):
+    x, w, b = _data(6, 200, 333, torch.bfloat16, device=device, seed=4)
+    xs = torch.randn(6, 400, device=device)[:, ::2]  # unit stride broken: the launcher copies
+    xs.copy_(x)
+    b = b.bfloat16()
+    torch.testing.assert_close(linear(xs, w, b), linear_ref(x, w, b), **TOL[torch.bfloat16])
+
+
+def test_rejects_bad_shapes(device):
+    x, w, b = _data(2, 64, 40, torch.float32, device=device)
+    with pytest.raises(ValueError):
+        linear(x[:, :32], w)
+    with pytest.raises(ValueError):
+        linear(x, w, b[:10])
+    with pytest.raises(ValueError):
+        linear(x, w, out=torch.empty(2, 40, dtype=torch.bfloat16, device=device))
+
+
+def test_config_never_sees_the_batch():
+    assert list(inspect.signature(linear_config).parameters) == ["K", "N", "w_dtype", "x_dtype"]
+    for (K, N, _), cfg in L._GPU_TABLE.items():
+        assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_n >= 16
+        assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k >= 16
+        assert cfg.split >= 1
+    for K, N in [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936), (200, 333), (7, 5)]:
+        cfg = L._gpu_heuristic(K, N, 2)
+        assert cfg.block_k >= 16 and cfg.block_n >= 16 and cfg.split >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Row batch invariance (hypothesis): row i among B rows (random subset and order) == row i alone
+# ---------------------------------------------------------------------------------------------
+POOL, K_INV, N_INV = 40, 200, 333
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 33))
+    rows = draw(st.permutations(range(POOL)))[:B]
+    i = draw(st.integers(0, B - 1))
+    return rows, i
+
+
+def _pool(wdt, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(POOL, K_INV, generator=g).to(device)
+    w = (torch.randn(N_INV, K_INV, generator=g) / K_INV ** 0.5).to(wdt).to(device)
+    b = torch.randn(N_INV, generator=g).to(device)
+    return x, w, b
+
+
+def check_rows_invariant(launch, wdt, device, batch, seed=5):
+    """The property: ``launch(x_rows, w, b)`` gives row i the same bits alone and in the batch."""
+    x, w, b = _pool(wdt, device, seed)
+    rows, i = batch
+
+    def run(idx):
+        return launch(x[idx].contiguous(), w, b)
+
+    assert_rows_invariant(run, rows, i)
+
+
+PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@PROPERTY
+@given(batch=batches(), wdt=st.sampled_from(DTYPES))
+def test_rows_invariant(batch, wdt):
+    check_rows_invariant(lambda x, w, b: linear(x, w, b), wdt, default_device(), batch)
+
+
+@settings(PROPERTY, max_examples=8)
+@given(batch=batches(), cfg=st.sampled_from(PATH_CONFIGS))
+def test_rows_invariant_gpu_paths(batch, cfg):
+    check_rows_invariant(lambda x, w, b: linear(x, w, b, config=cfg), torch.bfloat16, default_device(), batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative controls: launchers whose reduction order depends on B. The same property check must
+# catch them, or it proves nothing.
+# ---------------------------------------------------------------------------------------------
+def _split_from_batch(x, w, b):
+    B = x.shape[0]
+    return linear(x, w, b, config=LinearConfig(block_n=512, block_k=32, split=1 if B == 1 else 2))
+
+
+def _block_k_from_batch(x, w, b):
+    B = x.shape[0]
+    return linear(x, w, b, config=LinearConfig(block_n=512, block_k=64 if B < 8 else 16, split=1))
+
+
+NEGATIVE = settings(max_examples=25, deadline=None, database=None, phases=(Phase.generate,),
+                    suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("bad", [_split_from_batch, _block_k_from_batch], ids=lambda f: f.__name__)
+def test_negative_control_is_caught(bad):
+    @NEGATIVE
+    @given(batch=batches())
+    def prop(batch):
+        check_rows_invariant(bad, torch.float32, default_device(), batch)
+
+    with pytest.raises(AssertionError, match="differs between batch"):
+        prop()
+
+
+def default_device():
+    return torch.device("cpu" if INTERPRET else "cuda")

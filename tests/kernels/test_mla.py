@@ -1,0 +1,332 @@
+"""Tests for ds4t.kernels.mla: latent-cache writes and absorbed MLA decode (split-KV, MQA)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ds4t  # noqa: F401
+from ds4t.kernels.mla import (
+    TOLERANCE,
+    _check,
+    default_split_size,
+    mla_decode,
+    mla_decode_ref,
+    write_latent,
+    write_latent_ref,
+)
+from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(4, 16, 8), (6, 48, 16)]  # (H, R, Dr): the tiny config, and odd non-power-of-two dims
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _make(H, R, Dr, S, L, dtype, slots, lengths, seed=0, device="cpu"):
+    """q, q_pe, cache (rows past every reader's length and unused slots poisoned with NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(slots)
+    cache = torch.randn(S, L, R + Dr, generator=g).to(dtype)
+    used = torch.zeros(S, dtype=torch.long)
+    for s, n in zip(slots, lengths):
+        used[s] = max(int(used[s]), int(n))
+    for s in range(S):
+        cache[s, int(used[s]):] = float("nan")
+    q = torch.randn(B, H, R, generator=g)
+    qp = torch.randn(B, H, Dr, generator=g)
+    return (q.to(device), qp.to(device), cache.to(device),
+            torch.tensor(slots, dtype=torch.int32, device=device),
+            torch.tensor(lengths, dtype=torch.int32, device=device))
+
+
+def _assert_close(got, ref, dtype):
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------- write_latent
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_write_latent_matches_ref(dtype, device):
+    R, Dr, S, L, B = 48, 16, 3, 9, 7
+    g = torch.Generator().manual_seed(1)
+    c_kv = torch.randn(B, R, generator=g)
+    k_pe = torch.randn(B, Dr, generator=g)
+    # bf16 ties (round-half-to-even) in some elements
+    bits = c_kv.view(torch.int32)
+    c_kv[:, ::3] = ((bits[:, ::3] & ~0xFFFF) | 0x8000).view(torch.float32)
+    slots = torch.tensor([2, 0, 1, 2, 0, 1, 2], dtype=torch.int32)
+    pos = torch.tensor([0, 8, 4, 5, 3, 8, 7], dtype=torch.int32)
+    cache = poisoned((S, L, R + Dr), dtype, device=device)
+    ref = poisoned((S, L, R + Dr), dtype)
+    write_latent(c_kv.to(device), k_pe.to(device), cache, slots.to(device), pos.to(device))
+    write_latent_ref(c_kv, k_pe, ref, slots, pos)
+    torch.testing.assert_close(cache.cpu(), ref, atol=0, rtol=0, equal_nan=True)
+    assert torch.isnan(cache[1, 0]).all()  # untouched rows stay as they were
+
+
+# ---------------------------------------------------------------------------------- mla_decode
+
+@pytest.mark.parametrize("split", [16, 24, 64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d_R%d_Dr%d" % s)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_mla_decode_matches_ref(dtype, shape, split, device):
+    H, R, Dr = shape
+    S, L = 6, 70  # capacity not a multiple of any split size
+    # length 1, == capacity, == split, split +- 1, not multiples of the split size
+    slots = [3, 0, 5, 1, 2, 4, 3]
+    lengths = [1, L, split, split + 1, split - 1, 2 * split + 5, 37]
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, dtype, slots, lengths, seed=split + H, device=device)
+    scale = 1.0 / math.sqrt(R // 2 + Dr)
+    out = poisoned((len(slots), H, R), device=device)
+    got = mla_decode(q, qp, cache, sl, ln, scale, kv_lora_rank=R, split_size=split, out=out)
+    assert got is out
+    ref = mla_decode_ref(q, qp, cache, sl, ln, scale, kv_lora_rank=R)
+    assert torch.isfinite(got).all()
+    _assert_close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_split_sizes_agree(dtype, device):
+    H, R, Dr, S, L = 6, 48, 16, 4, 97
+    slots, lengths = [0, 1, 2, 3, 1], [97, 1, 50, 64, 33]
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, dtype, slots, lengths, seed=7, device=device)
+    scale = 0.3
+    outs = {sp: mla_decode(q, qp, cache, sl, ln, scale, kv_lora_rank=R, split_size=sp,
+                           out=poisoned((5, H, R), device=device))
+            for sp in (16, 32, 40, None)}
+    base = outs.pop(None)  # default: one split at this capacity
+    atol, rtol = TOLERANCE[dtype]
+    for sp, o in outs.items():
+        torch.testing.assert_close(o, base, atol=atol, rtol=rtol, msg=f"split {sp}")
+    if dtype == torch.float32:
+        for o in outs.values():
+            torch.testing.assert_close(o, base, atol=2e-6, rtol=2e-6)
+
+
+def test_sharp_softmax_and_large_scale(device):
+    # peaked scores exercise the max-rescaling across tiles and splits
+    H, R, Dr, S, L = 4, 16, 8, 2, 80
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.float32, [0, 1], [80, 45], seed=3, device=device)
+    for scale in (5.0, 1e-3):
+        got = mla_decode(q * 3, qp, cache, sl, ln, scale, kv_lora_rank=R, split_size=16,
+                         out=poisoned((2, H, R), device=device))
+        ref = mla_decode_ref(q * 3, qp, cache, sl, ln, scale, kv_lora_rank=R)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_inputs_and_out(device):
+    H, R, Dr, S, L, B = 4, 16, 8, 3, 40, 3
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.bfloat16, [2, 0, 1], [40, 17, 1], seed=4, device=device)
+    qbig = torch.randn(B, H + 3, R + 5, device=device)
+    qbig[:, 1:H + 1, 2:R + 2] = q
+    qpbig = torch.randn(B, H, 2 * Dr, device=device)
+    qpbig[..., :Dr] = qp
+    big = poisoned((B, H + 2, R), device=device)
+    out = big[:, 1:H + 1]
+    # q rows padded on the last dim are not last-dim contiguous -> copied by the launcher
+    mla_decode(qbig[:, 1:H + 1, 2:R + 2], qpbig[..., :Dr], cache, sl, ln, 0.2, kv_lora_rank=R,
+               split_size=16, out=out)
+    ref = mla_decode_ref(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R)
+    _assert_close(out, ref, torch.bfloat16)
+    assert torch.isnan(big[:, 0]).all() and torch.isnan(big[:, H + 1]).all()
+
+
+def test_empty_row_gives_zeros_and_capacity_clamp(device):
+    H, R, Dr, S, L = 4, 16, 8, 2, 40
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.float32, [0, 1, 1], [0, 40, 40], seed=5, device=device)
+    for split in (16, 64):
+        got = mla_decode(q, qp, cache, sl, ln, 0.25, kv_lora_rank=R, split_size=split,
+                         out=poisoned((3, H, R), device=device))
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+        ref = mla_decode_ref(q, qp, cache, sl, ln, 0.25, kv_lora_rank=R)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_equal_single_decodes(device):
+    # T rows of one slot with lengths start+1..start+T: each equals that step decoded alone.
+    H, R, Dr, S, L, T, start = 6, 48, 16, 3, 60, 9, 27
+    q, qp, cache, _, _ = _make(H, R, Dr, S, L, torch.bfloat16, [1] * T, [start + T] * T, seed=6, device=device)
+    sl = torch.full((T,), 1, dtype=torch.int32, device=device)
+    ln = torch.arange(start + 1, start + T + 1, dtype=torch.int32, device=device)
+    full = mla_decode(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R, split_size=16)
+    for t in (0, 4, T - 1):
+        alone = mla_decode(q[t:t + 1], qp[t:t + 1], cache, sl[t:t + 1], ln[t:t + 1], 0.2,
+                           kv_lora_rank=R, split_size=16)
+        assert torch.equal(full[t], alone[0])
+
+
+def test_default_split_size():
+    assert default_split_size(512, 64, torch.bfloat16) == 1024
+    assert default_split_size(512, 64, torch.float16) == 1024
+    assert default_split_size(512, 64, torch.float32) == 512
+    for R, Dr in ((16, 8), (48, 16), (512, 64), (4096, 64)):
+        for dt in DTYPES:
+            sp = default_split_size(R, Dr, dt)
+            assert 64 <= sp <= 1024 and sp & (sp - 1) == 0
+
+
+def test_shape_errors(device):
+    q = torch.randn(2, 4, 16, device=device)
+    qp = torch.randn(2, 4, 8, device=device)
+    cache = torch.randn(2, 8, 24, device=device)
+    sl = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError):
+        mla_decode(q, qp, cache, sl, sl, 1.0, kv_lora_rank=12)
+    with pytest.raises(ValueError):
+        mla_decode(q, qp[..., :4], cache, sl, sl, 1.0, kv_lora_rank=16)
+    with pytest.raises(TypeError):
+        mla_decode(q, qp, cache, sl.float(), sl, 1.0, kv_lora_rank=16)
+
+
+# ---------------------------------------------------------------------------- batch invariance
+
+_POOL = {}
+
+
+def _pool(dtype, device):
+    """33 prepared rows over 5 slots (shared slots allowed), lengths 1..capacity."""
+    key = (dtype, str(device))
+    if key not in _POOL:
+        H, R, Dr, S, L = 4, 16, 8, 5, 50
+        g = torch.Generator().manual_seed(11)
+        slots = torch.randint(0, S, (33,), generator=g).tolist()
+        lengths = torch.randint(1, L + 1, (33,), generator=g).tolist()
+        lengths[:3] = [1, L, 16]
+        _POOL[key] = (_make(H, R, Dr, S, L, dtype, slots, lengths, seed=12, device=device), R)
+    return _POOL[key]
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_rows_batch_invariant(data):
+    device = ds4t.backend.default_device()
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    B = data.draw(st.integers(1, 33), label="B")
+    rows = data.draw(st.permutations(range(33)), label="order")[:B]
+    i = data.draw(st.integers(0, B - 1), label="i")
+    (q, qp, cache, sl, ln), R = _pool(dtype, device)
+
+    def run(sel):
+        idx = torch.tensor(sel, dtype=torch.long, device=device)
+        out = poisoned((len(sel), q.shape[1], R), device=device)
+        return mla_decode(q[idx], qp[idx], cache, sl[idx], ln[idx], 0.25, kv_lora_rank=R,
+                          split_size=16, out=out)
+
+    assert_rows_invariant(run, rows, i)
+
+
+# ------------------------------------------------------------------------ absorbed == unabsorbed
+
+def _kv_b(H, nope, v, R, g):
+    return torch.randn(H * (nope + v), R, generator=g, dtype=torch.float64).float() / math.sqrt(R)
+
+
+def test_absorbed_equals_unabsorbed_plain(device):
+    """Standard MLA (k_nope = W_UK c, v = W_UV c, per-head attention) == absorbed mla_decode."""
+    H, R, Dr, nope, vdim, S, L = 4, 16, 8, 16, 12, 3, 40
+    g = torch.Generator().manual_seed(21)
+    slots, lengths = [2, 0, 2], [40, 23, 1]
+    _, _, cache, sl, ln = _make(H, R, Dr, S, L, torch.float32, slots, lengths, seed=22, device=device)
+    B = len(slots)
+    q_nope = torch.randn(B, H, nope, generator=g).to(device)
+    q_pe = torch.randn(B, H, Dr, generator=g).to(device)
+    W = _kv_b(H, nope, vdim, R, g).to(device).view(H, nope + vdim, R)
+    W_UK, W_UV = W[:, :nope], W[:, nope:]
+    scale = (nope + Dr) ** -0.5
+
+    # unabsorbed, HF-style: expand keys and values per head, standard attention
+    outs = []
+    for b in range(B):
+        n = lengths[b]
+        c = cache[slots[b], :n, :R]
+        kpe = cache[slots[b], :n, R:]
+        k_nope = torch.einsum("hnr,tr->htn", W_UK, c)
+        v = torch.einsum("hvr,tr->htv", W_UV, c)
+        k = torch.cat([k_nope, kpe[None].expand(H, -1, -1)], dim=-1)
+        qb = torch.cat([q_nope[b], q_pe[b]], dim=-1)
+        p = torch.softmax(torch.einsum("hd,htd->ht", qb, k) * scale, dim=-1)
+        outs.append(torch.einsum("ht,htv->hv", p, v))
+    want = torch.stack(outs)
+
+    q_latent = torch.einsum("bhn,hnr->bhr", q_nope, W_UK)
+    lat = mla_decode(q_latent, q_pe, cache, sl, ln, scale, kv_lora_rank=R, split_size=16,
+                     out=poisoned((B, H, R), device=device))
+    got = torch.einsum("bhr,hvr->bhv", lat, W_UV)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_absorbed_matches_hf_deepseek_v3_attention(device):
+    """Prefill (5 tokens) + 4 decodes through write_latent/mla_decode == HF DeepseekV3Attention."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    cfg = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=256, rope_interleave=True, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, initializer_range=0.1,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(31)
+    attn = hf.DeepseekV3Attention(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+        attn.q_a_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(cfg.q_lora_rank))
+        attn.kv_a_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(cfg.kv_lora_rank))
+    rope = hf.DeepseekV3RotaryEmbedding(cfg)
+    T, P = 9, 5
+    H, R, Dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, vdim = cfg.qk_nope_head_dim, cfg.v_head_dim
+    x = torch.randn(1, T, cfg.hidden_size)
+    pos_ids = torch.arange(T)[None]
+    cos, sin = rope(x, pos_ids)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        want, _ = attn(x, (cos, sin), mask)
+        want = want[0]
+
+        # absorbed path, built from the module's weights
+        qs = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(1, T, H, nope + Dr).transpose(1, 2)
+        q_nope, q_rot = qs.split([nope, Dr], dim=-1)
+        kv_nope, k_rot = attn.kv_a_proj_with_mqa(x).split([R, Dr], dim=-1)
+        kv_nope = attn.kv_a_layernorm(kv_nope)
+        q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot, k_rot.view(1, 1, T, Dr), cos, sin)
+        W = attn.kv_b_proj.weight.view(H, nope + vdim, R)
+        q_latent = torch.einsum("htn,hnr->thr", q_nope[0], W[:, :nope]).contiguous()
+        q_pe = q_rot[0].transpose(0, 1).contiguous()  # [T, H, Dr]
+
+        S, L, slot = 3, 24, 2
+        cache = poisoned((S, L, R + Dr)).to(device)
+        dev = lambda t: t.to(device)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        lat = []
+        # prefill: P rows of one slot
+        write_latent(dev(kv_nope[0, :P]), dev(k_rot[0, 0, :P]), cache, i32([slot] * P), i32(list(range(P))))
+        lat.append(mla_decode(dev(q_latent[:P]), dev(q_pe[:P]), cache, i32([slot] * P),
+                              i32(list(range(1, P + 1))), attn.scaling, kv_lora_rank=R, split_size=4))
+        # decode steps
+        for t in range(P, T):
+            write_latent(dev(kv_nope[0, t:t + 1]), dev(k_rot[0, 0, t:t + 1]), cache, i32([slot]), i32([t]))
+            lat.append(mla_decode(dev(q_latent[t:t + 1]), dev(q_pe[t:t + 1]), cache, i32([slot]),
+                                  i32([t + 1]), attn.scaling, kv_lora_rank=R, split_size=4))
+        lat = torch.cat(lat).cpu()
+        o = torch.einsum("thr,hvr->thv", lat, W[:, nope:]).reshape(T, H * vdim)
+        got = attn.o_proj(o)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- self-check
+
+def test_self_check(device):
+    results = _check(device)
+    assert results and all(r.ok for r in results), results

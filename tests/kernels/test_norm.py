@@ -1,0 +1,127 @@
+"""ds4t.kernels.norm: rms_norm / add_rms_norm / gated_rms_norm against references, invariance."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ds4t.kernels import norm as NM
+from ds4t.kernels.norm import (add_rms_norm, add_rms_norm_ref, gated_rms_norm, gated_rms_norm_ref, rms_norm,
+                               rms_norm_ref)
+from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Inputs are upcast exactly, then everything is fp32 on both sides: only the order of the
+# sum of squares differs (and, on the GPU, exp inside silu/sigmoid).
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-5, rtol=1e-5),
+}
+SHAPES = [(1, 7), (5, 333), (3, 128), (9, 1000)]
+EPS = 1e-6
+
+
+def _data(B, D, dt, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(B, D, generator=g) * 2 + 0.3).to(dt).to(device)
+    r = torch.randn(B, D, generator=g).to(dt).to(device)
+    z = (torch.randn(B, D, generator=g) * 2).to(dt).to(device)
+    w = (1 + 0.5 * torch.randn(D, generator=g)).to(device)  # away from the default ones
+    return x, r, z, w
+
+
+@pytest.fixture(params=["gpu-tiles", "interp-tiles"])
+def tiles(request, monkeypatch):
+    """Run each case with the interpreter's tiles and with the GPU's (1 row/program, chunked D)."""
+    if request.param == "gpu-tiles":
+        monkeypatch.setattr(NM, "_ROWS", 1)
+        monkeypatch.setattr(NM, "_MAX_BLOCK_D", 256)
+    return request.param
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("B,D", SHAPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rms_norm(device, tiles, dt, B, D, zero_centered):
+    x, _, _, w = _data(B, D, dt, device)
+    w = w.to(dt)
+    out = poisoned((B, D), device=device)
+    y = rms_norm(x, w, EPS, zero_centered=zero_centered, out=out)
+    assert y is out
+    torch.testing.assert_close(y, rms_norm_ref(x, w, EPS, zero_centered=zero_centered), **TOL[dt])
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("B,D", SHAPES)
+def test_add_rms_norm(device, tiles, dt, B, D):
+    x, r, _, w = _data(B, D, dt, device, seed=1)
+    y, s = add_rms_norm(x, r, w, EPS, zero_centered=True)
+    yr, sr = add_rms_norm_ref(x, r, w, EPS, zero_centered=True)
+    assert y.dtype == s.dtype == torch.float32
+    assert torch.equal(s, sr)  # one fp32 add: exact
+    torch.testing.assert_close(y, yr, **TOL[dt])
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("B,D", SHAPES)
+def test_gated_rms_norm(device, tiles, dt, B, D):
+    x, _, z, w = _data(B, D, dt, device, seed=2)
+    out = poisoned((B, D), device=device)
+    gated_rms_norm(x, z, w, EPS, out=out)
+    torch.testing.assert_close(out, gated_rms_norm_ref(x, z, w, EPS), **TOL[dt])
+
+
+def test_per_head_views_and_strided_rows(device):
+    # [B, H*D] -> [B*H, D] per-head norm, and a column slice of a wider buffer (row stride != D).
+    B, H, D = 3, 4, 16
+    x, _, z, w = _data(B, H * D, torch.float32, device, seed=3)
+    y = gated_rms_norm(x.view(B * H, D), z.view(B * H, D), w[:D], EPS)
+    torch.testing.assert_close(y, gated_rms_norm_ref(x.view(B * H, D), z.view(B * H, D), w[:D], EPS),
+                               **TOL[torch.float32])
+    wide = torch.randn(5, 300, device=device)
+    torch.testing.assert_close(rms_norm(wide[:, 100:164], w, EPS), rms_norm_ref(wide[:, 100:164], w, EPS),
+                               **TOL[torch.float32])
+
+
+def test_rejects_bad_shapes(device):
+    x, r, z, w = _data(2, 8, torch.float32, device)
+    with pytest.raises(ValueError):
+        rms_norm(x, w[:4], EPS)
+    with pytest.raises(ValueError):
+        add_rms_norm(x, r[:, :4], w, EPS)
+    with pytest.raises(ValueError):
+        gated_rms_norm(x, z[:1], w, EPS)
+
+
+# ---------------------------------------------------------------------------------------------
+POOL, D_INV = 40, 333
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 33))
+    rows = draw(st.permutations(range(POOL)))[:B]
+    return rows, draw(st.integers(0, B - 1))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=batches(), op=st.sampled_from(["rms", "rms_zc", "add", "gated"]),
+       dt=st.sampled_from(DTYPES), gpu_tiles=st.booleans())
+def test_rows_invariant(batch, op, dt, gpu_tiles):
+    device = torch.device("cpu") if NM.INTERPRET else torch.device("cuda")
+    x, r, z, w = _data(POOL, D_INV, dt, device, seed=4)
+    fns = {
+        "rms": lambda i: rms_norm(x[i], w, EPS),
+        "rms_zc": lambda i: rms_norm(x[i], w, EPS, zero_centered=True),
+        "add": lambda i: torch.cat(add_rms_norm(x[i], r[i], w, EPS), 1),
+        "gated": lambda i: gated_rms_norm(x[i], z[i], w, EPS),
+    }
+    saved = NM._ROWS, NM._MAX_BLOCK_D
+    if gpu_tiles:
+        NM._ROWS, NM._MAX_BLOCK_D = 1, 128
+    try:
+        assert_rows_invariant(fns[op], *batch)
+    finally:
+        NM._ROWS, NM._MAX_BLOCK_D = saved

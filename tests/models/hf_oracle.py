@@ -1,0 +1,50 @@
+"""Build tiny random HF checkpoints in a temp dir and run HF transformers as the oracle."""
+from __future__ import annotations
+
+import torch
+
+
+def perturb_(model, scale: float = 0.1, seed: int = 0) -> None:
+    """Move every 1-D parameter/buffer away from its default (ones/zeros): mistakes must not hide."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if p.dim() == 1 and p.is_floating_point() and "inv_freq" not in name:
+                p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def save_tiny(model_cls, config, path, seed: int = 0, dtype=torch.float32, tweak=None):
+    torch.manual_seed(seed)
+    m = model_cls(config).to(dtype)
+    perturb_(m, seed=seed)
+    if tweak is not None:
+        tweak(m)
+    m.eval()
+    m.save_pretrained(path)
+    return m
+
+
+@torch.no_grad()
+def hf_prefill_and_decode(m, prompt, steps: int):
+    """HF logits for the prompt (all positions) and ``steps`` greedy cached decode steps.
+
+    Returns (prompt_logits [T, V], decode_logits [steps, V], decode_tokens [steps])."""
+    ids = torch.tensor([prompt])
+    out = m(input_ids=ids, use_cache=True)
+    prompt_logits = out.logits[0].float()
+    pkv = out.past_key_values
+    tok = int(prompt_logits[-1].argmax())
+    logits, toks = [], []
+    for _ in range(steps):
+        toks.append(tok)
+        out = m(input_ids=torch.tensor([[tok]]), past_key_values=pkv, use_cache=True)
+        pkv = out.past_key_values
+        lg = out.logits[0, -1].float()
+        logits.append(lg)
+        tok = int(lg.argmax())
+    return prompt_logits, torch.stack(logits), toks
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (logits scale)."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
