@@ -6,8 +6,10 @@ through the Triton interpreter on the CPU (``TRITON_INTERPRET=1``), which must b
 
 Interpreter defects handled here (DESIGN.md §5), each with a test in tests/test_backend.py:
 
-* ``tl.dot`` on bf16 tiles multiplies raw bit patterns -> :func:`mma` upcasts to fp32 first
-  (bf16*bf16 products are exact in fp32, so only the summation order differs from the GPU).
+* ``tl.dot`` on bf16 tiles multiplies raw bit patterns, and on fp32 tiles it is a BLAS sgemm
+  whose result for a row depends on the row's place in the tile (OpenBLAS works in 6-row
+  panels) -> :func:`mma` computes a broadcast product summed over K in fp32 (bf16*bf16 products
+  are exact in fp32, so only the summation order differs from the GPU).
 * fp32 -> bf16 ``.to()`` truncates instead of rounding to nearest even -> :func:`cast`.
 * autotune with several configs and ``do_bench`` need a GPU -> kernels use one fixed config
   per weight shape (which batch invariance wants anyway); :func:`timer` times with CUDA events
@@ -26,6 +28,9 @@ import torch
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Multiply-add fusion changes rounding; triton 3.9 warns its default flips in 3.10. Pin today's
+# default so results do not change under us (batch invariance holds either way).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -61,7 +66,10 @@ def mma(a, b, acc):
     be >= 16 for the GPU; keep M a fixed constant so a row's result never depends on the batch.
     """
     if _INTERPRET_C:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        # Not tl.dot: the interpreter runs it as a BLAS sgemm whose micro-kernel works in row
+        # panels, so a row's bits depend on where it sits in the tile. A broadcast product
+        # summed over K gives every (m, n) the same sequential K order.
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
         if a.dtype == tl.float32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -148,11 +156,15 @@ def _keep_interpreter_patched() -> None:
             pass
 
     lang_modules = (tl, tl.core)
+    keys = {}  # id(fn.__globals__) -> which language modules it names
 
     def patch_once(fn):
         # Triton patches whichever of tl / tl.core the function's globals name; patch each
         # combination once.
-        key = tuple(sorted({id(v) for v in fn.__globals__.values() if any(v is m for m in lang_modules)}))
+        g = fn.__globals__
+        key = keys.get(id(g))
+        if key is None:
+            key = keys[id(g)] = tuple(sorted({id(v) for v in g.values() if any(v is m for m in lang_modules)}))
         if key not in state:
             state[key] = original(fn)
         return _NoRestore()

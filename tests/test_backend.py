@@ -62,3 +62,28 @@ def test_backend_matches_device():
 def test_timer_returns_positive_ms(device):
     x = torch.randn(1000, device=device)
     assert backend.timer(lambda: x.sum(), warmup=1, iters=3) > 0
+
+
+@triton.jit
+def _dot_rows_kernel(a_ptr, b_ptr, c_ptr, K: tl.constexpr, N: tl.constexpr):
+    rm = tl.arange(0, 16)
+    rk = tl.arange(0, K)
+    rn = tl.arange(0, N)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], mma(a, b, tl.zeros((16, N), tl.float32)))
+
+
+def test_mma_row_bits_do_not_depend_on_the_row_slot(device):
+    """The same row placed in each of the 16 tile rows gives the same bits (BLAS panels don't)."""
+    row = torch.randn(1, 128, device=device)
+    b = torch.randn(128, 32, device=device)
+    a = torch.randn(16, 128, device=device)
+    outs = []
+    for slot in range(16):
+        a2 = a.clone()
+        a2[slot] = row
+        c = torch.full((16, 32), float("nan"), device=device)
+        _dot_rows_kernel[(1,)](a2, b, c, 128, 32)
+        outs.append(c[slot])
+    assert all(torch.equal(outs[0], o) for o in outs)

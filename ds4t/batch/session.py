@@ -15,10 +15,12 @@ def as_token_list(tokens: Union[int, Sequence[int], torch.Tensor], vocab: int, w
         if tokens.dim() > 1 or tokens.is_floating_point():
             raise BatchError(f"{what}: token ids must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         tokens = tokens.reshape(-1).tolist()
-    elif isinstance(tokens, (int,)) and not isinstance(tokens, bool):
+    elif isinstance(tokens, int) and not isinstance(tokens, bool):
         tokens = [tokens]
-    else:
+    elif isinstance(tokens, (list, tuple)):
         tokens = list(tokens)
+    else:
+        raise BatchError(f"{what}: token {tokens!r} is not an int or a list of ints")
     for t in tokens:
         if isinstance(t, bool) or not isinstance(t, int):
             raise BatchError(f"{what}: token {t!r} is not an int")

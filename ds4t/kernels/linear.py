@@ -40,6 +40,28 @@ BLOCK_M = 16
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+_INTERPRET_C = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _dot_acc(a, b, acc):
+    """acc + a @ b, fp32 accumulation, with each output's K order independent of the other rows.
+
+    GPU: :func:`ds4t.backend.mma` (tensor cores; per-element order fixed by the instruction).
+    Interpreter: an explicit product and a sum over K. ``mma`` there is ``np.matmul`` (OpenBLAS),
+    whose result for a row depends on the row's *position* in the tile: with a [16, K] @ [K, N]
+    product at small K*N, rows 6..15 are summed differently from rows 0..5 (seen with OpenBLAS
+    0.3.31 Haswell kernels), so a row alone (position 0) and the same row at position 9 of a
+    batch differ. np.sum over the middle axis adds the K slices one after the other for every
+    output element alike.
+    """
+    if _INTERPRET_C:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = mma(a, b, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["B"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -93,9 +115,9 @@ def _linear_kernel(
         # Round the activation to the weight dtype (nearest even), as a bf16 model would.
         xt = cast(xt.to(tl.float32), W_DTYPE)
         if SWAP:
-            acc = mma(wt, tl.trans(xt), acc)
+            acc = _dot_acc(wt, tl.trans(xt), acc)
         else:
-            acc = mma(xt, wt, acc)
+            acc = _dot_acc(xt, wt, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -164,7 +186,8 @@ def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
 
 def _interpret_config(K: int, N: int) -> LinearConfig:
     # Interpreter: few programs, big tiles (its cost is per program and per op, not per element).
-    block_k = max(16, min(512, triton.next_power_of_2(K)))
+    # (The [BLOCK_M, BLOCK_K, BLOCK_N] product of _dot_acc is materialised: keep it <= 4 MB.)
+    block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = max(16, min(512, triton.next_power_of_2(N)))
     return LinearConfig(block_n=block_n, block_k=block_k, split=1, num_warps=4, num_stages=1)
 

@@ -59,7 +59,7 @@ def _take_max(x, avail, cols, BIG: tl.constexpr):
 @triton.jit
 def _softmax_topk_kernel(
     x_ptr, sx_b, w_ptr, id_ptr, B, E,
-    K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr,
+    K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
@@ -76,23 +76,27 @@ def _softmax_topk_kernel(
     p = e / den[:, None]
     # Top-k on the probabilities (HF: topk(softmax)), descending, ties to the lower index.
     avail = cm[None, :] & (r >= 0)[:, None]
+    kc = tl.arange(0, BK)
+    wk = tl.zeros([ROWS, BK], dtype=tl.float32)
+    ik = tl.zeros([ROWS, BK], dtype=tl.int32)
     tot = tl.zeros([ROWS], dtype=tl.float32)
     for j in tl.static_range(K):
         v, idx, avail = _take_max(p, avail, c, BE)
-        tot = tot + v
-        tl.store(w_ptr + r * K + j, v, mask=rm)
-        tl.store(id_ptr + r * K + j, idx.to(tl.int32), mask=rm)
+        tot = tot + v  # rank order
+        wk = tl.where(kc[None, :] == j, v[:, None], wk)
+        ik = tl.where(kc[None, :] == j, idx[:, None], ik)
     if RENORM:
-        for j in tl.static_range(K):
-            v = tl.load(w_ptr + r * K + j, mask=rm, other=1.0)
-            tl.store(w_ptr + r * K + j, v / tot, mask=rm)
+        wk = wk / tot[:, None]
+    om = rm[:, None] & (kc < K)[None, :]
+    tl.store(w_ptr + r[:, None] * K + kc[None, :], wk, mask=om)
+    tl.store(id_ptr + r[:, None] * K + kc[None, :], ik, mask=om)
 
 
 @triton.jit
 def _sigmoid_grouped_kernel(
     x_ptr, sx_b, bias_ptr, w_ptr, id_ptr, B, E, GS, scaling, dropped,
     K: tl.constexpr, NG: tl.constexpr, TOPKG: tl.constexpr, TWO: tl.constexpr, RENORM: tl.constexpr,
-    ROWS: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr,
+    ROWS: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
@@ -124,18 +128,22 @@ def _sigmoid_grouped_kernel(
         keep = keep | (gid[None, :] == gi[:, None])
     sel = tl.where(keep, biased, dropped)
     avail = cm[None, :] & all_rows
+    kc = tl.arange(0, BK)
+    wk = tl.zeros([ROWS, BK], dtype=tl.float32)
+    ik = tl.zeros([ROWS, BK], dtype=tl.int32)
     tot = tl.zeros([ROWS], dtype=tl.float32)
     for j in tl.static_range(K):
         _, idx, avail = _take_max(sel, avail, c, BE)
         v = tl.sum(tl.where(c[None, :] == idx[:, None], s, 0.0), axis=1)  # s[idx], exact
-        tot = tot + v
-        tl.store(w_ptr + r * K + j, v, mask=rm)
-        tl.store(id_ptr + r * K + j, idx.to(tl.int32), mask=rm)
-    for j in tl.static_range(K):
-        v = tl.load(w_ptr + r * K + j, mask=rm, other=1.0)
-        if RENORM:
-            v = v / (tot + 1e-20)
-        tl.store(w_ptr + r * K + j, v * scaling, mask=rm)
+        tot = tot + v  # rank order
+        wk = tl.where(kc[None, :] == j, v[:, None], wk)
+        ik = tl.where(kc[None, :] == j, idx[:, None], ik)
+    if RENORM:
+        wk = wk / (tot + 1e-20)[:, None]
+    wk = wk * scaling
+    om = rm[:, None] & (kc < K)[None, :]
+    tl.store(w_ptr + r[:, None] * K + kc[None, :], wk, mask=om)
+    tl.store(id_ptr + r[:, None] * K + kc[None, :], ik, mask=om)
 
 
 def _prep(logits: torch.Tensor, top_k: int, out):
@@ -173,6 +181,7 @@ def router_softmax_topk(
     _softmax_topk_kernel[(triton.cdiv(B, ROWS),)](
         logits, logits.stride(0), w, ids, B, E,
         K=top_k, RENORM=bool(renormalize), ROWS=ROWS, BE=triton.next_power_of_2(E),
+        BK=triton.next_power_of_2(top_k),
     )
     return w, ids
 
@@ -213,6 +222,7 @@ def router_sigmoid_grouped(
         float(scaling), float(dropped),
         K=top_k, NG=n_group, TOPKG=topk_group, TWO=E // n_group >= 2, RENORM=bool(renormalize),
         ROWS=ROWS, BE=triton.next_power_of_2(E), BG=triton.next_power_of_2(n_group),
+        BK=triton.next_power_of_2(top_k),
     )
     return w, ids
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -120,3 +120,155 @@ def yarn_inv_freq(rotary_dim: int, p: dict, max_position: int):
     extra_factor = 1 - ramp
     inv_freq = inv_inter * (1 - extra_factor) + inv_extra * extra_factor
     return inv_freq, float(attention_factor)
+
+
+# ----------------------------------------------------------------------------------------------
+# The DeepSeek-V3 / GLM-4.5 feed-forward layout (shared by deepseek.py and glm.py)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DenseMLP:
+    """A dense SwiGLU MLP with gate and up fused into one weight [2I, D]."""
+
+    gate_up: torch.Tensor   # [2I, D]
+    down: torch.Tensor      # [D, I]
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmoidMoEConfig:
+    """FFN layout of DeepSeek-V3 and GLM-4.5 MoE: layers below ``first_k_dense_replace`` are dense
+    SwiGLU MLPs (``intermediate_size``); the others hold ``num_experts`` routed SwiGLU experts chosen
+    by the grouped sigmoid router (``noaux_tc``) plus ``n_shared_experts`` ungated shared experts,
+    run as one SwiGLU of width ``n_shared_experts * moe_intermediate_size``."""
+
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+
+    @classmethod
+    def from_dict(cls, c: dict, num_layers: int, defaults: dict) -> "SigmoidMoEConfig":
+        """Parse (and check) the fields from an HF config dict; ``defaults`` are the family's HF
+        class defaults for fields a config.json may leave out."""
+        from ds4t.models.checkpoint import CheckpointError, require
+
+        def get(field, kind):
+            v = c.get(field)
+            if v is None:
+                v = defaults.get(field)
+            if v is None:
+                raise CheckpointError(f"config.json: missing field {field!r}")
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+                raise CheckpointError(f"config.json: field {field!r} = {v!r} should be {kind.__name__}")
+            return v
+
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"config.json: hidden_act {act!r} not supported (only 'silu')")
+        if c.get("scoring_func", "sigmoid") != "sigmoid":
+            raise CheckpointError(f"config.json: scoring_func {c['scoring_func']!r} not supported (only 'sigmoid')")
+        if c.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise CheckpointError(f"config.json: topk_method {c['topk_method']!r} not supported (only 'noaux_tc')")
+        if c.get("moe_layer_freq", 1) != 1:
+            raise CheckpointError(f"config.json: moe_layer_freq {c['moe_layer_freq']!r} not supported (only 1)")
+        dense = get("first_k_dense_replace", int)
+        if not 0 <= dense <= num_layers:
+            raise CheckpointError(f"config.json: first_k_dense_replace {dense} outside [0, num_hidden_layers={num_layers}]")
+        E = get("n_routed_experts", int)
+        n_group, topk_group, top_k = get("n_group", int), get("topk_group", int), get("num_experts_per_tok", int)
+        if E < 1 or n_group < 1 or E % n_group:
+            raise CheckpointError(f"config.json: n_routed_experts {E} is not a positive multiple of n_group {n_group}")
+        if E // n_group < 2:
+            raise CheckpointError(f"config.json: groups of {E // n_group} expert(s): the group score sums the top 2 "
+                                  f"of each group, so n_routed_experts / n_group must be >= 2")
+        if not 1 <= topk_group <= n_group:
+            raise CheckpointError(f"config.json: topk_group {topk_group} outside [1, n_group={n_group}]")
+        if not 1 <= top_k <= topk_group * (E // n_group):
+            raise CheckpointError(f"config.json: num_experts_per_tok {top_k} outside [1, topk_group * experts per "
+                                  f"group = {topk_group * (E // n_group)}]")
+        inter = c.get("intermediate_size")
+        if dense > 0:
+            inter = require(c, "intermediate_size", int)
+        return cls(
+            intermediate_size=inter or 0, num_experts=E, top_k=top_k,
+            moe_intermediate_size=get("moe_intermediate_size", int),
+            n_shared_experts=c.get("n_shared_experts") or 0, n_group=n_group, topk_group=topk_group,
+            norm_topk_prob=get("norm_topk_prob", bool), routed_scaling_factor=get("routed_scaling_factor", float),
+            first_k_dense_replace=dense)
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def router(self) -> RouterConfig:
+        return RouterConfig("sigmoid_grouped", self.num_experts, self.top_k, self.norm_topk_prob,
+                            self.n_group, self.topk_group, self.routed_scaling_factor)
+
+    def expected(self, t: dict, prefix: str, D: int, layer: int) -> None:
+        """Add layer ``layer``'s FFN tensors (HF names under ``prefix`` = "model.layers.{i}.mlp.") to ``t``."""
+        if not self.is_moe(layer):
+            I = self.intermediate_size
+            t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"] = (I, D), (I, D)
+            t[prefix + "down_proj.weight"] = (D, I)
+            return
+        E, I = self.num_experts, self.moe_intermediate_size
+        t[prefix + "gate.weight"] = (E, D)
+        t[prefix + "gate.e_score_correction_bias"] = (E,)
+        for e in range(E):
+            t[prefix + f"experts.{e}.gate_proj.weight"] = (I, D)
+            t[prefix + f"experts.{e}.up_proj.weight"] = (I, D)
+            t[prefix + f"experts.{e}.down_proj.weight"] = (D, I)
+        if self.n_shared_experts:
+            Is = self.n_shared_experts * I
+            t[prefix + "shared_experts.gate_proj.weight"] = (Is, D)
+            t[prefix + "shared_experts.up_proj.weight"] = (Is, D)
+            t[prefix + "shared_experts.down_proj.weight"] = (D, Is)
+
+    def unused_prefixes(self, num_layers: int) -> Tuple[str, ...]:
+        """Tensors to tolerate and skip: HF writes zero-size ``shared_experts`` when n_shared_experts is 0."""
+        if self.n_shared_experts:
+            return ()
+        return tuple(f"model.layers.{i}.mlp.shared_experts." for i in range(num_layers) if self.is_moe(i))
+
+    def load(self, get, prefix: str, layer: int):
+        """Layer ``layer``'s FFN as DenseMLP or MoEWeights. The router weight and the correction
+        bias are read as fp32 whatever the checkpoint stores (HF keeps them fp32 and runs the router
+        product in fp32; bf16 checkpoints may store them either way)."""
+        if not self.is_moe(layer):
+            return DenseMLP(torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]).contiguous(),
+                            get(prefix + "down_proj.weight"))
+        wg, wu, wd = stack_experts(get, prefix + "experts", self.num_experts)
+        w = MoEWeights(router=get(prefix + "gate.weight", torch.float32), w_gate=wg, w_up=wu, w_down=wd,
+                       correction_bias=get(prefix + "gate.e_score_correction_bias", torch.float32))
+        if self.n_shared_experts:
+            w.shared_gate_up = torch.cat([get(prefix + "shared_experts.gate_proj.weight"),
+                                          get(prefix + "shared_experts.up_proj.weight")]).contiguous()
+            w.shared_down = get(prefix + "shared_experts.down_proj.weight")
+        return w
+
+
+def ffn(w, x: torch.Tensor, rc: Optional[RouterConfig]) -> torch.Tensor:
+    """A DenseMLP or a MoE block (MoEWeights with router config ``rc``) on rows x fp32 [R, D]."""
+    if isinstance(w, MoEWeights):
+        return moe_block(x, w, rc)
+    return swiglu(x, w.gate_up, w.down)
+
+
+def preset_init_plain(name: str, shape, g: torch.Generator) -> torch.Tensor:
+    """Random preset weights for families with plain (x̂·w) RMSNorms (DeepSeek-V3, GLM-4.5) that keep
+    activations O(1): norm gains 1 + 0.1·N(0,1), small biases, router correction biases of both signs,
+    matrices N(0, 1/fan_in)."""
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * torch.randn(shape, generator=g)
+    if name.endswith(".bias"):
+        return 0.02 * torch.randn(shape, generator=g)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) * (shape[-1] ** -0.5)

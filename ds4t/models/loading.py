@@ -2,7 +2,9 @@
 progress, and errors that name the tensor."""
 from __future__ import annotations
 
+import re
 import sys
+import warnings
 import zlib
 from typing import Dict, Optional, Tuple
 
@@ -63,6 +65,39 @@ class PresetSource(TensorSource):
         return name in self.expected
 
     def get(self, name, shape=None, dtype=None, device="cpu"):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        t = self.init(name, self.expected[name], g)
+        seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
+        shape = self.expected[name]
+        dev = torch.device(device)
+        if dev.type == "cuda" and torch.Size(shape).numel() > (1 << 20):
+            # Full-size presets: draw big tensors on the GPU (minutes faster; still a function
+            # of (seed, name) on a given GPU, which is all benchmarks need).
+            g = torch.Generator(device=dev).manual_seed(seed)
+            t = self.init(name, shape, g, device=dev)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            t = self.init(name, shape, g)
         return t.to(device=device, dtype=dtype or t.dtype).contiguous()
+
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def mtp_layer_prefixes(source: TensorSource, num_layers: int) -> Tuple[str, ...]:
+    """``model.layers.{j}.`` for every layer j >= num_layers that ``source`` holds: the
+    multi-token-prediction (MTP) modules DeepSeek-V3 / GLM-4.5 checkpoints store after the decoder
+    layers. Pass them to WeightReader as ``ignore_prefixes`` and call :func:`warn_mtp_skipped`."""
+    found = set()
+    for k in source.keys():
+        m = _LAYER_KEY.match(k)
+        if m and int(m.group(1)) >= num_layers:
+            found.add(int(m.group(1)))
+    return tuple(f"model.layers.{j}." for j in sorted(found))
+
+
+def warn_mtp_skipped(reader: "WeightReader", prefixes: Tuple[str, ...]) -> None:
+    """One warning per load naming the MTP layers whose tensors were recognised and not used."""
+    skipped = [k for k in reader.ignored if k.startswith(tuple(prefixes))] if prefixes else []
+    if skipped:
+        layers = ", ".join(p.split(".")[2] for p in prefixes)
+        warnings.warn(f"{reader.source.origin}: skipped {len(skipped)} multi-token-prediction (MTP) "
+                      f"tensor(s) of layer(s) {layers}: ds4t does not use MTP", stacklevel=3)

@@ -364,15 +364,15 @@ def preset_config(name: str) -> dict:
     raise KeyError(name)
 
 
-def preset_init(name: str, shape, g: torch.Generator) -> torch.Tensor:
+def preset_init(name: str, shape, g: torch.Generator, device="cpu") -> torch.Tensor:
     """Random weights that keep activations O(1) through the stack."""
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(0.0, 2.5, generator=g)
+        return torch.empty(shape, device=device).uniform_(0.0, 2.5, generator=g)
     if name.endswith("dt_bias"):
-        return torch.empty(shape).uniform_(-1.0, 1.0, generator=g)
+        return torch.empty(shape, device=device).uniform_(-1.0, 1.0, generator=g)
     if name.endswith("linear_attn.norm.weight"):  # the one plain (not zero-centred) norm
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+        return 1.0 + 0.1 * torch.randn(shape, generator=g, device=device)
     if len(shape) == 1:  # zero-centred norm weights: gain 1 + w
-        return 0.1 * torch.randn(shape, generator=g)
+        return 0.1 * torch.randn(shape, generator=g, device=device)
     fan_in = shape[-1]
-    return torch.randn(shape, generator=g) * (fan_in ** -0.5)
+    return torch.randn(shape, generator=g, device=device) * (fan_in ** -0.5)

@@ -50,12 +50,15 @@ def presets() -> list:
     return sorted(_preset_configs())
 
 
-def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0):
+def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
+         **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
 
     device: "cuda" when a GPU is present, else "cpu" (default). dtype: torch dtype or name
     ("bf16", "fp16", "fp32"); default: the checkpoint's ``torch_dtype``/``dtype`` (presets: fp32
     for tiny-*, bf16 for the full-size presets). Tensors stored in another dtype are cast.
+    options: family-specific model options, passed to the model class, e.g.
+    ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype)
@@ -90,6 +93,13 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
-    model = model_cls(cfg, source, device, dtype, name=name, progress=progress)
+    if options:
+        import inspect
+
+        accepted = inspect.signature(model_cls.__init__).parameters
+        bad = [k for k in options if k not in accepted or k in ("self", "cfg", "source", "device", "dtype", "name", "progress")]
+        if bad:
+            raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
+    model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
     model.tokenizer = tokenizer
     return model

@@ -248,3 +248,26 @@ def test_rows_batch_invariant(pool, data):
         return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=32)
 
     assert_rows_invariant(run, rows, i)
+
+
+def test_full_batch_of_33_rows_invariant(pool):
+    """The largest batch (hypothesis favours small ones): 33 rows, reversed, some sharing slots
+    as prefill rows do; several rows checked alone."""
+    kc, vc, q = pool
+    g = _gen(10)
+    slots = torch.randint(0, _S, (_POOL,), generator=g, dtype=torch.int32)
+    lengths = torch.randint(1, _L + 1, (_POOL,), generator=g, dtype=torch.int32)
+    slots[:8] = 4
+    lengths[:8] = torch.arange(41, 49, dtype=torch.int32)          # a prefill chunk up to L
+    lengths[8] = 1
+    rows = list(reversed(range(_POOL)))
+
+    def run(r):
+        idx = torch.tensor(r, dtype=torch.long)
+        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=32)
+
+    full = run(rows)
+    for i in (0, 16, 24, 32):
+        assert torch.equal(run([rows[i]])[0], full[i])
+    ref = decode_attention_ref(q[rows], kc, vc, slots[rows], lengths[rows], 0.18)
+    _assert_close(full, ref, torch.bfloat16)

@@ -166,7 +166,7 @@ def _freq(draws, V):
 def test_sample_frequencies_match_softmax():
     """Over many positions of one session (fixed seed and stream) the draws follow softmax(z / T),
     restricted and renormalised by top-k / top-p."""
-    V, N = 6, 3000
+    V, N = 6, 2000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
     x = logits.expand(N, V).contiguous()
     seeds = torch.full((N,), 42, dtype=torch.int64)

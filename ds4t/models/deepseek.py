@@ -1,0 +1,384 @@
+"""DeepSeek-V3 (``model_type`` deepseek_v3): multi-head latent attention (MLA) + sigmoid-routed MoE.
+
+Attention (absorbed MLA decode, DESIGN.md §4):
+
+* Down-projections, fused at load time into ONE linear ``w_a`` whose output is
+  ``[q part | c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]``: the q part is ``q_a_proj``'s output
+  (q_lora_rank) or, without q_lora_rank, the whole ``q_proj`` output.
+* q: ``q_a_layernorm`` -> ``q_b_proj`` (rows reordered at load time to ``[nope of all heads | rope of
+  all heads]``); c_kv: ``kv_a_layernorm``; RoPE on the rope parts only (q_pe of every head and the
+  single shared k_pe, in one launch), with YaRN frequencies / attention factor when configured.
+  ``rope_interleave`` checkpoints rotate pairs (2i, 2i+1) in place where HF de-interleaves first;
+  q and k get the same layout, so q·k is unchanged (see ds4t.kernels.rope).
+* Absorption: ``W_UK`` and ``W_UV`` come from ``kv_b_proj``. ``q_latent[h] = W_UK[h]^T q_nope[h]``
+  and ``o[h] = W_UV[h] latent_out[h]`` are per-head linear-kernel launches (batch-invariant: the
+  K order of each depends only on the weight shape), then ``o_proj``.
+* The per-session cache is ``layers.{i}.latent`` [CTX, kv_lora_rank + qk_rope_head_dim] holding
+  ``[c_kv || k_pe after RoPE]``; attention over it is :func:`ds4t.kernels.mla.mla_decode` (MQA).
+* Softmax scale: ``qk_head_dim^-0.5``, × ``mscale(factor, mscale_all_dim)^2`` for YaRN configs
+  that set ``mscale_all_dim`` (as HF's DeepseekV3Attention).
+
+FFN: dense SwiGLU below ``first_k_dense_replace``; above it the grouped sigmoid router (fp32 router
+weight, ``e_score_correction_bias``), routed experts and ungated shared experts
+(:class:`ds4t.models.blocks.SigmoidMoEConfig`, shared with GLM-4.5). Multi-token-prediction layers
+(``model.layers.{num_hidden_layers}.*``) are recognised, skipped and reported with one warning.
+
+Native paths (which one ``eval_batch``'s "native" call runs is data: ``model.native_rules``):
+
+* ``native_path="full"`` (default): all rows of the batch go through every layer together, so every
+  weight is read once per batch.
+* ``native_path="ds4"``: the ds4 engine's split. Batched across all rows: the fused Q/KV
+  down-projection and the shared experts (plus the per-row steps: embedding, norms, residual adds,
+  and the LM head). Per session (one segment of rows at a time): everything of the attention
+  after the down-projection (q up-projection, absorption, RoPE, latent-cache write, MLA, W_UV,
+  o_proj), the router + routed experts, and the dense MLPs. Worth it from 2 rows; with one
+  session it is the same computation as "full".
+
+Select it with ``ds4t.load(path_or_preset, native_path="ds4")`` or by setting
+``model.native_path = "ds4"`` at any time between steps (the state layout is the same). Both paths
+give the ordered fallback's bits exactly (tests/exactness/test_deepseek_exactness.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ds4t.kernels import activation, linear, mla, norm, rope
+from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
+from ds4t.models.blocks import (DenseMLP, MoEWeights, SigmoidMoEConfig, default_inv_freq, ffn, fused_linear,
+                                moe_block, preset_init_plain, swiglu, yarn_inv_freq)
+from ds4t.models.checkpoint import CheckpointError, require, rope_params
+from ds4t.models.decoder import DecoderModel
+from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
+
+PRESETS = ("tiny-deepseek", "deepseek-v3-4l")
+
+# HF DeepseekV3Config class defaults for FFN fields a config.json may omit.
+_FFN_DEFAULTS = dict(first_k_dense_replace=3, n_group=8, topk_group=4, num_experts_per_tok=8,
+                     norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=2048,
+                     n_routed_experts=256)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass
+class DeepseekConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    eps: float
+    num_heads: int
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    attention_bias: bool
+    rope_interleave: bool
+    rope: dict                # rope parameters (rope_type "default" or "yarn", rope_theta, yarn fields)
+    max_position: int
+    tie_embeddings: bool
+    ffn: SigmoidMoEConfig
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def q_width(self) -> int:
+        """Width of the q part of the fused down-projection output."""
+        return self.q_lora_rank or self.num_heads * self.qk_head_dim
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "DeepseekConfig":
+        n = require(c, "num_hidden_layers", int)
+        if n < 1:
+            raise CheckpointError(f"config.json: num_hidden_layers {n} must be >= 1")
+        q_lora = c.get("q_lora_rank")
+        if q_lora is not None and (not isinstance(q_lora, int) or q_lora < 1):
+            raise CheckpointError(f"config.json: q_lora_rank {q_lora!r} should be a positive int or null")
+        rp = rope_params(c)
+        if rp["rope_type"] not in ("default", "yarn"):
+            raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for deepseek_v3 "
+                                  "(supported: 'default', 'yarn')")
+        if rp.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError("config.json: partial_rotary_factor must be 1 for deepseek_v3 "
+                                  "(RoPE covers qk_rope_head_dim)")
+        max_pos = c.get("max_position_embeddings", 4096)
+        if rp["rope_type"] == "yarn":
+            if rp.get("factor") is None:
+                orig = rp.get("original_max_position_embeddings")
+                if not orig:
+                    raise CheckpointError("config.json: yarn rope needs 'factor' or 'original_max_position_embeddings'")
+                rp["factor"] = max_pos / orig
+        rope_dim = require(c, "qk_rope_head_dim", int)
+        if rope_dim % 2:
+            raise CheckpointError(f"config.json: qk_rope_head_dim {rope_dim} must be even")
+        return cls(
+            vocab_size=require(c, "vocab_size", int), hidden_size=require(c, "hidden_size", int), num_layers=n,
+            eps=c.get("rms_norm_eps", 1e-6), num_heads=require(c, "num_attention_heads", int), q_lora_rank=q_lora,
+            kv_lora_rank=require(c, "kv_lora_rank", int), qk_nope_head_dim=require(c, "qk_nope_head_dim", int),
+            qk_rope_head_dim=rope_dim, v_head_dim=require(c, "v_head_dim", int),
+            attention_bias=bool(c.get("attention_bias", False)), rope_interleave=bool(c.get("rope_interleave", True)),
+            rope=rp, max_position=max_pos, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            ffn=SigmoidMoEConfig.from_dict(c, n, _FFN_DEFAULTS),
+        )
+
+
+def expected_tensors(c: DeepseekConfig) -> Dict[str, tuple]:
+    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
+    D, H = c.hidden_size, c.num_heads
+    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    if not c.tie_embeddings:
+        t["lm_head.weight"] = (c.vocab_size, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (D,)
+        t[p + "post_attention_layernorm.weight"] = (D,)
+        a = p + "self_attn."
+        if c.q_lora_rank:
+            t[a + "q_a_proj.weight"] = (c.q_lora_rank, D)
+            if c.attention_bias:
+                t[a + "q_a_proj.bias"] = (c.q_lora_rank,)
+            t[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+            t[a + "q_b_proj.weight"] = (H * c.qk_head_dim, c.q_lora_rank)
+        else:
+            t[a + "q_proj.weight"] = (H * c.qk_head_dim, D)
+        t[a + "kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, D)
+        t[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        t[a + "kv_b_proj.weight"] = (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        t[a + "o_proj.weight"] = (D, H * c.v_head_dim)
+        if c.attention_bias:
+            t[a + "kv_a_proj_with_mqa.bias"] = (c.kv_lora_rank + c.qk_rope_head_dim,)
+            t[a + "o_proj.bias"] = (D,)
+        c.ffn.expected(t, p + "mlp.", D, i)
+    return t
+
+
+def _q_rows(c: DeepseekConfig) -> torch.Tensor:
+    """HF q rows are [nope_h | rope_h] per head; reorder to [nope of all heads | rope of all heads]."""
+    H, dn, dr = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    per = dn + dr
+    nope = [h * per + j for h in range(H) for j in range(dn)]
+    pe = [h * per + dn + j for h in range(H) for j in range(dr)]
+    return torch.tensor(nope + pe)
+
+
+class DeepseekModel(DecoderModel):
+    family = "deepseek_v3"
+
+    NATIVE_PATHS = {
+        "full": NativeRule(
+            "native", "any batch (native_path='full'): all rows through every layer in one pass, "
+                      "each weight read once per batch", "-"),
+        "ds4": NativeRule(
+            "native", "any batch (native_path='ds4'): fused Q/KV down-projection and shared experts batched "
+                      "over rows; MLA attention (latent cache), router + routed experts and dense MLPs per "
+                      "session; pays from 2 rows", "-"),
+    }
+
+    def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "deepseek_v3", progress=None,
+                 native_path: str = "full"):
+        self.cfg = c = DeepseekConfig.from_dict(cfg)
+        self.native_path = native_path
+        self.name, self.device, self.dtype = name, torch.device(device), dtype
+        self.vocab_size, self.max_position = c.vocab_size, c.max_position
+        self.num_layers, self.eps = c.num_layers, c.eps
+        mtp = mtp_layer_prefixes(source, c.num_layers)
+        get = WeightReader(source, expected_tensors(c), self.device, dtype,
+                           ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
+        f32 = torch.float32
+        H, dn, dr, dv, R = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_embeddings else get("lm_head.weight")
+        self.final_norm = get("model.norm.weight", f32)
+        self.input_norms, self.post_norms, self.layers = [], [], []
+        q_rows = _q_rows(c).to(self.device)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            self.input_norms.append(get(p + "input_layernorm.weight", f32))
+            self.post_norms.append(get(p + "post_attention_layernorm.weight", f32))
+            L: Dict[str, object] = {}
+            kv_a = get(a + "kv_a_proj_with_mqa.weight")
+            kv_a_b = get(a + "kv_a_proj_with_mqa.bias", f32) if c.attention_bias else None
+            if c.q_lora_rank:
+                L["w_a"] = torch.cat([get(a + "q_a_proj.weight"), kv_a]).contiguous()
+                if c.attention_bias:
+                    L["b_a"] = torch.cat([get(a + "q_a_proj.bias", f32), kv_a_b])
+                L["q_a_norm"] = get(a + "q_a_layernorm.weight", f32)
+                L["w_qb"] = get(a + "q_b_proj.weight")[q_rows].contiguous()
+            else:
+                L["w_a"] = torch.cat([get(a + "q_proj.weight")[q_rows], kv_a]).contiguous()
+                if c.attention_bias:
+                    L["b_a"] = torch.cat([torch.zeros(c.q_width, dtype=f32, device=self.device), kv_a_b])
+            L["kv_a_norm"] = get(a + "kv_a_layernorm.weight", f32)
+            kv_b = get(a + "kv_b_proj.weight").view(H, dn + dv, R)
+            L["w_uk_t"] = kv_b[:, :dn, :].transpose(1, 2).contiguous()   # [H, R, dn]: q_latent = W_UK^T q_nope
+            L["w_uv"] = kv_b[:, dn:, :].contiguous()                      # [H, dv, R]: o = W_UV latent
+            L["w_o"] = get(a + "o_proj.weight")
+            if c.attention_bias:
+                L["b_o"] = get(a + "o_proj.bias", f32)
+            L["ffn"] = c.ffn.load(get, p + "mlp.", i)
+            if isinstance(L["ffn"], MoEWeights):  # the routed part alone, for the ds4 path
+                L["routed"] = dataclasses.replace(L["ffn"], shared_gate_up=None, shared_down=None)
+            self.layers.append(L)
+        get.finish()
+        warn_mtp_skipped(get, mtp)
+        self.router_cfg = c.ffn.router
+        rp = c.rope
+        self.softmax_scale = c.qk_head_dim ** -0.5
+        if rp["rope_type"] == "yarn":
+            inv_freq, self.rope_scale = yarn_inv_freq(dr, rp, c.max_position)
+            if rp.get("mscale_all_dim"):
+                m = _yarn_mscale(rp["factor"], rp["mscale_all_dim"])
+                self.softmax_scale = self.softmax_scale * m * m
+        else:
+            inv_freq, self.rope_scale = default_inv_freq(dr, float(rp["rope_theta"])), 1.0
+        self.inv_freq = inv_freq.to(self.device)
+        self._segments = None
+        super().__init__()
+
+    # -- native path selection (data) --------------------------------------------------------
+    @property
+    def native_path(self) -> str:
+        return self._native_path
+
+    @native_path.setter
+    def native_path(self, value: str) -> None:
+        if value not in self.NATIVE_PATHS:
+            raise ValueError(f"native_path must be one of {sorted(self.NATIVE_PATHS)}, got {value!r}")
+        self._native_path = value
+
+    @property
+    def native_rules(self) -> Tuple[NativeRule, ...]:
+        return (self.NATIVE_PATHS[self._native_path],)
+
+    def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
+        return [None] * len(rows)   # both native paths take any batch
+
+    # -- state -------------------------------------------------------------------------------
+    def state_specs(self) -> Dict[str, StateSpec]:
+        c = self.cfg
+        return {f"layers.{i}.latent": StateSpec((CTX, c.kv_lora_rank + c.qk_rope_head_dim), self.dtype)
+                for i in range(c.num_layers)}
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        p = self.common_parameters()
+        for i, L in enumerate(self.layers):
+            for k, v in L.items():
+                if isinstance(v, torch.Tensor):
+                    p[f"layers.{i}.{k}"] = v
+                elif k == "ffn":
+                    for f in dataclasses.fields(v):
+                        t = getattr(v, f.name)
+                        if isinstance(t, torch.Tensor):
+                            p[f"layers.{i}.ffn.{f.name}"] = t
+        return p
+
+    # -- compute -----------------------------------------------------------------------------
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        self._segments = batch.segments   # ffn() of the ds4 path needs the sessions' rows
+        try:
+            return super().forward(batch)
+        finally:
+            self._segments = None
+
+    def _per_session(self, segments) -> bool:
+        return self._native_path == "ds4" and segments is not None and len(segments) > 1
+
+    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        L = self.layers[i]
+        a = fused_linear(x, L["w_a"], L.get("b_a"))   # Q/KV down-projections: always batched
+        if not self._per_session(batch.segments):
+            return self._mla(i, a, batch.positions, batch.slots, batch.lengths)
+        out = torch.empty((x.shape[0], self.cfg.hidden_size), dtype=torch.float32, device=x.device)
+        for s in batch.segments:
+            r = slice(s.start_row, s.start_row + s.n)
+            out[r] = self._mla(i, a[r], batch.positions[r], batch.slots[r], batch.lengths[r])
+        return out
+
+    def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths) -> torch.Tensor:
+        """Attention after the down-projection for rows ``a`` [R, q_width + kv_lora_rank + rope]."""
+        c, L = self.cfg, self.layers[i]
+        n, H, dn, dr, dv, R = a.shape[0], c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        qw = c.q_width
+        dev = a.device
+        if c.q_lora_rank:
+            q = fused_linear(norm.rms_norm(a[:, :qw], L["q_a_norm"], c.eps), L["w_qb"])
+        else:
+            q = a[:, :qw]
+        c_kv = norm.rms_norm(a[:, qw:qw + R], L["kv_a_norm"], c.eps)
+        # RoPE on q_pe of every head and the shared k_pe in one launch: pe [n, H + 1, dr].
+        pe = torch.empty((n, H + 1, dr), dtype=torch.float32, device=dev)
+        pe[:, :H] = q[:, H * dn:].view(n, H, dr)
+        pe[:, H] = a[:, qw + R:]
+        rope.rope(pe, positions, self.inv_freq, interleaved=c.rope_interleave, scale=self.rope_scale, out=pe)
+        cache = self.pool.tensors[f"layers.{i}.latent"]
+        mla.write_latent(c_kv, pe[:, H], cache, slots, positions)
+        q_lat = torch.empty((n, H, R), dtype=torch.float32, device=dev)
+        w_uk_t, w_uv = L["w_uk_t"], L["w_uv"]
+        for h in range(H):   # absorb W_UK into the query, one batch-invariant linear per head
+            linear.linear(q[:, h * dn:(h + 1) * dn], w_uk_t[h], out=q_lat[:, h])
+        lat = mla.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
+        o = torch.empty((n, H * dv), dtype=torch.float32, device=dev)
+        for h in range(H):   # W_UV per head
+            linear.linear(lat[:, h], w_uv[h], out=o[:, h * dv:(h + 1) * dv])
+        return fused_linear(o, L["w_o"], L.get("b_o"))
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        L = self.layers[i]
+        w = L["ffn"]
+        segs = self._segments
+        if not self._per_session(segs):
+            return ffn(w, x, self.router_cfg)
+        rows = [slice(s.start_row, s.start_row + s.n) for s in segs]
+        out = torch.empty_like(x)
+        if isinstance(w, DenseMLP):
+            for r in rows:
+                out[r] = swiglu(x[r], w.gate_up, w.down)
+            return out
+        for r in rows:
+            out[r] = moe_block(x[r], L["routed"], self.router_cfg)
+        if w.shared_gate_up is None:
+            return out
+        shared = swiglu(x, w.shared_gate_up, w.shared_down)   # shared experts: batched over all rows
+        return activation.add(out, shared)
+
+
+def preset_config(name: str) -> dict:
+    """HF-style config dicts for the built-in DeepSeek-V3 presets."""
+    if name == "tiny-deepseek":
+        # DESIGN.md §4 tiny config with 2 layers (1 dense + 1 MoE) to keep the CPU interpreter fast.
+        return dict(
+            model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
+            rope_interleave=True, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
+            topk_method="noaux_tc", rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+    if name == "deepseek-v3-4l":
+        # DeepSeek-V3 (671B) layer dimensions, 4 layers (1 dense + 3 MoE), YaRN as in V3's config.json.
+        return dict(
+            model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+            num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128,
+            max_position_embeddings=163840, rope_interleave=True, q_lora_rank=1536, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+            num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+            norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-6,
+            hidden_act="silu", attention_bias=False, tie_word_embeddings=False, num_nextn_predict_layers=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                             "mscale": 1.0, "mscale_all_dim": 1.0})
+    raise KeyError(name)
+
+
+def preset_init(name: str, shape, g: torch.Generator) -> torch.Tensor:
+    """Random weights that keep activations O(1) through the stack (plain RMSNorm gains ~1)."""
+    return preset_init_plain(name, shape, g)
