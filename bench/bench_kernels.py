@@ -130,7 +130,7 @@ def copy_bandwidth():
 
 # ------------------------------------------------------------------------------------- correctness
 def start_pytest():
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TEST_FILES]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES]
     try:
         import xdist  # noqa: F401
         cmd[3:3] = ["-n", "6"]
@@ -200,7 +200,19 @@ def candidates(K, N):
 
 
 def cfg_str(c):
-    return f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
+    return (f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
+            + (f"/m{c.m_sub}" if c.m_sub != 1 else ""))
+
+
+# Variants of each shape's table config timed beside it (--variants): more 16-row sub-tiles per
+# program (one weight-tile read for up to 64 rows), fewer stages to fit their x tiles.
+VARIANTS = {"ds4t-m2": dict(m_sub=2), "ds4t-m4": dict(m_sub=4), "ds4t-m4s2": dict(m_sub=4, num_stages=2)}
+
+
+def variant_cfgs(K, N):
+    import dataclasses
+    base = linear_config(K, N, torch.bfloat16, torch.float32)
+    return [(name, dataclasses.replace(base, **kw)) for name, kw in VARIANTS.items()]
 
 
 def _compile_worker(jobs):
@@ -243,6 +255,10 @@ def precompile(jobs, workers):
     log(f"  precompiled {len(jobs)} configs in {time.time() - t0:.0f}s with {workers} processes, "
         f"{len(errors)} failed")
     return errors
+
+
+def check_rows(B):
+    return sorted({0, min(17, B - 1), min(40, B - 1), B // 2, B - 1})
 
 
 def rows_invariant(run, x, rows):
@@ -314,14 +330,14 @@ def bench_linear(case, cfgs, copy_bw):
         for name, cfg in cfgs:
             ms, how = time_calls(case.ds4t_fns(B, cfg))
             nbytes = case.wbytes + B * case.K * 4 + B * case.N * 4
-            inv = rows_invariant(lambda t: linear(t, case.ws[0], config=cfg), xb, sorted({0, B // 2, B - 1}))
+            inv = rows_invariant(lambda t: linear(t, case.ws[0], config=cfg), xb, check_rows(B))
             rows.append(dict(K=case.K, N=case.N, B=B, impl=name, config=cfg_str(cfg), ms=ms, timing=how,
                              bytes=nbytes, gbs=nbytes / (ms * 1e-3) / 1e9, frac=nbytes / (ms * 1e-3) / copy_bw,
                              invariant=inv))
         ms, how = time_calls(case.torch_fns(B))
         nbytes = case.wbytes + B * case.K * 2 + B * case.N * 2
         xt = xb.bfloat16()
-        inv = rows_invariant(lambda t: torch.nn.functional.linear(t, case.ws[0]), xt, sorted({0, B // 2, B - 1}))
+        inv = rows_invariant(lambda t: torch.nn.functional.linear(t, case.ws[0]), xt, check_rows(B))
         rows.append(dict(K=case.K, N=case.N, B=B, impl="torch", config="cuBLAS bf16", ms=ms, timing=how,
                          bytes=nbytes, gbs=nbytes / (ms * 1e-3) / 1e9, frac=nbytes / (ms * 1e-3) / copy_bw,
                          invariant=inv))
@@ -419,6 +435,7 @@ def md_table(headers, rows):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="sweep linear configs (slow: compiles ~200)")
+    ap.add_argument("--variants", action="store_true", help="also time m_sub variants of the table configs")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -440,10 +457,14 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     errors = {}
+    jobs = [(K, N, linear_config(K, N, torch.bfloat16, torch.float32)) for K, N in LINEAR_SHAPES]
+    if args.variants:
+        jobs += [(K, N, c) for K, N in LINEAR_SHAPES for _, c in variant_cfgs(K, N)]
     if args.sweep:
-        jobs = [(K, N, c) for K, N in LINEAR_SHAPES for c in candidates(K, N)]
-        log(f"sweep: compiling {len(jobs)} linear configs")
-        errors = precompile(jobs, args.workers)
+        jobs += [(K, N, c) for K, N in LINEAR_SHAPES for c in candidates(K, N)]
+    jobs = list(dict.fromkeys(jobs))
+    log(f"compiling {len(jobs)} linear configs in parallel")
+    errors = precompile(jobs, min(args.workers, len(jobs)))
 
     if proc is not None:
         ok, tail = finish_pytest(proc, args.pytest_timeout)
@@ -465,6 +486,8 @@ def main():
         case = LinearCase(K, N, gen)
         table_cfg = linear_config(K, N, torch.bfloat16, torch.float32)
         cfgs = [("ds4t", table_cfg)]
+        if args.variants:
+            cfgs += [(n, c) for n, c in variant_cfgs(K, N) if (K, N, c) not in errors]
         if args.sweep:
             res, best = sweep_shape(case, errors)
             sweep_rows += res
@@ -485,7 +508,7 @@ def main():
             neg = negative_control(case)
             log(f"negative control (split-K from B) caught by the invariance check: {neg}")
         for r in rows:
-            if r["B"] in (1, 16):
+            if r["B"] in (1, 16, 64):
                 log(f"  {K}x{N} B={r['B']:3d} {r['impl']:10s} {r['ms']:.4f} ms {r['gbs'] / 1e3:.3f} TB/s "
                     f"{100 * r['frac']:5.1f}% inv={r['invariant']} [{r['config']}]")
         log(f"  ({time.time() - t0:.0f}s)")
@@ -498,7 +521,7 @@ def main():
 
     md += ["\n## Linear (bf16 weight, fp32 x for ds4t / bf16 x for torch)\n",
            "bytes = weight + x + y; % = of the copy bandwidth above; inv = row alone == row in batch "
-           "(torch.equal, rows 0, B/2, B-1 of a random row order).\n"]
+           "(torch.equal, rows 0, 17, 40, B/2, B-1 (those < B) of a random row order).\n"]
     md.append(md_table(["K x N", "B", "impl", "config", "ms", "TB/s", "% copy", "inv"],
                        [[f"{r['K']}x{r['N']}", r["B"], r["impl"], r["config"], f"{r['ms']:.4f}",
                          f"{r['gbs'] / 1e3:.3f}", f"{100 * r['frac']:.1f}", r["invariant"]] for r in lin_rows]))

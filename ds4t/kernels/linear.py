@@ -62,6 +62,35 @@ def _dot_acc(a, b, acc):
     return acc
 
 
+@triton.jit
+def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
+                  W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += one 16-row x sub-tile times the weight tile (x rounded to the weight dtype)."""
+    if EVEN_K:
+        xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    else:
+        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+    # Round the activation to the weight dtype (nearest even), as a bf16 model would.
+    xt = cast(xt.to(tl.float32), W_DTYPE)
+    if SWAP:
+        acc = _dot_acc(wt, tl.trans(xt), acc)
+    else:
+        acc = _dot_acc(xt, wt, acc)
+    return acc
+
+
+@triton.jit
+def _store_sub_tile(acc, b_ptr, y_ptr, rm, rn, B, stride_ym, N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        acc = tl.trans(acc)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc, mask=(rm < B)[:, None] & (rn < N)[None, :])
+
+
 @triton.jit(do_not_specialize=["B"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -72,62 +101,70 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     SWAP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    M_SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (M tile, N tile, K split) of y. Grid: (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
+    """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
-    The K loop always runs k = s*K_PER_SPLIT, +BLOCK_K, ... whatever B is. With SWAP the tile is
-    computed as w_tile @ x_tile^T (the weight is the MMA's M operand, which lets wide weight tiles
-    use the big MMA shapes); the per-element K order is fixed by the config either way.
+    A program owns M_SUB (1, 2 or 4; fixed per weight shape) sub-tiles of BLOCK_M = 16 rows and
+    reads each weight tile once for all of them; every sub-tile has its own accumulator and its
+    own 16-row dot, so a row's arithmetic is the same whichever sub-tile it lands in. The K loop
+    always runs k = s*K_PER_SPLIT, +BLOCK_K, ... whatever B is. With SWAP the tile is computed as
+    w_tile @ x_tile^T (the weight is the MMA's M operand); the per-element K order is fixed by
+    the config either way.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
 
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm0 = pid_m * (M_SUB * BLOCK_M) + tl.arange(0, BLOCK_M)
+    rm1 = rm0 + BLOCK_M
+    rm2 = rm0 + 2 * BLOCK_M
+    rm3 = rm0 + 3 * BLOCK_M
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < B
     # Out-of-range weight rows are clamped (loads stay in bounds and unmasked, so they vectorise);
     # their results are never stored.
     rn_ld = tl.where(rn < N, rn, N - 1).to(tl.int64)
     k0 = pid_s * K_PER_SPLIT
 
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
+    x_ptrs = x_ptr + rm0.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
+    x_step = BLOCK_M * stride_xm
     if SWAP:
         w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]      # [BN, BK]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         w_ptrs = w_ptr + rn_ld[None, :] * stride_wn + (k0 + rk)[:, None]      # [BK, BN]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
 
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k_ok = (k0 + kk + rk) < K
         if EVEN_K:
-            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             wt = tl.load(w_ptrs, eviction_policy="evict_first")
         else:
-            k_ok = (k0 + kk + rk) < K
-            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
             if SWAP:
                 wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             else:
                 wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy="evict_first")
-        # Round the activation to the weight dtype (nearest even), as a bf16 model would.
-        xt = cast(xt.to(tl.float32), W_DTYPE)
-        if SWAP:
-            acc = _dot_acc(wt, tl.trans(xt), acc)
-        else:
-            acc = _dot_acc(xt, wt, acc)
+        acc0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K)
+        if M_SUB >= 2:
+            acc1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, acc1, W_DTYPE, SWAP, EVEN_K)
+        if M_SUB >= 4:
+            acc2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, acc2, W_DTYPE, SWAP, EVEN_K)
+            acc3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, acc3, W_DTYPE, SWAP, EVEN_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    if SWAP:
-        acc = tl.trans(acc)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    y_ptrs = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc, mask=m_mask[:, None] & (rn < N)[None, :])
+    y_ptr += pid_s * stride_ys
+    _store_sub_tile(acc0, b_ptr, y_ptr, rm0, rn, B, stride_ym, N, HAS_BIAS, SWAP)
+    if M_SUB >= 2:
+        _store_sub_tile(acc1, b_ptr, y_ptr, rm1, rn, B, stride_ym, N, HAS_BIAS, SWAP)
+    if M_SUB >= 4:
+        _store_sub_tile(acc2, b_ptr, y_ptr, rm2, rn, B, stride_ym, N, HAS_BIAS, SWAP)
+        _store_sub_tile(acc3, b_ptr, y_ptr, rm3, rn, B, stride_ym, N, HAS_BIAS, SWAP)
 
 
 @triton.jit
@@ -155,6 +192,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     swap: bool = False  # compute (w @ x^T)^T
+    m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
 
     def k_per_split(self, K: int) -> int:
         return triton.cdiv(triton.cdiv(K, self.split), self.block_k) * self.block_k
@@ -163,25 +201,35 @@ class LinearConfig:
         return triton.cdiv(N, self.block_n) * triton.cdiv(K, self.k_per_split(K))
 
 
-# Measured on one H200 (bf16 weights, fp32 x), keyed on (K, N, weight dtype). Rows: the best of
-# the sweep in bench/bench_kernels.py at B=1 (the config is then used for every B).
+# Measured on one H200 (bf16 weights, fp32 x), keyed on (K, N, weight dtype): the best of ~50
+# configs per shape swept by bench/bench_kernels.py --sweep (time at B=1, then max(B=1, B=16) among
+# the 4 fastest). See bench/results/2026-11-29-h200-kernels.md. Copy bandwidth 4.18 TB/s.
+#   K x N          B=1 TB/s  B=16 TB/s   (cuBLAS bf16 B=1 / B=16)
+#   4096 x 14336     3.85      3.83       3.87 / 3.91
+#   14336 x 4096     3.82      3.68       3.75 / 3.67
+#   2048 x 12288     3.48      3.31       3.34 / 3.27
+#   2048 x 151936    4.45      4.27       4.29 / 4.20
 _GPU_TABLE: dict = {
+    (4096, 14336, torch.bfloat16): LinearConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3, swap=True),
+    (14336, 4096, torch.bfloat16): LinearConfig(block_n=128, block_k=128, split=4, num_warps=4, num_stages=4, swap=True),
+    (2048, 12288, torch.bfloat16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=4, num_stages=4, swap=True),
+    (2048, 151936, torch.bfloat16): LinearConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3, swap=True),
 }
 
 
 def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
-    """Enough CTAs to cover 132 SMs several times, 16-byte weight loads, K order fixed by K."""
-    block_k = 256 if wbytes == 2 else 128
-    block_k = max(16, min(block_k, triton.next_power_of_2(K)))
-    block_n = 64 if N >= 64 * 264 else 32
-    block_n = max(16, min(block_n, triton.next_power_of_2(N)))
-    n_tiles = triton.cdiv(N, block_n)
-    split = 1
+    """What the sweep found for bf16 weights, generalised: 256-byte weight rows per tile
+    (BLOCK_K = 128 bf16), swapped operands, 64-row weight tiles, >= ~192 programs. Split K (by
+    K alone) only while each split keeps >= 16 K blocks; if that is not enough, 32-row tiles."""
+    block_k = max(16, min(256 // wbytes, triton.next_power_of_2(K)))
+    block_n = max(16, min(64, triton.next_power_of_2(N)))
     k_blocks = triton.cdiv(K, block_k)
-    # Split K only when the N tiles alone cannot fill the chip, and keep >= 4 K blocks a split.
-    while n_tiles * split < 264 and k_blocks >= 8 * split:
+    split = 1
+    while triton.cdiv(N, block_n) * split < 192 and k_blocks >= 32 * split:
         split *= 2
-    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4)
+    if triton.cdiv(N, block_n) * split < 192 and block_n > 32:
+        block_n = 32
+    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
 
 
 def _interpret_config(K: int, N: int) -> LinearConfig:
@@ -212,7 +260,9 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
     kps = cfg.k_per_split(K)
     split = triton.cdiv(K, kps)
     even_k = (K % kps == 0) and (kps % cfg.block_k == 0)
-    m_tiles = triton.cdiv(B, BLOCK_M)
+    if cfg.m_sub not in (1, 2, 4):
+        raise ValueError(f"m_sub must be 1, 2 or 4, got {cfg.m_sub}")
+    m_tiles = triton.cdiv(B, BLOCK_M * cfg.m_sub)
     has_bias = bias is not None
     b_arg = bias if has_bias else weight  # unused pointer when HAS_BIAS is False
     w_dt = tl_dtype(weight.dtype)
@@ -223,7 +273,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
         _linear_kernel[grid](
             x, weight, b_arg, out, B, x.stride(0), weight.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            M_SUB=cfg.m_sub, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
@@ -232,7 +282,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
     _linear_kernel[grid](
         x, weight, b_arg, part, B, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
         N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, SWAP=cfg.swap, EVEN_K=even_k,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        M_SUB=cfg.m_sub, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     total = B * N

@@ -38,6 +38,28 @@ class MoEWeights:
     shared_down: Optional[torch.Tensor] = None      # [D, Is]
     shared_gated: bool = False                       # sigmoid(router row E) scales the shared expert
     correction_bias: Optional[torch.Tensor] = None  # [E] fp32, sigmoid routers only
+    shared_index: Optional[int] = None  # set by fuse_shared_expert: the shared expert is expert E
+
+
+def fuse_shared_expert(w: MoEWeights) -> MoEWeights:
+    """Append the shared expert to the stacked experts when its width matches theirs.
+
+    Then the expert kernel computes it with the routed ones (as an extra top-k rank, combined
+    last, in fixed order): one grouped launch instead of five small ones, weights still read
+    once per batch. Qwen3-Next, DeepSeek-V3 and GLM-4.5 all have shared width == expert width.
+    """
+    if w.shared_gate_up is None or w.shared_index is not None:
+        return w
+    i = w.w_gate.shape[1]
+    if w.shared_gate_up.shape[0] != 2 * i:
+        return w
+    e = w.w_gate.shape[0]
+    return dataclasses.replace(
+        w,
+        w_gate=torch.cat([w.w_gate, w.shared_gate_up[:i][None]]).contiguous(),
+        w_up=torch.cat([w.w_up, w.shared_gate_up[i:][None]]).contiguous(),
+        w_down=torch.cat([w.w_down, w.shared_down[None]]).contiguous(),
+        shared_gate_up=None, shared_down=None, shared_index=e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +85,12 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
             scores, w.correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.renormalize, rc.scaling)
     else:
         raise ValueError(f"unknown router kind {rc.kind!r}")
+    if w.shared_index is not None:
+        r = x.shape[0]
+        shared_w = (torch.sigmoid(logits[:, e:e + 1]) if w.shared_gated
+                    else torch.ones((r, 1), dtype=weights.dtype, device=x.device))
+        ids = torch.cat([ids, torch.full((r, 1), w.shared_index, dtype=ids.dtype, device=x.device)], dim=1)
+        weights = torch.cat([weights, shared_w.to(weights.dtype)], dim=1)
     out = moe.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down)
     if w.shared_gate_up is not None:
         shared = swiglu(x, w.shared_gate_up, w.shared_down)

@@ -16,7 +16,8 @@ import torch
 
 from ds4t.kernels import activation, attention, conv, gdn, norm, rope
 from ds4t.models.base import CTX, StateSpec, StepBatch
-from ds4t.models.blocks import MoEWeights, RouterConfig, default_inv_freq, fused_linear, moe_block, stack_experts, swiglu
+from ds4t.models.blocks import (MoEWeights, RouterConfig, default_inv_freq, fuse_shared_expert, fused_linear,
+                               moe_block, stack_experts, swiglu)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel
 from ds4t.models.loading import WeightReader
@@ -228,7 +229,7 @@ class QwenModel(DecoderModel):
                         [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")]).contiguous()
                     moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
                     moe_w.shared_gated = True
-                L["moe"] = moe_w
+                L["moe"] = fuse_shared_expert(moe_w)
             else:
                 L["mlp_gate_up"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous()
                 L["mlp_down"] = get(m + "down_proj.weight")

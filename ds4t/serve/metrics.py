@@ -137,5 +137,6 @@ _COUNTER_HELP = {
     "kv_saves_total": "slot states queued for writing to --kv-cache-dir",
     "kv_restores_total": "slot states restored from --kv-cache-dir",
     "kv_corrupt_total": "saved states found corrupt (never used; the conversation was prefilled again)",
+    "kv_restore_failures_total": "restores that could not be used (the prompt was prefilled in full)",
     "http_errors_total": "requests refused with an HTTP error",
 }

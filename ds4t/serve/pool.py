@@ -77,6 +77,11 @@ class SlotPool:
         slot.request = request
         slot.last_used = time.monotonic()
 
+    def close(self) -> None:
+        """Give every session back to the model's pool (the server is gone)."""
+        for s in self.slots:
+            s.session.close()
+
     def release(self, slot: Slot) -> None:
         slot.request = None
         slot.last_used = time.monotonic()

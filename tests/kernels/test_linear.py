@@ -28,7 +28,9 @@ PATH_CONFIGS = [
     LinearConfig(block_n=64, block_k=32, split=3, swap=True),
     LinearConfig(block_n=128, block_k=64, split=2, swap=False),
     LinearConfig(block_n=16, block_k=128, split=1, swap=True),
-    LinearConfig(block_n=256, block_k=16, split=1, swap=False),
+    LinearConfig(block_n=256, block_k=16, split=1, num_stages=2, swap=False),
+    LinearConfig(block_n=64, block_k=64, split=2, swap=True, m_sub=2),   # 2 row sub-tiles a program
+    LinearConfig(block_n=128, block_k=32, split=1, swap=False, m_sub=4),  # 4 row sub-tiles a program
 ]
 
 
@@ -94,6 +96,8 @@ def test_rejects_bad_shapes(device):
         linear(x, w, b[:10])
     with pytest.raises(ValueError):
         linear(x, w, out=torch.empty(2, 40, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError):
+        linear(x, w, config=LinearConfig(block_n=32, block_k=32, split=1, m_sub=3))
 
 
 def test_config_never_sees_the_batch():
@@ -101,7 +105,7 @@ def test_config_never_sees_the_batch():
     for (K, N, _), cfg in L._GPU_TABLE.items():
         assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_n >= 16
         assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k >= 16
-        assert cfg.split >= 1
+        assert cfg.split >= 1 and cfg.m_sub in (1, 2, 4)
     for K, N in [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936), (200, 333), (7, 5)]:
         cfg = L._gpu_heuristic(K, N, 2)
         assert cfg.block_k >= 16 and cfg.block_n >= 16 and cfg.split >= 1
@@ -165,12 +169,12 @@ def test_rows_invariant_gpu_paths(batch, cfg, shape):
 # ---------------------------------------------------------------------------------------------
 def _split_from_batch(x, w, b):
     B = x.shape[0]
-    return linear(x, w, b, config=LinearConfig(block_n=512, block_k=32, split=1 if B == 1 else 2))
+    return linear(x, w, b, config=LinearConfig(block_n=128, block_k=32, split=1 if B == 1 else 2, num_stages=2))
 
 
 def _block_k_from_batch(x, w, b):
     B = x.shape[0]
-    return linear(x, w, b, config=LinearConfig(block_n=512, block_k=64 if B < 8 else 16, split=1))
+    return linear(x, w, b, config=LinearConfig(block_n=128, block_k=64 if B < 8 else 16, split=1, num_stages=2))
 
 
 NEGATIVE = settings(max_examples=25, deadline=None, database=None, phases=(Phase.generate,),

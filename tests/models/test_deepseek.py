@@ -42,7 +42,7 @@ CONFIGS = {
                                        num_attention_heads=2, num_key_value_heads=2, n_group=4, topk_group=2,
                                        num_experts_per_tok=3,
                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                        "original_max_position_embeddings": 32, "mscale": 0.707,
+                                                        "original_max_position_embeddings": 64, "mscale": 0.707,
                                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
                                   32),
     "no-qlora-2dense-bias": (dict(q_lora_rank=None, first_k_dense_replace=2, attention_bias=True, n_group=1,

@@ -1,0 +1,246 @@
+"""GLM-4.5 MoE (``model_type`` glm4_moe): GQA attention + sigmoid-routed MoE.
+
+Attention: q/k/v projections (with bias when ``attention_bias``) fused at load time into one linear
+with output ``[q | k | v]``; optional per-head RMSNorm on q and k (``use_qk_norm``, plain x̂·w,
+eps = rms_norm_eps) before RoPE; partial RoPE (``partial_rotary_factor``, default 0.5) in
+rotate-half form on the first dims of each head, q and k in one launch; split-KV decode attention
+over the per-session caches ``layers.{i}.k`` / ``layers.{i}.v`` [CTX, kv_heads, head_dim];
+o_proj without bias. Norms are standard RMSNorm (x̂·w).
+
+FFN: the DeepSeek-V3 layout, from :class:`ds4t.models.blocks.SigmoidMoEConfig` (dense SwiGLU below
+``first_k_dense_replace``; grouped sigmoid router with ``e_score_correction_bias``, routed experts,
+ungated shared experts). Multi-token-prediction layers stored after the decoder layers are
+recognised, skipped and reported with one warning.
+
+Native path eligibility (data: ``model.native_rules`` / ``model.row_reasons``): GLM's native
+attention holds a session's visible window (cache positions it attends to after the step:
+pos + new tokens) in one pass up to a capacity, ``native_window`` (default 2051 tokens). Rows
+past it get the reason "visible window W > native capacity C"; ``eval_batch(mode="auto")`` runs
+the eligible rows natively in one call and the others ordered, in the same call, and
+``mode="native"`` raises naming the row. Set it with ``ds4t.load(..., native_window=N)`` or
+``model.native_window = N``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ds4t.kernels import attention, norm, rope
+from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
+from ds4t.models.blocks import SigmoidMoEConfig, default_inv_freq, ffn, fused_linear, preset_init_plain
+from ds4t.models.checkpoint import CheckpointError, require, rope_params
+from ds4t.models.decoder import DecoderModel
+from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
+
+PRESETS = ("tiny-glm", "glm-4.5-4l")
+
+DEFAULT_NATIVE_WINDOW = 2051
+"""Visible tokens GLM's native attention holds in one pass (a session past it runs ordered)."""
+
+# HF Glm4MoeConfig class defaults for FFN fields a config.json may omit.
+_FFN_DEFAULTS = dict(first_k_dense_replace=1, n_group=1, topk_group=1, num_experts_per_tok=8,
+                     norm_topk_prob=True, routed_scaling_factor=1.0, moe_intermediate_size=1408,
+                     n_routed_experts=128)
+
+
+@dataclasses.dataclass
+class GlmConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    attention_bias: bool
+    use_qk_norm: bool
+    max_position: int
+    tie_embeddings: bool
+    ffn: SigmoidMoEConfig
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "GlmConfig":
+        n = require(c, "num_hidden_layers", int)
+        if n < 1:
+            raise CheckpointError(f"config.json: num_hidden_layers {n} must be >= 1")
+        heads = require(c, "num_attention_heads", int)
+        hidden = require(c, "hidden_size", int)
+        kv = c.get("num_key_value_heads") or heads
+        if heads % kv:
+            raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
+        head_dim = c.get("head_dim") or hidden // heads
+        rp = rope_params(c)
+        if rp["rope_type"] != "default":
+            raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for glm4_moe yet")
+        rotary = int(head_dim * rp.get("partial_rotary_factor", 0.5))   # HF's default for GLM: 0.5
+        if rotary < 2 or rotary % 2 or rotary > head_dim:
+            raise CheckpointError(f"config.json: partial_rotary_factor gives {rotary} rotary dims of head_dim "
+                                  f"{head_dim}: need an even number in [2, head_dim]")
+        return cls(
+            vocab_size=require(c, "vocab_size", int), hidden_size=hidden, num_layers=n,
+            eps=c.get("rms_norm_eps", 1e-5), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+            rotary_dim=rotary, rope_theta=float(rp["rope_theta"]), attention_bias=bool(c.get("attention_bias", False)),
+            use_qk_norm=bool(c.get("use_qk_norm", False)), max_position=c.get("max_position_embeddings", 131072),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)), ffn=SigmoidMoEConfig.from_dict(c, n, _FFN_DEFAULTS),
+        )
+
+
+def expected_tensors(c: GlmConfig) -> Dict[str, tuple]:
+    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
+    D, H, KV, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    if not c.tie_embeddings:
+        t["lm_head.weight"] = (c.vocab_size, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (D,)
+        t[p + "post_attention_layernorm.weight"] = (D,)
+        a = p + "self_attn."
+        t[a + "q_proj.weight"] = (H * hd, D)
+        t[a + "k_proj.weight"] = (KV * hd, D)
+        t[a + "v_proj.weight"] = (KV * hd, D)
+        if c.attention_bias:
+            t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"] = (H * hd,), (KV * hd,), (KV * hd,)
+        t[a + "o_proj.weight"] = (D, H * hd)
+        if c.use_qk_norm:
+            t[a + "q_norm.weight"] = (hd,)
+            t[a + "k_norm.weight"] = (hd,)
+        c.ffn.expected(t, p + "mlp.", D, i)
+    return t
+
+
+class GlmModel(DecoderModel):
+    family = "glm4_moe"
+
+    def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "glm4_moe", progress=None,
+                 native_window: int = DEFAULT_NATIVE_WINDOW):
+        self.cfg = c = GlmConfig.from_dict(cfg)
+        self.native_window = native_window
+        self.name, self.device, self.dtype = name, torch.device(device), dtype
+        self.vocab_size, self.max_position = c.vocab_size, c.max_position
+        self.num_layers, self.eps = c.num_layers, c.eps
+        mtp = mtp_layer_prefixes(source, c.num_layers)
+        get = WeightReader(source, expected_tensors(c), self.device, dtype,
+                           ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
+        f32 = torch.float32
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_embeddings else get("lm_head.weight")
+        self.final_norm = get("model.norm.weight", f32)
+        self.input_norms, self.post_norms, self.layers = [], [], []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            self.input_norms.append(get(p + "input_layernorm.weight", f32))
+            self.post_norms.append(get(p + "post_attention_layernorm.weight", f32))
+            L: Dict[str, object] = {}
+            L["w_qkv"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                    get(a + "v_proj.weight")]).contiguous()
+            if c.attention_bias:
+                L["b_qkv"] = torch.cat([get(a + "q_proj.bias", f32), get(a + "k_proj.bias", f32),
+                                        get(a + "v_proj.bias", f32)])
+            L["w_o"] = get(a + "o_proj.weight")
+            if c.use_qk_norm:
+                L["q_norm"] = get(a + "q_norm.weight", f32)
+                L["k_norm"] = get(a + "k_norm.weight", f32)
+            L["ffn"] = c.ffn.load(get, p + "mlp.", i)
+            self.layers.append(L)
+        get.finish()
+        warn_mtp_skipped(get, mtp)
+        self.router_cfg = c.ffn.router
+        self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
+        super().__init__()
+
+    # -- native-path eligibility (data) ------------------------------------------------------
+    @property
+    def native_window(self) -> int:
+        return self._native_window
+
+    @native_window.setter
+    def native_window(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"native_window must be a positive int, got {value!r}")
+        self._native_window = value
+
+    @property
+    def native_rules(self) -> Tuple[NativeRule, ...]:
+        return (NativeRule("native", f"visible window (pos + new tokens) <= {self._native_window}",
+                           "ordered: the row runs alone, in item order, in the same eval_batch call"),)
+
+    def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
+        cap = self._native_window
+        return [None if pos + n <= cap else f"visible window {pos + n} > native capacity {cap}" for pos, n in rows]
+
+    # -- state -------------------------------------------------------------------------------
+    def state_specs(self) -> Dict[str, StateSpec]:
+        c, s = self.cfg, {}
+        for i in range(c.num_layers):
+            s[f"layers.{i}.k"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
+            s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
+        return s
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        p = self.common_parameters()
+        for i, L in enumerate(self.layers):
+            for k, v in L.items():
+                if isinstance(v, torch.Tensor):
+                    p[f"layers.{i}.{k}"] = v
+                elif k == "ffn":
+                    for f in dataclasses.fields(v):
+                        t = getattr(v, f.name)
+                        if isinstance(t, torch.Tensor):
+                            p[f"layers.{i}.ffn.{f.name}"] = t
+        return p
+
+    # -- compute -----------------------------------------------------------------------------
+    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        c, L = self.cfg, self.layers[i]
+        R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = fused_linear(x, L["w_qkv"], L.get("b_qkv"))
+        if c.use_qk_norm:
+            qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
+            qk[:, :H] = norm.rms_norm(qkv[:, :H * hd].reshape(R * H, hd), L["q_norm"], c.eps).view(R, H, hd)
+            qk[:, H:] = norm.rms_norm(qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd), L["k_norm"], c.eps).view(R, KV, hd)
+        else:
+            qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
+        qk = rope.rope(qk, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)   # q and k in one launch
+        v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
+        kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
+        attention.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
+        o = attention.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
+        return fused_linear(o.reshape(R, H * hd), L["w_o"])
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return ffn(self.layers[i]["ffn"], x, self.router_cfg)
+
+
+def preset_config(name: str) -> dict:
+    """HF-style config dicts for the built-in GLM-4.5 MoE presets."""
+    if name == "tiny-glm":
+        # DESIGN.md §4 tiny config with 2 layers (1 dense + 1 MoE) to keep the CPU interpreter fast.
+        return dict(
+            model_type="glm4_moe", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+            use_qk_norm=True, max_position_embeddings=4096, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+            norm_topk_prob=True, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    if name == "glm-4.5-4l":
+        # GLM-4.5 (355B-A32B) layer dimensions, 4 layers (1 dense + 3 MoE).
+        return dict(
+            model_type="glm4_moe", vocab_size=151552, hidden_size=5120, intermediate_size=12288, num_hidden_layers=4,
+            first_k_dense_replace=1, num_attention_heads=96, num_key_value_heads=8, head_dim=128, attention_bias=True,
+            use_qk_norm=True, max_position_embeddings=131072, n_routed_experts=160, n_shared_experts=1,
+            num_experts_per_tok=8, moe_intermediate_size=1536, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+            num_nextn_predict_layers=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+    raise KeyError(name)
+
+
+def preset_init(name: str, shape, g: torch.Generator) -> torch.Tensor:
+    """Random weights that keep activations O(1) through the stack (plain RMSNorm gains ~1)."""
+    return preset_init_plain(name, shape, g)

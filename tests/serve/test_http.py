@@ -1,0 +1,196 @@
+"""A real server on loopback and a real HTTP client (aiohttp): concurrency, errors, disconnects, API shape."""
+import asyncio
+import json
+import random
+import re
+
+import aiohttp
+import pytest
+
+from ds4t.serve.http import Server
+from ds4t.serve.tokenizer import TextCodec
+from ds4t.serve.worker import GenParams, Request
+
+from .conftest import post, run, stream_events
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = Server(model, slots=4, max_ctx=64, model_id="tiny-qwen", coalesce_us=2000)
+    srv.start_in_thread()
+    yield srv
+    srv.stop_thread()
+
+
+def session():
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900))
+
+
+def metric(text, name):
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _bodies():
+    rng = random.Random(7)
+    out = []
+    for i in range(16):
+        prompt = "".join(rng.choice("abcdefghij ") for _ in range(rng.randint(2, 5)))
+        b = {"model": "tiny-qwen", "prompt": prompt, "max_tokens": 2 + i % 2, "return_token_ids": True}
+        if i < 12:
+            b["temperature"] = 0
+        else:  # seeded sampling: the same text whatever else is running
+            b.update(temperature=0.9, top_k=40, top_p=0.95, seed=1000 + i)
+        out.append(b)
+    return out
+
+
+def test_64_concurrent_requests_match_each_request_alone(server):
+    bodies = _bodies()
+    url = server.url + "/v1/completions"
+
+    async def main():
+        async with session() as s:
+            alone = [await post(s, url, b) for b in bodies]
+            order = list(range(64))
+            random.Random(1).shuffle(order)
+            together = await asyncio.gather(*(post(s, url, bodies[i % 16]) for i in order))
+            async with s.get(server.url + "/metrics") as r:
+                return alone, order, together, await r.text()
+
+    alone, order, together, metrics = run(main())
+    assert all(st == 200 for st, _ in alone), alone
+    assert len(together) == 64 and all(st == 200 for st, _ in together), [j for st, j in together if st != 200]
+    for i, (st, j) in zip(order, together):
+        ref = alone[i % 16][1]["choices"][0]
+        got = j["choices"][0]
+        assert got["token_ids"] == ref["token_ids"] and got["text"] == ref["text"], bodies[i % 16]
+        assert j["usage"]["completion_tokens"] == bodies[i % 16]["max_tokens"] and got["finish_reason"] == "length"
+    # the 64 really shared steps
+    n_batches = metric(metrics, "ds4t_serve_batch_items_count")
+    single = float(re.search(r'ds4t_serve_batch_items_bucket\{le="1"\} (\d+)', metrics).group(1))
+    assert n_batches - single >= 10, metrics
+    assert metric(metrics, "ds4t_serve_queue_length") == 0
+    assert 'ds4t_serve_requests_total{status="ok"}' in metrics
+
+
+ERRORS = [
+    ("/v1/completions", '{"prompt": "x",', 400, "invalid JSON"),
+    ("/v1/completions", [1, 2], 400, "must be an object"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "x" * 65, "max_tokens": 1}, 400, "context"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 64}, 400, "exceeds this server's context"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "3"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2, 256]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [1, -2]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/completions", {}, 400, "'prompt' is required"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "'n'"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 80}]}, 400, "context"),
+]
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    async def main():
+        out = []
+        async with session() as s:
+            for path, body, _, _ in ERRORS:
+                raw = body if isinstance(body, str) else json.dumps(body)
+                out.append(await post(s, server.url + path, None, raw=raw))
+            ok = await post(s, server.url + "/v1/completions", {"prompt": "ok", "max_tokens": 1, "temperature": 0})
+        return out, ok
+
+    out, ok = run(main())
+    for (path, body, status, msg), (st, j) in zip(ERRORS, out):
+        assert st == status and msg in j["error"]["message"], (body, st, j)
+        assert j["error"]["type"] == "invalid_request_error"
+    assert ok[0] == 200 and ok[1]["usage"]["completion_tokens"] == 1
+
+
+def test_client_disconnect_mid_stream_frees_its_slot(server):
+    async def main():
+        async with session() as s:
+            async with s.get(server.url + "/metrics") as r:
+                before = metric(await r.text(), 'ds4t_serve_requests_total{status="cancelled"}')
+            body = {"prompt": "abc", "max_tokens": 50, "temperature": 0, "stream": True}
+            async with s.post(server.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: ") and b'"text"' in line:
+                        break  # one token arrived: hang up
+                r.close()
+            for _ in range(600):
+                async with s.get(server.url + "/health") as r:
+                    h = await r.json()
+                if h["busy"] == 0 and h["active"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            async with s.get(server.url + "/metrics") as r:
+                after = metric(await r.text(), 'ds4t_serve_requests_total{status="cancelled"}')
+            nxt = await post(s, server.url + "/v1/completions", {"prompt": "z", "max_tokens": 1})
+            return h, before, after, nxt
+
+    h, before, after, nxt = run(main())
+    assert h["busy"] == 0 and h["active"] == 0 and h["waiting"] == 0
+    assert after == before + 1
+    assert max(h["slot_positions"]) < 3 + 50  # it stopped early
+    assert nxt[0] == 200
+
+
+def test_api_shape_chat_stream_models_health_metrics(server):
+    msgs = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+    async def main():
+        async with session() as s:
+            async with s.get(server.url + "/v1/models") as r:
+                models = await r.json()
+            st, plain = await post(s, server.url + "/v1/chat/completions", msgs)
+            async with s.post(server.url + "/v1/chat/completions",
+                              json=dict(msgs, stream=True, stream_options={"include_usage": True})) as r:
+                ctype = r.headers["Content-Type"]
+                events = await stream_events(r)
+            async with s.post(server.url + "/v1/completions",
+                              json={"prompt": "hi", "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+                cevents = await stream_events(r)
+            async with s.get(server.url + "/health") as r:
+                health = (r.status, await r.json())
+            async with s.get(server.url + "/metrics") as r:
+                metrics = (r.headers["Content-Type"], await r.text())
+        return models, st, plain, ctype, events, cevents, health, metrics
+
+    models, st, plain, ctype, events, cevents, health, metrics = run(main())
+    assert models["data"][0]["id"] == "tiny-qwen" and models["object"] == "list"
+    assert st == 200 and plain["object"] == "chat.completion"
+    assert plain["choices"][0]["message"]["role"] == "assistant" and plain["usage"]["completion_tokens"] == 2
+    assert ctype.startswith("text/event-stream") and events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 2
+    assert cevents[-1] == "[DONE]" and cevents[-2]["choices"][0]["finish_reason"] == "length"
+    assert health[0] == 200 and health[1]["status"] == "ok" and health[1]["slots"] == 4
+    assert metrics[0].startswith("text/plain")
+    for name in ("ds4t_serve_batch_items_bucket", "ds4t_serve_batch_rows_bucket", "ds4t_serve_queue_length",
+                 "ds4t_serve_tokens_per_second", "ds4t_serve_generated_tokens_total", "ds4t_serve_step_seconds"):
+        assert name in metrics[1]
+
+
+def test_stop_strings_are_cut_and_held_back():
+    """Request.on_token alone (no model): a stop string is never shown, even split over tokens."""
+    codec = TextCodec(256)
+    r = Request([1], GenParams(max_tokens=10, stop=("lo",)), lambda ev: None, codec.detokenizer())
+    shown = []
+    for ch in b"hello":
+        text, finish = r.on_token(ch)
+        shown.append(text)
+        if finish:
+            break
+    assert shown == ["h", "e", "", "l", ""] and finish == "stop" and r.text == "hel"
+    r = Request([1], GenParams(max_tokens=3), lambda ev: None, codec.detokenizer())
+    assert [r.on_token(c) for c in "é!".encode()] == [("", None), ("é", None), ("!", "length")]

@@ -1,0 +1,141 @@
+"""The decode worker without HTTP: chunked prefill interleaved with decoders in mixed batches, FIFO
+admission, prefix reuse, restore from --kv-cache-dir, and one bad item failing only its request."""
+import threading
+
+import pytest
+
+from ds4t.serve.persistence import KVStore, model_fingerprint
+from ds4t.serve.pool import SlotPool
+from ds4t.serve.worker import DecodeWorker, GenParams, Request
+
+from .conftest import greedy_ref
+
+
+class Sink:
+    def __init__(self, order=None):
+        self.events, self.done, self.order = [], threading.Event(), order
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev["type"] in ("done", "error"):
+            if self.order is not None:
+                self.order.append(self)
+            self.done.set()
+
+    @property
+    def final(self):
+        return self.events[-1]
+
+    @property
+    def tokens(self):
+        return [e["token"] for e in self.events if e["type"] == "token"]
+
+
+def submit(w, prompt, max_tokens, order=None):
+    sink = Sink(order)
+    req = Request(prompt, GenParams(max_tokens=max_tokens), sink)
+    w.submit(req)
+    return req, sink
+
+
+def wait_all(sinks, timeout=300):
+    for s in sinks:
+        assert s.done.wait(timeout), "request did not finish"
+
+
+@pytest.fixture
+def worker(model):
+    made = []
+
+    def make(n, store=None, start=True, **kw):
+        pool = SlotPool(model, n, 64)
+        w = DecodeWorker(pool, store=store, coalesce_us=kw.pop("coalesce_us", 0), **kw)
+        made.append(w)
+        if start:
+            w.start()
+        return w
+
+    yield make
+    for w in made:
+        if w.thread.is_alive():
+            w.stop()
+        w.pool.close()
+
+
+def test_long_prefill_is_chunked_between_decode_steps(model, worker):
+    short = [[7, 8, 9], [40, 41, 42]]
+    long_prompt = list(range(60, 74))  # 14 tokens: chunks of 4, 4, 4, 2
+    refs = [greedy_ref(model, p, 8)[0] for p in short] + [greedy_ref(model, long_prompt, 2)[0]]
+    w = worker(3, prefill_chunk=4, prefill_chunk_idle=64)
+    (r1, s1), (r2, s2) = submit(w, short[0], 8), submit(w, short[1], 8)
+    while not (len(s1.tokens) >= 2 and len(s2.tokens) >= 2):  # both decoding
+        assert not s1.done.is_set()
+        s1.done.wait(0.05)
+    r3, s3 = submit(w, long_prompt, 2)
+    wait_all([s1, s2, s3])
+    assert [s1.tokens, s2.tokens, s3.tokens] == refs
+    steps = list(w.step_log)
+    chunks = [st for st in steps if r3.id in st["requests"] and st["prefill_tokens"]]
+    assert len(chunks) >= 4 and sum(st["prefill_tokens"] for st in chunks) == len(long_prompt)
+    for st in chunks:
+        assert st["prefill_tokens"] <= 4  # never more than one chunk per step
+        assert {r1.id, r2.id} <= set(st["requests"]) and st["decode"] == 2  # mixed with the decoders
+        assert st["paths"] == {"native": 3}  # one call: the native path took the mixed batch
+    for r in (r1, r2):  # a decoder advances in every step from its first to its last
+        idx = [i for i, st in enumerate(steps) if r.id in st["requests"]]
+        assert idx == list(range(idx[0], idx[-1] + 1))
+
+
+def test_fifo_admission_and_prefix_reuse(model, worker):
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    refs = [greedy_ref(model, p, 1)[0] for p in prompts]
+    cont = prompts[2] + [100, 101]
+    ref_cont = greedy_ref(model, cont, 2)[0]
+    order = []
+    w = worker(1, start=False)
+    subs = [submit(w, p, 1, order) for p in prompts]
+    w.start()
+    wait_all([s for _, s in subs])
+    assert order == [s for _, s in subs]  # first come, first served
+    assert [s.tokens for _, s in subs] == refs
+    assert [st["requests"] for st in w.step_log] == [[r.id] for r, _ in subs]
+    r4, s4 = submit(w, cont, 2)  # the slot's history [7, 8] is a prefix: only 2 tokens to prefill
+    wait_all([s4])
+    assert s4.final["reused_tokens"] == len(prompts[2]) and s4.tokens == ref_cont
+    assert w.step_log[-2]["prefill_tokens"] == 2
+
+
+def test_bad_item_fails_only_its_request(model, worker):
+    good = [[10, 11, 12], [20, 21]]
+    refs = [greedy_ref(model, p, 2)[0] for p in good]
+    w = worker(3, start=False)
+    (ra, sa), (rb, sb), (rc, sc) = submit(w, good[0], 2), submit(w, [5, 300, 6], 2), submit(w, good[1], 2)
+    w.start()  # all three are in the first batch; the engine rejects item 1
+    wait_all([sa, sb, sc])
+    assert sb.final["type"] == "error" and sb.final["status"] == 400 and "vocabulary" in sb.final["message"]
+    assert [sa.tokens, sc.tokens] == refs and sa.final["type"] == sc.final["type"] == "done"
+    assert w.step_log[0]["items"] == 2 and w.status()["busy"] == 0
+
+
+def test_conversation_restored_from_disk_after_eviction(model, worker, tmp_path):
+    a, b = [30, 31, 32, 33], [50, 51, 52]
+    ref_a = greedy_ref(model, a, 2)[0]
+    cont = a + ref_a + [9]
+    ref_cont = greedy_ref(model, cont, 2)[0]
+    pool_probe = SlotPool(model, 1, 64)
+    fp = model_fingerprint(model, pool_probe.zero_state)
+    pool_probe.close()
+    store = KVStore(tmp_path, fp)
+    w = worker(1, store=store)
+    _, sa = submit(w, a, 2)
+    wait_all([sa])
+    _, sb = submit(w, b, 1)  # takes the only slot: a's state goes to disk first
+    wait_all([sb])
+    _, sc = submit(w, cont, 2)  # a returns: restored (b's state is saved in turn)
+    wait_all([sc])
+    assert sa.tokens == ref_a
+    assert sc.final["restored_from_disk"] and sc.final["reused_tokens"] == len(a) + 1
+    assert sc.tokens == ref_cont
+    w.stop()
+    store.close()
+    assert store.stats["saved"] == 3 and store.stats["restored"] == 1  # a, b, and cont at shutdown
