@@ -130,7 +130,8 @@ def copy_bandwidth():
 
 # ------------------------------------------------------------------------------------- correctness
 def start_pytest():
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES]
+    # (pyproject addopts already has -q; a second -q would hide the "N passed" line.)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark", *TEST_FILES]
     try:
         import xdist  # noqa: F401
         cmd[3:3] = ["-n", "6"]
@@ -201,12 +202,14 @@ def candidates(K, N):
 
 def cfg_str(c):
     return (f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
-            + (f"/m{c.m_sub}" if c.m_sub != 1 else ""))
+            + (f"/m{c.m_sub}" if c.m_sub != 1 else "") + (f"/ev{c.evict}" if c.evict != 1 else ""))
 
 
-# Variants of each shape's table config timed beside it (--variants): more 16-row sub-tiles per
-# program (one weight-tile read for up to 64 rows), fewer stages to fit their x tiles.
-VARIANTS = {"ds4t-m2": dict(m_sub=2), "ds4t-m4": dict(m_sub=4), "ds4t-m4s2": dict(m_sub=4, num_stages=2)}
+# Variants of each shape's table config timed beside it (--variants). Run 2 (2026-11-29) tried
+# m_sub 2 / 4 (one weight-tile read for 32 / 64 rows): m_sub=2 lifts B=64 by ~20% but costs
+# 5-45% at B <= 16, m_sub=4 is 2-4x slower everywhere (x tiles in shared memory). Now: the
+# weight loads' cache hint (evict_first today), alone and with m_sub=2.
+VARIANTS = {"ds4t-ev0": dict(evict=0), "ds4t-ev2": dict(evict=2), "ds4t-m2ev0": dict(m_sub=2, evict=0)}
 
 
 def variant_cfgs(K, N):

@@ -129,10 +129,26 @@ def cmd_exactness(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_support(args) -> int:
+    """The support matrix, read from each family's NativeRule data (what the engine uses)."""
+    from ds4t.models.registry import _families
+
+    rows = []
+    for model_type, (cls, *_rest) in sorted(_families().items()):
+        rules = cls.__dict__.get("native_rules", getattr(cls, "native_rules", ()))
+        if isinstance(rules, property):  # rules that depend on load options: the defaults
+            rules = cls.default_native_rules() if hasattr(cls, "default_native_rules") else ()
+        for rule in rules:
+            rows.append([model_type, rule.path, rule.condition, rule.fallback])
+    print(_table(["model_type", "path", "native when", "otherwise"], rows))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ds4t", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="run every kernel against its reference on this device")
+    sub.add_parser("support", help="print the support matrix: model x native path x condition")
 
     def model_args(sp, default="tiny-qwen"):
         sp.add_argument("--model", default=default, help="preset name or HF checkpoint directory")
@@ -155,7 +171,7 @@ def main(argv=None) -> int:
     e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="skip the planted-deviation runs")
     args = p.parse_args(argv)
-    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness}[args.cmd](args)
+    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "support": cmd_support}[args.cmd](args)
 
 
 if __name__ == "__main__":

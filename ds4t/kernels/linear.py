@@ -14,9 +14,20 @@ each of the S programs of an output tile writes its fp32 partial sum to a worksp
 kernel adds the S partials in the fixed order 0..S-1 (no atomics). So a row's bits never depend
 on how many rows share the launch or where the row sits.
 
-The GPU configs of the four weight shapes that matter for decode were measured on an H200 (see
-bench/bench_kernels.py and bench/results/*-h200-kernels.md); other shapes use a heuristic that
-also only reads (K, N).
+Rows per program: a program may own M_SUB (1, 2, 4) 16-row sub-tiles, each with its own 16-row
+dot, so a row's arithmetic does not depend on which sub-tile it lands in (checked on an H200 for
+B = 1..64). The table uses M_SUB = 1: M_SUB = 2 was 20% faster at B = 64 but 5-45% slower at
+B <= 16 on the H200.
+
+GPU configs of the four decode weight shapes were swept on an H200 (bench/bench_kernels.py
+--sweep; bench/results/2026-11-29-h200-kernels.md): 88-107% of the 4.1-4.2 TB/s copy bandwidth
+for B <= 16 on the >= 100 MB weights, on par with or ahead of cuBLAS, bitwise batch-invariant
+for B = 1..64. Other shapes use a heuristic that also reads only (K, N). Known gap: B > 16 runs
+one program per 16-row tile, each re-reading its weight tile (B = 64: ~40% of copy bandwidth;
+cuBLAS ~85%).
+
+On the GPU, BLOCK_K does not change a row's bits (tl.dot accumulates into one accumulator in K
+order); the split-K count does.
 """
 from __future__ import annotations
 
@@ -40,28 +51,6 @@ BLOCK_M = 16
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-_INTERPRET_C = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _dot_acc(a, b, acc):
-    """acc + a @ b, fp32 accumulation, with each output's K order independent of the other rows.
-
-    GPU: :func:`ds4t.backend.mma` (tensor cores; per-element order fixed by the instruction).
-    Interpreter: an explicit product and a sum over K. ``mma`` there is ``np.matmul`` (OpenBLAS),
-    whose result for a row depends on the row's *position* in the tile: with a [16, K] @ [K, N]
-    product at small K*N, rows 6..15 are summed differently from rows 0..5 (seen with OpenBLAS
-    0.3.31 Haswell kernels), so a row alone (position 0) and the same row at position 9 of a
-    batch differ. np.sum over the middle axis adds the K slices one after the other for every
-    output element alike.
-    """
-    if _INTERPRET_C:
-        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    else:
-        acc = mma(a, b, acc)
-    return acc
-
-
 @triton.jit
 def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
                   W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr):
@@ -72,11 +61,36 @@ def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
     # Round the activation to the weight dtype (nearest even), as a bf16 model would.
     xt = cast(xt.to(tl.float32), W_DTYPE)
+    # mma: tensor cores on the GPU; in the interpreter a broadcast product summed over K (not
+    # np.matmul, whose OpenBLAS row panels make a row's bits depend on its position in the tile).
     if SWAP:
-        acc = _dot_acc(wt, tl.trans(xt), acc)
+        acc = mma(wt, tl.trans(xt), acc)
     else:
-        acc = _dot_acc(xt, wt, acc)
+        acc = mma(xt, wt, acc)
     return acc
+
+
+@triton.jit
+def _load_w(ptrs, EVICT: tl.constexpr):
+    """Weight tile load; EVICT (a cache hint, no effect on values): 0 none, 1 evict_first, 2 evict_last."""
+    if EVICT == 1:
+        w = tl.load(ptrs, eviction_policy="evict_first")
+    elif EVICT == 2:
+        w = tl.load(ptrs, eviction_policy="evict_last")
+    else:
+        w = tl.load(ptrs)
+    return w
+
+
+@triton.jit
+def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
+    if EVICT == 1:
+        w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    elif EVICT == 2:
+        w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    else:
+        w = tl.load(ptrs, mask=mask, other=0.0)
+    return w
 
 
 @triton.jit
@@ -102,6 +116,7 @@ def _linear_kernel(
     SWAP: tl.constexpr,
     EVEN_K: tl.constexpr,
     M_SUB: tl.constexpr,
+    EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
@@ -143,12 +158,12 @@ def _linear_kernel(
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k_ok = (k0 + kk + rk) < K
         if EVEN_K:
-            wt = tl.load(w_ptrs, eviction_policy="evict_first")
+            wt = _load_w(w_ptrs, EVICT)
         else:
             if SWAP:
-                wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
             else:
-                wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy="evict_first")
+                wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
         acc0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K)
         if M_SUB >= 2:
             acc1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, acc1, W_DTYPE, SWAP, EVEN_K)
@@ -193,6 +208,7 @@ class LinearConfig:
     num_stages: int = 4
     swap: bool = False  # compute (w @ x^T)^T
     m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
+    evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
 
     def k_per_split(self, K: int) -> int:
         return triton.cdiv(triton.cdiv(K, self.split), self.block_k) * self.block_k
@@ -234,7 +250,7 @@ def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
 
 def _interpret_config(K: int, N: int) -> LinearConfig:
     # Interpreter: few programs, big tiles (its cost is per program and per op, not per element).
-    # (The [BLOCK_M, BLOCK_K, BLOCK_N] product of _dot_acc is materialised: keep it <= 4 MB.)
+    # (The interpreter's mma materialises the [BLOCK_M, BLOCK_K, BLOCK_N] product: keep it <= 4 MB.)
     block_k = max(16, min(128, triton.next_power_of_2(K)))
     block_n = max(16, min(512, triton.next_power_of_2(N)))
     return LinearConfig(block_n=block_n, block_k=block_k, split=1, num_warps=4, num_stages=1)
@@ -273,7 +289,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
         _linear_kernel[grid](
             x, weight, b_arg, out, B, x.stride(0), weight.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
-            M_SUB=cfg.m_sub, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
@@ -282,7 +298,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
     _linear_kernel[grid](
         x, weight, b_arg, part, B, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
         N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, SWAP=cfg.swap, EVEN_K=even_k,
-        M_SUB=cfg.m_sub, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     total = B * N

@@ -78,13 +78,13 @@ def _silu(x):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    h_ptr, sh_b, order_ptr, bounds_ptr,
+    h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
     act_ptr, sa_p,
     D, I, KTOP,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    e = tl.program_id(0)
+    e = tl.load(experts_ptr + tl.program_id(0))
     pid_n = tl.program_id(1)
     start = tl.load(bounds_ptr + e).to(tl.int32)
     end = tl.load(bounds_ptr + e + 1).to(tl.int32)
@@ -115,13 +115,13 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, sa_p, order_ptr, bounds_ptr,
+    act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
     wd_ptr, sw_e, sw_n, sw_k,
     y_ptr, sy_p,
     D, I,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    e = tl.program_id(0)
+    e = tl.load(experts_ptr + tl.program_id(0))
     pid_n = tl.program_id(1)
     start = tl.load(bounds_ptr + e).to(tl.int32)
     end = tl.load(bounds_ptr + e + 1).to(tl.int32)
@@ -209,10 +209,19 @@ def moe_experts(
     WDT = tl_dtype(w_gate.dtype)
     if w_gate.stride() != w_up.stride():
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    # Programs run over a list of experts. On the GPU: all E (programs of unchosen experts exit
+    # at once; no host sync, so the step can be captured in a CUDA graph). In the interpreter,
+    # where every program costs milliseconds and tensors are already on the host, only the
+    # experts some pair chose. Either way each expert's computation is the same: exactness holds.
+    if INTERPRET:
+        experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
+    else:
+        experts = torch.arange(E, device=dev, dtype=torch.int32)
+    n_exp = int(experts.shape[0])
     # 2. gate/up + activation
     BN, BK = _tiles(I, D)
-    _moe_gate_up_kernel[(E, triton.cdiv(I, BN))](
-        h, h.stride(0), order, bounds,
+    _moe_gate_up_kernel[(n_exp, triton.cdiv(I, BN))](
+        h, h.stride(0), order, bounds, experts,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         act, act.stride(0),
         D, I, k,
@@ -220,8 +229,8 @@ def moe_experts(
     )
     # 3. down
     BN, BK = _tiles(D, I)
-    _moe_down_kernel[(E, triton.cdiv(D, BN))](
-        act, act.stride(0), order, bounds,
+    _moe_down_kernel[(n_exp, triton.cdiv(D, BN))](
+        act, act.stride(0), order, bounds, experts,
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
         y, y.stride(0),
         D, I,

@@ -268,7 +268,8 @@ class SigmoidMoEConfig:
     def load(self, get, prefix: str, layer: int):
         """Layer ``layer``'s FFN as DenseMLP or MoEWeights. The router weight and the correction
         bias are read as fp32 whatever the checkpoint stores (HF keeps them fp32 and runs the router
-        product in fp32; bf16 checkpoints may store them either way)."""
+        product in fp32; bf16 checkpoints may store them either way). A shared expert as wide as a
+        routed one is fused in as an extra expert (:func:`fuse_shared_expert`)."""
         if not self.is_moe(layer):
             return DenseMLP(torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]).contiguous(),
                             get(prefix + "down_proj.weight"))
@@ -279,7 +280,7 @@ class SigmoidMoEConfig:
             w.shared_gate_up = torch.cat([get(prefix + "shared_experts.gate_proj.weight"),
                                           get(prefix + "shared_experts.up_proj.weight")]).contiguous()
             w.shared_down = get(prefix + "shared_experts.down_proj.weight")
-        return w
+        return fuse_shared_expert(w)
 
 
 def ffn(w, x: torch.Tensor, rc: Optional[RouterConfig]) -> torch.Tensor:

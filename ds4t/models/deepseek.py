@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds4t.kernels import activation, linear, mla, norm, rope
+from ds4t.kernels import activation, linear, mla, moe, norm, rope
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, MoEWeights, SigmoidMoEConfig, default_inv_freq, ffn, fused_linear,
                                 moe_block, preset_init_plain, swiglu, yarn_inv_freq)
@@ -226,7 +226,7 @@ class DeepseekModel(DecoderModel):
                 L["b_o"] = get(a + "o_proj.bias", f32)
             L["ffn"] = c.ffn.load(get, p + "mlp.", i)
             if isinstance(L["ffn"], MoEWeights):  # the routed part alone, for the ds4 path
-                L["routed"] = dataclasses.replace(L["ffn"], shared_gate_up=None, shared_down=None)
+                L["routed"] = dataclasses.replace(L["ffn"], shared_gate_up=None, shared_down=None, shared_index=None)
             self.layers.append(L)
         get.finish()
         warn_mtp_skipped(get, mtp)
@@ -345,9 +345,17 @@ class DeepseekModel(DecoderModel):
             return out
         for r in rows:
             out[r] = moe_block(x[r], L["routed"], self.router_cfg)
-        if w.shared_gate_up is None:
+        # Shared experts: one launch over all rows, computed exactly as inside moe_block (the fused
+        # extra expert with weight 1 as the last rank, or a SwiGLU of their own), then added last.
+        if w.shared_index is not None:
+            n = x.shape[0]
+            ids = torch.full((n, 1), w.shared_index, dtype=torch.int32, device=x.device)
+            ones = torch.ones((n, 1), dtype=torch.float32, device=x.device)
+            shared = moe.moe_experts(x, ids, ones, w.w_gate, w.w_up, w.w_down)
+        elif w.shared_gate_up is not None:
+            shared = swiglu(x, w.shared_gate_up, w.shared_down)
+        else:
             return out
-        shared = swiglu(x, w.shared_gate_up, w.shared_down)   # shared experts: batched over all rows
         return activation.add(out, shared)
 
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ds4t.kernels import activation, attention, conv, gdn, norm, rope
-from ds4t.models.base import CTX, StateSpec, StepBatch
+from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (MoEWeights, RouterConfig, default_inv_freq, fuse_shared_expert, fused_linear,
                                moe_block, stack_experts, swiglu)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
@@ -176,6 +176,9 @@ def _q_gate_order(c: QwenConfig):
 class QwenModel(DecoderModel):
     family = "qwen3_next"
     zero_centered_norms = True
+    native_rules = (NativeRule(
+        "native", "always: every row (decode token or prompt chunk) joins the batched call",
+        "- (no fallback needed)"),)
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
         self.cfg = c = QwenConfig.from_dict(cfg)

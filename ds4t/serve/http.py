@@ -89,8 +89,6 @@ class Server:
                     self.metrics.inc("kv_corrupt_total")
             self.store = KVStore(kv_cache_dir, model_fingerprint(model, self.pool.zero_state),
                                  max_entries=kv_cache_max_entries, on_event=on_event)
-            if self.store.stats["corrupt"]:
-                self.metrics.inc("kv_corrupt_total", self.store.stats["corrupt"])
         self.worker = DecodeWorker(self.pool, metrics=self.metrics, store=self.store, coalesce_us=coalesce_us,
                                    prefill_chunk=prefill_chunk, prefill_chunk_idle=prefill_chunk_idle,
                                    max_waiting=max_waiting, batch_log_enabled=batch_log, mode=mode)

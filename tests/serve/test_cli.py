@@ -1,0 +1,147 @@
+"""`ds4t serve` as a process: the memory plan, refusing to start, and a server killed with SIGKILL while
+it writes a state to --kv-cache-dir, restarted: it uses no corrupt state."""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from ds4t.serve import cli
+from ds4t.serve.http import Server
+from ds4t.serve.persistence import SUFFIX
+from ds4t.serve.planner import parse_size
+
+from .conftest import greedy_ref, post, run
+
+
+def args_for(*argv):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd")
+    cli.add_parser(sub)
+    return p.parse_args(["serve", *argv])
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5kb") == 1500
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_plan_counts_every_session_at_max_ctx(model):
+    server, plan = cli.build(args_for("--batched-session", "3", "--max-ctx", "128", "--plan-only"), model=model)
+    assert server is None and plan.fits
+    assert plan.per_slot == model.pool.bytes_per_slot(128) and plan.sessions == 3 * plan.per_slot
+    assert plan.weights == model.weight_bytes() and plan.total == plan.weights + plan.sessions + plan.workspace
+    text = plan.format()
+    assert "3 x" in text and "ctx 128" in text and "fits: yes" in text
+
+
+def test_refuses_to_start_when_the_plan_does_not_fit(capsys):
+    rc = cli.run(args_for("--batched-session", "64", "--memory-limit", "4MiB", "--port", "0"))
+    out = capsys.readouterr()
+    assert rc == 2
+    assert "fits: NO" in out.out
+    assert "refusing to start" in out.err and "--memory-limit" in out.err and "Lower --batched-session" in out.err
+
+
+def _start(tmp_path, env=None):
+    cmd = [sys.executable, "-m", "ds4t.serve", "--model", "tiny-qwen", "--batched-session", "1", "--max-ctx", "64",
+           "--port", "0", "--coalesce-us", "0", "--kv-cache-dir", str(tmp_path)]
+    p = subprocess.Popen(cmd, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            return p, m.group(1)
+    p.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+def _complete(url, prompt, n):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            st, j = await post(s, url + "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                            "return_token_ids": True})
+            async with s.get(url + "/health") as r:
+                return st, j, await r.json()
+    return run(main())
+
+
+def test_server_killed_while_writing_a_state_restarts_clean(model, tmp_path):
+    a, b = [30, 31, 32, 33], [50, 51, 52]
+    ref_a = greedy_ref(model, a, 2)[0]
+    cont = a + ref_a + [9]
+    ref_cont = greedy_ref(model, cont, 2)[0]
+    p, url = _start(tmp_path, {"DS4T_SERVE_FAULT_SLOW_WRITE": "120"})  # writes pause half-way
+    try:
+        st, j, _ = _complete(url, a, 2)
+        assert st == 200 and j["choices"][0]["token_ids"] == ref_a
+        st, _, _ = _complete(url, b, 1)  # evicts a: its state is being written...
+        assert st == 200
+        deadline = time.time() + 60
+        while not any(f.startswith(".tmp-") for f in os.listdir(tmp_path)):
+            assert time.time() < deadline, os.listdir(tmp_path)
+            time.sleep(0.05)
+    finally:
+        p.send_signal(signal.SIGKILL)  # ...when the server dies
+        p.wait()
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]
+    p, url = _start(tmp_path)
+    try:
+        st, j, health = _complete(url, cont, 2)
+        assert st == 200 and j["choices"][0]["token_ids"] == ref_cont
+        assert j["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # prefilled again, nothing half-written used
+        kv = health["kv_cache"]
+        assert kv["temp_removed"] == 1 and kv["restored"] == 0 and kv["corrupt"] == 0
+    finally:
+        p.send_signal(signal.SIGTERM)  # a clean stop saves the idle slot's state
+        assert p.wait(60) == 0
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]) == 1
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "truncate"])
+def test_corrupt_saved_state_is_reported_and_reprefilled(model, tmp_path, damage):
+    a = [60, 61, 62]
+    ref_a = greedy_ref(model, a, 2)[0]
+    cont = a + ref_a + [5]
+    ref_cont = greedy_ref(model, cont, 2)[0]
+    srv = Server(model, slots=1, max_ctx=64, coalesce_us=0, kv_cache_dir=str(tmp_path))
+    srv.start_in_thread()
+    try:
+        st, j, _ = _complete(srv.url, a, 2)
+        assert j["choices"][0]["token_ids"] == ref_a
+    finally:
+        srv.stop_thread()  # saves a's state
+    [name] = [f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]
+    path = os.path.join(tmp_path, name)
+    data = bytearray(open(path, "rb").read())
+    if damage == "bit flip":
+        data[-3] ^= 0x10
+    else:
+        data = data[: len(data) - 10]
+    open(path, "wb").write(bytes(data))
+    srv = Server(model, slots=1, max_ctx=64, coalesce_us=0, kv_cache_dir=str(tmp_path))
+    srv.start_in_thread()
+    try:
+        st, j, health = _complete(srv.url, cont, 2)
+        async def metrics():
+            async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
+                return await r.text()
+        text = run(metrics())
+    finally:
+        srv.stop_thread()
+    assert st == 200 and j["choices"][0]["token_ids"] == ref_cont
+    assert j["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert health["kv_cache"]["corrupt"] == 1 and "ds4t_serve_kv_corrupt_total 1" in text
+    assert os.path.exists(path + ".corrupt")

@@ -1,0 +1,29 @@
+"""The ds4t command: check, demo, support (exactness is covered in tests/exactness)."""
+import subprocess
+import sys
+
+from ds4t.cli import main
+
+
+def test_check_passes_every_kernel(capsys):
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "error" not in out
+    for kernel in ("linear", "rms_norm", "attention", "rope", "gdn", "conv", "moe", "router", "sampl", "mla", "embedding"):
+        assert kernel in out, f"{kernel} missing from ds4t check"
+
+
+def test_demo_small_is_bit_exact(capsys):
+    assert main(["demo", "--sessions", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "bit-exact: yes" in out and "speed-up" in out
+
+
+def test_support_lists_qwen(capsys):
+    assert main(["support"]) == 0
+    assert "qwen3_next" in capsys.readouterr().out
+
+
+def test_python_dash_m_works():
+    r = subprocess.run([sys.executable, "-m", "ds4t", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "exactness" in r.stdout
