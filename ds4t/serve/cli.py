@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="saved states kept in --kv-cache-dir (least recently used dropped first)")
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before answering 503")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: preset or directory name)")
-    p.add_argument("--mode", default="auto", choices=["auto", "native", "ordered"],
-                   help="eval_batch mode (ordered: no batching, for comparison)")
+    p.add_argument("--mode", default="auto", choices=["auto", "ordered"],
+                   help="eval_batch mode: auto (native where the model allows) or ordered (each session "
+                        "alone, for comparison)")
     p.add_argument("--plan-only", action="store_true", help="print the memory plan and exit (0: fits, 2: does not)")
 
 

@@ -185,23 +185,23 @@ class Server:
                            "model", "model_not_found")
         return body
 
-    def _prompt_ids(self, prompt) -> List[int]:
+    def _prompt_ids(self, prompt, chat: bool = False) -> List[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = self.codec.encode(prompt)
+            ids = self.codec.encode(prompt, add_special_tokens=not chat)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            V = self.model.vocab_size
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise ApiError(400, "batched prompts are not supported: send one prompt per request", "prompt")
         else:
             raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
+        V = self.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {V})", "prompt")
         return ids
 
     def _params(self, body: dict, n_prompt: int) -> Tuple[GenParams, dict]:
@@ -277,7 +277,7 @@ class Server:
                 text = self.codec.chat_prompt(body.get("messages"))
             except TokenizeError as e:
                 raise ApiError(400, str(e), "messages") from None
-            ids = self._prompt_ids(text)
+            ids = self._prompt_ids(text, chat=True)
             params, extra = self._params(body, len(ids))
         except ApiError as e:
             self.metrics.inc("http_errors_total", status=str(e.status))

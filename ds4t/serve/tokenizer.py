@@ -56,10 +56,12 @@ class TextCodec:
                              f"(< 256): byte-level text needs 256 ids")
         return cls(model.vocab_size, tok, template, special, eos)
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of ``text``; special tokens (e.g. BOS) added per the tokenizer's post-processor
+        unless ``add_special_tokens`` is False (chat prompts: the template writes them)."""
         if self.byte_level:
             return list(text.encode("utf-8"))
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.byte_level:
@@ -115,13 +117,26 @@ class Detokenizer:
         self.codec = codec
         self.ids: List[int] = []
         self.text = ""
+        self._stream = None
         if codec.byte_level:
             self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        else:
+            try:  # O(1) per token, holds back partial UTF-8 sequences
+                from tokenizers.decoders import DecodeStream
+
+                self._stream = DecodeStream(skip_special_tokens=True)
+            except ImportError:
+                pass
 
     def push(self, tok: int) -> str:
         self.ids.append(tok)
         if self.codec.byte_level:
             delta = self._dec.decode(bytes([tok]) if tok < 256 else b"")
+        elif self._stream is not None:
+            try:
+                delta = self._stream.step(self.codec.tokenizer, tok) or ""
+            except Exception:  # noqa: BLE001  (an id the tokenizer does not know: padded vocabularies)
+                delta = ""
         else:
             full = self.codec.decode(self.ids)
             if full.endswith("\ufffd") or not full.startswith(self.text):

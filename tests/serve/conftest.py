@@ -2,7 +2,6 @@
 import asyncio
 import json
 
-import aiohttp
 import pytest
 
 import ds4t
@@ -49,10 +48,3 @@ async def stream_events(resp):
             data = line[6:].decode()
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
-
-
-@pytest.fixture
-def client_session():
-    def make():
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-    return make
