@@ -121,9 +121,9 @@ async def fetch_metrics(url):
         return await r.text()
 
 
-async def warmup(url, max_tokens):
-    async with aiohttp.ClientSession() as s:
-        await one_request(s, url, [1, 2, 3], max(2, min(4, max_tokens)))
+async def warmup(url, a):
+    """One round at the largest concurrency (GPU: compiles the kernels for every batch shape)."""
+    await run_load(url, max(a.concurrency), 1, max(2, min(4, a.max_tokens)), a.prompt_len, a.vocab, seed=12345)
 
 
 def main(argv=None) -> int:
@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="output directory")
     ap.add_argument("--tag", default=time.strftime("%Y-%m-%d") + "-serve", help="output file name (no extension)")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the warm-up round at the largest concurrency before measuring")
     ap.add_argument("--start-timeout", type=float, default=900)
     a = ap.parse_args(argv)
     a.slots = a.slots or max(a.concurrency)
@@ -154,7 +156,8 @@ def main(argv=None) -> int:
             m = re.search(r"ds4t serve: \S+ on (.+?): ", banner)
             device_line = m.group(1) if m else "?"
             try:
-                asyncio.run(warmup(url, a.max_tokens))
+                if a.warmup:
+                    asyncio.run(warmup(url, a))
                 for conc in a.concurrency:
                     before = asyncio.run(fetch_metrics(url))
                     results, wall, metrics = asyncio.run(

@@ -208,7 +208,8 @@ class SigmoidMoEConfig:
             raise CheckpointError(f"config.json: moe_layer_freq {c['moe_layer_freq']!r} not supported (only 1)")
         dense = get("first_k_dense_replace", int)
         if not 0 <= dense <= num_layers:
-            raise CheckpointError(f"config.json: first_k_dense_replace {dense} outside [0, num_hidden_layers={num_layers}]")
+            raise CheckpointError(f"config.json: first_k_dense_replace {dense} outside "
+                                  f"[0, num_hidden_layers={num_layers}]")
         E = get("n_routed_experts", int)
         n_group, topk_group, top_k = get("n_group", int), get("topk_group", int), get("num_experts_per_tok", int)
         if E < 1 or n_group < 1 or E % n_group:

@@ -306,7 +306,8 @@ class DeepseekModel(DecoderModel):
     def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths) -> torch.Tensor:
         """Attention after the down-projection for rows ``a`` [R, q_width + kv_lora_rank + rope]."""
         c, L = self.cfg, self.layers[i]
-        n, H, dn, dr, dv, R = a.shape[0], c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        n, H, R = a.shape[0], c.num_heads, c.kv_lora_rank
+        dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         qw = c.q_width
         dev = a.device
         if c.q_lora_rank:

@@ -71,7 +71,8 @@ class GlmConfig:
         hidden = require(c, "hidden_size", int)
         kv = c.get("num_key_value_heads") or heads
         if heads % kv:
-            raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
+            raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of "
+                                  f"num_key_value_heads {kv}")
         head_dim = c.get("head_dim") or hidden // heads
         rp = rope_params(c)
         if rp["rope_type"] != "default":
@@ -85,7 +86,8 @@ class GlmConfig:
             eps=c.get("rms_norm_eps", 1e-5), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
             rotary_dim=rotary, rope_theta=float(rp["rope_theta"]), attention_bias=bool(c.get("attention_bias", False)),
             use_qk_norm=bool(c.get("use_qk_norm", False)), max_position=c.get("max_position_embeddings", 131072),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)), ffn=SigmoidMoEConfig.from_dict(c, n, _FFN_DEFAULTS),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            ffn=SigmoidMoEConfig.from_dict(c, n, _FFN_DEFAULTS),
         )
 
 
@@ -202,8 +204,10 @@ class GlmModel(DecoderModel):
         qkv = fused_linear(x, L["w_qkv"], L.get("b_qkv"))
         if c.use_qk_norm:
             qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
-            qk[:, :H] = norm.rms_norm(qkv[:, :H * hd].reshape(R * H, hd), L["q_norm"], c.eps).view(R, H, hd)
-            qk[:, H:] = norm.rms_norm(qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd), L["k_norm"], c.eps).view(R, KV, hd)
+            q = qkv[:, :H * hd].reshape(R * H, hd)
+            k = qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd)
+            qk[:, :H] = norm.rms_norm(q, L["q_norm"], c.eps).view(R, H, hd)
+            qk[:, H:] = norm.rms_norm(k, L["k_norm"], c.eps).view(R, KV, hd)
         else:
             qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
         qk = rope.rope(qk, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)   # q and k in one launch

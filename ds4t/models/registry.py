@@ -97,7 +97,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         import inspect
 
         accepted = inspect.signature(model_cls.__init__).parameters
-        bad = [k for k in options if k not in accepted or k in ("self", "cfg", "source", "device", "dtype", "name", "progress")]
+        fixed = ("self", "cfg", "source", "device", "dtype", "name", "progress")
+        bad = [k for k in options if k not in accepted or k in fixed]
         if bad:
             raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
     model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)

@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help="refuse to start when the plan exceeds SIZE (e.g. 80GiB); default: the device's free memory")
     p.add_argument("--coalesce-us", type=int, default=None, metavar="US",
-                   help=f"coalescing window before a step while slots are free (default ${ENV_COALESCE} or 2000)")
+                   help=f"after new arrivals, wait up to US for more before the step, while slots are free "
+                        f"(default ${ENV_COALESCE} or 2000; 0: never wait)")
     p.add_argument("--batch-log", action="store_true", default=None,
                    help=f"log every batch: items, rows, paths, elapsed (or ${ENV_BATCH_LOG}=1)")
     p.add_argument("--prefill-chunk", type=int, default=128, metavar="T",

@@ -362,8 +362,6 @@ class Server:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        except (asyncio.CancelledError, ConnectionError):
-            raise
         finally:
             if not done:
                 self.worker.cancel(req)  # the client went away: free its slot

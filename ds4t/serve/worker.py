@@ -11,8 +11,11 @@ Then one sampling launch picks the next token of every row that needs one (greed
 ``sampling.sample`` seeded by (seed, stream, position) with stream derived from the request's seed:
 the draw does not depend on the slot or the batch).
 
-Coalescing: when slots are free and nobody waits, the worker gathers arrivals for up to
-``coalesce_us`` before a step, so requests arriving together share steps from the start.
+Coalescing: the decode steps of running slots are ready the moment the previous step ends (the
+worker samples their tokens itself), so what a window can gather is arrivals. When a step is
+about to start requests that arrived since the last one, and slots are still free, the worker waits
+up to ``coalesce_us`` from then for more arrivals, so a burst shares its prefill and decode steps
+from the start. Steady decoding never waits.
 
 Waiting requests are admitted in FIFO order to idle slots (:mod:`ds4t.serve.pool` routing, and
 states saved in ``--kv-cache-dir`` via :mod:`ds4t.serve.persistence`). Active requests are never
@@ -183,6 +186,7 @@ class DecodeWorker:
         self._cond = threading.Condition()
         self._stop = False
         self._steps = 0
+        self._fresh = False  # a request was admitted since the last step (a burst may be arriving)
         self.step_log: "collections.deque[dict]" = collections.deque(maxlen=4096)  # for tests/bench
         self.thread = threading.Thread(target=self._run, name="ds4t-decode-worker", daemon=True)
 
@@ -248,7 +252,7 @@ class DecodeWorker:
             if self._runnable():
                 break
             self._cond.wait()
-        if self.coalesce_s > 0 and self.pool.idle_slots() and not self.waiting:
+        if self.coalesce_s > 0 and self._fresh and self.pool.idle_slots() and not self.waiting:
             deadline = time.monotonic() + self.coalesce_s
             while not self._stop:
                 left = deadline - time.monotonic()
@@ -316,6 +320,7 @@ class DecodeWorker:
         return slot
 
     def _attach(self, r: Request, slot: Slot) -> None:
+        self._fresh = True
         self.pool.assign(slot, r)
         r.slot = slot
         self.active.append(r)
@@ -355,6 +360,7 @@ class DecodeWorker:
     # -- one step --------------------------------------------------------------------------------
     def _step(self) -> None:
         t0 = time.perf_counter()
+        self._fresh = False
         decode = [r for r in self.active if r.state == "decode"]
         budget = self.prefill_chunk if decode else self.prefill_chunk_idle
         work: List[Tuple[Request, List[int]]] = [(r, [r.next_token]) for r in decode]

@@ -66,12 +66,19 @@ def test_long_prefill_is_chunked_between_decode_steps(model, worker):
     short = [[7, 8, 9], [40, 41, 42]]
     long_prompt = list(range(60, 70))  # 10 tokens: chunks of 4, 4, 2
     refs = [greedy_ref(model, p, 10)[0] for p in short] + [greedy_ref(model, long_prompt, 2)[0]]
-    w = worker(3, prefill_chunk=4, prefill_chunk_idle=64)
+    w = worker(3, prefill_chunk=4, prefill_chunk_idle=64, start=False)
+    s3 = Sink()
+    r3 = Request(long_prompt, GenParams(max_tokens=2), s3)
     (r1, s1), (r2, s2) = submit(w, short[0], 10), submit(w, short[1], 10)
-    while not (len(s1.tokens) >= 2 and len(s2.tokens) >= 2):  # both decoding
-        assert not s1.done.is_set()
-        s1.done.wait(0.05)
-    r3, s3 = submit(w, long_prompt, 2)
+    sink1 = s1.__call__
+
+    def arrive_while_decoding(ev):  # runs in the worker: r3 arrives right after r1's 2nd token
+        sink1(ev)
+        if len(s1.tokens) == 2:
+            w.submit(r3)
+
+    r1.sink = arrive_while_decoding
+    w.start()
     wait_all([s1, s2, s3])
     assert [s1.tokens, s2.tokens, s3.tokens] == refs
     steps = list(w.step_log)
