@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--exact-steps", type=int, default=12)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--paths", default=None,
+                    help="comma list of native paths to time (models with a native_path option, e.g. full,ds4)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     tag = args.tag or args.model
@@ -139,12 +141,17 @@ def main():
     log("|---|---|---|---|---|---|---|")
     rng = random.Random(1)
     all_ok = True
-    for r in range(args.exact_rounds):
-        sc = random_scenario(rng, model.vocab_size, args.exact_sessions, args.exact_steps, max_prompt=200,
-                             max_ctx=200 + args.exact_steps + 8)
-        rep = run_scenario(model, sc, mode="native")
-        all_ok &= rep.ok
-        log(f"| {r} | {rep.sessions} | {rep.steps} | {rep.rows} | {rep.states} | {rep.mismatches} | {rep.paths} |")
+    paths = args.paths.split(",") if args.paths else [None]
+    for path in paths:
+        if path is not None:
+            model.native_path = path
+        for r in range(args.exact_rounds):
+            sc = random_scenario(rng, model.vocab_size, args.exact_sessions, args.exact_steps, max_prompt=200,
+                                 max_ctx=200 + args.exact_steps + 8)
+            rep = run_scenario(model, sc, mode="native")
+            all_ok &= rep.ok
+            label = f"{r}" if path is None else f"{r} ({path})"
+            log(f"| {label} | {rep.sessions} | {rep.steps} | {rep.rows} | {rep.states} | {rep.mismatches} | {rep.paths} |")
     caught = {}
     for kind in ("ulp", "batch-dependent"):
         sc = random_scenario(random.Random(7), model.vocab_size, 4, 2, max_prompt=16, max_ctx=40)
@@ -161,21 +168,24 @@ def main():
     for n in ns:
         fb = step_floor_bytes(model, n, args.ctx)
         floor_ms = fb["total"] / bw * 1e3
-        nat = time_steps(model, n, "native", args.ctx, args.iters)
         ordd = time_steps(model, n, "ordered", args.ctx, max(3, args.iters // 2))
-        rows.append(dict(n=n, native_ms=nat, ordered_ms=ordd, floor_ms=floor_ms, floor_mb=fb["total"] / 1e6,
-                         native_tok_s=n / nat * 1e3, ordered_tok_s=n / ordd * 1e3,
-                         speedup=ordd / nat, floor_frac=floor_ms / nat))
-        print(json.dumps(rows[-1]), flush=True)
+        for path in paths:
+            if path is not None:
+                model.native_path = path
+            nat = time_steps(model, n, "native", args.ctx, args.iters)
+            rows.append(dict(n=n, path=path or "native", native_ms=nat, ordered_ms=ordd, floor_ms=floor_ms,
+                             floor_mb=fb["total"] / 1e6, native_tok_s=n / nat * 1e3, ordered_tok_s=n / ordd * 1e3,
+                             speedup=ordd / nat, floor_frac=floor_ms / nat))
+            print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, f"{tag}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     log(f"\n## Decode step time vs N (context {args.ctx} tokens per session, median of {args.iters})\n")
-    log("| N | native ms | ordered ms | native tok/s | ordered tok/s | speed-up | bytes floor MB | floor ms | native / floor |")
-    log("|---|---|---|---|---|---|---|---|---|")
+    log("| N | path | native ms | ordered ms | native tok/s | ordered tok/s | speed-up | bytes floor MB | floor ms | native / floor |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['n']} | {r['native_ms']:.2f} | {r['ordered_ms']:.2f} | {r['native_tok_s']:.0f} | "
+        log(f"| {r['n']} | {r['path']} | {r['native_ms']:.2f} | {r['ordered_ms']:.2f} | {r['native_tok_s']:.0f} | "
             f"{r['ordered_tok_s']:.0f} | {r['speedup']:.2f}x | {r['floor_mb']:.0f} | {r['floor_ms']:.3f} | "
             f"{r['native_ms'] / r['floor_ms']:.1f}x |")
     with open(os.path.join(args.out, f"{tag}.md"), "w") as f:

@@ -291,14 +291,14 @@ def ffn(w, x: torch.Tensor, rc: Optional[RouterConfig]) -> torch.Tensor:
     return swiglu(x, w.gate_up, w.down)
 
 
-def preset_init_plain(name: str, shape, g: torch.Generator) -> torch.Tensor:
+def preset_init_plain(name: str, shape, g: torch.Generator, device="cpu") -> torch.Tensor:
     """Random preset weights for families with plain (x̂·w) RMSNorms (DeepSeek-V3, GLM-4.5) that keep
     activations O(1): norm gains 1 + 0.1·N(0,1), small biases, router correction biases of both signs,
     matrices N(0, 1/fan_in)."""
     if name.endswith("e_score_correction_bias"):
-        return 0.05 * torch.randn(shape, generator=g)
+        return 0.05 * torch.randn(shape, generator=g, device=device)
     if name.endswith(".bias"):
-        return 0.02 * torch.randn(shape, generator=g)
+        return 0.02 * torch.randn(shape, generator=g, device=device)
     if len(shape) == 1:
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    return torch.randn(shape, generator=g) * (shape[-1] ** -0.5)
+        return 1.0 + 0.1 * torch.randn(shape, generator=g, device=device)
+    return torch.randn(shape, generator=g, device=device) * (shape[-1] ** -0.5)

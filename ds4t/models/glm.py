@@ -245,6 +245,6 @@ def preset_config(name: str) -> dict:
     raise KeyError(name)
 
 
-def preset_init(name: str, shape, g: torch.Generator) -> torch.Tensor:
+def preset_init(name: str, shape, g: torch.Generator, device="cpu") -> torch.Tensor:
     """Random weights that keep activations O(1) through the stack (plain RMSNorm gains ~1)."""
-    return preset_init_plain(name, shape, g)
+    return preset_init_plain(name, shape, g, device)
