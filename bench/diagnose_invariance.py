@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ds4t  # noqa: E402
 
+RECORD = [True]
 MODULES = ["linear", "norm", "activation", "embedding", "attention", "conv", "gdn", "moe", "router", "rope", "mla"]
 
 
@@ -35,7 +36,8 @@ def install_recorder(log):
                 def wrap(f=f, key=f"{mod}.{name}"):
                     def w(*a, **k):
                         out = f(*a, **k)
-                        log.append((key, out))
+                        if RECORD[0]:
+                            log.append((key, out))
                         return out
                     return w
                 setattr(m, name, wrap())
@@ -56,6 +58,8 @@ def main():
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--harness-sessions", type=int, default=0, help="then run the exactness harness too")
+    ap.add_argument("--harness-steps", type=int, default=8)
     args = ap.parse_args()
     log = []
     install_recorder(log)
@@ -95,6 +99,15 @@ def main():
         if bad and first is None:
             first = (j, key)
     print("first differing call:", first)
+    if args.harness_sessions:
+        from ds4t.exactness.harness import random_scenario, run_scenario
+
+        RECORD[0] = False
+        log.clear()
+        sc = random_scenario(random.Random(1), model.vocab_size, args.harness_sessions, args.harness_steps,
+                             max_prompt=200, max_ctx=200 + args.harness_steps + 8)
+        rep = run_scenario(model, sc, mode="native")
+        print("harness:", rep)
 
 
 if __name__ == "__main__":
