@@ -22,7 +22,7 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
     """down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
     gu = fused_linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
-    return fused_linear(activation.silu_mul(gu[:, :i].contiguous(), gu[:, i:].contiguous()), w_down)
+    return fused_linear(activation.silu_mul(gu[:, :i], gu[:, i:]), w_down)
 
 
 @dataclasses.dataclass
@@ -77,7 +77,10 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
     """Routed experts (combined per token in top-k rank order) + shared experts. x fp32 [R, D]."""
     logits = fused_linear(x, w.router)
     e = rc.num_experts
-    scores = logits[:, :e].contiguous() if logits.shape[1] != e else logits
+    # A view, never .contiguous(): with one row .contiguous() is a no-op (size-1 dims count as
+    # contiguous) and with many it copies, so the kernel would see other strides/alignment, Triton
+    # would compile another variant and a reduction could change order (seen on an H200).
+    scores = logits[:, :e]
     if rc.kind == "softmax":
         weights, ids = router.router_softmax_topk(scores, rc.top_k, rc.renormalize)
     elif rc.kind == "sigmoid_grouped":

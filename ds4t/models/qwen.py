@@ -285,7 +285,7 @@ class QwenModel(DecoderModel):
         R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qkv = fused_linear(x, L["w_qkv"], L["b_qkv"])
         q = qkv[:, : H * hd].reshape(R * H, hd)
-        gate = qkv[:, H * hd: 2 * H * hd].contiguous()
+        gate = qkv[:, H * hd: 2 * H * hd]
         k = qkv[:, 2 * H * hd: 2 * H * hd + KV * hd].reshape(R * KV, hd)
         v = qkv[:, 2 * H * hd + KV * hd:].reshape(R, KV, hd)
         q = norm.rms_norm(q, L["q_norm"], c.eps, zero_centered=True).view(R, H, hd)
@@ -303,10 +303,11 @@ class QwenModel(DecoderModel):
         R, hk, hv, dk, dv = x.shape[0], c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
         cd = c.conv_dim
         proj = fused_linear(x, L["w_in"])
-        mixed = proj[:, :cd].contiguous()
+        # Views, never .contiguous(): see docs/kernel-conventions.md ("one row vs many").
+        mixed = proj[:, :cd]
         z = proj[:, cd: cd + hv * dv]
-        b = proj[:, cd + hv * dv: cd + hv * dv + hv].contiguous()
-        a = proj[:, cd + hv * dv + hv:].contiguous()
+        b = proj[:, cd + hv * dv: cd + hv * dv + hv]
+        a = proj[:, cd + hv * dv + hv:]
         conv_state = self.pool.tensors[f"layers.{i}.conv"]
         rec = self.pool.tensors[f"layers.{i}.recurrent"]
 
