@@ -51,31 +51,31 @@ def copy_bandwidth(device) -> float:
 
 
 def step_floor_bytes(model, n: int, ctx: int) -> dict:
-    """Bytes one native decode step of n sessions at position ~ctx must move (read + write)."""
+    """Bytes one native decode step of n sessions at position ~ctx must move (read + write).
+
+    Weights once per batch (the embedding: only the n rows looked up; stacked routed experts: the
+    expected number of distinct experts n tokens touch under uniform top-k routing, plus the
+    shared expert when it is stacked as expert E), and every session's state: the visible KV /
+    latent cache read and one entry written, recurrent and conv states read and written.
+    """
     params = model.parameters()
     rc = getattr(model, "router_cfg", None)
     E = rc.num_experts if rc else 0
-    expert_bytes = dense = 0
+    dense = routed = 0.0
     for name, t in params.items():
         b = t.numel() * t.element_size()
-        if name.endswith("embed") and "lm_head" in params and params["lm_head"] is not t:
-            dense += n * t.shape[1] * t.element_size()  # only the rows looked up
-        elif E and t.dim() == 3 and t.shape[0] == E:
-            expert_bytes += b
+        if name.endswith("embed") and params.get("lm_head") is not t:
+            dense += n * t.shape[1] * t.element_size()
+        elif E and t.dim() == 3 and t.shape[0] in (E, E + 1):
+            per_expert = b / t.shape[0]
+            touched = E * (1 - (1 - rc.top_k / E) ** n) + (t.shape[0] - E)
+            routed += per_expert * touched
         else:
             dense += b
-    # Expected number of distinct experts n tokens touch with uniform top-k routing.
-    moe_layers = sum(1 for nm, t in params.items() if E and t.dim() == 3 and t.shape[0] == E and nm.endswith("w_gate"))
-    per_layer_expert = expert_bytes / max(1, moe_layers)
-    touched = E * (1 - (1 - rc.top_k / E) ** n) if E else 0
-    routed = moe_layers * per_layer_expert / max(E, 1) * touched
     state = 0
     for name, spec in model.pool.specs.items():
         per = torch.Size(spec.concrete(1)).numel() * spec.dtype.itemsize
-        if spec.has_ctx:
-            state += n * per * (ctx + 1)   # read the visible cache, write the new entry
-        else:
-            state += n * per * 2           # read + write the recurrent/conv state
+        state += n * per * ((ctx + 1) if spec.has_ctx else 2)
     return {"dense": dense, "routed": routed, "state": state, "total": dense + routed + state}
 
 

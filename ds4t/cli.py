@@ -170,8 +170,12 @@ def main(argv=None) -> int:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="skip the planted-deviation runs")
+    from ds4t.serve import cli as serve_cli
+
+    serve_cli.add_parser(sub)
     args = p.parse_args(argv)
-    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "support": cmd_support}[args.cmd](args)
+    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "support": cmd_support,
+            "serve": serve_cli.run}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ def test_demo_small_is_bit_exact(capsys):
     assert "bit-exact: yes" in out and "speed-up" in out
 
 
-def test_support_lists_qwen(capsys):
+def test_support_lists_every_family_and_path(capsys):
     assert main(["support"]) == 0
-    assert "qwen3_next" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for needle in ("qwen3_next", "deepseek_v3", "glm4_moe", "native_path='full'", "native_path='ds4'", "2051"):
+        assert needle in out
 
 
 def test_python_dash_m_works():

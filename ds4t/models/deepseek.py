@@ -259,6 +259,11 @@ class DeepseekModel(DecoderModel):
     def native_rules(self) -> Tuple[NativeRule, ...]:
         return (self.NATIVE_PATHS[self._native_path],)
 
+    @classmethod
+    def default_native_rules(cls) -> Tuple[NativeRule, ...]:
+        """Every selectable native path (for ``ds4t support``)."""
+        return tuple(cls.NATIVE_PATHS.values())
+
     def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
         return [None] * len(rows)   # both native paths take any batch
 

@@ -172,6 +172,13 @@ class GlmModel(DecoderModel):
         return (NativeRule("native", f"visible window (pos + new tokens) <= {self._native_window}",
                            "ordered: the row runs alone, in item order, in the same eval_batch call"),)
 
+    @classmethod
+    def default_native_rules(cls) -> Tuple[NativeRule, ...]:
+        """The rule at the default capacity (for ``ds4t support``)."""
+        return (NativeRule("native", f"visible window (pos + new tokens) <= {DEFAULT_NATIVE_WINDOW} "
+                           "(load option native_window)",
+                           "ordered: the row runs alone, in item order, in the same eval_batch call"),)
+
     def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
         cap = self._native_window
         return [None if pos + n <= cap else f"visible window {pos + n} > native capacity {cap}" for pos, n in rows]

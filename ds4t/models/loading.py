@@ -68,6 +68,8 @@ class PresetSource(TensorSource):
         seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
         shape = self.expected[name]
         dev = torch.device(device)
+        if dev.type == "meta":  # shapes only (byte counts, memory plans): draw nothing
+            return torch.empty(shape, dtype=dtype or torch.float32, device=dev)
         if dev.type == "cuda" and torch.Size(shape).numel() > (1 << 20):
             # Full-size presets: draw big tensors on the GPU (minutes faster; still a function
             # of (seed, name) on a given GPU, which is all benchmarks need).
