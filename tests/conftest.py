@@ -1,10 +1,13 @@
-import os
-
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 import ds4t  # noqa: F401  (selects the backend before triton is imported)
 from ds4t.backend import default_device
+
+# Kernels run in the Triton interpreter on the CPU: examples are slow, never time them out.
+settings.register_profile("ds4t", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ds4t")
 
 
 @pytest.fixture
@@ -14,4 +17,3 @@ def device():
 
 def pytest_configure(config):
     torch.manual_seed(0)
-    os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
