@@ -40,7 +40,6 @@ sys.path.insert(0, ROOT)
 
 import ds4t  # noqa: E402,F401
 from ds4t.backend import INTERPRET  # noqa: E402
-from ds4t.kernels import linear as LIN  # noqa: E402
 from ds4t.kernels.linear import LinearConfig, linear, linear_config, linear_ref  # noqa: E402
 
 OUT = os.environ.get("OUT", "./out")
@@ -450,7 +449,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     import triton
     t_start = time.time()
-    md = [f"# ds4t kernel benchmark\n",
+    md = ["# ds4t kernel benchmark\n",
           f"- device: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)",
           f"- torch {torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}",
           f"- command: {' '.join(sys.argv)}"]

@@ -59,10 +59,19 @@ def cmd_demo(args) -> int:
     print(f"ds4t demo: {args.model} ({model.family}, {model.dtype}) on {device_name()}; "
           f"{args.sessions} sessions x {args.steps} greedy steps")
     prompts = _prompts(args.sessions, model.vocab_size)
+    # Prefill once; the native run starts from copies of the same states (state_dict / load).
+    first = [model.new_session(max_ctx=64 + args.steps) for _ in prompts]
+    first_tok = [int(s.prefill(p).argmax()) for s, p in zip(first, prompts)]
+    snapshots = [(s.state_dict(), s.pos, list(s.tokens)) for s in first]
     runs = {}
     for mode in ("ordered", "native"):
-        sessions = [model.new_session(max_ctx=64 + args.steps) for _ in prompts]
-        toks = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts)]
+        if mode == "ordered":
+            sessions = first
+        else:
+            sessions = [model.new_session(max_ctx=64 + args.steps) for _ in prompts]
+            for s, (state, pos, toks_) in zip(sessions, snapshots):
+                s.load_state_dict(state, pos, toks_)
+        toks = list(first_tok)
         rows = []
         if model.device.type == "cuda":
             torch.cuda.synchronize()

@@ -5,6 +5,7 @@ A family supplies ``mixer(i, x, batch)`` (attention / Gated DeltaNet / MLA for l
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import torch
@@ -46,9 +47,19 @@ class DecoderModel(Model):
             x = x.index_select(0, batch.out_rows)
         return linear.linear(x, self.lm_head)
 
-    def common_parameters(self) -> Dict[str, torch.Tensor]:
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        """Every weight by name: the shared stack, then each layer's dict ``self.layers[i]``
+        whose values are tensors or dataclasses of tensors (MoE / dense MLP weights)."""
         p = {"embed": self.embed, "lm_head": self.lm_head, "final_norm": self.final_norm}
         for i in range(self.num_layers):
             p[f"layers.{i}.input_norm"] = self.input_norms[i]
             p[f"layers.{i}.post_norm"] = self.post_norms[i]
+            for k, v in self.layers[i].items():
+                if isinstance(v, torch.Tensor):
+                    p[f"layers.{i}.{k}"] = v
+                elif dataclasses.is_dataclass(v):
+                    for f in dataclasses.fields(v):
+                        t = getattr(v, f.name)
+                        if isinstance(t, torch.Tensor):
+                            p[f"layers.{i}.{k}.{f.name}"] = t
         return p

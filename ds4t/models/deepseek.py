@@ -273,18 +273,6 @@ class DeepseekModel(DecoderModel):
         return {f"layers.{i}.latent": StateSpec((CTX, c.kv_lora_rank + c.qk_rope_head_dim), self.dtype)
                 for i in range(c.num_layers)}
 
-    def parameters(self) -> Dict[str, torch.Tensor]:
-        p = self.common_parameters()
-        for i, L in enumerate(self.layers):
-            for k, v in L.items():
-                if isinstance(v, torch.Tensor):
-                    p[f"layers.{i}.{k}"] = v
-                elif k == "ffn":
-                    for f in dataclasses.fields(v):
-                        t = getattr(v, f.name)
-                        if isinstance(t, torch.Tensor):
-                            p[f"layers.{i}.ffn.{f.name}"] = t
-        return p
 
     # -- compute -----------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> torch.Tensor:

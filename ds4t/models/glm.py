@@ -191,18 +191,6 @@ class GlmModel(DecoderModel):
             s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
         return s
 
-    def parameters(self) -> Dict[str, torch.Tensor]:
-        p = self.common_parameters()
-        for i, L in enumerate(self.layers):
-            for k, v in L.items():
-                if isinstance(v, torch.Tensor):
-                    p[f"layers.{i}.{k}"] = v
-                elif k == "ffn":
-                    for f in dataclasses.fields(v):
-                        t = getattr(v, f.name)
-                        if isinstance(t, torch.Tensor):
-                            p[f"layers.{i}.ffn.{f.name}"] = t
-        return p
 
     # -- compute -----------------------------------------------------------------------------
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -10,7 +10,7 @@ become one linear [E+1, D].
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -255,18 +255,6 @@ class QwenModel(DecoderModel):
                 s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
         return s
 
-    def parameters(self) -> Dict[str, torch.Tensor]:
-        p = self.common_parameters()
-        for i, L in enumerate(self.layers):
-            for k, v in L.items():
-                if isinstance(v, torch.Tensor):
-                    p[f"layers.{i}.{k}"] = v
-                elif isinstance(v, MoEWeights):
-                    for f in dataclasses.fields(v):
-                        t = getattr(v, f.name)
-                        if isinstance(t, torch.Tensor):
-                            p[f"layers.{i}.moe.{f.name}"] = t
-        return p
 
     # -- compute -----------------------------------------------------------------------------
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -2,7 +2,6 @@
 determinism per (seed, stream, position), statistics, HF top-k / top-p semantics)."""
 import pytest
 import torch
-import triton
 from hypothesis import given, settings, strategies as st
 
 import ds4t.kernels.sampling as S

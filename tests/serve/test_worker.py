@@ -116,7 +116,7 @@ def test_bad_item_fails_only_its_request(model, worker):
     good = [[10, 11, 12], [20, 21]]
     refs = [greedy_ref(model, p, 2)[0] for p in good]
     w = worker(3, start=False)
-    (ra, sa), (rb, sb), (rc, sc) = submit(w, good[0], 2), submit(w, [5, 300, 6], 2), submit(w, good[1], 2)
+    (_, sa), (_, sb), (_, sc) = submit(w, good[0], 2), submit(w, [5, 300, 6], 2), submit(w, good[1], 2)
     w.start()  # all three are in the first batch; the engine rejects item 1
     wait_all([sa, sb, sc])
     assert sb.final["type"] == "error" and sb.final["status"] == 400 and "vocabulary" in sb.final["message"]

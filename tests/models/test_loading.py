@@ -1,0 +1,251 @@
+"""Checkpoint loading: sharded safetensors, dtype casts, clear errors, tokenizer pickup, presets,
+progress bar. Tiny HF Qwen3-Next checkpoints are built here with save_pretrained."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+import ds4t
+from tests.models.hf_oracle import rel_err, save_tiny
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+PROMPT = [3, 17, 250, 42, 9]
+
+
+def tiny_config():
+    # Two layers (one of each mixer) keep the Triton-interpreter forward passes short.
+    return transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+        norm_topk_prob=True, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """(hf_model, single-file dir, sharded dir) of one fp32 tiny model."""
+    single = tmp_path_factory.mktemp("single")
+    sharded = tmp_path_factory.mktemp("sharded")
+    hf = save_tiny(transformers.Qwen3NextForCausalLM, tiny_config(), single, seed=5)
+    hf.save_pretrained(sharded, max_shard_size="20KB")
+    return hf, str(single), str(sharded)
+
+
+@pytest.fixture
+def ckpt(ckpts, tmp_path):
+    """A private copy of the single-file checkpoint, free to break."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpts[1], d)
+    return str(d)
+
+
+def _params(model):
+    return model.parameters()
+
+
+# -- 1. sharded == single-file == HF -----------------------------------------------------------
+
+def test_sharded_matches_single_file_and_hf(ckpts):
+    hf, single, sharded = ckpts
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    shards = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
+    assert len(shards) >= 3, shards
+    assert not os.path.exists(os.path.join(single, "model.safetensors.index.json"))
+    assert [f for f in os.listdir(single) if f.endswith(".safetensors")] == ["model.safetensors"]
+
+    a = ds4t.load(single, dtype="fp32")
+    b = ds4t.load(sharded, dtype="fp32")
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    la = a.new_session(max_ctx=16).prefill(PROMPT, all_logits=True)
+    lb = b.new_session(max_ctx=16).prefill(PROMPT, all_logits=True)
+    assert torch.equal(la, lb)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([PROMPT])).logits[0].float()
+    assert rel_err(la, want) < 1e-4
+
+
+# -- 2. dtype at load --------------------------------------------------------------------------
+
+def _weights(model):
+    p = _params(model)
+    return [p["embed"], p["lm_head"], p["layers.0.w_in"], p["layers.1.w_qkv"]]
+
+
+@pytest.mark.parametrize("name,want", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                       (torch.bfloat16, torch.bfloat16)])
+def test_load_casts_fp32_checkpoint(ckpts, name, want):
+    single = ckpts[1]
+    assert ds4t.load(single).dtype == torch.float32  # checkpoint default
+    m = ds4t.load(single, dtype=name)
+    assert m.dtype == want
+    assert all(t.dtype == want for t in _weights(m))
+    # cast values, not re-drawn ones
+    ref = _params(ds4t.load(single, dtype="fp32"))
+    assert torch.equal(_params(m)["embed"], ref["embed"].to(want))
+
+
+def test_load_bf16_checkpoint_as_fp32(tmp_path):
+    save_tiny(transformers.Qwen3NextForCausalLM, tiny_config(), tmp_path, seed=6, dtype=torch.bfloat16)
+    sd = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert ds4t.load(str(tmp_path)).dtype == torch.bfloat16  # checkpoint default
+    m = ds4t.load(str(tmp_path), dtype=torch.float32)
+    assert m.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in _weights(m))
+    assert torch.equal(_params(m)["embed"], sd["model.embed_tokens.weight"].float())
+
+
+@pytest.mark.parametrize("bad", ["int8", "float64", torch.float64, torch.int8])
+def test_bad_dtype(ckpts, bad):
+    with pytest.raises(ds4t.CheckpointError, match=re.escape(str(bad))):
+        ds4t.load(ckpts[1], dtype=bad)
+
+
+# -- 3. clear errors ---------------------------------------------------------------------------
+
+def _rewrite(path, fn):
+    f = os.path.join(path, "model.safetensors")
+    sd = safetensors_torch.load_file(f)
+    fn(sd)
+    safetensors_torch.save_file(sd, f)
+
+
+def _edit_config(path, fn):
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    fn(cfg)
+    json.dump(cfg, open(f, "w"))
+
+
+def test_missing_tensor(ckpt):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite(ckpt, lambda sd: sd.pop(name))
+    with pytest.raises(ds4t.CheckpointError, match=f"missing tensor '{re.escape(name)}'"):
+        ds4t.load(ckpt)
+
+
+def test_wrong_shape(ckpt):
+    name = "model.layers.0.linear_attn.out_proj.weight"
+
+    def fn(sd):
+        sd[name] = sd[name][:, :-1].contiguous()
+    _rewrite(ckpt, fn)
+    with pytest.raises(ds4t.CheckpointError, match=re.escape(f"'{name}' has shape (64, 63)") + ".*64, 64"):
+        ds4t.load(ckpt)
+
+
+def test_unexpected_tensor(ckpt):
+    name = "model.layers.0.mlp.extra_proj.weight"
+
+    def fn(sd):
+        sd[name] = torch.zeros(4, 4)
+    _rewrite(ckpt, fn)
+    with pytest.raises(ds4t.CheckpointError, match=f"unexpected tensor '{re.escape(name)}'"):
+        ds4t.load(ckpt)
+
+
+def test_config_missing(ckpt):
+    os.remove(os.path.join(ckpt, "config.json"))
+    with pytest.raises(ds4t.CheckpointError, match="no config.json"):
+        ds4t.load(ckpt)
+
+
+def test_config_invalid_json(ckpt):
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        f.write('{"model_type": "qwen3_next",')
+    with pytest.raises(ds4t.CheckpointError, match="config.json: invalid JSON"):
+        ds4t.load(ckpt)
+
+
+@pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "linear_key_head_dim"])
+def test_config_missing_field(ckpt, field):
+    _edit_config(ckpt, lambda c: c.pop(field))
+    with pytest.raises(ds4t.CheckpointError, match=f"missing field '{field}'"):
+        ds4t.load(ckpt)
+
+
+def test_unsupported_model_type(ckpt):
+    _edit_config(ckpt, lambda c: c.update(model_type="llama"))
+    with pytest.raises(ds4t.CheckpointError, match="model_type 'llama' is not supported"):
+        ds4t.load(ckpt)
+
+
+def test_neither_dir_nor_preset(tmp_path):
+    bogus = str(tmp_path / "no-such-model")
+    with pytest.raises(ds4t.CheckpointError, match="neither a checkpoint directory nor a preset"):
+        ds4t.load(bogus)
+    with pytest.raises(ds4t.CheckpointError, match="'tiny-llama' is neither"):
+        ds4t.load("tiny-llama")
+
+
+def test_index_names_missing_shard(ckpts, tmp_path):
+    d = tmp_path / "sharded"
+    shutil.copytree(ckpts[2], d)
+    shard = sorted(json.load(open(d / "model.safetensors.index.json"))["weight_map"].values())[-1]
+    os.remove(d / shard)
+    with pytest.raises(ds4t.CheckpointError, match=f"names shard '{re.escape(shard)}', which is missing"):
+        ds4t.load(str(d))
+
+
+# -- 4. tokenizer.json -------------------------------------------------------------------------
+
+def test_tokenizer_pickup(ckpt):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world", "hello there", "the world is wide", "low lower lowest"] * 4,
+                            trainer=trainer)
+    assert ds4t.load(ckpt).tokenizer is None
+    tok.save(os.path.join(ckpt, "tokenizer.json"))
+    got = ds4t.load(ckpt).tokenizer
+    assert isinstance(got, Tokenizer)
+    text = "hello wide world!"
+    ids = got.encode(text).ids
+    assert ids == tok.encode(text).ids and len(ids) < len(text.encode())  # merges were learned
+    assert got.decode(ids) == text
+
+
+# -- 5. presets --------------------------------------------------------------------------------
+
+def test_preset_is_deterministic():
+    a, b = _params(ds4t.load("tiny-qwen")), _params(ds4t.load("tiny-qwen"))
+    assert a.keys() == b.keys() and len(a) > 5
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = _params(ds4t.load("tiny-qwen", seed=1))
+    assert not torch.equal(a["embed"], c["embed"])
+
+
+def test_presets_listed():
+    assert {"tiny-qwen", "tiny-deepseek", "tiny-glm", "qwen3-next-80b-4l", "deepseek-v3-4l",
+            "glm-4.5-4l"} <= set(ds4t.presets())
+
+
+def test_full_size_preset_on_meta():
+    m = ds4t.load("qwen3-next-80b-4l", device="meta")
+    assert m.dtype == torch.bfloat16
+    assert all(t.device.type == "meta" for t in _params(m).values())
+    assert m.weight_bytes() == pytest.approx(14.4e9, rel=0.01)
+
+
+# -- 6. progress bar ---------------------------------------------------------------------------
+
+def test_progress_bar(ckpts, capsys):
+    ds4t.load(ckpts[1], progress=True)
+    err = capsys.readouterr().err
+    assert "loading weights" in err and "tensor" in err
+    ds4t.load(ckpts[1], progress=False)
+    assert "loading weights" not in capsys.readouterr().err
