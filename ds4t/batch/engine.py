@@ -50,25 +50,25 @@ def _validate(items: Sequence[DecodeItem]):
         raise BatchError("eval_batch: empty batch")
     model, seen, work = None, {}, []
     for i, it in enumerate(items):
-        if not isinstance(it, DecodeItem):
-            raise BatchError(f"item {i}: expected DecodeItem, got {type(it).__name__}")
-        s = it.session
-        if not isinstance(s, Session):
-            raise BatchError(f"item {i}: session is {type(s).__name__}, not a ds4t Session")
-        if model is None:
-            model = s.model
-        elif s.model is not model:
-            raise BatchError(f"item {i}: session belongs to model {s.model.name!r}, item 0's to {model.name!r}")
-        if id(s) in seen:
-            raise BatchError(f"item {i}: session already in the batch as item {seen[id(s)]}")
-        seen[id(s)] = i
-        toks = as_token_list(it.token, model.vocab_size, f"item {i}")
-        if not toks:
-            raise BatchError(f"item {i}: no tokens")
         try:
+            if not isinstance(it, DecodeItem):
+                raise BatchError(f"item {i}: expected DecodeItem, got {type(it).__name__}")
+            s = it.session
+            if not isinstance(s, Session):
+                raise BatchError(f"item {i}: session is {type(s).__name__}, not a ds4t Session")
+            if model is None:
+                model = s.model
+            elif s.model is not model:
+                raise BatchError(f"item {i}: session belongs to model {s.model.name!r}, item 0's to {model.name!r}")
+            if id(s) in seen:
+                raise BatchError(f"item {i}: session already in the batch as item {seen[id(s)]}")
+            seen[id(s)] = i
+            toks = as_token_list(it.token, model.vocab_size, f"item {i}")
+            if not toks:
+                raise BatchError(f"item {i}: no tokens")
             s._check_usable(f"item {i}", len(toks))
         except BatchError as e:
-            raise BatchError(str(e)) from None
+            raise BatchError(str(e), item=i) from None
         work.append((s, toks))
     return model, work
 
@@ -93,7 +93,7 @@ def eval_batch(items: Sequence[DecodeItem], mode: str = "auto") -> BatchResult:
             bad = [(i, r) for i, r in enumerate(reasons) if r is not None]
             if bad:
                 i, r = bad[0]
-                raise NotNativeError(f"item {i}: native path not available: {r}")
+                raise NotNativeError(f"item {i}: native path not available: {r}", item=i)
     native = [i for i in range(n) if reasons[i] is None]
     logits: List[Optional[torch.Tensor]] = [None] * n
     if native:

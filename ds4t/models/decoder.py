@@ -29,7 +29,7 @@ class DecoderModel(Model):
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         raise NotImplementedError
 
-    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -40,7 +40,7 @@ class DecoderModel(Model):
         for i in range(self.num_layers):
             out = self.mixer(i, x, batch)
             x, res = norm.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc)
-            out = self.ffn(i, x)
+            out = self.ffn(i, x, batch)
             nxt = self.input_norms[i + 1] if i + 1 < self.num_layers else self.final_norm
             x, res = norm.add_rms_norm(out, res, nxt, self.eps, zero_centered=zc)
         if batch.out_rows.shape[0] != x.shape[0]:

@@ -241,7 +241,6 @@ class DeepseekModel(DecoderModel):
         else:
             inv_freq, self.rope_scale = default_inv_freq(dr, float(rp["rope_theta"])), 1.0
         self.inv_freq = inv_freq.to(self.device)
-        self._segments = None
         super().__init__()
 
     # -- native path selection (data) --------------------------------------------------------
@@ -275,13 +274,6 @@ class DeepseekModel(DecoderModel):
 
 
     # -- compute -----------------------------------------------------------------------------
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        self._segments = batch.segments   # ffn() of the ds4 path needs the sessions' rows
-        try:
-            return super().forward(batch)
-        finally:
-            self._segments = None
-
     def _per_session(self, segments) -> bool:
         return self._native_path == "ds4" and segments is not None and len(segments) > 1
 
@@ -325,10 +317,10 @@ class DeepseekModel(DecoderModel):
             linear.linear(lat[:, h], w_uv[h], out=o[:, h * dv:(h + 1) * dv])
         return fused_linear(o, L["w_o"], L.get("b_o"))
 
-    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         L = self.layers[i]
         w = L["ffn"]
-        segs = self._segments
+        segs = batch.segments
         if not self._per_session(segs):
             return ffn(w, x, self.router_cfg)
         rows = [slice(s.start_row, s.start_row + s.n) for s in segs]

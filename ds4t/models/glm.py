@@ -212,7 +212,7 @@ class GlmModel(DecoderModel):
         o = attention.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
         return fused_linear(o.reshape(R, H * hd), L["w_o"])
 
-    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return ffn(self.layers[i]["ffn"], x, self.router_cfg)
 
 

@@ -262,7 +262,7 @@ class QwenModel(DecoderModel):
             return self._gated_deltanet(i, x, batch)
         return self._gated_attention(i, x, batch)
 
-    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         L = self.layers[i]
         if "moe" in L:
             return moe_block(x, L["moe"], self.router_cfg)

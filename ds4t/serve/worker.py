@@ -27,7 +27,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import re
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -419,9 +418,8 @@ class DecodeWorker:
                 res = eval_batch(items, mode=self.mode)
                 return work, res.logits, res.paths
             except BatchError as e:
-                m = re.match(r"item (\d+):", str(e))
-                if m and int(m.group(1)) < len(work):
-                    bad = work.pop(int(m.group(1)))
+                if e.item is not None and e.item < len(work):
+                    bad = work.pop(e.item)
                     self._fail(bad[0], 400, f"{e}".split(":", 1)[1].strip(), state_ok=True)
                     continue
                 if len(work) == 1:

@@ -78,8 +78,11 @@ def test_invalid_batches_change_nothing(model, case):
     elif case == "float":
         items[0] = DecodeItem(s[0], 1.5)
         match = "item 0: token 1.5 is not an int"
-    with pytest.raises(BatchError, match=match):
+    with pytest.raises(BatchError, match=match) as err:
         eval_batch(items, mode="bogus" if case == "mode" else "auto")
+    expected_item = {"empty": None, "mode": None, "twice": 3, "vocab": 2, "negative": 1, "ctx": 2, "models": 1,
+                     "closed": 0, "float": 0}[case]
+    assert err.value.item == expected_item
     assert_unchanged(before, s)
 
 
