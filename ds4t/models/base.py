@@ -160,17 +160,18 @@ class StepBatch:
             segs.append(Segment(slot, r0, len(ids), start))
             out_rows += list(range(r0, r0 + len(ids))) if all_logits else [r0 + len(ids) - 1]
         # One host->device transfer of all metadata (pinned when on a GPU): no sync in the step.
-        meta = torch.tensor([toks, pos, slots], dtype=torch.int64)
+        n = len(toks)
+        meta = torch.tensor(toks + pos + slots + out_rows, dtype=torch.int64)
         if device.type == "cuda":
             meta = meta.pin_memory()
         meta = meta.to(device, non_blocking=True)
-        positions = meta[1].to(torch.int32)
+        positions = meta[n:2 * n].to(torch.int32)
         return cls(
-            tokens=meta[0],
+            tokens=meta[:n],
             positions=positions,
-            slots=meta[2].to(torch.int32),
+            slots=meta[2 * n:3 * n].to(torch.int32),
             lengths=positions + 1,
-            out_rows=torch.tensor(out_rows, dtype=torch.int64).to(device, non_blocking=True),
+            out_rows=meta[3 * n:],
             segments=segs,
             all_single=all(s.n == 1 for s in segs),
         )

@@ -13,35 +13,22 @@ from ds4t.models.loading import PresetSource
 
 def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
     """model_type -> (model class, config parser, expected_tensors, preset_init)."""
-    from ds4t.models import qwen
+    from ds4t.models import deepseek, glm, qwen
 
-    fam = {"qwen3_next": (qwen.QwenModel, qwen.QwenConfig.from_dict, qwen.expected_tensors, qwen.preset_init)}
-    try:
-        from ds4t.models import deepseek
-
-        fam["deepseek_v3"] = (deepseek.DeepseekModel, deepseek.DeepseekConfig.from_dict,
-                              deepseek.expected_tensors, deepseek.preset_init)
-    except ImportError:
-        pass
-    try:
-        from ds4t.models import glm
-
-        fam["glm4_moe"] = (glm.GlmModel, glm.GlmConfig.from_dict, glm.expected_tensors, glm.preset_init)
-    except ImportError:
-        pass
-    return fam
+    return {
+        "qwen3_next": (qwen.QwenModel, qwen.QwenConfig.from_dict, qwen.expected_tensors, qwen.preset_init),
+        "deepseek_v3": (deepseek.DeepseekModel, deepseek.DeepseekConfig.from_dict, deepseek.expected_tensors,
+                        deepseek.preset_init),
+        "glm4_moe": (glm.GlmModel, glm.GlmConfig.from_dict, glm.expected_tensors, glm.preset_init),
+    }
 
 
 def _preset_configs() -> Dict[str, dict]:
-    from ds4t.models import qwen
+    from ds4t.models import deepseek, glm, qwen
 
     out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l")}
-    for mod_name in ("deepseek", "glm"):
-        try:
-            mod = __import__(f"ds4t.models.{mod_name}", fromlist=["PRESETS"])
-        except ImportError:
-            continue
-        for n in getattr(mod, "PRESETS", ()):
+    for mod in (deepseek, glm):
+        for n in mod.PRESETS:
             out[n] = mod.preset_config(n)
     return out
 
