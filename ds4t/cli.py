@@ -39,6 +39,19 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _load(args):
+    """ds4t.load with --model/--device/--dtype and the --opt KEY=VALUE load options."""
+    import ds4t
+
+    opts = {}
+    for kv in args.opt:
+        if "=" not in kv:
+            raise SystemExit(f"--opt {kv!r}: expected KEY=VALUE")
+        k, v = kv.split("=", 1)
+        opts[k] = int(v) if v.lstrip("-").isdigit() else v
+    return ds4t.load(args.model, device=args.device, dtype=args.dtype, **opts)
+
+
 def _prompts(n: int, vocab: int, seed: int = 0):
     import random
 
@@ -55,7 +68,7 @@ def cmd_demo(args) -> int:
     import ds4t
     from ds4t.backend import device_name
 
-    model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
+    model = _load(args)
     print(f"ds4t demo: {args.model} ({model.family}, {model.dtype}) on {device_name()}; "
           f"{args.sessions} sessions x {args.steps} greedy steps")
     prompts = _prompts(args.sessions, model.vocab_size)
@@ -107,7 +120,7 @@ def cmd_exactness(args) -> int:
     from ds4t.backend import device_name
     from ds4t.exactness.harness import Report, plant, random_scenario, run_scenario
 
-    model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
+    model = _load(args)
     print(f"ds4t exactness: {args.model} ({model.family}, {model.dtype}) on {device_name()}")
     rng = random.Random(args.seed)
     total = Report()
@@ -163,6 +176,8 @@ def main(argv=None) -> int:
         sp.add_argument("--model", default=default, help="preset name or HF checkpoint directory")
         sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
         sp.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: checkpoint's)")
+        sp.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="model load option, e.g. native_path=ds4 (DeepSeek) or native_window=20 (GLM)")
 
     d = sub.add_parser("demo", help="batched vs ordered decode on a tiny model, with a bit-exactness check")
     model_args(d)

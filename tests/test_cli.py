@@ -29,3 +29,19 @@ def test_support_lists_every_family_and_path(capsys):
 def test_python_dash_m_works():
     r = subprocess.run([sys.executable, "-m", "ds4t", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "exactness" in r.stdout
+
+
+def test_exactness_with_load_options_mixes_paths(capsys):
+    """--opt passes load options: a tiny GLM window makes some rows fall back, still bit-exact."""
+    args = ["exactness", "--model", "tiny-glm", "--opt", "native_window=12", "--mode", "auto", "--sessions", "3",
+            "--steps", "3", "--max-prompt", "20", "--no-negative-control"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "exact: yes" in out and "ordered=" in out and "native=" in out
+
+
+def test_bad_load_option_is_a_clear_error():
+    import pytest
+
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        main(["demo", "--opt", "native_window"])
