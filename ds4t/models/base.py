@@ -143,6 +143,7 @@ class StepBatch:
     out_rows: torch.Tensor
     segments: List[Segment]
     all_single: bool  # every segment is one token (a pure decode batch)
+    single_rows: torch.Tensor  # int64 [S]: rows of the one-token segments (decode rows of a mixed batch)
 
     @property
     def rows(self) -> int:
@@ -160,8 +161,9 @@ class StepBatch:
             segs.append(Segment(slot, r0, len(ids), start))
             out_rows += list(range(r0, r0 + len(ids))) if all_logits else [r0 + len(ids) - 1]
         # One host->device transfer of all metadata (pinned when on a GPU): no sync in the step.
-        n = len(toks)
-        meta = torch.tensor(toks + pos + slots + out_rows, dtype=torch.int64)
+        n, o = len(toks), len(out_rows)
+        singles = [sg.start_row for sg in segs if sg.n == 1]
+        meta = torch.tensor(toks + pos + slots + out_rows + singles, dtype=torch.int64)
         if device.type == "cuda":
             meta = meta.pin_memory()
         meta = meta.to(device, non_blocking=True)
@@ -171,7 +173,8 @@ class StepBatch:
             positions=positions,
             slots=meta[2 * n:3 * n].to(torch.int32),
             lengths=positions + 1,
-            out_rows=meta[3 * n:],
+            out_rows=meta[3 * n:3 * n + o],
+            single_rows=meta[3 * n + o:],
             segments=segs,
             all_single=all(s.n == 1 for s in segs),
         )

@@ -312,9 +312,8 @@ class QwenModel(DecoderModel):
             o = gdn.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots)
         else:
             o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
-            singles = [s.start_row for s in batch.segments if s.n == 1]
-            if singles:
-                idx = torch.tensor(singles, device=x.device)
+            if batch.single_rows.numel():
+                idx = batch.single_rows  # on the device already: no host sync
                 m1 = conv.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
                 q, k, v = split(m1)
                 o[idx] = gdn.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
