@@ -116,7 +116,6 @@ def cmd_exactness(args) -> int:
     """Random session mixes: native against ordered, bitwise; then the negative control."""
     import random
 
-    import ds4t
     from ds4t.backend import device_name
     from ds4t.exactness.harness import Report, plant, random_scenario, run_scenario
 

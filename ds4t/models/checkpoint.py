@@ -126,6 +126,17 @@ def require(cfg: dict, field: str, kind=None, where: str = "config.json"):
     return v
 
 
+def attention_heads(cfg: dict):
+    """(num_attention_heads, num_key_value_heads, head_dim, hidden_size) of a GQA config, checked:
+    kv heads default to q heads and must divide them; head_dim defaults to hidden / heads."""
+    heads = require(cfg, "num_attention_heads", int)
+    hidden = require(cfg, "hidden_size", int)
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
+    return heads, kv, cfg.get("head_dim") or hidden // heads, hidden
+
+
 def rope_params(cfg: dict) -> dict:
     """HF 5.x keeps RoPE settings in ``rope_parameters``; older configs use rope_theta/rope_scaling."""
     p = dict(cfg.get("rope_parameters") or {})

@@ -14,6 +14,20 @@ from ds4t.kernels import embedding, linear, norm
 from ds4t.models.base import Model, StepBatch
 
 
+def stack_tensors(c) -> Dict[str, tuple]:
+    """HF names and shapes of the stack every family shares: embedding, final norm, LM head
+    (unless tied) and each layer's two norms. ``c``: a family config (vocab_size, hidden_size,
+    num_layers, tie_embeddings)."""
+    D = c.hidden_size
+    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    if not c.tie_embeddings:
+        t["lm_head.weight"] = (c.vocab_size, D)
+    for i in range(c.num_layers):
+        t[f"model.layers.{i}.input_layernorm.weight"] = (D,)
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = (D,)
+    return t
+
+
 class DecoderModel(Model):
     zero_centered_norms: bool = False  # Qwen3-Next: x̂·(1+w)
 
@@ -25,6 +39,25 @@ class DecoderModel(Model):
     post_norms: List[torch.Tensor]
     eps: float
     num_layers: int
+
+    def _init_stack(self, c, name: str, device, dtype: torch.dtype) -> None:
+        """Identity fields every family sets from its config ``c``."""
+        self.cfg = c
+        self.name, self.device, self.dtype = name, torch.device(device), dtype
+        self.vocab_size, self.max_position = c.vocab_size, c.max_position
+        self.num_layers, self.eps = c.num_layers, c.eps
+
+    def _load_stack(self, get) -> None:
+        """Embedding, LM head (or the tied embedding), final norm and every layer's two norms
+        (norms in fp32) through the family's WeightReader ``get``."""
+        f32 = torch.float32
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if self.cfg.tie_embeddings else get("lm_head.weight")
+        self.final_norm = get("model.norm.weight", f32)
+        self.input_norms = [get(f"model.layers.{i}.input_layernorm.weight", f32) for i in range(self.num_layers)]
+        self.post_norms = [get(f"model.layers.{i}.post_attention_layernorm.weight", f32)
+                           for i in range(self.num_layers)]
+        self.layers = []
 
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -48,18 +81,22 @@ class DecoderModel(Model):
         return linear.linear(x, self.lm_head)
 
     def parameters(self) -> Dict[str, torch.Tensor]:
-        """Every weight by name: the shared stack, then each layer's dict ``self.layers[i]``
-        whose values are tensors or dataclasses of tensors (MoE / dense MLP weights)."""
-        p = {"embed": self.embed, "lm_head": self.lm_head, "final_norm": self.final_norm}
+        """Every weight tensor once, by the first name that holds it: the shared stack, then each
+        layer's dict ``self.layers[i]`` whose values are tensors or dataclasses of tensors (MoE /
+        dense MLP weights). A tied LM head and views sharing a tensor (DeepSeek's ``routed``) are
+        not listed twice, so byte counts stay right."""
+        named = [("embed", self.embed), ("lm_head", self.lm_head), ("final_norm", self.final_norm)]
         for i in range(self.num_layers):
-            p[f"layers.{i}.input_norm"] = self.input_norms[i]
-            p[f"layers.{i}.post_norm"] = self.post_norms[i]
+            named += [(f"layers.{i}.input_norm", self.input_norms[i]), (f"layers.{i}.post_norm", self.post_norms[i])]
             for k, v in self.layers[i].items():
                 if isinstance(v, torch.Tensor):
-                    p[f"layers.{i}.{k}"] = v
+                    named.append((f"layers.{i}.{k}", v))
                 elif dataclasses.is_dataclass(v):
-                    for f in dataclasses.fields(v):
-                        t = getattr(v, f.name)
-                        if isinstance(t, torch.Tensor):
-                            p[f"layers.{i}.{k}.{f.name}"] = t
+                    named += [(f"layers.{i}.{k}.{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v)
+                              if isinstance(getattr(v, f.name), torch.Tensor)]
+        p, seen = {}, set()
+        for name, t in named:
+            if id(t) not in seen:
+                seen.add(id(t))
+                p[name] = t
         return p

@@ -51,7 +51,7 @@ from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, MoEWeights, SigmoidMoEConfig, default_inv_freq, ffn, fused_linear,
                                 moe_block, preset_init_plain, swiglu, yarn_inv_freq)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
-from ds4t.models.decoder import DecoderModel
+from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
 
 PRESETS = ("tiny-deepseek", "deepseek-v3-4l")
@@ -133,13 +133,9 @@ class DeepseekConfig:
 def expected_tensors(c: DeepseekConfig) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
     D, H = c.hidden_size, c.num_heads
-    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
-    if not c.tie_embeddings:
-        t["lm_head.weight"] = (c.vocab_size, D)
+    t = stack_tensors(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = (D,)
-        t[p + "post_attention_layernorm.weight"] = (D,)
         a = p + "self_attn."
         if c.q_lora_rank:
             t[a + "q_a_proj.weight"] = (c.q_lora_rank, D)
@@ -184,26 +180,19 @@ class DeepseekModel(DecoderModel):
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "deepseek_v3", progress=None,
                  native_path: str = "full"):
-        self.cfg = c = DeepseekConfig.from_dict(cfg)
+        c = DeepseekConfig.from_dict(cfg)
         self.native_path = native_path
-        self.name, self.device, self.dtype = name, torch.device(device), dtype
-        self.vocab_size, self.max_position = c.vocab_size, c.max_position
-        self.num_layers, self.eps = c.num_layers, c.eps
+        self._init_stack(c, name, device, dtype)
         mtp = mtp_layer_prefixes(source, c.num_layers)
         get = WeightReader(source, expected_tensors(c), self.device, dtype,
                            ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
         f32 = torch.float32
         H, dn, dr, dv, R = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_embeddings else get("lm_head.weight")
-        self.final_norm = get("model.norm.weight", f32)
-        self.input_norms, self.post_norms, self.layers = [], [], []
+        self._load_stack(get)
         q_rows = _q_rows(c).to(self.device)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            self.input_norms.append(get(p + "input_layernorm.weight", f32))
-            self.post_norms.append(get(p + "post_attention_layernorm.weight", f32))
             L: Dict[str, object] = {}
             kv_a = get(a + "kv_a_proj_with_mqa.weight")
             kv_a_b = get(a + "kv_a_proj_with_mqa.bias", f32) if c.attention_bias else None

@@ -30,8 +30,8 @@ import torch
 from ds4t.kernels import attention, norm, rope
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import SigmoidMoEConfig, default_inv_freq, ffn, fused_linear, preset_init_plain
-from ds4t.models.checkpoint import CheckpointError, require, rope_params
-from ds4t.models.decoder import DecoderModel
+from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
+from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
 
 PRESETS = ("tiny-glm", "glm-4.5-4l")
@@ -67,13 +67,7 @@ class GlmConfig:
         n = require(c, "num_hidden_layers", int)
         if n < 1:
             raise CheckpointError(f"config.json: num_hidden_layers {n} must be >= 1")
-        heads = require(c, "num_attention_heads", int)
-        hidden = require(c, "hidden_size", int)
-        kv = c.get("num_key_value_heads") or heads
-        if heads % kv:
-            raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of "
-                                  f"num_key_value_heads {kv}")
-        head_dim = c.get("head_dim") or hidden // heads
+        heads, kv, head_dim, hidden = attention_heads(c)
         rp = rope_params(c)
         if rp["rope_type"] != "default":
             raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for glm4_moe yet")
@@ -94,13 +88,9 @@ class GlmConfig:
 def expected_tensors(c: GlmConfig) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
     D, H, KV, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
-    if not c.tie_embeddings:
-        t["lm_head.weight"] = (c.vocab_size, D)
+    t = stack_tensors(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = (D,)
-        t[p + "post_attention_layernorm.weight"] = (D,)
         a = p + "self_attn."
         t[a + "q_proj.weight"] = (H * hd, D)
         t[a + "k_proj.weight"] = (KV * hd, D)
@@ -120,24 +110,17 @@ class GlmModel(DecoderModel):
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "glm4_moe", progress=None,
                  native_window: int = DEFAULT_NATIVE_WINDOW):
-        self.cfg = c = GlmConfig.from_dict(cfg)
+        c = GlmConfig.from_dict(cfg)
         self.native_window = native_window
-        self.name, self.device, self.dtype = name, torch.device(device), dtype
-        self.vocab_size, self.max_position = c.vocab_size, c.max_position
-        self.num_layers, self.eps = c.num_layers, c.eps
+        self._init_stack(c, name, device, dtype)
         mtp = mtp_layer_prefixes(source, c.num_layers)
         get = WeightReader(source, expected_tensors(c), self.device, dtype,
                            ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
         f32 = torch.float32
-        self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_embeddings else get("lm_head.weight")
-        self.final_norm = get("model.norm.weight", f32)
-        self.input_norms, self.post_norms, self.layers = [], [], []
+        self._load_stack(get)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            self.input_norms.append(get(p + "input_layernorm.weight", f32))
-            self.post_norms.append(get(p + "post_attention_layernorm.weight", f32))
             L: Dict[str, object] = {}
             L["w_qkv"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
                                     get(a + "v_proj.weight")]).contiguous()

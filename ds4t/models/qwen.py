@@ -18,8 +18,8 @@ from ds4t.kernels import activation, attention, conv, gdn, norm, rope
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (MoEWeights, RouterConfig, default_inv_freq, fuse_shared_expert, fused_linear,
                                moe_block, stack_experts, swiglu)
-from ds4t.models.checkpoint import CheckpointError, require, rope_params
-from ds4t.models.decoder import DecoderModel
+from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
+from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader
 
 
@@ -63,9 +63,7 @@ class QwenConfig:
             types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
         if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
             raise CheckpointError(f"config.json: layer_types {types!r} must list {n} of full_attention/linear_attention")
-        heads = require(c, "num_attention_heads", int)
-        hidden = require(c, "hidden_size", int)
-        head_dim = c.get("head_dim") or hidden // heads
+        heads, kv, head_dim, hidden = attention_heads(c)
         rp = rope_params(c)
         if rp["rope_type"] != "default":
             raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for qwen3_next yet")
@@ -74,9 +72,6 @@ class QwenConfig:
         step = c.get("decoder_sparse_step", 1) or 1
         mlp_only = set(c.get("mlp_only_layers") or [])
         sparse = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
-        kv = c.get("num_key_value_heads") or heads
-        if heads % kv:
-            raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
         lk, lv = require(c, "linear_num_key_heads", int), require(c, "linear_num_value_heads", int)
         if lv % lk:
             raise CheckpointError(f"config.json: linear_num_value_heads {lv} not a multiple of linear_num_key_heads {lk}")
@@ -101,13 +96,9 @@ class QwenConfig:
 def expected_tensors(c: QwenConfig) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
     D = c.hidden_size
-    t = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
-    if not c.tie_embeddings:
-        t["lm_head.weight"] = (c.vocab_size, D)
+    t = stack_tensors(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = (D,)
-        t[p + "post_attention_layernorm.weight"] = (D,)
         if c.layer_types[i] == "linear_attention":
             a = p + "linear_attn."
             hk, hv, dk, dv = c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
@@ -181,22 +172,15 @@ class QwenModel(DecoderModel):
         "- (no fallback needed)"),)
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
-        self.cfg = c = QwenConfig.from_dict(cfg)
-        self.name, self.device, self.dtype = name, torch.device(device), dtype
-        self.vocab_size, self.max_position = c.vocab_size, c.max_position
-        self.num_layers, self.eps = c.num_layers, c.eps
+        c = QwenConfig.from_dict(cfg)
+        self._init_stack(c, name, device, dtype)
         get = WeightReader(source, expected_tensors(c), self.device, dtype, ignore_prefixes=("mtp.",), progress=progress)
         f32 = torch.float32
-        self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_embeddings else get("lm_head.weight")
-        self.final_norm = get("model.norm.weight", f32)
-        self.input_norms, self.post_norms, self.layers = [], [], []
+        self._load_stack(get)
         qkvz_order, ba_order = _gdn_row_order(c)
         qg_order = _q_gate_order(c)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            self.input_norms.append(get(p + "input_layernorm.weight", f32))
-            self.post_norms.append(get(p + "post_attention_layernorm.weight", f32))
             L: Dict[str, object] = {}
             if c.layer_types[i] == "linear_attention":
                 a = p + "linear_attn."
