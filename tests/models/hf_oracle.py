@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+import ds4t
+
 
 def perturb_(model, scale: float = 0.1, seed: int = 0) -> None:
     """Move every 1-D parameter/buffer away from its default (ones/zeros): mistakes must not hide."""
@@ -48,3 +50,29 @@ def hf_prefill_and_decode(m, prompt, steps: int):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (logits scale)."""
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def bias_tweak(shift=0.0, scale=0.3, seed=0):
+    """Set every router's e_score_correction_bias to shift + scale·N(0,1) (negative values included)."""
+    def tweak(m):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for layer in m.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None:
+                    b = gate.e_score_correction_bias
+                    b.copy_((shift + scale * torch.randn(b.shape, generator=g)).to(b.dtype))
+    return tweak
+
+
+def check_against_hf(model, hf, prompt, steps, tol):
+    """ds4t prefill logits (all positions) and ``steps`` cached greedy decode steps against HF,
+    each within ``tol`` relative to the logit scale; returns (prefill err, decode err)."""
+    want_prompt, want_steps, toks = hf_prefill_and_decode(hf, prompt, steps)
+    s = model.new_session(max_ctx=64)
+    err_p = rel_err(s.prefill(prompt, all_logits=True), want_prompt)
+    got = [ds4t.eval_batch([ds4t.DecodeItem(s, t)]).logits[0] for t in toks]
+    err_d = rel_err(torch.stack(got), want_steps)
+    assert err_p < tol, f"prefill rel err {err_p:.2e}"
+    assert err_d < tol, f"{steps} decode steps: rel err {err_d:.2e}"
+    return err_p, err_d

@@ -7,7 +7,7 @@ import torch
 
 import ds4t
 from ds4t.kernels import router as router_mod
-from tests.models.hf_oracle import hf_prefill_and_decode, rel_err, save_tiny
+from tests.models.hf_oracle import bias_tweak, check_against_hf, rel_err, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,19 +20,6 @@ def ds_config(**over):
                 n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, initializer_range=0.1)
     base.update(over)
     return transformers.DeepseekV3Config(**base)
-
-
-def bias_tweak(shift=0.0, scale=0.3, seed=0):
-    """Set every router's e_score_correction_bias to shift + scale·N(0,1) (negative values included)."""
-    def tweak(m):
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for layer in m.model.layers:
-                gate = getattr(layer.mlp, "gate", None)
-                if gate is not None:
-                    b = gate.e_score_correction_bias
-                    b.copy_((shift + scale * torch.randn(b.shape, generator=g)).to(b.dtype))
-    return tweak
 
 
 # name -> (config overrides, decode steps). Two configs run the 32-step decode, the rest 4 steps.
@@ -52,17 +39,6 @@ CONFIGS = {
                           n_shared_experts=0, num_attention_heads=3, num_key_value_heads=3, qk_nope_head_dim=8,
                           qk_rope_head_dim=16, v_head_dim=12, q_lora_rank=20), 4),
 }
-
-
-def check_against_hf(model, hf, prompt, steps, tol):
-    want_prompt, want_steps, toks = hf_prefill_and_decode(hf, prompt, steps)
-    s = model.new_session(max_ctx=64)
-    err_p = rel_err(s.prefill(prompt, all_logits=True), want_prompt)
-    got = [ds4t.eval_batch([ds4t.DecodeItem(s, t)]).logits[0] for t in toks]
-    err_d = rel_err(torch.stack(got), want_steps)
-    assert err_p < tol, f"prefill rel err {err_p:.2e}"
-    assert err_d < tol, f"{steps} decode steps: rel err {err_d:.2e}"
-    return err_p, err_d
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
