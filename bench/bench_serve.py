@@ -31,12 +31,13 @@ import random
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import aiohttp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from ds4t.serve import cli as serve_cli  # noqa: E402
 
 
 def ints(s: str):
@@ -53,28 +54,16 @@ def pct(xs, q):
 
 
 def start_server(a, window: int, mode: str):
-    cmd = [sys.executable, "-m", "ds4t.serve", "--model", a.model, "--batched-session", str(a.slots),
-           "--max-ctx", str(a.max_ctx), "--port", "0", "--coalesce-us", str(window), "--mode", mode,
-           "--prefill-chunk", str(a.prefill_chunk)]
+    argv = ["--model", a.model, "--batched-session", str(a.slots), "--max-ctx", str(a.max_ctx), "--port", "0",
+            "--coalesce-us", str(window), "--mode", mode, "--prefill-chunk", str(a.prefill_chunk)]
     if a.device:
-        cmd += ["--device", a.device]
+        argv += ["--device", a.device]
     if a.dtype:
-        cmd += ["--dtype", a.dtype]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    deadline = time.time() + a.start_timeout
-    while time.time() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            # keep draining the server's output so it never blocks on a full pipe
-            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
-            return p, m.group(1), "".join(lines)
-    p.kill()
-    raise SystemExit("server did not start:\n" + "".join(lines))
+        argv += ["--dtype", a.dtype]
+    try:
+        return serve_cli.spawn(argv, timeout=a.start_timeout, cwd=ROOT)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 async def one_request(s, url, prompt, max_tokens):

@@ -145,3 +145,35 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def spawn(argv, env=None, timeout: float = 180.0, cwd=None):
+    """Start ``python -m ds4t.serve *argv`` in a subprocess and wait until it listens.
+
+    Returns (process, base URL such as ``http://127.0.0.1:PORT``, what it printed up to then: the
+    memory plan and banner). The server's output is drained in
+    a background thread from then on, so it never blocks on a full pipe. Raises RuntimeError with
+    what it printed when it exits or stays silent past ``timeout`` seconds. (Used by the serving
+    tests and bench/bench_serve.py; pass ``--port 0`` to get a free port.)
+    """
+    import re
+    import subprocess
+    import threading
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "ds4t.serve", *argv], cwd=cwd,
+                         env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()
+            return p, m.group(1), "".join(lines)
+    p.kill()
+    raise RuntimeError("server did not start:\n" + "".join(lines))

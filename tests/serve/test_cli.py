@@ -2,10 +2,7 @@
 it writes a state to --kv-cache-dir, restarted: it uses no corrupt state."""
 import argparse
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -50,22 +47,9 @@ def test_refuses_to_start_when_the_plan_does_not_fit(capsys):
 
 
 def _start(tmp_path, env=None):
-    cmd = [sys.executable, "-m", "ds4t.serve", "--model", "tiny-qwen", "--batched-session", "1", "--max-ctx", "64",
-           "--port", "0", "--coalesce-us", "0", "--kv-cache-dir", str(tmp_path)]
-    p = subprocess.Popen(cmd, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-    lines = []
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            return p, m.group(1)
-    p.kill()
-    raise AssertionError("server did not start:\n" + "".join(lines))
+    p, url, _ = cli.spawn(["--model", "tiny-qwen", "--batched-session", "1", "--max-ctx", "64", "--port", "0",
+                           "--coalesce-us", "0", "--kv-cache-dir", str(tmp_path)], env=env)
+    return p, url
 
 
 def _complete(url, prompt, n):
