@@ -64,6 +64,7 @@ def main():
     log = []
     install_recorder(log)
     model = ds4t.load(args.model, dtype=args.dtype)
+    model.cuda_graphs = False   # the recorder sees only kernels launched from Python
     rng = random.Random(0)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(rng.randint(1, args.ctx))] for _ in range(args.sessions)]
     A = [model.new_session(args.ctx + 8) for _ in prompts]

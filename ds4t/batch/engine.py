@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ds4t.batch.errors import BatchError, NotNativeError
+from ds4t.batch.graphs import graphs_for
 from ds4t.batch.session import Session, as_token_list
 from ds4t.models.base import StepBatch
 
@@ -36,9 +37,14 @@ class BatchResult:
 
 
 def run_segments(model, work: Sequence[Tuple[Session, List[int]]], all_logits: bool = False) -> torch.Tensor:
-    """One model.forward over (session, tokens) pairs; advances each session."""
-    batch = StepBatch.build([(s.slot, toks, s.pos) for s, toks in work], model.device, all_logits=all_logits)
-    logits = model.forward(batch)
+    """One model.forward over (session, tokens) pairs; advances each session. A whole decode
+    batch on a GPU replays its captured CUDA graph (ds4t.batch.graphs)."""
+    segments = [(s.slot, toks, s.pos) for s, toks in work]
+    runner = graphs_for(model) if not all_logits and all(len(t) == 1 for _, t in work) else None
+    if runner is not None:
+        logits = runner.step(segments)
+    else:
+        logits = model.forward(StepBatch.build(segments, model.device, all_logits=all_logits))
     for s, toks in work:
         s.pos += len(toks)
         s.tokens.extend(toks)

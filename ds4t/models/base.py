@@ -44,6 +44,7 @@ class StatePool:
         self.slots = 0
         self.ctx = 0
         self.tensors: Dict[str, torch.Tensor] = {}
+        self.generation = 0
         self._free: List[int] = []
         self._used: Dict[int, int] = {}  # slot -> max_ctx
 
@@ -60,6 +61,7 @@ class StatePool:
                     t[: old.shape[0]].copy_(old)
             new[name] = t
         self.tensors = new
+        self.generation += 1  # tensors moved: anything holding their addresses (CUDA graphs) is stale
         self._free += list(range(self.slots, slots))
         self.slots, self.ctx = slots, ctx
 
@@ -149,9 +151,14 @@ class StepBatch:
     def rows(self) -> int:
         return int(self.tokens.shape[0])
 
-    @classmethod
-    def build(cls, segments: Sequence[Tuple[int, Sequence[int], int]], device, all_logits: bool = False) -> "StepBatch":
-        """segments: (slot, token ids, start position) per session, in item order."""
+    @staticmethod
+    def host_meta(segments: Sequence[Tuple[int, Sequence[int], int]], all_logits: bool = False):
+        """The metadata of a step on the host: (meta int64 [3R + O + S], R, O, segments).
+
+        segments: (slot, token ids, start position) per session, in item order. ``meta`` holds
+        tokens, positions, slots, out_rows and single_rows back to back, so one host->device
+        copy carries all of it (see :meth:`from_meta`).
+        """
         toks, pos, slots, out_rows, segs = [], [], [], [], []
         for slot, ids, start in segments:
             r0 = len(toks)
@@ -160,13 +167,14 @@ class StepBatch:
             slots += [slot] * len(ids)
             segs.append(Segment(slot, r0, len(ids), start))
             out_rows += list(range(r0, r0 + len(ids))) if all_logits else [r0 + len(ids) - 1]
-        # One host->device transfer of all metadata (pinned when on a GPU): no sync in the step.
-        n, o = len(toks), len(out_rows)
         singles = [sg.start_row for sg in segs if sg.n == 1]
         meta = torch.tensor(toks + pos + slots + out_rows + singles, dtype=torch.int64)
-        if device.type == "cuda":
-            meta = meta.pin_memory()
-        meta = meta.to(device, non_blocking=True)
+        return meta, len(toks), len(out_rows), segs
+
+    @classmethod
+    def from_meta(cls, meta: torch.Tensor, n: int, o: int, segs: List[Segment]) -> "StepBatch":
+        """A batch whose tensors are views of / computed from ``meta`` on the device (no host
+        sync, so a CUDA graph can capture it with ``meta`` as its input buffer)."""
         positions = meta[n:2 * n].to(torch.int32)
         return cls(
             tokens=meta[:n],
@@ -178,6 +186,20 @@ class StepBatch:
             segments=segs,
             all_single=all(s.n == 1 for s in segs),
         )
+
+    @classmethod
+    def build(cls, segments: Sequence[Tuple[int, Sequence[int], int]], device, all_logits: bool = False) -> "StepBatch":
+        """segments: (slot, token ids, start position) per session, in item order."""
+        meta, n, o, segs = cls.host_meta(segments, all_logits)
+        return cls.from_meta(to_device(meta, device), n, o, segs)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor -> ``device`` without a host sync (through pinned memory on a GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +254,12 @@ class Model:
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every weight tensor by name (as the model holds it, after load-time fusion)."""
         raise NotImplementedError
+
+    def graph_key(self, rows: int):
+        """What a pure decode step of ``rows`` sessions (one token each) depends on besides the
+        device-side metadata and state: the key of its CUDA graph, or None when it cannot be
+        captured. A family whose step structure depends on an option adds that option."""
+        return ("decode", rows)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parameters().values())

@@ -255,6 +255,9 @@ class DeepseekModel(DecoderModel):
     def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
         return [None] * len(rows)   # both native paths take any batch
 
+    def graph_key(self, rows: int):
+        return ("decode", rows, self._native_path)   # the two paths launch different kernels
+
     # -- state -------------------------------------------------------------------------------
     def state_specs(self) -> Dict[str, StateSpec]:
         c = self.cfg

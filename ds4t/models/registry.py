@@ -37,6 +37,16 @@ def presets() -> list:
     return sorted(_preset_configs())
 
 
+def preset_source(name: str, seed: int = 0):
+    """A preset's HF-style config dict and its deterministic weights (a PresetSource)."""
+    configs = _preset_configs()
+    if name not in configs:
+        raise CheckpointError(f"{name!r} is not a preset (presets: {presets()})")
+    cfg = configs[name]
+    _, parse, expected, init = _families()[cfg["model_type"]]
+    return cfg, PresetSource(expected(parse(cfg)), init, seed, origin=f"preset {name}")
+
+
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
          **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
@@ -52,9 +62,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     families = _families()
     configs = _preset_configs()
     if path_or_preset in configs:
-        cfg = configs[path_or_preset]
-        model_cls, parse, expected, init = families[cfg["model_type"]]
-        source = PresetSource(expected(parse(cfg)), init, seed, origin=f"preset {path_or_preset}")
+        cfg, source = preset_source(path_or_preset, seed)
+        model_cls = families[cfg["model_type"]][0]
         name = path_or_preset
         if dtype is None:
             dtype = torch.float32 if path_or_preset.startswith("tiny-") else torch.bfloat16

@@ -1,0 +1,133 @@
+"""CUDA graphs of pure decode steps: captured once per batch size, then replayed.
+
+A decode step launches hundreds of small kernels; on a GPU their launch cost, not the bytes
+they move, sets the step time at small N. The step has no host synchronisation (routing,
+lengths and slots stay on the device), so it can be captured. For each key a model gives
+(:meth:`ds4t.models.base.Model.graph_key`: the row count, plus any option that changes which
+kernels run) the first step runs eagerly on a static metadata buffer and is then captured
+reading that buffer; later steps copy their metadata into it and replay. Replay runs the same
+kernels on the same addresses, so its bits equal the eager step's (tests/batch/test_cuda_graphs.py).
+
+Only whole decode batches (one token per session) are captured, at their exact size: padding
+to a bucket would make padded rows pick MoE experts and read weights no session needs.
+Everything here is inert on the CPU. ``DS4T_CUDA_GRAPHS=0`` turns graphs off;
+``DS4T_CUDA_GRAPH_MAX_ROWS`` (default 64) caps the batch sizes captured.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from ds4t.models.base import StepBatch, to_device
+
+_suspended = 0
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run every step eagerly inside this block (e.g. while a test patches a kernel: a graph
+    captured before would replay the unpatched kernels)."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
+def enabled_for(model) -> bool:
+    return (model.device.type == "cuda" and not _suspended and getattr(model, "cuda_graphs", True)
+            and os.environ.get("DS4T_CUDA_GRAPHS", "1") != "0")
+
+
+def max_rows() -> int:
+    return int(os.environ.get("DS4T_CUDA_GRAPH_MAX_ROWS", "64"))
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    meta: torch.Tensor     # static device input: the step's metadata (StepBatch.host_meta layout)
+    logits: torch.Tensor   # static device output
+
+
+@dataclasses.dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager: int = 0      # steps run eagerly (first step of a key, uncapturable keys)
+    failures: int = 0   # keys whose capture failed (run eagerly from then on)
+
+
+class StepGraphs:
+    """The captured decode steps of one model (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.graphs: dict[tuple, _Captured] = {}
+        self.failed: set = set()
+        self.stats = GraphStats()
+        self._pool = None
+        self._generation = model.pool.generation
+
+    def clear(self) -> None:
+        """Drop every graph (the state pool moved, or weights changed)."""
+        self.graphs.clear()
+        self.failed.clear()
+        self._pool = None
+        self._generation = self.model.pool.generation
+
+    def step(self, segments: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor:
+        """One decode step (every segment one token): logits fp32 [len(segments), vocab]."""
+        model = self.model
+        if model.pool.generation != self._generation:
+            self.clear()
+        meta, n, o, segs = StepBatch.host_meta(segments)
+        key = model.graph_key(n)
+        if key is None or key in self.failed or n > max_rows():
+            self.stats.eager += 1
+            return model.forward(StepBatch.from_meta(to_device(meta, model.device), n, o, segs))
+        cap = self.graphs.get(key)
+        if cap is not None:
+            cap.meta.copy_(to_device(meta, model.device))
+            cap.graph.replay()
+            self.stats.replays += 1
+            return cap.logits.clone()
+        # First step of this key: run it for real on the static buffer (compiling every kernel
+        # it needs), then record the same launches reading that buffer.
+        static = to_device(meta, model.device).clone()
+        logits = model.forward(StepBatch.from_meta(static, n, o, segs))
+        self.stats.eager += 1
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = model.forward(StepBatch.from_meta(static, n, o, segs))
+        except Exception as e:  # a host sync or an uncapturable op: stay eager for this key
+            self.failed.add(key)
+            self.stats.failures += 1
+            warnings.warn(f"ds4t: CUDA graph capture failed for {key} ({type(e).__name__}: {e}); running it eagerly")
+            return logits
+        self.graphs[key] = _Captured(graph, static, out)
+        self.stats.captures += 1
+        return logits
+
+
+_runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graphs_for(model) -> StepGraphs | None:
+    """The model's StepGraphs when graphs apply (CUDA device, not disabled), else None."""
+    if not enabled_for(model):
+        return None
+    g = _runners.get(model)
+    if g is None:
+        g = _runners[model] = StepGraphs(model)
+    return g

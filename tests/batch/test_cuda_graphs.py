@@ -1,0 +1,97 @@
+"""CUDA-graph replay of decode steps gives the eager step's bits (GPU only), and graphs stay
+out of the way on the CPU."""
+import random
+
+import pytest
+import torch
+
+import ds4t
+from ds4t.batch import graphs
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _run(model, prompts, steps, sizes):
+    """Prefill each prompt, then decode greedily in batches of the given sizes (cycled).
+    Returns every step's logits and the final state of every session."""
+    sessions = [model.new_session(128) for _ in prompts]
+    for s, p in zip(sessions, prompts):
+        s.prefill(p)
+    toks = [7] * len(sessions)
+    out = []
+    for step in range(steps):
+        k = sizes[step % len(sizes)]
+        group = list(range(len(sessions)))[:k] if step % 2 == 0 else list(range(len(sessions)))[-k:]
+        res = ds4t.eval_batch([ds4t.DecodeItem(sessions[i], toks[i]) for i in group], mode="native")
+        for j, i in enumerate(group):
+            toks[i] = int(res.logits[j].argmax())
+        out.append(res.logits)
+    states = [s.state_dict() for s in sessions]
+    for s in sessions:
+        s.close()
+    return out, states
+
+
+@gpu
+@pytest.mark.parametrize("preset,options", [("tiny-qwen", {}), ("tiny-glm", {}), ("tiny-deepseek", {}),
+                                            ("tiny-deepseek", {"native_path": "ds4"})])
+def test_graph_replay_equals_eager(preset, options):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(200) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    eager = ds4t.load(preset, device="cuda", **options)
+    eager.cuda_graphs = False
+    graphed = ds4t.load(preset, device="cuda", **options)
+    a_logits, a_states = _run(eager, prompts, 12, [6, 3, 1])
+    b_logits, b_states = _run(graphed, prompts, 12, [6, 3, 1])
+    stats = graphs.graphs_for(graphed).stats
+    assert stats.captures == 3 and stats.replays >= 8 and stats.failures == 0, stats
+    assert graphs.graphs_for(eager) is None
+    for x, y in zip(a_logits, b_logits):
+        assert torch.equal(x, y)
+    for sa, sb in zip(a_states, b_states):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+@gpu
+def test_graphs_are_recaptured_when_the_state_pool_grows():
+    model = ds4t.load("tiny-qwen", device="cuda")
+    first = [model.new_session(32) for _ in range(2)]
+    for s in first:
+        s.prefill([1, 2, 3])
+    for _ in range(3):
+        ds4t.eval_batch([ds4t.DecodeItem(s, 5) for s in first], mode="native")
+    runner = graphs.graphs_for(model)
+    assert runner.stats.replays >= 1
+    more = [model.new_session(256) for _ in range(4)]   # pool grows: tensors move
+    twin = ds4t.load("tiny-qwen", device="cuda")
+    twin.cuda_graphs = False
+    t_first = [twin.new_session(32) for _ in range(2)]
+    for s in t_first:
+        s.prefill([1, 2, 3])
+    for _ in range(3):
+        ds4t.eval_batch([ds4t.DecodeItem(s, 5) for s in t_first], mode="native")
+    for _ in range(3):
+        a = ds4t.eval_batch([ds4t.DecodeItem(s, 5) for s in first], mode="native").logits
+        b = ds4t.eval_batch([ds4t.DecodeItem(s, 5) for s in t_first], mode="native").logits
+        assert torch.equal(a, b)
+    assert runner.stats.captures == 2
+    for s in more:
+        s.close()
+
+
+def test_no_graphs_on_cpu():
+    model = ds4t.load("tiny-qwen", device="cpu")
+    assert graphs.graphs_for(model) is None
+
+
+def test_suspended_turns_graphs_off(monkeypatch):
+    class FakeModel:
+        device = torch.device("cuda")
+
+    assert graphs.enabled_for(FakeModel())
+    with graphs.suspended():
+        assert not graphs.enabled_for(FakeModel())
+    monkeypatch.setenv("DS4T_CUDA_GRAPHS", "0")
+    assert not graphs.enabled_for(FakeModel())
