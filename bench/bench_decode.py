@@ -228,9 +228,9 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, m in zip(axes[0], models):
         rs = [r for r in rows if r["model"] == m]
-        for path in dict.fromkeys(r["path"] for r in rs):
-            pr = [r for r in rs if r["path"] == path]
-            ax.plot([r["n"] for r in pr], [r["native_tok_s"] for r in pr], "o-", label=f"ds4t native ({path})")
+        for native_path in dict.fromkeys(r["path"] for r in rs):
+            pr = [r for r in rs if r["path"] == native_path]
+            ax.plot([r["n"] for r in pr], [r["native_tok_s"] for r in pr], "o-", label=f"ds4t native ({native_path})")
         first = [r for r in rs if r["path"] == rs[0]["path"]]
         ax.plot([r["n"] for r in first], [r["ordered_tok_s"] for r in first], "s--", label="ds4t ordered")
         if any(r.get("hf_tok_s") for r in first):

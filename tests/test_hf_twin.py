@@ -8,12 +8,12 @@ from ds4t.hf import hf_twin
 
 @pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-deepseek", "tiny-glm"])
 def test_hf_twin_matches_ds4t_logits(preset):
-    model = ds4t.load(preset, device="cpu")
-    twin = hf_twin(preset, device="cpu")
+    model = ds4t.load(preset)   # the GPU when there is one (kernels need tensors on their device)
+    twin = hf_twin(preset, device=model.device)
     prompt = [3, 17, 42, 5, 99, 1, 64, 7]
     ours = model.new_session(32).prefill(prompt)
     with torch.no_grad():
-        theirs = twin(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        theirs = twin(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1].float()
     err = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     assert err < 1e-4, err
 

@@ -131,8 +131,8 @@ def test_length_zero_row_is_zero_and_tiny_head_dim(device):
     g = _gen(5)
     kc, vc = _cache(2, 20, 1, 8, 8, torch.float32, device, g)     # D = 8 < 16: padded dot operands
     q = torch.randn(2, 2, 8, generator=g).to(device)
-    out = _run(q, kc, vc, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32), 0.25,
-               split_size=16)
+    out = _run(q, kc, vc, torch.tensor([0, 1], dtype=torch.int32, device=device),
+               torch.tensor([0, 20], dtype=torch.int32, device=device), 0.25, split_size=16)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     _assert_close(out[1:], decode_attention_ref(q[1:], kc, vc, torch.tensor([1]), torch.tensor([20]), 0.25),
                   torch.float32)
