@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import os
 import random
@@ -251,6 +252,7 @@ def plot(rows, path):
 
 def bench_model(name, args, bw, log, rows):
     ns = [int(x) for x in args.ns.split(",")]
+    eager_ns = [int(x) for x in (args.eager_ns or args.ns).split(",")]
     paths = [None]
     for spec in args.paths:
         m, _, p = spec.partition("=")
@@ -274,7 +276,8 @@ def bench_model(name, args, bw, log, rows):
             if path is not None:
                 model.native_path = path
             nat = time_steps(model, n, "native", args.ctx, args.iters)
-            eager = time_steps(model, n, "native", args.ctx, max(3, args.iters // 2), graphs=False)
+            eager = (time_steps(model, n, "native", args.ctx, max(3, args.iters // 2), graphs=False)
+                     if n in eager_ns else float("nan"))
             floor_ms = fb["total"] / bw * 1e3
             mine.append(dict(model=name, n=n, path=path or "native", native_ms=nat, eager_ms=eager, ordered_ms=ordd,
                              floor_ms=floor_ms, floor_mb=fb["total"] / 1e6, native_tok_s=n / nat * 1e3,
@@ -282,6 +285,7 @@ def bench_model(name, args, bw, log, rows):
                              floor_frac=floor_ms / nat, exact=exact))
             print(json.dumps(mine[-1]), flush=True)
     del model
+    gc.collect()
     torch.cuda.empty_cache()
     hf = None
     if args.hf:
@@ -334,6 +338,7 @@ def main():
     ap.add_argument("--exact-steps", type=int, default=8)
     ap.add_argument("--paths", action="append", default=[],
                     help="MODEL=p1,p2: native paths to time for a model with a native_path option")
+    ap.add_argument("--eager-ns", default=None, help="N values to time without CUDA graphs too (default: --ns)")
     ap.add_argument("--no-hf", dest="hf", action="store_false")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

@@ -15,7 +15,8 @@ def test_hf_twin_matches_ds4t_logits(preset):
     with torch.no_grad():
         theirs = twin(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1].float()
     err = ((ours - theirs).abs().max() / theirs.abs().max()).item()
-    assert err < 1e-4, err
+    # On a GPU, HF runs Qwen3-Next's delta rule through fla's kernels (TF32 dots): looser there.
+    assert err < (1e-4 if model.device.type == "cpu" else 3e-3), err
 
 
 def test_hf_twin_rejects_unknown_preset():

@@ -69,12 +69,16 @@ class StepGraphs:
     """The captured decode steps of one model (see the module docstring)."""
 
     def __init__(self, model):
-        self.model = model
+        self._model = weakref.ref(model)   # the registry below must not keep a model alive
         self.graphs: dict[tuple, _Captured] = {}
         self.failed: set = set()
         self.stats = GraphStats()
         self._pool = None
         self._generation = model.pool.generation
+
+    @property
+    def model(self):
+        return self._model()
 
     def clear(self) -> None:
         """Drop every graph (the state pool moved, or weights changed)."""
