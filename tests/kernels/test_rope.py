@@ -2,10 +2,14 @@
 interleaved permutation, in-place use, batch invariance."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4t.kernels.rope import default_inv_freq, rope, rope_ref
+from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # fp32 math on exactly representable inputs: only cos/sin (numpy vs torch, 1 ulp) and the
@@ -14,7 +18,7 @@ TOL = {torch.float32: (2e-6, 1e-5), torch.bfloat16: (2e-6, 1e-5), torch.float16:
 
 
 def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+    return gen(seed)
 
 
 def _run(x, pos, inv, **kw):

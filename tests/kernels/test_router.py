@@ -2,8 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from ds4t.backend import default_device
 from ds4t.kernels.router import (
     DROPPED_SCORE,
     router_sigmoid_grouped,
@@ -11,7 +13,10 @@ from ds4t.kernels.router import (
     router_softmax_topk,
     router_softmax_topk_ref,
 )
+from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant
+
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 WTOL = dict(rtol=2e-6, atol=2e-7)  # weights are fp32 statistics
 
@@ -31,7 +36,7 @@ def _sort_by_id(w, ids):
 @pytest.mark.parametrize("B,E,k", [(5, 8, 2), (13, 10, 3), (17, 64, 8), (1, 3, 3)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_softmax_topk_vs_ref(B, E, k, renorm):
-    g = torch.Generator().manual_seed(B * 100 + E)
+    g = gen(B * 100 + E)
     x = torch.randn(B, E, generator=g) * 3
     out = _poisoned_out(B, k)
     w, ids = router_softmax_topk(x, k, renorm, out=out)
@@ -45,6 +50,23 @@ def test_softmax_topk_vs_ref(B, E, k, renorm):
         torch.testing.assert_close(w.sum(-1), torch.ones(B), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("B,E,k", [(5, 8, 2), (13, 10, 3), (3, 9, 9)])
+def test_softmax_topk_one_row_programs(monkeypatch, B, E, k):
+    """The GPU's one row per program (in the interpreter too) gives the bits of the interpreter's
+    16-row programs, with E a power of two and not (padded expert columns)."""
+    from ds4t.kernels import router as RT
+
+    g = gen(B + E)
+    x = torch.randn(B, E, generator=g) * 3
+    many = router_softmax_topk(x, k, True)
+    monkeypatch.setattr(RT, "_rows_per_program", lambda: 1)
+    one = router_softmax_topk(x, k, True)
+    assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
+    wr, ir = router_softmax_topk_ref(x, k, True)
+    assert torch.equal(one[1], ir)
+    torch.testing.assert_close(one[0], wr, **WTOL)
+
+
 def test_softmax_topk_ties_go_to_lower_index():
     x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0], [0.5] * 6])
     _, ids = router_softmax_topk(x, 3, False)
@@ -52,7 +74,7 @@ def test_softmax_topk_ties_go_to_lower_index():
 
 
 def test_softmax_topk_bf16_logits_are_upcast():
-    g = torch.Generator().manual_seed(3)
+    g = gen(3)
     x = (torch.randn(4, 10, generator=g) * 2).bfloat16()
     w, ids = router_softmax_topk(x, 3, True)
     wr, ir = router_softmax_topk_ref(x.float(), 3, True)
@@ -64,7 +86,7 @@ def test_softmax_topk_vs_hf_qwen3_next():
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
-    g = torch.Generator().manual_seed(0)
+    g = gen(0)
     for E, k, norm in ((8, 2, True), (10, 3, False), (32, 4, True)):
         cfg = Qwen3NextConfig(hidden_size=64, num_experts=E, num_experts_per_tok=k, norm_topk_prob=norm)
         router = Qwen3NextTopKRouter(cfg)
@@ -93,7 +115,7 @@ GROUPED = [
 
 @pytest.mark.parametrize("B,E,k,ng,tg,renorm,scaling", GROUPED)
 def test_sigmoid_grouped_vs_ref(B, E, k, ng, tg, renorm, scaling):
-    g = torch.Generator().manual_seed(E * 10 + k)
+    g = gen(E * 10 + k)
     x = torch.randn(B, E, generator=g) * 2
     bias = torch.randn(E, generator=g) * 0.3
     out = _poisoned_out(B, k)
@@ -111,13 +133,17 @@ def test_sigmoid_grouped_vs_ref(B, E, k, ng, tg, renorm, scaling):
 def _hf_router(kind, E, k, ng, tg, renorm, scaling, g):
     if kind == "deepseek_v3":
         from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as R
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3TopkRouter as R,
+        )
 
         cfg = DeepseekV3Config(hidden_size=64, n_routed_experts=E, num_experts_per_tok=k, n_group=ng,
                                topk_group=tg, norm_topk_prob=renorm, routed_scaling_factor=scaling)
     else:
         from transformers import Glm4MoeConfig
-        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter as R
+        from transformers.models.glm4_moe.modeling_glm4_moe import (
+            Glm4MoeTopkRouter as R,
+        )
 
         cfg = Glm4MoeConfig(hidden_size=64, n_routed_experts=E, num_experts_per_tok=k, n_group=ng,
                             topk_group=tg, norm_topk_prob=renorm, routed_scaling_factor=scaling)
@@ -137,7 +163,7 @@ def _hf_router(kind, E, k, ng, tg, renorm, scaling, g):
     ("glm4_moe", 12, 3, 3, 2, True, 1.8),
 ])
 def test_sigmoid_grouped_vs_hf(kind, E, k, ng, tg, renorm, scaling):
-    g = torch.Generator().manual_seed(7)
+    g = gen(7)
     router = _hf_router(kind, E, k, ng, tg, renorm, scaling, g)
     hid = torch.randn(13, 64, generator=g)
     with torch.no_grad():
@@ -153,7 +179,7 @@ def test_sigmoid_grouped_vs_hf(kind, E, k, ng, tg, renorm, scaling):
 
 def _negative_bias_case():
     # All biased scores negative (bias -2): a dropped expert filled with 0.0 would beat every kept one.
-    g = torch.Generator().manual_seed(1)
+    g = gen(1)
     x = torch.randn(6, 8, generator=g)
     x[:, :4] += 2.0  # group 0 wins the group vote
     bias = torch.full((8,), -2.0) + torch.randn(8, generator=g) * 0.1
@@ -164,7 +190,9 @@ def test_dropped_group_fill_matches_hf_and_matters():
     """HF's fill for dropped groups (0.0 in transformers 4.x, -inf in 5.x) changes the choice here;
     the default must agree with the installed HF, and both fills must be implemented correctly."""
     from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3TopkRouter,
+    )
 
     x, bias = _negative_bias_case()
     E, k, ng, tg = 8, 2, 2, 1
@@ -199,12 +227,13 @@ POOL = 33
 
 
 def _pool(E, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = gen(seed)
     return torch.randn(POOL, E, generator=g) * 2, torch.randn(E, generator=g) * 0.3
 
 
-_SM_X, _ = _pool(10, 11)
-_SG_X, _SG_BIAS = _pool(16, 12)
+with torch.device(default_device()):
+    _SM_X, _ = _pool(10, 11)
+    _SG_X, _SG_BIAS = _pool(16, 12)
 
 
 def _rows():

@@ -2,11 +2,23 @@
 determinism per (seed, stream, position), statistics, HF top-k / top-p semantics)."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ds4t.kernels.sampling as S
-from ds4t.kernels.sampling import argmax, argmax_ref, candidates_ref, gumbel_noise, sample, sample_ref
+from ds4t.backend import default_device
+from ds4t.kernels.sampling import (
+    argmax,
+    argmax_ref,
+    candidates_ref,
+    gumbel_noise,
+    sample,
+    sample_ref,
+)
+from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant
+
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 
 def _out(B):
@@ -36,7 +48,7 @@ def _ids(B, g):
 
 @pytest.mark.parametrize("B,V", [(1, 1), (5, 37), (9, 1000)])
 def test_argmax_vs_torch(B, V):
-    g = torch.Generator().manual_seed(V)
+    g = gen(V)
     x = torch.randn(B, V, generator=g)
     out = _out(B)
     assert argmax(x, out=out) is out
@@ -62,7 +74,7 @@ def test_argmax_first_index_of_ties_and_chunks(monkeypatch):
 
 @pytest.mark.parametrize("B,V", [(40, 257), (7, 1000)])
 def test_sample_vs_ref(B, V):
-    g = torch.Generator().manual_seed(B + V)
+    g = gen(B + V)
     x = torch.randn(B, V, generator=g) * 3
     temp, tk, tp = _settings(B, g)
     seeds, streams, pos = _ids(B, g)
@@ -76,7 +88,7 @@ def test_sample_vs_ref(B, V):
 def test_sample_vs_ref_chunked(monkeypatch):
     """The multi-chunk path (large vocabularies) picks the same tokens as the reference."""
     monkeypatch.setattr(S, "_tiles", lambda V: (16, 128))
-    g = torch.Generator().manual_seed(5)
+    g = gen(5)
     B, V = 4, 300  # 3 chunks, the last one partial
     x = torch.randn(B, V, generator=g) * 2
     temp = torch.tensor([0.0, 1.0, 0.8, 1.2])
@@ -88,7 +100,7 @@ def test_sample_vs_ref_chunked(monkeypatch):
 
 
 def test_sample_is_gumbel_max_with_the_public_noise():
-    g = torch.Generator().manual_seed(8)
+    g = gen(8)
     B, V = 20, 50
     x = torch.randn(B, V, generator=g)
     seeds, streams, pos = _ids(B, g)
@@ -98,7 +110,7 @@ def test_sample_is_gumbel_max_with_the_public_noise():
 
 
 def test_temperature_zero_and_top_k_one_are_argmax():
-    g = torch.Generator().manual_seed(9)
+    g = gen(9)
     B, V = 24, 200
     x = torch.randn(B, V, generator=g) * 4
     seeds, streams, pos = _ids(B, g)
@@ -119,10 +131,11 @@ def test_temperature_zero_and_top_k_one_are_argmax():
 # ----------------------------------------------------------------------------- determinism / invariance
 
 POOL = 33
-_g = torch.Generator().manual_seed(33)
-_X = torch.randn(POOL, 100, generator=_g) * 2
-_TEMP, _TK, _TP = _settings(POOL, _g)
-_SEEDS, _STREAMS, _POS = _ids(POOL, _g)
+with torch.device(default_device()):
+    _g = gen(33)
+    _X = torch.randn(POOL, 100, generator=_g) * 2
+    _TEMP, _TK, _TP = _settings(POOL, _g)
+    _SEEDS, _STREAMS, _POS = _ids(POOL, _g)
 
 
 def _run(rows):
@@ -203,9 +216,13 @@ def test_noise_is_uniform_enough():
 
 
 def test_candidates_match_hf_warpers():
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
-    g = torch.Generator().manual_seed(12)
+    g = gen(12)
     V = 300
     for _ in range(12):
         x = torch.randn(1, V, generator=g) * 3

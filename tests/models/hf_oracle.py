@@ -48,8 +48,9 @@ def hf_prefill_and_decode(m, prompt, steps: int):
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (logits scale)."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+    """max |a - b| / max |b| (logits scale); ds4t's logits may be on the GPU, HF's on the CPU."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def bias_tweak(shift=0.0, scale=0.3, seed=0):

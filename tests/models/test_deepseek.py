@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ds4t
+from ds4t.backend import default_device
 from ds4t.kernels import router as router_mod
 from tests.models.hf_oracle import bias_tweak, check_against_hf, rel_err, save_tiny
 
@@ -51,10 +52,12 @@ def test_fp32_matches_hf(tmp_path, name):
 
 
 def _route(gate, h, dropped):
-    logits = torch.nn.functional.linear(h.float(), gate.weight.float())
+    """The router kernel on HF's gate inputs (on the kernels' device); expert ids on the CPU."""
+    dev = default_device()
+    logits = torch.nn.functional.linear(h.float(), gate.weight.float()).to(dev)
     return router_mod.router_sigmoid_grouped(
-        logits, gate.e_score_correction_bias.float(), gate.top_k, gate.num_group, gate.topk_group,
-        gate.norm_topk_prob, gate.routed_scaling_factor, dropped=dropped)[1]
+        logits, gate.e_score_correction_bias.float().to(dev), gate.top_k, gate.num_group, gate.topk_group,
+        gate.norm_topk_prob, gate.routed_scaling_factor, dropped=dropped)[1].cpu()
 
 
 def test_dropped_group_fill_follows_hf(tmp_path, monkeypatch):
