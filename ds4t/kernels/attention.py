@@ -51,6 +51,7 @@ import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
 from ds4t.kernels.registry import CheckResult, register_check
+from ds4t.kernels.rope import _cos_sin
 
 _LOG2E = 1.4426950408889634
 
@@ -129,31 +130,38 @@ def _attn_split_kernel(
     vc_ptr, svc_s, svc_l, svc_h, svc_d,
     slots_ptr, lens_ptr,
     o_ptr, m_ptr, l_ptr,            # partials: o [B, NS, HQ, DV], m / l [B, NS, HQ] fp32
+    out_ptr, so_b, so_h, so_d,      # FINAL: the output [B, HQ, DV]
     qk_scale, L, NS,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
 ):
+    # FINAL (NS == 1, a function of L and SPLIT only): the one split is the whole row, so the
+    # program normalises and writes the output itself and no merge kernel runs.
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
     split_start = s * SPLIT
+
+    h = tl.arange(0, BLOCK_H)
+    hm = h < G
+    dv = tl.arange(0, BLOCK_DV)
+    dvm = dv < DV
+    qh = g * G + h
     if split_start >= length:
+        if FINAL:  # a row with length 0 returns zeros
+            tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d,
+                     tl.zeros([BLOCK_H, BLOCK_DV], tl.float32), mask=hm[:, None] & dvm[None, :])
         return
     split_end = tl.minimum(split_start + SPLIT, length)
     slot = tl.load(slots_ptr + b).to(tl.int64)
 
-    h = tl.arange(0, BLOCK_H)
-    hm = h < G
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    dv = tl.arange(0, BLOCK_DV)
-    dvm = dv < DV
     n = tl.arange(0, BLOCK_N)
 
     # q of the G heads that share kv head g, pre-scaled so that softmax uses exp2.
-    qh = g * G + h
     q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
                 mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
     if kc_ptr.dtype.element_ty == tl.float32:
@@ -196,10 +204,15 @@ def _attn_split_kernel(
             acc = mma(p_lo, vt, acc)
         m_i = m_new
 
-    row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
-    tl.store(m_ptr + row, m_i, mask=hm)
-    tl.store(l_ptr + row, l_i, mask=hm)
-    tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=hm[:, None] & dvm[None, :])
+    if FINAL:  # the merge kernel's arithmetic for one split: acc / l (l > 0: the row has a position)
+        res = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res,
+                 mask=hm[:, None] & dvm[None, :])
+    else:
+        row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
+        tl.store(m_ptr + row, m_i, mask=hm)
+        tl.store(l_ptr + row, l_i, mask=hm)
+        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=hm[:, None] & dvm[None, :])
 
 
 @triton.jit
@@ -237,6 +250,240 @@ def _attn_merge_kernel(
         m_run = m_new
     res = tl.where(l_run[:, None] > 0, acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
     tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res, mask=om)
+
+
+@triton.jit
+def _attn_rows_kernel(
+    q_ptr, sq_b, sq_h, sq_d,
+    kc_ptr, skc_s, skc_l, skc_h, skc_d,
+    vc_ptr, svc_s, svc_l, svc_h, svc_d,
+    slots_ptr, lens_ptr,
+    out_ptr, so_b, so_h, so_d,
+    gate_ptr, sg_b, sg_h,
+    qk_scale, L, B,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr,
+    ROWS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GATED: tl.constexpr,
+):
+    """Interpreter path: ROWS rows, all their query heads, every split and the merge, in one
+    program (the interpreter pays per program and per op, not per element).
+
+    The algorithm is the split kernel's and the merge kernel's: splits of SPLIT positions, each
+    folded in tiles of BLOCK_N with the online softmax in ascending order, then the splits merged
+    in ascending order with log-sum-exp rescaling (one split: acc / l directly). Products are plain
+    fp32 (a 16-bit cache is upcast exactly; no hi/lo split needed off tensor cores). A program loops
+    as far as its longest row; a tile or split past a row's own length leaves that row's state
+    untouched (tl.where), so a row's bits never depend on the other rows of the program.
+    """
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rl = tl.minimum(r, B - 1).to(tl.int64)        # rows past B redo row B-1 and store nothing
+    length = tl.minimum(tl.load(lens_ptr + rl).to(tl.int32), L)                    # [ROWS]
+    slot = tl.load(slots_ptr + rl).to(tl.int64)
+    h = tl.arange(0, BH)
+    hl = h if BH == HQ else tl.minimum(h, HQ - 1)  # padded heads/dims read in bounds, never stored
+    kvh = (hl // G).to(tl.int64)[None, :, None, None]
+    d = tl.arange(0, BD)
+    dl = (d if BD == D else tl.minimum(d, D - 1))[None, None, None, :]
+    dv = tl.arange(0, BDV)
+    dvl = (dv if BDV == DV else tl.minimum(dv, DV - 1))[None, None, None, :]
+    r4 = rl[:, None, None, None]
+    # q [ROWS, BH, 1, BD], pre-scaled for exp2; padded d columns are 0 so they add nothing.
+    q_ptrs = q_ptr + r4 * sq_b + hl[None, :, None, None] * sq_h + d[None, None, None, :] * sq_d
+    if BD == D:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=(d < D)[None, None, None, :], other=0.0)
+    q = q.to(tl.float32) * qk_scale
+    k_row = kc_ptr + (slot * skc_s)[:, None, None, None] + kvh * skc_h + dl * skc_d      # [ROWS, BH, 1, BD]
+    v_row = vc_ptr + (slot * svc_s)[:, None, None, None] + kvh * svc_h + dvl * svc_d     # [ROWS, BH, 1, BDV]
+    n3 = tl.arange(0, BLOCK_N)[None, None, :]
+    len3 = length[:, None, None]
+    n_max = tl.max(length, axis=0)
+
+    l_run = tl.zeros([ROWS, BH], tl.float32)         # a row with length 0 keeps l = 0: output 0
+    acc_run = tl.zeros([ROWS, BH, BDV], tl.float32)
+    if NS > 1:
+        m_run = tl.full([ROWS, BH], float("-inf"), tl.float32)
+    for s in range(0, tl.cdiv(n_max, SPLIT)):
+        s0 = s * SPLIT
+        m_i = tl.full([ROWS, BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS, BH], tl.float32)
+        acc = tl.zeros([ROWS, BH, BDV], tl.float32)
+        for t0 in range(s0, tl.minimum(s0 + SPLIT, n_max), BLOCK_N):   # ascending positions
+            pos3 = t0 + n3                                             # [1, 1, BLOCK_N]
+            pm3 = pos3 < len3                                          # [ROWS, 1, BLOCK_N]
+            pm = pm3[:, :, :, None]
+            pos = pos3[:, :, :, None]
+            kt = tl.load(k_row + pos * skc_l, mask=pm, other=0.0).to(tl.float32)      # [ROWS, BH, BN, BD]
+            sc = tl.where(pm3, tl.sum(q * kt, axis=3), float("-inf"))                # [ROWS, BH, BN]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=2))
+            # -inf only for a row with no position yet, whose update is discarded below; 0 there
+            # keeps exp2 away from -inf - -inf (no NaN, no numpy warning).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(sc - m_sub[:, :, None])
+            vt = tl.load(v_row + pos * svc_l, mask=pm, other=0.0).to(tl.float32)     # [ROWS, BH, BN, BDV]
+            live = (t0 < length)[:, None]                              # this tile holds positions of the row
+            l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=2), l_i)
+            acc = tl.where(live[:, :, None], acc * alpha[:, :, None] + tl.sum(p[:, :, :, None] * vt, axis=2), acc)
+            m_i = tl.where(live, m_new, m_i)
+        if NS == 1:
+            l_run = l_i
+            acc_run = acc
+        else:
+            # the merge kernel's step, for rows that have this split
+            m_new = tl.maximum(m_run, m_i)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # as above
+            a = tl.exp2(m_run - m_sub)
+            c = tl.exp2(m_i - m_sub)
+            live = (s0 < length)[:, None]
+            acc_run = tl.where(live[:, :, None], acc_run * a[:, :, None] + acc * c[:, :, None], acc_run)
+            l_run = tl.where(live, l_run * a + l_i * c, l_run)
+            m_run = tl.where(live, m_new, m_run)
+    res = tl.where(l_run[:, :, None] > 0, acc_run / tl.where(l_run > 0, l_run, 1.0)[:, :, None], 0.0)
+    if GATED:  # activation.sigmoid_mul's expression: res * sigmoid(gate)
+        dg = (dv if BDV == DV else tl.minimum(dv, DV - 1))[None, None, :]
+        gt = tl.load(gate_ptr + rl[:, None, None] * sg_b + hl[None, :, None] * sg_h + dg)
+        res = res * tl.sigmoid(gt.to(tl.float32))
+    om = (r < B)[:, None, None]
+    if BH != HQ:
+        om = om & (h < HQ)[None, :, None]
+    if BDV != DV:
+        om = om & (dv < DV)[None, None, :]
+    tl.store(out_ptr + rl[:, None, None] * so_b + h[None, :, None] * so_h + dv[None, None, :] * so_d, res, mask=om)
+
+
+@triton.jit
+def _norm_rope_kv_kernel(
+    q_ptr, sq_r, sq_h, sq_d,
+    k_ptr, sk_r, sk_h, sk_d,
+    v_ptr, sv_r, sv_h, sv_d,
+    qw_ptr, kw_ptr, freq_ptr, pos_ptr, slots_ptr,
+    kc_ptr, skc_s, skc_l, skc_h, skc_d,
+    vc_ptr, svc_s, svc_l, svc_h, svc_d,
+    qo_ptr, sqo_r, sqo_h, sqo_d,
+    R, S, L, eps,
+    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    ROWS: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+):
+    """ROWS rows: per-head RMSNorm of q and k, rotate-half RoPE on their first 2*HALF dims, q out
+    (fp32), k and v into the cache at (slots[r], positions[r]) (skipped when either is out of range).
+
+    The arithmetic is that of :func:`ds4t.kernels.norm.rms_norm` then :func:`ds4t.kernels.rope.rope`
+    then :func:`write_kv`, element by element: y = (x * rstd) * w, then y1*c - y2*s / y2*c + y1*s. The
+    rotation partner of column d (d + HALF or d - HALF) is re-read from memory and normalised
+    with the same rstd. Everything is per row: a row's bits never depend on the other rows.
+    """
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rl = tl.minimum(r, R - 1).to(tl.int64)       # rows past R redo row R-1 and store nothing
+    r3 = rl[:, None, None]
+    d = tl.arange(0, BD)
+    ROT: tl.constexpr = 2 * HALF
+    pd = (d + HALF) % ROT                        # rotation partner (in bounds; unused past ROT)
+    d3 = d[None, None, :]
+    pd3 = pd[None, None, :]
+    # cos / sin tables [ROWS, 1, BD]: fp32 angle = position * inv_freq[d mod HALF], as rope does
+    f = tl.load(freq_ptr + d % HALF)
+    pos = tl.load(pos_ptr + rl)
+    ang = pos.to(tl.float32)[:, None, None] * f[None, None, :]
+    c, sn = _cos_sin(ang)                        # libdevice on the GPU, as rope
+    first = d3 < HALF
+    sn = tl.where(first, -sn, sn)                # y1*c - y2*s == y1*c + y2*(-s), exactly
+    rot = d3 < ROT
+    if BD != D:
+        dl3 = tl.minimum(d3, D - 1)              # padded columns read in bounds, count as 0
+        dm3 = d3 < D
+    else:
+        dl3 = d3
+
+    # q [ROWS, BH, BD]
+    h = tl.arange(0, BH)
+    hl = h[None, :, None] if BH == H else tl.minimum(h, H - 1)[None, :, None]
+    q_row = q_ptr + r3 * sq_r + hl * sq_h
+    x = tl.load(q_row + dl3 * sq_d).to(tl.float32)
+    xp = tl.load(q_row + pd3 * sq_d).to(tl.float32)
+    if BD != D:
+        x = tl.where(dm3, x, 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
+    w = tl.load(qw_ptr + dl3).to(tl.float32)
+    wp = tl.load(qw_ptr + pd3).to(tl.float32)
+    if ZERO_CENTERED:
+        w = 1.0 + w
+        wp = 1.0 + wp
+    y = (x * rstd) * w
+    yq = tl.where(rot, y * c + ((xp * rstd) * wp) * sn, y)
+    om = (r < R)[:, None, None]
+    if BH != H:
+        om = om & (h < H)[None, :, None]
+    if BD != D:
+        om = om & dm3
+    tl.store(qo_ptr + r3 * sqo_r + h[None, :, None] * sqo_h + d3 * sqo_d, yq, mask=om)
+
+    # k [ROWS, BKV, BD] -> cache
+    slot = tl.load(slots_ptr + rl).to(tl.int64)
+    p64 = pos.to(tl.int64)
+    ok = (r < R) & (slot >= 0) & (slot < S) & (p64 >= 0) & (p64 < L)   # never write outside the pool
+    ok3 = ok[:, None, None]
+    sl3 = slot[:, None, None]
+    ps3 = p64[:, None, None]
+    g = tl.arange(0, BKV)
+    gl = g[None, :, None] if BKV == KV else tl.minimum(g, KV - 1)[None, :, None]
+    km = ok3
+    if BKV != KV:
+        km = km & (g < KV)[None, :, None]
+    k_row = k_ptr + r3 * sk_r + gl * sk_h
+    x = tl.load(k_row + dl3 * sk_d).to(tl.float32)
+    xp = tl.load(k_row + pd3 * sk_d).to(tl.float32)
+    if BD != D:
+        x = tl.where(dm3, x, 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
+    w = tl.load(kw_ptr + dl3).to(tl.float32)
+    wp = tl.load(kw_ptr + pd3).to(tl.float32)
+    if ZERO_CENTERED:
+        w = 1.0 + w
+        wp = 1.0 + wp
+    y = (x * rstd) * w
+    yk = tl.where(rot, y * c + ((xp * rstd) * wp) * sn, y)
+    if BD != D:
+        kmd = km & dm3
+    else:
+        kmd = km
+    tl.store(kc_ptr + sl3 * skc_s + ps3 * skc_l + g[None, :, None] * skc_h + d3 * skc_d,
+             cast(yk, kc_ptr.dtype.element_ty), mask=kmd)
+
+    # v [ROWS, BKV, BDV] -> cache
+    dv = tl.arange(0, BDV)[None, None, :]
+    if BDV != DV:
+        vm = km & (dv < DV)
+        vx = tl.load(v_ptr + r3 * sv_r + gl * sv_h + tl.minimum(dv, DV - 1) * sv_d)
+    else:
+        vm = km
+        vx = tl.load(v_ptr + r3 * sv_r + gl * sv_h + dv * sv_d)
+    tl.store(vc_ptr + sl3 * svc_s + ps3 * svc_l + g[None, :, None] * svc_h + dv * svc_d,
+             cast(vx, vc_ptr.dtype.element_ty), mask=vm)
+
+
+ROWS_PATH = INTERPRET
+"""In the interpreter, :func:`decode_attention` runs :func:`_attn_rows_kernel` (few programs); on the
+GPU the split and merge kernels. Tests set it to False to run those in the interpreter too."""
+
+_MAX_TILE = 1 << 20  # elements of one interpreter tile (triton's TRITON_MAX_TENSOR_NUMEL)
+
+
+def _rows_config(B: int, HQ: int, D: int, DV: int, block_n: int):
+    """(ROWS, BH, BD, BDV) of the interpreter path, or None when its tiles would not fit. ROWS (the M
+    tile) grows with B up to 16: no arithmetic runs across rows (see the kernel), and the
+    interpreter's loads cost per element, so a lone decode row should not carry 15 padding rows."""
+    if not ROWS_PATH:
+        return None
+    BH, BD, BDV = triton.next_power_of_2(HQ), triton.next_power_of_2(D), triton.next_power_of_2(DV)
+    rows = min(16, triton.next_power_of_2(B))
+    while rows > 1 and rows * BH * block_n * max(BD, BDV) > _MAX_TILE:
+        rows //= 2
+    if rows * BH * block_n * max(BD, BDV) > _MAX_TILE:
+        return None
+    return rows, BH, BD, BDV
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -301,20 +548,26 @@ def _attn_args(q, k_cache, v_cache, slots, lengths, split_size):
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
-                     split_size: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     split_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                     gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
     bf16 / fp16), slots, lengths [B] int32 (lengths in 1..L). Hq must be a multiple of Hkv: q head
     h uses kv head h // (Hq // Hkv). ``split_size`` (power of two >= 16; default
-    :func:`default_split_size`) is the fixed number of positions per KV split. Returns fp32
-    [B, Hq, Dv] (written into ``out`` if given). Batch invariant; no host synchronisation.
+    :func:`default_split_size`) is the fixed number of positions per KV split. ``gate`` [B, Hq*Dv]
+    (any float dtype, unit column stride): the output is multiplied by sigmoid(gate) as
+    :func:`ds4t.kernels.activation.sigmoid_mul` does (gated attention), bitwise the same. Returns
+    fp32 [B, Hq, Dv] (written into ``out`` if given). Batch invariant; no host synchronisation.
     """
     B, HQ, HKV, D, DV, L, split = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
     if out is None:
         out = torch.empty((B, HQ, DV), dtype=torch.float32, device=q.device)
     elif out.shape != (B, HQ, DV) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 [{B}, {HQ}, {DV}]")
+    if gate is not None and (gate.shape != (B, HQ * DV) or gate.stride(1) != 1 or not out.is_contiguous()):
+        raise ValueError(f"gate must be [{B}, {HQ * DV}] with unit column stride (and out contiguous), "
+                         f"got {tuple(gate.shape)}")
     if B == 0:
         return out
     G = HQ // HKV
@@ -323,25 +576,100 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_D = max(16, triton.next_power_of_2(D))       # dot operands need >= 16
     BLOCK_DV = max(16, triton.next_power_of_2(DV))
     BLOCK_N = _block_n(split, BLOCK_D, BLOCK_DV)
-    o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
-    m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
+    rows_cfg = _rows_config(B, HQ, D, DV, BLOCK_N)
+    if rows_cfg is not None:
+        ROWS, BH, BD, BDV = rows_cfg
+        _attn_rows_kernel[(triton.cdiv(B, ROWS),)](
+            q, *q.stride(),
+            k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
+            slots, lengths,
+            out, *out.stride(),
+            gate if gate is not None else out, gate.stride(0) if gate is not None else 0, DV,
+            float(scale) * _LOG2E, L, B,
+            HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N, NS=NS,
+            ROWS=ROWS, BH=BH, BD=BD, BDV=BDV, GATED=gate is not None,
+        )
+        return out
+    final = NS == 1
+    # One split (NS from L and the split size, never from B): the split kernel writes the output.
+    if final:  # no partials: the (unused) partial pointers name out
+        o_part = m_part = l_part = out
+    else:
+        o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
+        m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
     opts = _gpu_launch_opts(BLOCK_D, BLOCK_DV)
     _attn_split_kernel[(B, HKV, NS)](
         q, *q.stride(),
         k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
         slots, lengths,
         o_part, m_part, l_part,
+        out, *out.stride(),
         float(scale) * _LOG2E, L, NS,
         HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N,
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **opts,
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **opts,
     )
-    _attn_merge_kernel[(B, HKV)](
-        o_part, m_part, l_part, lengths,
+    if not final:
+        _attn_merge_kernel[(B, HKV)](
+            o_part, m_part, l_part, lengths,
+            out, *out.stride(),
+            L, NS,
+            HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
+            **({} if INTERPRET else {"num_warps": 4}),
+        )
+    if gate is not None:
+        from ds4t.kernels.activation import sigmoid_mul
+        sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))
+    return out
+
+
+def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                       k_norm: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
+                       rotary_dim: Optional[int] = None, zero_centered: bool = False,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gated-attention prologue in one launch: per-head RMSNorm of q and k (weights q_norm,
+    k_norm [D]; x̂·(1 + w) when ``zero_centered``), rotate-half RoPE on their first ``rotary_dim``
+    dims, then k and v stored as :func:`write_kv` stores them. Returns q fp32 [R, H, D].
+
+    q [R, H, D], k [R, KV, D], v [R, KV, Dv] (any float dtype, any strides), positions / slots
+    [R] int32 or int64, inv_freq [rotary_dim / 2] fp32, caches [S, L, KV, D|Dv]. Equals
+    ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1). Batch invariant.
+    """
+    _check_cache(k_cache, v_cache)
+    S, L, KV, D = k_cache.shape
+    DV = v_cache.shape[3]
+    R, H, Dq = q.shape
+    if Dq != D or k.shape != (R, KV, D) or v.shape != (R, KV, DV):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q_norm.shape != (D,) or k_norm.shape != (D,):
+        raise ValueError(f"q_norm and k_norm must be [{D}]")
+    if positions.shape != (R,) or slots.shape != (R,):
+        raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be [{R}]")
+    if rotary_dim is None:
+        rotary_dim = 2 * inv_freq.numel()
+    if rotary_dim % 2 or not 2 <= rotary_dim <= D or inv_freq.shape != (rotary_dim // 2,):
+        raise ValueError(f"rotary_dim={rotary_dim} must be even, in [2, D={D}], with inv_freq [{rotary_dim // 2}]")
+    if out is None:
+        out = torch.empty((R, H, D), dtype=torch.float32, device=q.device)
+    elif out.shape != (R, H, D) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 [{R}, {H}, {D}]")
+    if R == 0:
+        return out
+    BH, BKV = triton.next_power_of_2(H), triton.next_power_of_2(KV)
+    BD, BDV = triton.next_power_of_2(D), triton.next_power_of_2(DV)
+    # Rows per program: one on the GPU; in the interpreter up to 16 (the M tile: every value is
+    # per row, nothing is reduced across rows).
+    rows = 1 if not INTERPRET else min(16, triton.next_power_of_2(R))
+    _norm_rope_kv_kernel[(triton.cdiv(R, rows),)](
+        q, *q.stride(), k, *k.stride(), v, *v.stride(),
+        q_norm.contiguous(), k_norm.contiguous(), inv_freq.contiguous(), positions, slots,
+        k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
         out, *out.stride(),
-        L, NS,
-        HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
-        **({} if INTERPRET else {"num_warps": 4}),
+        R, S, L, float(eps),
+        H=H, KV=KV, D=D, DV=DV, HALF=rotary_dim // 2, ZERO_CENTERED=bool(zero_centered),
+        ROWS=rows, BH=BH, BKV=BKV, BD=BD, BDV=BDV,
     )
     return out
 

@@ -47,18 +47,31 @@ __all__ = ["linear", "linear_ref", "linear_config", "LinearConfig", "BLOCK_M"]
 BLOCK_M = 16
 """Rows per tile: a fixed constant (tl.dot needs M >= 16 on the GPU)."""
 
+_CLAMP_ROWS = INTERPRET
+"""Interpreter (M_SUB = 1): rows past B read row B-1 rather than a masked load (a masked load
+costs the interpreter about twice an unmasked one; those rows are never stored). The GPU keeps
+the masked load. Tests set it to False to run the GPU's form in the interpreter."""
+
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
-                  W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc += one 16-row x sub-tile times the weight tile (x rounded to the weight dtype)."""
+                  W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, ROW_MASK: tl.constexpr):
+    """acc += one 16-row x sub-tile times the weight tile (x rounded to the weight dtype).
+
+    ROW_MASK False: the rows are clamped in bounds already (x_ptrs), no mask needed for them."""
     if EVEN_K:
-        xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        if ROW_MASK:
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_ptrs)
     else:
-        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+        if ROW_MASK:
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
     # Round the activation to the weight dtype (nearest even), as a bf16 model would.
     xt = cast(xt.to(tl.float32), W_DTYPE)
     # mma: tensor cores on the GPU; in the interpreter a broadcast product summed over K (not
@@ -95,14 +108,25 @@ def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
 
 @triton.jit
 def _store_sub_tile(acc, b_ptr, y_ptr, rm, rn, B, stride_ym, N: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, SWAP: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, EVEN_N: tl.constexpr, rows64=None):
+    """rows64: optional [BLOCK_M, 1] int64 row indices to address y with (rows past B may be
+    clamped: they are masked by rm < B)."""
     if SWAP:
         acc = tl.trans(acc)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        if EVEN_N:
+            bias = tl.load(b_ptr + rn).to(tl.float32)
+        else:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc, mask=(rm < B)[:, None] & (rn < N)[None, :])
+    if rows64 is None:
+        y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    else:
+        y_ptrs = y_ptr + rows64 * stride_ym + rn[None, :]
+    if EVEN_N:
+        tl.store(y_ptrs, acc, mask=(rm < B)[:, None])
+    else:
+        tl.store(y_ptrs, acc, mask=(rm < B)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["B"])
@@ -118,6 +142,7 @@ def _linear_kernel(
     M_SUB: tl.constexpr,
     EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CLAMP_ROWS: tl.constexpr = False,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -126,60 +151,89 @@ def _linear_kernel(
     own 16-row dot, so a row's arithmetic is the same whichever sub-tile it lands in. The K loop
     always runs k = s*K_PER_SPLIT, +BLOCK_K, ... whatever B is. With SWAP the tile is computed as
     w_tile @ x_tile^T (the weight is the MMA's M operand); the per-element K order is fixed by
-    the config either way.
+    the config either way. CLAMP_ROWS (interpreter, M_SUB = 1): rows past B read row B-1 instead
+    of a masked load (cheaper there; those rows are never stored).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    SPLIT_K: tl.constexpr = K_PER_SPLIT < K
+    EVEN_N: tl.constexpr = N % BLOCK_N == 0
+    ONE_STEP: tl.constexpr = K_PER_SPLIT <= BLOCK_K
 
     rm0 = pid_m * (M_SUB * BLOCK_M) + tl.arange(0, BLOCK_M)
-    rm1 = rm0 + BLOCK_M
-    rm2 = rm0 + 2 * BLOCK_M
-    rm3 = rm0 + 3 * BLOCK_M
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if M_SUB >= 2:
+        rm1 = rm0 + BLOCK_M
+    if M_SUB >= 4:
+        rm2 = rm0 + 2 * BLOCK_M
+        rm3 = rm0 + 3 * BLOCK_M
+    if N <= BLOCK_N:
+        rn = tl.arange(0, BLOCK_N)
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # Out-of-range weight rows are clamped (loads stay in bounds and unmasked, so they vectorise);
     # their results are never stored.
-    rn_ld = tl.where(rn < N, rn, N - 1).to(tl.int64)
-    k0 = pid_s * K_PER_SPLIT
+    if EVEN_N:
+        rn_ld = rn.to(tl.int64)
+    else:
+        rn_ld = tl.minimum(rn, N - 1).to(tl.int64)
+    if SPLIT_K:
+        pid_s = tl.program_id(2)
+        k0 = pid_s * K_PER_SPLIT
+        rk0 = k0 + rk
+    else:
+        k0 = 0
+        rk0 = rk
 
-    x_ptrs = x_ptr + rm0.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
-    x_step = BLOCK_M * stride_xm
+    if CLAMP_ROWS:
+        rl = tl.minimum(rm0, B - 1).to(tl.int64)[:, None]
+        x_ptrs = x_ptr + rl * stride_xm + rk0[None, :]
+    else:
+        rl = None
+        x_ptrs = x_ptr + rm0.to(tl.int64)[:, None] * stride_xm + rk0[None, :]
+    if M_SUB >= 2:
+        x_step = BLOCK_M * stride_xm
     if SWAP:
-        w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]      # [BN, BK]
+        w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + rk0[None, :]      # [BN, BK]
         acc0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        w_ptrs = w_ptr + rn_ld[None, :] * stride_wn + (k0 + rk)[:, None]      # [BK, BN]
+        w_ptrs = w_ptr + rn_ld[None, :] * stride_wn + rk0[:, None]      # [BK, BN]
         acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
 
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
-        k_ok = (k0 + kk + rk) < K
         if EVEN_K:
+            k_ok = None
             wt = _load_w(w_ptrs, EVICT)
         else:
+            k_ok = (k0 + kk + rk) < K
             if SWAP:
                 wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
             else:
                 wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-        acc0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K)
+        if CLAMP_ROWS:
+            acc0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, False)
+        else:
+            acc0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, True)
         if M_SUB >= 2:
-            acc1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, acc1, W_DTYPE, SWAP, EVEN_K)
+            acc1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, acc1, W_DTYPE, SWAP, EVEN_K, True)
         if M_SUB >= 4:
-            acc2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, acc2, W_DTYPE, SWAP, EVEN_K)
-            acc3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, acc3, W_DTYPE, SWAP, EVEN_K)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            acc2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, acc2, W_DTYPE, SWAP, EVEN_K, True)
+            acc3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, acc3, W_DTYPE, SWAP, EVEN_K, True)
+        if not ONE_STEP:
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
-    y_ptr += pid_s * stride_ys
-    _store_sub_tile(acc0, b_ptr, y_ptr, rm0, rn, B, stride_ym, N, HAS_BIAS, SWAP)
+    if SPLIT_K:
+        y_ptr += pid_s * stride_ys
+    _store_sub_tile(acc0, b_ptr, y_ptr, rm0, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N, rl)
     if M_SUB >= 2:
-        _store_sub_tile(acc1, b_ptr, y_ptr, rm1, rn, B, stride_ym, N, HAS_BIAS, SWAP)
+        _store_sub_tile(acc1, b_ptr, y_ptr, rm1, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N)
     if M_SUB >= 4:
-        _store_sub_tile(acc2, b_ptr, y_ptr, rm2, rn, B, stride_ym, N, HAS_BIAS, SWAP)
-        _store_sub_tile(acc3, b_ptr, y_ptr, rm3, rn, B, stride_ym, N, HAS_BIAS, SWAP)
+        _store_sub_tile(acc2, b_ptr, y_ptr, rm2, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N)
+        _store_sub_tile(acc3, b_ptr, y_ptr, rm3, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N)
 
 
 @triton.jit
@@ -290,7 +344,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
             x, weight, b_arg, out, B, x.stride(0), weight.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
             M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CLAMP_ROWS=_CLAMP_ROWS and cfg.m_sub == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)

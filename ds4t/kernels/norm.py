@@ -12,8 +12,10 @@ Math (all in fp32):  x̂ = x * rsqrt(mean(x², over D) + eps)
 
 Batch invariance: each row's statistics are reduced over D alone, in an order fixed by D
 (BLOCK_D chunks, then one tl.sum over the chunk accumulator). On the GPU a program owns one row;
-in the interpreter a program owns a fixed number of rows (ROWS, not derived from R) because
-programs are what cost time there.
+in the interpreter a program owns up to _ROWS rows (programs are what cost time there), fewer
+when R is smaller (its loads cost per element). The row count is the M tile: each row's sum is
+its own tl.sum over D, whatever the other rows of the tile (tests/kernels/test_norm.py checks
+rows alone against rows in batches of 1..33, bitwise).
 """
 from __future__ import annotations
 
@@ -44,40 +46,70 @@ def _norm_kernel(
 ):
     """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < R
-    rows64 = rows.to(tl.int64)
+    row_ok = (rows < R)[:, None]
+    # Rows past R read row R-1 (in bounds, so row loads need no mask) and store nothing.
+    rows64 = tl.minimum(rows, R - 1).to(tl.int64)[:, None]
+    x_row = x_ptr + rows64 * stride_x
+    if ADD_RESIDUAL:
+        r_row = r_ptr + rows64 * stride_r
+        s_row = s_ptr + rows64 * stride_s
     cols = tl.arange(0, BLOCK_D)
     NUM_CHUNKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+    EVEN: tl.constexpr = D % BLOCK_D == 0
 
     # Pass 1: sum of squares, per-column partials over the chunks in order, then one tl.sum.
-    sq = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
-        cc = c * BLOCK_D + cols
-        m = row_ok[:, None] & (cc < D)[None, :]
-        v = tl.load(x_ptr + rows64[:, None] * stride_x + cc[None, :], mask=m, other=0.0).to(tl.float32)
-        if ADD_RESIDUAL:
-            v += tl.load(r_ptr + rows64[:, None] * stride_r + cc[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(s_ptr + rows64[:, None] * stride_s + cc[None, :], v, mask=m)
-        sq += v * v
+        cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
+        if EVEN:
+            v = tl.load(x_row + cc).to(tl.float32)
+            if ADD_RESIDUAL:
+                v += tl.load(r_row + cc).to(tl.float32)
+                tl.store(s_row + cc, v, mask=row_ok)
+        else:
+            m = row_ok & (cc < D)
+            v = tl.load(x_row + cc, mask=m, other=0.0).to(tl.float32)
+            if ADD_RESIDUAL:
+                v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
+                tl.store(s_row + cc, v, mask=m)
+        if c == 0:
+            sq = v * v
+        else:
+            sq += v * v
     # IEEE sqrt and division (not the approximate GPU defaults), as torch computes them.
     ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((ROWS,), D, tl.float32))
-    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
 
-    # Pass 2: normalise and scale (re-reads the row; a single chunk stays in cache).
+    # Pass 2: normalise and scale. One chunk: the row is still in registers. More: re-read it
+    # (the sum of squares needs the whole row first).
+    y_row = y_ptr + rows64 * stride_y
+    if GATED:
+        z_row = z_ptr + rows64 * stride_z
     for c in tl.static_range(NUM_CHUNKS):
-        cc = c * BLOCK_D + cols
-        m = row_ok[:, None] & (cc < D)[None, :]
-        v = tl.load(x_ptr + rows64[:, None] * stride_x + cc[None, :], mask=m, other=0.0).to(tl.float32)
-        if ADD_RESIDUAL:
-            v += tl.load(r_ptr + rows64[:, None] * stride_r + cc[None, :], mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+        cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
+        if EVEN:
+            m = row_ok
+            if NUM_CHUNKS > 1:
+                v = tl.load(x_row + cc).to(tl.float32)
+                if ADD_RESIDUAL:
+                    v += tl.load(r_row + cc).to(tl.float32)
+            w = tl.load(w_ptr + cc).to(tl.float32)
+        else:
+            m = row_ok & (cc < D)
+            if NUM_CHUNKS > 1:
+                v = tl.load(x_row + cc, mask=m, other=0.0).to(tl.float32)
+                if ADD_RESIDUAL:
+                    v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w = 1.0 + w
-        y = (v * rstd[:, None]) * w[None, :]
+        y = (v * rstd) * w
         if GATED:
-            z = tl.load(z_ptr + rows64[:, None] * stride_z + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            if EVEN:
+                z = tl.load(z_row + cc).to(tl.float32)
+            else:
+                z = tl.load(z_row + cc, mask=m, other=0.0).to(tl.float32)
             y = y * (z * tl.sigmoid(z))
-        tl.store(y_ptr + rows64[:, None] * stride_y + cc[None, :], y, mask=m)
+        tl.store(y_row + cc, y, mask=m)
 
 
 def _rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -120,10 +152,11 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
     z_arg = z if z is not None else x
     s_arg = summed if summed is not None else y
     num_warps = 1 if block_d <= 256 else (4 if block_d <= 2048 else 8)
-    _norm_kernel[(triton.cdiv(R, _ROWS),)](
+    rows = min(_ROWS, triton.next_power_of_2(R))
+    _norm_kernel[(triton.cdiv(R, rows),)](
         x, r_arg, z_arg, weight, y, s_arg,
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
-        D=D, ROWS=_ROWS, BLOCK_D=block_d,
+        D=D, ROWS=rows, BLOCK_D=block_d,
         ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
         num_warps=num_warps,
     )

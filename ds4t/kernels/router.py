@@ -62,36 +62,47 @@ def _take_max(x, avail, cols, BIG: tl.constexpr):
 def _softmax_topk_kernel(
     x_ptr, sx_b, w_ptr, id_ptr, B, E,
     K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+    EVEN_E: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    r = pid * ROWS + tl.arange(0, ROWS)
-    rm = r < B
-    c = tl.arange(0, BE)
-    cm = c < E
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx_b + c[None, :], mask=rm[:, None] & cm[None, :],
-                other=0.0).to(tl.float32)
-    x = tl.where(cm[None, :], x, float("-inf"))  # padded columns (rows past B hold zeros)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rok = r < B
+    r1 = tl.minimum(r, B - 1).to(tl.int64)      # rows past B redo row B-1 and store nothing
+    rl = r1[:, None]
+    c2 = tl.arange(0, BE)[None, :]
+    if EVEN_E:
+        x = tl.load(x_ptr + rl * sx_b + c2).to(tl.float32)
+    else:
+        # padded columns: -inf, so exp gives them probability 0 exactly
+        x = tl.load(x_ptr + rl * sx_b + c2, mask=c2 < E, other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=1)
     e = tl.exp(x - m[:, None])
-    e = tl.where(cm[None, :], e, 0.0)
     den = tl.sum(e, axis=1)
     p = e / den[:, None]
-    # Top-k on the probabilities (HF: topk(softmax)), descending, ties to the lower index.
-    avail = cm[None, :] & (r >= 0)[:, None]
-    kc = tl.arange(0, BK)
+    # Top-k on the probabilities (HF: topk(softmax)), descending, ties to the lower index. Chosen
+    # (and padded) columns are set to -1, below every probability.
+    if EVEN_E:
+        pa = p
+    else:
+        pa = tl.where(c2 < E, p, -1.0)
+    kc2 = tl.arange(0, BK)[None, :]
+    id_row = id_ptr + r1 * K
     wk = tl.zeros([ROWS, BK], dtype=tl.float32)
-    ik = tl.zeros([ROWS, BK], dtype=tl.int32)
-    tot = tl.zeros([ROWS], dtype=tl.float32)
     for j in tl.static_range(K):
-        v, idx, avail = _take_max(p, avail, c, BE)
-        tot = tot + v  # rank order
-        wk = tl.where(kc[None, :] == j, v[:, None], wk)
-        ik = tl.where(kc[None, :] == j, idx[:, None], ik)
+        v = tl.max(pa, axis=1)
+        idx = tl.min(tl.where(pa == v[:, None], c2, BE), axis=1)
+        pa = tl.where(c2 == idx[:, None], -1.0, pa)
+        if j == 0:
+            tot = v
+        else:
+            tot = tot + v  # rank order
+        wk = tl.where(kc2 == j, v[:, None], wk)
+        tl.store(id_row + j, idx, mask=rok)
     if RENORM:
         wk = wk / tot[:, None]
-    om = rm[:, None] & (kc < K)[None, :]
-    tl.store(w_ptr + r[:, None] * K + kc[None, :], wk, mask=om)
-    tl.store(id_ptr + r[:, None] * K + kc[None, :], ik, mask=om)
+    if BK == K:
+        tl.store(w_ptr + rl * K + kc2, wk, mask=rok[:, None])
+    else:
+        tl.store(w_ptr + rl * K + kc2, wk, mask=rok[:, None] & (kc2 < K))
 
 
 @triton.jit
@@ -183,7 +194,7 @@ def router_softmax_topk(
     _softmax_topk_kernel[(triton.cdiv(B, ROWS),)](
         logits, logits.stride(0), w, ids, B, E,
         K=top_k, RENORM=bool(renormalize), ROWS=ROWS, BE=triton.next_power_of_2(E),
-        BK=triton.next_power_of_2(top_k),
+        BK=triton.next_power_of_2(top_k), EVEN_E=triton.next_power_of_2(E) == E,
     )
     return w, ids
 

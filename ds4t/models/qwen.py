@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import torch
 
-from ds4t.kernels import activation, attention, conv, gdn, norm, rope
+from ds4t.kernels import attention, conv, gdn, norm
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (MoEWeights, RouterConfig, default_inv_freq, fuse_shared_expert, fused_linear,
                                moe_block, stack_experts, swiglu)
@@ -256,19 +256,17 @@ class QwenModel(DecoderModel):
         c, L = self.cfg, self.layers[i]
         R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qkv = fused_linear(x, L["w_qkv"], L["b_qkv"])
-        q = qkv[:, : H * hd].reshape(R * H, hd)
+        # Views of the projection (the prologue kernel takes any strides).
+        q = qkv[:, : H * hd].unflatten(1, (H, hd))
         gate = qkv[:, H * hd: 2 * H * hd]
-        k = qkv[:, 2 * H * hd: 2 * H * hd + KV * hd].reshape(R * KV, hd)
-        v = qkv[:, 2 * H * hd + KV * hd:].reshape(R, KV, hd)
-        q = norm.rms_norm(q, L["q_norm"], c.eps, zero_centered=True).view(R, H, hd)
-        k = norm.rms_norm(k, L["k_norm"], c.eps, zero_centered=True).view(R, KV, hd)
-        q = rope.rope(q, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)
-        k = rope.rope(k, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)
+        k = qkv[:, 2 * H * hd: 2 * H * hd + KV * hd].unflatten(1, (KV, hd))
+        v = qkv[:, 2 * H * hd + KV * hd:].unflatten(1, (KV, hd))
         kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
-        attention.write_kv(k, v, kc, vc, batch.slots, batch.positions)
-        o = attention.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5)
-        o = activation.sigmoid_mul(o.reshape(R, H * hd), gate)
-        return fused_linear(o, L["w_o"], L["b_o"])
+        # q/k norms (zero-centred), RoPE, and k/v into the cache: one launch.
+        q = attention.norm_rope_write_kv(q, k, v, L["q_norm"], L["k_norm"], c.eps, batch.positions, self.inv_freq,
+                                         kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
+        o = attention.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate)  # · sigmoid(gate)
+        return fused_linear(o.view(R, H * hd), L["w_o"], L["b_o"])
 
     def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         c, L = self.cfg, self.layers[i]
@@ -293,21 +291,23 @@ class QwenModel(DecoderModel):
         if batch.all_single:
             mixed = conv.conv1d_update(mixed, conv_state, L["conv_w"], batch.slots)
             q, k, v = split(mixed)
-            o = gdn.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots)
-        else:
-            o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
-            if batch.single_rows.numel():
-                idx = batch.single_rows  # on the device already: no host sync
-                m1 = conv.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
-                q, k, v = split(m1)
-                o[idx] = gdn.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
-            for s in batch.segments:
-                if s.n == 1:
-                    continue
-                rows = slice(s.start_row, s.start_row + s.n)
-                m1 = conv.conv1d_prefill(mixed[rows], conv_state, L["conv_w"], s.slot)
-                q, k, v = split(m1)
-                o[rows] = gdn.gdn_prefill(q, k, v, a[rows], b[rows], L["A_log"], L["dt_bias"], rec, s.slot)
+            # The output norm comes with the step (bitwise as the gated_rms_norm below).
+            y = gdn.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots,
+                               z=z.unflatten(1, (hv, dv)), norm_w=L["norm_w"], norm_eps=c.eps)
+            return fused_linear(y.view(R, hv * dv), L["w_out"])
+        o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
+        if batch.single_rows.numel():
+            idx = batch.single_rows  # on the device already: no host sync
+            m1 = conv.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
+            q, k, v = split(m1)
+            o[idx] = gdn.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
+        for s in batch.segments:
+            if s.n == 1:
+                continue
+            rows = slice(s.start_row, s.start_row + s.n)
+            m1 = conv.conv1d_prefill(mixed[rows], conv_state, L["conv_w"], s.slot)
+            q, k, v = split(m1)
+            o[rows] = gdn.gdn_prefill(q, k, v, a[rows], b[rows], L["A_log"], L["dt_bias"], rec, s.slot)
         y = norm.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), L["norm_w"], c.eps)
         return fused_linear(y.view(R, hv * dv), L["w_out"])
 

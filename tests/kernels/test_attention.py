@@ -5,10 +5,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from ds4t.backend import INTERPRET
+from ds4t.kernels import activation, norm, rope
+from ds4t.kernels import attention as A
 from ds4t.kernels.attention import (
     decode_attention,
     decode_attention_ref,
     default_split_size,
+    norm_rope_write_kv,
     write_kv,
     write_kv_ref,
 )
@@ -53,9 +57,19 @@ def _assert_close(got, ref, dtype):
 SHAPES = [(6, 2, 48, 48), (4, 1, 80, 80), (3, 3, 16, 40)]
 
 
+@pytest.fixture(params=["rows", "split-merge"])
+def path(request, monkeypatch):
+    """Run a case with the interpreter's one-program-per-rows kernel (``rows``) and with the split
+    and merge kernels the GPU runs (``split-merge``, in the interpreter too)."""
+    if request.param == "rows" and not INTERPRET:
+        pytest.skip("the rows path is the interpreter's")
+    monkeypatch.setattr(A, "ROWS_PATH", request.param == "rows")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq%d-Hkv%d-D%d-Dv%d" % s)
-def test_matches_reference(device, dtype, shape):
+def test_matches_reference(path, device, dtype, shape):
     HQ, HKV, D, DV = shape
     g = _gen(1)
     S, L = 4, 70                        # capacity not a multiple of the split size
@@ -71,7 +85,7 @@ def test_matches_reference(device, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
-def test_split_sizes_agree(device, dtype):
+def test_split_sizes_agree(path, device, dtype):
     HQ, HKV, D, DV = 6, 2, 48, 48
     g = _gen(2)
     S, L = 3, 100
@@ -88,7 +102,7 @@ def test_split_sizes_agree(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-def test_garbage_beyond_length_never_leaks(device, dtype):
+def test_garbage_beyond_length_never_leaks(path, device, dtype):
     """NaN / Inf in cache positions >= lengths[b] (and in unused slots) change no output bit."""
     HQ, HKV, D, DV = 4, 2, 48, 80
     g = _gen(3)
@@ -109,7 +123,7 @@ def test_garbage_beyond_length_never_leaks(device, dtype):
     _assert_close(dirty, decode_attention_ref(q, kc, vc, slots, lengths, 0.15), dtype)
 
 
-def test_prefill_rows_are_causal_attention(device):
+def test_prefill_rows_are_causal_attention(path, device):
     """T rows of one slot with lengths start+1..start+T == causal attention over the slot."""
     HQ, HKV, D = 4, 2, 32
     g = _gen(4)
@@ -127,7 +141,7 @@ def test_prefill_rows_are_causal_attention(device):
     _assert_close(got, ref, torch.float32)
 
 
-def test_length_zero_row_is_zero_and_tiny_head_dim(device):
+def test_length_zero_row_is_zero_and_tiny_head_dim(path, device):
     g = _gen(5)
     kc, vc = _cache(2, 20, 1, 8, 8, torch.float32, device, g)     # D = 8 < 16: padded dot operands
     q = torch.randn(2, 2, 8, generator=g).to(device)
@@ -195,7 +209,7 @@ def test_write_kv_strided_input_and_out_of_range_rows(device):
     assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
 
 
-def test_write_then_attend(device):
+def test_write_then_attend(path, device):
     """Decode loop: write the token's k/v, then attend over lengths = pos + 1."""
     g = _gen(8)
     HQ, HKV, D = 4, 2, 16
@@ -235,6 +249,15 @@ def pool():
 def test_rows_batch_invariant(pool, data):
     """Row i among B rows (random slots, lengths 1..L, random order) == row i alone, bitwise."""
     kc, vc, q = pool
+    saved = A.ROWS_PATH
+    A.ROWS_PATH = INTERPRET and data.draw(st.booleans(), label="rows path")
+    try:
+        _check_rows_batch_invariant(kc, vc, q, data)
+    finally:
+        A.ROWS_PATH = saved
+
+
+def _check_rows_batch_invariant(kc, vc, q, data):
     slots = torch.tensor(data.draw(st.lists(st.integers(0, _S - 1), min_size=_POOL, max_size=_POOL), label="slots"),
                          dtype=torch.int32)
     lengths = torch.tensor(data.draw(st.lists(st.integers(1, _L), min_size=_POOL, max_size=_POOL), label="lengths"),
@@ -250,7 +273,7 @@ def test_rows_batch_invariant(pool, data):
     assert_rows_invariant(run, rows, i)
 
 
-def test_full_batch_of_33_rows_invariant(pool):
+def test_full_batch_of_33_rows_invariant(path, pool):
     """The largest batch (hypothesis favours small ones): 33 rows, reversed, some sharing slots
     as prefill rows do; several rows checked alone."""
     kc, vc, q = pool
@@ -271,3 +294,115 @@ def test_full_batch_of_33_rows_invariant(pool):
         assert torch.equal(run([rows[i]])[0], full[i])
     ref = decode_attention_ref(q[rows], kc, vc, slots[rows], lengths[rows], 0.18)
     _assert_close(full, ref, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- one split, gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_one_split_needs_no_merge(path, device, dtype):
+    """L <= split size: one split per row (the split kernel writes the output itself, no merge
+    launch); a length-0 row is zeros, the others match the reference."""
+    HQ, HKV, D = 4, 2, 24
+    g = _gen(11)
+    kc, vc = _cache(3, 20, HKV, D, D, dtype, device, g)
+    q = torch.randn(4, HQ, D, generator=g).to(device)
+    slots = torch.tensor([0, 2, 1, 2], dtype=torch.int32, device=device)
+    lengths = torch.tensor([0, 20, 1, 13], dtype=torch.int32, device=device)
+    got = _run(q, kc, vc, slots, lengths, 0.3, split_size=32)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    _assert_close(got[1:], decode_attention_ref(q[1:], kc, vc, slots[1:], lengths[1:], 0.3), dtype)
+    alone = _run(q[3:], kc, vc, slots[3:], lengths[3:], 0.3, split_size=32)
+    assert torch.equal(alone[0], got[3])
+
+
+@pytest.mark.parametrize("split", [16, 64])
+def test_gate_is_sigmoid_mul(path, device, split):
+    """decode_attention(..., gate=g) == sigmoid_mul(decode_attention(...), g), bitwise (the gate a
+    strided column slice, as in the Qwen3-Next projection)."""
+    HQ, HKV, D = 6, 2, 16
+    g = _gen(12)
+    kc, vc = _cache(3, 48, HKV, D, D, torch.float32, device, g)
+    B = 5
+    q = torch.randn(B, HQ, D, generator=g).to(device)
+    proj = torch.randn(B, 2 * HQ * D + 3, generator=g).to(device)
+    gate = proj[:, 3:3 + HQ * D]
+    slots = torch.tensor([0, 2, 1, 2, 0], dtype=torch.int32, device=device)
+    lengths = torch.tensor([48, 20, 1, 33, 7], dtype=torch.int32, device=device)
+    plain = _run(q, kc, vc, slots, lengths, 0.25, split_size=split)
+    gated = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate)
+    assert torch.equal(gated, activation.sigmoid_mul(plain.view(B, HQ * D), gate).view(B, HQ, D))
+
+
+# ----------------------------------------------------------------------------- norm + rope + write_kv
+
+
+def _prologue_case(R, H, KV, D, DV, dtype, device, seed):
+    g = _gen(seed)
+    S, L = 4, 32
+    proj = torch.randn(R, (H + KV) * D + KV * DV + 5, generator=g).to(device)   # q | k | v views
+    q = proj[:, :H * D].unflatten(1, (H, D))
+    k = proj[:, H * D:(H + KV) * D].unflatten(1, (KV, D))
+    v = proj[:, (H + KV) * D:(H + KV) * D + KV * DV].unflatten(1, (KV, DV))
+    qw = (0.3 * torch.randn(D, generator=g)).to(device)
+    kw = (0.3 * torch.randn(D, generator=g)).to(device)
+    slots = (torch.arange(R, dtype=torch.int32) % S).to(device)
+    pos = (torch.arange(R, dtype=torch.int32) // S * 3 + 1).to(device)      # distinct (slot, pos)
+    kc, vc = _cache(S, L, KV, D, DV, dtype, device, g)
+    return q, k, v, qw, kw, slots, pos, kc, vc
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("R,H,KV,D,DV,rot,zc", [
+    (1, 4, 2, 16, 16, 4, True),       # the tiny-qwen attention layer, one decode row
+    (9, 4, 2, 16, 16, 4, True),
+    (5, 6, 2, 48, 48, 24, False),     # non-power-of-two head dim
+    (3, 3, 3, 20, 12, 20, True),      # MHA, D != Dv, full rotary
+])
+def test_norm_rope_write_kv_is_norm_then_rope_then_write(device, dtype, R, H, KV, D, DV, rot, zc):
+    """One launch equals rms_norm + rope on q and k, then write_kv (bitwise in the interpreter,
+    where it runs the same fp32 expressions; to fp32 noise on the GPU), and the reference."""
+    q, k, v, qw, kw, slots, pos, kc, vc = _prologue_case(R, H, KV, D, DV, dtype, device, seed=13)
+    pos[0] = kc.shape[1]  # == L: this row's k / v are not written (its q is still computed)
+    inv = rope.default_inv_freq(rot, 10000.0, device=device)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    out = poisoned((R, H, D), device=device)
+    got = norm_rope_write_kv(q, k, v, qw, kw, 1e-6, pos, inv, kc1, vc1, slots, rotary_dim=rot,
+                             zero_centered=zc, out=out)
+    assert got is out
+    qn = norm.rms_norm(q.reshape(R * H, D), qw, 1e-6, zero_centered=zc).view(R, H, D)
+    kn = norm.rms_norm(k.reshape(R * KV, D), kw, 1e-6, zero_centered=zc).view(R, KV, D)
+    qr, kr = rope.rope(qn, pos, inv, rotary_dim=rot), rope.rope(kn, pos, inv, rotary_dim=rot)
+    write_kv(kr, v, kc2, vc2, slots, pos)
+    if INTERPRET:
+        assert torch.equal(got, qr) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    else:
+        torch.testing.assert_close(got, qr, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(kc1.float(), kc2.float(), atol=1e-6, rtol=1e-5)
+        assert torch.equal(vc1, vc2)
+    qref = rope.rope_ref(norm.rms_norm_ref(q, qw, 1e-6, zero_centered=zc), pos, inv, rotary_dim=rot)
+    torch.testing.assert_close(got, qref, atol=1e-5, rtol=1e-5)
+    if R == 1:
+        assert torch.equal(kc1, kc) and torch.equal(vc1, vc)   # the one row was out of range
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_norm_rope_write_kv_rows_invariant(data):
+    """Row i among B rows == row i alone (q out and the cache entries it writes), bitwise."""
+    device = torch.device("cpu" if INTERPRET else "cuda")
+    q, k, v, qw, kw, slots, pos, kc, vc = _prologue_case(33, 4, 2, 16, 16, torch.bfloat16, device, seed=14)
+    inv = rope.default_inv_freq(4, 10000.0, device=device)
+    B = data.draw(st.integers(1, 33), label="B")
+    rows = data.draw(st.permutations(range(33)), label="order")[:B]
+    i = data.draw(st.integers(0, B - 1), label="i")
+
+    def run(r):
+        idx = torch.tensor(r, dtype=torch.long, device=device)
+        kc1, vc1 = kc.clone(), vc.clone()
+        qo = norm_rope_write_kv(q[idx], k[idx], v[idx], qw, kw, 1e-6, pos[idx], inv, kc1, vc1, slots[idx],
+                                rotary_dim=4, zero_centered=True)
+        s, p = slots[idx].long(), pos[idx].long()
+        return torch.cat([qo.flatten(1), kc1[s, p].float().flatten(1), vc1[s, p].float().flatten(1)], 1)
+
+    assert_rows_invariant(run, rows, i)

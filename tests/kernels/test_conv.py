@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4t.backend import INTERPRET
+from ds4t.kernels import conv as CV
 from ds4t.kernels.conv import conv1d_prefill, conv1d_prefill_ref, conv1d_update, conv1d_update_ref
 from tests.kernels.invariance import poisoned
 
@@ -26,10 +27,20 @@ def _params(C, W, dtype, device, seed=0):
     return g, w, bias, state0
 
 
+@pytest.fixture(params=["rows", "one-row"])
+def path(request, monkeypatch):
+    """Run a case with the interpreter's several-rows-per-program kernel (``rows``) and with the
+    one-row-per-program kernel the GPU runs (``one-row``, in the interpreter too)."""
+    if request.param == "rows" and not INTERPRET:
+        pytest.skip("the rows path is the interpreter's")
+    monkeypatch.setattr(CV, "ROWS_PATH", request.param == "rows")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("C,W", [(200, 4), (200, 3), (37, 2)])
+@pytest.mark.parametrize("C,W", [(200, 4), (200, 3), (37, 2), (64, 6)])
 @pytest.mark.parametrize("use_bias,silu", [(True, True), (False, False)])
-def test_update_matches_reference(device, dtype, C, W, use_bias, silu):
+def test_update_matches_reference(path, device, dtype, C, W, use_bias, silu):
     g, w, bias, state0 = _params(C, W, dtype, device)
     bias = bias if use_bias else None
     x = torch.randn(5, C, generator=g).to(device=device, dtype=dtype)
@@ -46,7 +57,7 @@ def test_update_matches_reference(device, dtype, C, W, use_bias, silu):
     assert torch.equal(st_k[slots.long(), :, -1], x.float())
 
 
-def test_update_noncontiguous_inputs(device):
+def test_update_noncontiguous_inputs(path, device):
     # x as a column slice of a wider activation (as after a split), weight as a squeezed [C,1,W].
     C, W = 200, 4
     g, w, bias, state0 = _params(C, W, torch.float32, device)
@@ -67,7 +78,7 @@ def test_update_noncontiguous_inputs(device):
     + [(torch.float32, 200, 4, 2, True), (torch.bfloat16, 200, 3, 9, True),
        (torch.float32, 200, 4, 70, False)],  # T=70 spans two token tiles in the interpreter
 )
-def test_prefill_matches_reference_and_decodes(device, dtype, C, W, T, fresh):
+def test_prefill_matches_reference_and_decodes(path, device, dtype, C, W, T, fresh):
     g, w, bias, state0 = _params(C, W, dtype, device, seed=T)
     if fresh:
         state0[3] = 0.0  # a new session starts from zeros
@@ -129,9 +140,19 @@ POOL = 40
     n=st.integers(1, 33),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     W=st.sampled_from([3, 4]),
+    rows_path=st.booleans(),
 )
-def test_rows_batch_invariant(perm, n, dtype, W):
+def test_rows_batch_invariant(perm, n, dtype, W, rows_path):
     """Each row's output and its slot's new state are bitwise the same in a batch and alone."""
+    saved = CV.ROWS_PATH
+    CV.ROWS_PATH = rows_path and INTERPRET
+    try:
+        _check_rows_batch_invariant(perm, n, dtype, W)
+    finally:
+        CV.ROWS_PATH = saved
+
+
+def _check_rows_batch_invariant(perm, n, dtype, W):
     device = "cpu" if INTERPRET else "cuda"
     C = 200
     g = torch.Generator().manual_seed(n * 7 + W)
@@ -153,3 +174,19 @@ def test_rows_batch_invariant(perm, n, dtype, W):
         conv1d_update(xpool[s : s + 1], st_a, w, slots[i : i + 1], bias=bias, out=out_a)
         assert torch.equal(out_a[0], out_b[i]), f"row {i} (slot {s}) output differs in batch of {n}"
         assert torch.equal(st_a[s], st_b[s]), f"row {i} (slot {s}) state differs in batch of {n}"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
+@pytest.mark.parametrize("C,W,use_bias", [(200, 4, True), (192, 4, False), (37, 2, True), (64, 6, False)])
+def test_rows_path_equals_one_row_kernel(monkeypatch, C, W, use_bias):
+    """The interpreter's rows kernel evaluates each output with the one-row kernel's expression in
+    its order: the same bits, and the same new state."""
+    g, w, bias, state0 = _params(C, W, torch.bfloat16, "cpu", seed=3)
+    x = torch.randn(6, C, generator=g)
+    slots = torch.tensor([5, 0, 6, 2, 3, 1], dtype=torch.int32)
+    res = {}
+    for rows in (True, False):
+        monkeypatch.setattr(CV, "ROWS_PATH", rows)
+        st = state0.clone()
+        res[rows] = conv1d_update(x, st, w, slots, bias=bias if use_bias else None), st
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])

@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4t.backend import INTERPRET
+from ds4t.kernels import gdn as GD
 from ds4t.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from ds4t.kernels.norm import gated_rms_norm
 from tests.kernels.invariance import poisoned
 
 # Inputs of every dtype are upcast to fp32 exactly (kernel and reference alike) and the state is
@@ -37,9 +39,19 @@ def _inputs(g, R, Hk, Hv, Dk, Dv, dtype, device):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, a, b)]
 
 
+@pytest.fixture(params=["rows", "one-row"])
+def path(request, monkeypatch):
+    """Run a case with the interpreter's several-rows-per-program decode kernel (``rows``) and with
+    the one-row-per-program kernel the GPU runs (``one-row``, in the interpreter too)."""
+    if request.param == "rows" and not INTERPRET:
+        pytest.skip("the rows path is the interpreter's")
+    monkeypatch.setattr(GD, "ROWS_PATH", request.param == "rows")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)
-def test_decode_matches_reference(device, dtype, Hk, Hv, Dk, Dv):
+def test_decode_matches_reference(path, device, dtype, Hk, Hv, Dk, Dv):
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device)
     B = 5
     q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, dtype, device)
@@ -54,7 +66,7 @@ def test_decode_matches_reference(device, dtype, Hk, Hv, Dk, Dv):
     assert torch.equal(st_k[[1, 5]], state0[[1, 5]])  # other slots untouched
 
 
-def test_decode_strided_inputs(device):
+def test_decode_strided_inputs(path, device):
     # q, k, v as views into one [B, 2*Hk*Dk + Hv*Dv] activation (what the conv produces).
     Hk, Hv, Dk, Dv = 2, 4, 16, 24
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device)
@@ -76,7 +88,7 @@ def test_decode_strided_inputs(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)
 @pytest.mark.parametrize("T", [1, 6])
-def test_prefill_matches_reference_and_decodes(device, dtype, Hk, Hv, Dk, Dv, T):
+def test_prefill_matches_reference_and_decodes(path, device, dtype, Hk, Hv, Dk, Dv, T):
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=T)
     q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, dtype, device)
     st_k, st_r, st_d = state0.clone(), state0.clone(), state0.clone()
@@ -164,9 +176,19 @@ POOL = 40
     n=st.integers(1, 33),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     shape=st.sampled_from(SHAPES),
+    rows_path=st.booleans(),
 )
-def test_rows_batch_invariant(perm, n, dtype, shape):
+def test_rows_batch_invariant(perm, n, dtype, shape, rows_path):
     """Each row's output and its slot's new state are bitwise the same in a batch and alone."""
+    saved = GD.ROWS_PATH
+    GD.ROWS_PATH = rows_path and INTERPRET
+    try:
+        _check_rows_batch_invariant(perm, n, dtype, shape)
+    finally:
+        GD.ROWS_PATH = saved
+
+
+def _check_rows_batch_invariant(perm, n, dtype, shape):
     device = "cpu" if INTERPRET else "cuda"
     Hk, Hv, Dk, Dv = shape
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=n, pool=POOL)
@@ -187,3 +209,37 @@ def test_rows_batch_invariant(perm, n, dtype, shape):
         gdn_decode(q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, st_a, slots[i : i + 1], out=out_a)
         assert torch.equal(out_a[0], out_b[i]), f"row {i} (slot {s}) output differs in batch of {n}"
         assert torch.equal(st_a[s], st_b[s]), f"row {i} (slot {s}) state differs in batch of {n}"
+
+
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES + [(2, 4, 16, 16), (1, 2, 20, 12)])
+def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv):
+    """gdn_decode(..., z=, norm_w=) == gated_rms_norm(gdn_decode(...), z, norm_w), bitwise, with
+    the same new state (z a strided view of a projection, as in Qwen3-Next)."""
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=5)
+    B = 5
+    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, device)
+    proj = torch.randn(B, Hv * Dv + 7, generator=g).to(device)
+    z = proj[:, 3:3 + Hv * Dv].unflatten(1, (Hv, Dv))
+    w = (1 + 0.1 * torch.randn(Dv, generator=g)).to(device)
+    slots = torch.tensor([4, 0, 6, 2, 3], dtype=torch.int32, device=device)
+    st1, st2 = state0.clone(), state0.clone()
+    o = gdn_decode(q, k, v, a, b, A_log, dt_bias, st1, slots)
+    sep = gated_rms_norm(o.reshape(B * Hv, Dv), z.reshape(B * Hv, Dv), w, 1e-6).view(B, Hv, Dv)
+    fused = gdn_decode(q, k, v, a, b, A_log, dt_bias, st2, slots, z=z, norm_w=w, norm_eps=1e-6)
+    assert torch.equal(fused, sep) and torch.equal(st1, st2)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES + [(1, 2, 20, 12)])
+def test_rows_path_equals_one_row_kernel(monkeypatch, Hk, Hv, Dk, Dv):
+    """The interpreter's rows kernel runs _gdn_step's operations with a leading row axis: the same
+    bits and the same new state as the one-row kernel (and so as gdn_prefill)."""
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, "cpu", seed=6)
+    q, k, v, a, b = _inputs(g, 6, Hk, Hv, Dk, Dv, torch.bfloat16, "cpu")
+    slots = torch.tensor([5, 0, 6, 2, 3, 1], dtype=torch.int32)
+    res = {}
+    for rows in (True, False):
+        monkeypatch.setattr(GD, "ROWS_PATH", rows)
+        st = state0.clone()
+        res[rows] = gdn_decode(q, k, v, a, b, A_log, dt_bias, st, slots), st
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])

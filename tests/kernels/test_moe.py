@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from ds4t.backend import INTERPRET
+from ds4t.kernels import moe as M
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
@@ -30,6 +32,16 @@ def _routing(B, E, k, seed, n_hot=None):
     return ids, w
 
 
+@pytest.fixture(params=["rows", "grouped"])
+def path(request, monkeypatch):
+    """Run a case with the interpreter's one-launch path (``rows``) and with the grouped kernels the
+    GPU runs (``grouped``, in the interpreter too)."""
+    if request.param == "rows" and not INTERPRET:
+        pytest.skip("the rows path is the interpreter's")
+    monkeypatch.setattr(M, "ROWS_PATH", request.param == "rows")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,E,k,D,I,n_hot", [
     (5, 8, 2, 48, 40, None),
@@ -37,7 +49,7 @@ def _routing(B, E, k, seed, n_hot=None):
     (40, 4, 2, 64, 32, None),    # ~20 pairs per expert: two M tiles per expert
     (3, 10, 3, 200, 72, 4),      # D, I larger than one tile on the GPU, experts 4..9 unused
 ])
-def test_moe_vs_ref(dtype, B, E, k, D, I, n_hot):
+def test_moe_vs_ref(path, dtype, B, E, k, D, I, n_hot):
     wg, wu, wd = _weights(E, I, D, dtype, seed=B + E)
     ids, w = _routing(B, E, k, seed=D, n_hot=n_hot)
     h = torch.randn(B, D, generator=torch.Generator().manual_seed(1))
@@ -139,15 +151,37 @@ def _rows():
 @given(
     _rows(),
     st.sampled_from([torch.float32, torch.bfloat16]),
+    st.booleans(),
 )
-def test_moe_rows_invariant(case, dtype):
+def test_moe_rows_invariant(case, dtype, rows_path):
     rows, i = case
     wg, wu, wd = _WEIGHTS[dtype]
 
     def run(rs):
         return moe_experts(_H[rs], _IDS[rs], _W[rs], wg, wu, wd, out=poisoned((len(rs), _D)))
 
-    assert_rows_invariant(run, rows, i)
+    saved = M.ROWS_PATH
+    M.ROWS_PATH = rows_path and INTERPRET
+    try:
+        assert_rows_invariant(run, rows, i)
+    finally:
+        M.ROWS_PATH = saved
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,E,k,D,I", [(1, 9, 3, 64, 32), (8, 9, 3, 64, 32), (33, 8, 2, 48, 40), (3, 6, 2, 300, 260)])
+def test_rows_path_equals_grouped_kernels(monkeypatch, dtype, B, E, k, D, I):
+    """The interpreter's one-launch path does the grouped kernels' arithmetic in their order: the
+    same bits (D, I of 300, 260: several K chunks and I tiles)."""
+    wg, wu, wd = _weights(E, I, D, dtype, seed=7)
+    ids, w = _routing(B, E, k, seed=8)
+    h = torch.randn(B, D, generator=torch.Generator().manual_seed(9))
+    monkeypatch.setattr(M, "ROWS_PATH", True)
+    rows = moe_experts(h, ids, w, wg, wu, wd)
+    monkeypatch.setattr(M, "ROWS_PATH", False)
+    grouped = moe_experts(h, ids, w, wg, wu, wd)
+    assert torch.equal(rows, grouped)
 
 
 def test_moe_row_invariant_with_duplicates_of_itself():
