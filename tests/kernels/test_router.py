@@ -67,23 +67,6 @@ def test_softmax_topk_one_row_programs(monkeypatch, B, E, k):
     torch.testing.assert_close(one[0], wr, **WTOL)
 
 
-@pytest.mark.parametrize("B,E,k", [(5, 8, 2), (13, 10, 3), (3, 9, 9)])
-def test_softmax_topk_one_row_programs(monkeypatch, B, E, k):
-    """The GPU's one row per program (in the interpreter too) gives the bits of the interpreter's
-    16-row programs, with E a power of two and not (padded expert columns)."""
-    from ds4t.kernels import router as RT
-
-    g = torch.Generator().manual_seed(B + E)
-    x = torch.randn(B, E, generator=g) * 3
-    many = router_softmax_topk(x, k, True)
-    monkeypatch.setattr(RT, "_rows_per_program", lambda: 1)
-    one = router_softmax_topk(x, k, True)
-    assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
-    wr, ir = router_softmax_topk_ref(x, k, True)
-    assert torch.equal(one[1], ir)
-    torch.testing.assert_close(one[0], wr, **WTOL)
-
-
 def test_softmax_topk_ties_go_to_lower_index():
     x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0], [0.5] * 6])
     _, ids = router_softmax_topk(x, 3, False)
