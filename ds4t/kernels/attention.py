@@ -465,8 +465,10 @@ def _norm_rope_kv_kernel(
 
 
 ROWS_PATH = INTERPRET
-"""In the interpreter, :func:`decode_attention` runs :func:`_attn_rows_kernel` (few programs); on the
-GPU the split and merge kernels. Tests set it to False to run those in the interpreter too."""
+"""In the interpreter, :func:`decode_attention` runs :func:`_attn_rows_kernel` (few programs) and
+:func:`norm_rope_write_kv` runs :func:`_norm_rope_kv_kernel` (one launch); on the GPU the split and
+merge kernels, and the norm, rope and write_kv kernels. Tests set it to False to run those in the
+interpreter too."""
 
 _MAX_TILE = 1 << 20  # elements of one interpreter tile (triton's TRITON_MAX_TENSOR_NUMEL)
 
@@ -628,13 +630,15 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
                        rotary_dim: Optional[int] = None, zero_centered: bool = False,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The gated-attention prologue in one launch: per-head RMSNorm of q and k (weights q_norm,
-    k_norm [D]; x̂·(1 + w) when ``zero_centered``), rotate-half RoPE on their first ``rotary_dim``
-    dims, then k and v stored as :func:`write_kv` stores them. Returns q fp32 [R, H, D].
+    """The gated-attention prologue: per-head RMSNorm of q and k (weights q_norm, k_norm [D];
+    x̂·(1 + w) when ``zero_centered``), rotate-half RoPE on their first ``rotary_dim`` dims, then k
+    and v stored as :func:`write_kv` stores them. Returns q fp32 [R, H, D].
 
     q [R, H, D], k [R, KV, D], v [R, KV, Dv] (any float dtype, any strides), positions / slots
-    [R] int32 or int64, inv_freq [rotary_dim / 2] fp32, caches [S, L, KV, D|Dv]. Equals
-    ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1). Batch invariant.
+    [R] int32 or int64, inv_freq [rotary_dim / 2] fp32, caches [S, L, KV, D|Dv]. Is
+    ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1): those kernels on the GPU,
+    one launch of :func:`_norm_rope_kv_kernel` in the interpreter (``ROWS_PATH``), bitwise the same
+    there. Batch invariant.
     """
     _check_cache(k_cache, v_cache)
     S, L, KV, D = k_cache.shape
@@ -657,11 +661,21 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
         raise ValueError(f"out must be float32 [{R}, {H}, {D}]")
     if R == 0:
         return out
+    if not ROWS_PATH:
+        # GPU: the separate kernels (the norm of a [R*H, D] view for one row, of a copy for many,
+        # as the Qwen3-Next layer has always passed them).
+        from ds4t.kernels.norm import rms_norm
+        from ds4t.kernels.rope import rope
+
+        qn = rms_norm(q.reshape(R * H, D), q_norm, eps, zero_centered=zero_centered).view(R, H, D)
+        kn = rms_norm(k.reshape(R * KV, D), k_norm, eps, zero_centered=zero_centered).view(R, KV, D)
+        rope(qn, positions, inv_freq, rotary_dim=rotary_dim, out=out)
+        write_kv(rope(kn, positions, inv_freq, rotary_dim=rotary_dim), v, k_cache, v_cache, slots, positions)
+        return out
     BH, BKV = triton.next_power_of_2(H), triton.next_power_of_2(KV)
     BD, BDV = triton.next_power_of_2(D), triton.next_power_of_2(DV)
-    # Rows per program: one on the GPU; in the interpreter up to 16 (the M tile: every value is
-    # per row, nothing is reduced across rows).
-    rows = 1 if not INTERPRET else min(16, triton.next_power_of_2(R))
+    # Rows per program: up to 16 (the M tile: every value is per row, nothing is reduced across rows).
+    rows = min(16, triton.next_power_of_2(R))
     _norm_rope_kv_kernel[(triton.cdiv(R, rows),)](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
         q_norm.contiguous(), k_norm.contiguous(), inv_freq.contiguous(), positions, slots,

@@ -58,6 +58,7 @@ def _norm_kernel(
     EVEN: tl.constexpr = D % BLOCK_D == 0
 
     # Pass 1: sum of squares, per-column partials over the chunks in order, then one tl.sum.
+    sq = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
         cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
         if EVEN:
@@ -71,10 +72,7 @@ def _norm_kernel(
             if ADD_RESIDUAL:
                 v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
                 tl.store(s_row + cc, v, mask=m)
-        if c == 0:
-            sq = v * v
-        else:
-            sq += v * v
+        sq += v * v
     # IEEE sqrt and division (not the approximate GPU defaults), as torch computes them.
     ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((ROWS,), D, tl.float32))
     rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]

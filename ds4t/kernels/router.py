@@ -87,14 +87,12 @@ def _softmax_topk_kernel(
     kc2 = tl.arange(0, BK)[None, :]
     id_row = id_ptr + r1 * K
     wk = tl.zeros([ROWS, BK], dtype=tl.float32)
+    tot = tl.zeros([ROWS], dtype=tl.float32)
     for j in tl.static_range(K):
         v = tl.max(pa, axis=1)
         idx = tl.min(tl.where(pa == v[:, None], c2, BE), axis=1)
         pa = tl.where(c2 == idx[:, None], -1.0, pa)
-        if j == 0:
-            tot = v
-        else:
-            tot = tot + v  # rank order
+        tot = tot + v  # rank order
         wk = tl.where(kc2 == j, v[:, None], wk)
         tl.store(id_row + j, idx, mask=rok)
     if RENORM:
