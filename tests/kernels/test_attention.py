@@ -3,9 +3,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ds4t.backend import INTERPRET
+from ds4t.backend import (
+    INTERPRET,
+    default_device,  # noqa: F401
+)
 from ds4t.kernels import activation, norm, rope
 from ds4t.kernels import attention as A
 from ds4t.kernels.attention import (
@@ -16,7 +20,10 @@ from ds4t.kernels.attention import (
     write_kv,
     write_kv_ref,
 )
+from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (atol, rtol) of the kernel against the fp32 reference on the same (already rounded) cache:
@@ -30,7 +37,7 @@ TOL = {
 
 
 def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+    return gen(seed)
 
 
 def _cache(S, L, HKV, D, DV, dtype, device, g):
@@ -239,8 +246,9 @@ def pool():
     """33 rows of q over one bf16 MQA cache (L = 48: two splits of 32, the second partial)."""
     g = _gen(9)
     HQ, HKV, D = 4, 1, 32
-    kc, vc = _cache(_S, _L, HKV, D, D, torch.bfloat16, "cpu", g)
-    q = torch.randn(_POOL, HQ, D, generator=g)
+    with torch.device(default_device()):
+        kc, vc = _cache(_S, _L, HKV, D, D, torch.bfloat16, default_device(), g)
+        q = torch.randn(_POOL, HQ, D, generator=g)
     return kc, vc, q
 
 

@@ -5,11 +5,17 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4t.backend import INTERPRET
+from ds4t.backend import (
+    INTERPRET,
+    default_device,  # noqa: F401
+)
 from ds4t.kernels import gdn as GD
 from ds4t.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
 from ds4t.kernels.norm import gated_rms_norm
+from tests.kernels.devices import gen
 from tests.kernels.invariance import poisoned
+
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 # Inputs of every dtype are upcast to fp32 exactly (kernel and reference alike) and the state is
 # fp32, so the tolerance is fp32 summation-order noise for every input dtype.
@@ -23,7 +29,7 @@ S = 7  # slots in the pool
 
 
 def _params(Hv, Dk, Dv, device, seed=0, pool=S):
-    g = torch.Generator().manual_seed(seed)
+    g = gen(seed)
     A_log = (torch.rand(Hv, generator=g) * 3 - 1.5).to(device)     # A in (0.22, 4.5)
     dt_bias = (torch.randn(Hv, generator=g) * 0.5).to(device)
     state0 = (torch.randn(pool, Hv, Dk, Dv, generator=g) * 0.3).to(device)
@@ -138,10 +144,10 @@ def test_reference_matches_hf(Hk, Hv, Dk, Dv):
         torch_recurrent_gated_delta_rule,
     )
 
-    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, "cpu")
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, default_device())
     # decode: B rows, one token each (HF batch B, T=1)
     B = 4
-    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, "cpu")
+    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, default_device())
     slots = torch.tensor([3, 6, 0, 1], dtype=torch.int32)
     st_r = state0.clone()
     ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, st_r, slots)
@@ -153,7 +159,7 @@ def test_reference_matches_hf(Hk, Hv, Dk, Dv):
 
     # prefill: T tokens of one session, against HF's recurrent and chunked forms
     T = 9
-    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, "cpu")
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, default_device())
     st_r = state0.clone()
     ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, st_r, 4)
     hq, hk, hv, hg, hb = _hf_inputs(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias)

@@ -2,12 +2,19 @@
 NaN-poisoned outputs, and row batch invariance with rows sharing experts."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ds4t.backend import INTERPRET
+from ds4t.backend import (
+    INTERPRET,
+    default_device,  # noqa: F401
+)
 from ds4t.kernels import moe as M
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
+from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
 # relative to max |ref|: bf16/fp16 round the activation before each product, so one-ulp flips of a
 # rounded activation between kernel and reference (different fp32 summation order) are allowed
@@ -16,7 +23,7 @@ DTYPES = list(TOL)
 
 
 def _weights(E, I, D, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = gen(seed)
     wg = (torch.randn(E, I, D, generator=g) / D ** 0.5).to(dtype)
     wu = (torch.randn(E, I, D, generator=g) / D ** 0.5).to(dtype)
     wd = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype)
@@ -25,7 +32,7 @@ def _weights(E, I, D, dtype, seed):
 
 def _routing(B, E, k, seed, n_hot=None):
     """ids [B, k] (distinct per row; from the first n_hot experts when given) and weights [B, k]."""
-    g = torch.Generator().manual_seed(seed)
+    g = gen(seed)
     pool = E if n_hot is None else n_hot
     ids = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(B)]).to(torch.int32)
     w = torch.rand(B, k, generator=g) + 0.1
@@ -52,7 +59,7 @@ def path(request, monkeypatch):
 def test_moe_vs_ref(path, dtype, B, E, k, D, I, n_hot):
     wg, wu, wd = _weights(E, I, D, dtype, seed=B + E)
     ids, w = _routing(B, E, k, seed=D, n_hot=n_hot)
-    h = torch.randn(B, D, generator=torch.Generator().manual_seed(1))
+    h = torch.randn(B, D, generator=gen(1))
     out = poisoned((B, D))
     res = moe_experts(h, ids, w, wg, wu, wd, out=out)
     assert res is out
@@ -98,7 +105,7 @@ def test_moe_vs_hf_experts():
     E, k, D, I, B = 8, 2, 64, 32, 9
     cfg = Qwen3NextConfig(hidden_size=D, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I)
     ex = Qwen3NextExperts(cfg)
-    g = torch.Generator().manual_seed(4)
+    g = gen(4)
     with torch.no_grad():
         ex.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
         ex.down_proj.copy_(torch.randn(E, D, I, generator=g) / I ** 0.5)
@@ -133,12 +140,13 @@ def test_moe_bad_shapes():
 
 POOL = 33
 _E, _K, _D, _I = 8, 2, 48, 40
-_H = torch.randn(POOL, _D, generator=torch.Generator().manual_seed(21))
 # rows drawn from 3 hot experts (plus a few elsewhere): many rows share an expert (up to ~22 pairs,
 # so a pair sits anywhere in an expert's first or second 16-row tile)
-_IDS, _W = _routing(POOL, _E, _K, seed=22, n_hot=3)
-_IDS[::5, 1] = 6
-_WEIGHTS = {dt: _weights(_E, _I, _D, dt, 23) for dt in (torch.float32, torch.bfloat16)}
+with torch.device(default_device()):
+    _H = torch.randn(POOL, _D, generator=gen(21))
+    _IDS, _W = _routing(POOL, _E, _K, seed=22, n_hot=3)
+    _IDS[::5, 1] = 6
+    _WEIGHTS = {dt: _weights(_E, _I, _D, dt, 23) for dt in (torch.float32, torch.bfloat16)}
 
 
 def _rows():
@@ -176,7 +184,7 @@ def test_rows_path_equals_grouped_kernels(monkeypatch, dtype, B, E, k, D, I):
     same bits (D, I of 300, 260: several K chunks and I tiles)."""
     wg, wu, wd = _weights(E, I, D, dtype, seed=7)
     ids, w = _routing(B, E, k, seed=8)
-    h = torch.randn(B, D, generator=torch.Generator().manual_seed(9))
+    h = torch.randn(B, D, generator=gen(9))
     monkeypatch.setattr(M, "ROWS_PATH", True)
     rows = moe_experts(h, ids, w, wg, wu, wd)
     monkeypatch.setattr(M, "ROWS_PATH", False)
