@@ -354,6 +354,25 @@ def _attn_rows_kernel(
 
 
 @triton.jit
+def _norm_rotate(row_ptr, s_d, w_ptr, dl3, pd3, dm3, rot, c, sn, eps,
+                 D: tl.constexpr, BD: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """[ROWS, heads, BD] heads at ``row_ptr`` (+ d * s_d): RMSNorm (rms_norm's arithmetic) then
+    rotate-half RoPE with the partner column re-read and normalised with the same rstd."""
+    x = tl.load(row_ptr + dl3 * s_d).to(tl.float32)
+    xp = tl.load(row_ptr + pd3 * s_d).to(tl.float32)
+    if BD != D:
+        x = tl.where(dm3, x, 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
+    w = tl.load(w_ptr + dl3).to(tl.float32)
+    wp = tl.load(w_ptr + pd3).to(tl.float32)
+    if ZERO_CENTERED:
+        w = 1.0 + w
+        wp = 1.0 + wp
+    y = (x * rstd) * w
+    return tl.where(rot, y * c + ((xp * rstd) * wp) * sn, y)
+
+
+@triton.jit
 def _norm_rope_kv_kernel(
     q_ptr, sq_r, sq_h, sq_d,
     k_ptr, sk_r, sk_h, sk_d,
@@ -396,23 +415,13 @@ def _norm_rope_kv_kernel(
         dm3 = d3 < D
     else:
         dl3 = d3
+        dm3 = None
 
     # q [ROWS, BH, BD]
     h = tl.arange(0, BH)
     hl = h[None, :, None] if BH == H else tl.minimum(h, H - 1)[None, :, None]
-    q_row = q_ptr + r3 * sq_r + hl * sq_h
-    x = tl.load(q_row + dl3 * sq_d).to(tl.float32)
-    xp = tl.load(q_row + pd3 * sq_d).to(tl.float32)
-    if BD != D:
-        x = tl.where(dm3, x, 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
-    w = tl.load(qw_ptr + dl3).to(tl.float32)
-    wp = tl.load(qw_ptr + pd3).to(tl.float32)
-    if ZERO_CENTERED:
-        w = 1.0 + w
-        wp = 1.0 + wp
-    y = (x * rstd) * w
-    yq = tl.where(rot, y * c + ((xp * rstd) * wp) * sn, y)
+    yq = _norm_rotate(q_ptr + r3 * sq_r + hl * sq_h, sq_d, qw_ptr, dl3, pd3, dm3, rot, c, sn, eps,
+                      D, BD, ZERO_CENTERED)
     om = (r < R)[:, None, None]
     if BH != H:
         om = om & (h < H)[None, :, None]
@@ -432,19 +441,8 @@ def _norm_rope_kv_kernel(
     km = ok3
     if BKV != KV:
         km = km & (g < KV)[None, :, None]
-    k_row = k_ptr + r3 * sk_r + gl * sk_h
-    x = tl.load(k_row + dl3 * sk_d).to(tl.float32)
-    xp = tl.load(k_row + pd3 * sk_d).to(tl.float32)
-    if BD != D:
-        x = tl.where(dm3, x, 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
-    w = tl.load(kw_ptr + dl3).to(tl.float32)
-    wp = tl.load(kw_ptr + pd3).to(tl.float32)
-    if ZERO_CENTERED:
-        w = 1.0 + w
-        wp = 1.0 + wp
-    y = (x * rstd) * w
-    yk = tl.where(rot, y * c + ((xp * rstd) * wp) * sn, y)
+    yk = _norm_rotate(k_ptr + r3 * sk_r + gl * sk_h, sk_d, kw_ptr, dl3, pd3, dm3, rot, c, sn, eps,
+                      D, BD, ZERO_CENTERED)
     if BD != D:
         kmd = km & dm3
     else:
