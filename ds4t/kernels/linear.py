@@ -42,7 +42,7 @@ import triton.language as tl
 from ds4t.backend import INTERPRET, cast, mma, tl_dtype, timer
 from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
 
-__all__ = ["linear", "linear_ref", "linear_config", "LinearConfig", "BLOCK_M"]
+__all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
 
 BLOCK_M = 16
 """Rows per tile: a fixed constant (tl.dot needs M >= 16 on the GPU)."""
@@ -143,8 +143,13 @@ def _linear_kernel(
     EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CLAMP_ROWS: tl.constexpr = False,
+    HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
+
+    HEADS (:func:`linear_heads`, no split-K): grid axis 2 is the head g instead, and x, w, y start
+    at g * SX_H, g * SW_H, g * SY_H elements: head g's tiles are exactly those of a lone
+    ``linear(x[:, g], w[g])`` launch.
 
     A program owns M_SUB (1, 2 or 4; fixed per weight shape) sub-tiles of BLOCK_M = 16 rows and
     reads each weight tile once for all of them; every sub-tile has its own accumulator and its
@@ -177,6 +182,11 @@ def _linear_kernel(
         rn_ld = rn.to(tl.int64)
     else:
         rn_ld = tl.minimum(rn, N - 1).to(tl.int64)
+    if HEADS:
+        hid = tl.program_id(2).to(tl.int64)
+        x_ptr += hid * SX_H
+        w_ptr += hid * SW_H
+        y_ptr += hid * SY_H
     if SPLIT_K:
         pid_s = tl.program_id(2)
         k0 = pid_s * K_PER_SPLIT
@@ -410,6 +420,55 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return y
 
 
+def linear_heads(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One launch of G independent linears: fp32 ``out[:, g] = linear(x[:, g], weight[g])``.
+
+    x [B, G, K] fp32/bf16/fp16 (any row and head strides, unit K stride: e.g. a view of a
+    projection); weight [G, N, K] (contiguous per head); ``out``: optional fp32 [B, G, N] with
+    unit N stride (e.g. a view of a wider buffer). Each head runs the tiles, config and K order
+    of a lone :func:`linear` call on its slice, so the result equals the per-head loop bit for
+    bit and is batch invariant the same way. For per-head weights such as MLA's absorbed
+    W_UK / W_UV (DeepSeek-V3: 128 heads per layer), where a loop would launch G kernels.
+    """
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(f"linear_heads: x must be [B, G, K] and weight [G, N, K], got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    B, G, K = x.shape
+    N = weight.shape[1]
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if weight.stride(2) != 1 or weight.stride(1) != K:
+        weight = weight.contiguous()
+    if out is None:
+        out = torch.empty((B, G, N), dtype=torch.float32, device=x.device)
+    elif out.shape != (B, G, N) or out.dtype != torch.float32 or out.stride(2) != 1:
+        raise ValueError(f"linear_heads: out must be fp32 [{B}, {G}, {N}] with unit last stride")
+    cfg = linear_config(K, N, weight.dtype, x.dtype)
+    kps = cfg.k_per_split(K)
+    if triton.cdiv(K, kps) != 1 or cfg.m_sub != 1:
+        # Split-K would need a per-head workspace; the per-head loop gives the same bits.
+        for g in range(G):
+            linear(x[:, g], weight[g], out=out[:, g])
+        return out
+    if B == 0 or G == 0:
+        return out
+    grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), G)
+    _linear_kernel[grid](
+        x, weight, weight, out, B, x.stride(0), weight.stride(1), 0, out.stride(0),
+        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=tl_dtype(weight.dtype), HAS_BIAS=False, SWAP=cfg.swap,
+        EVEN_K=(K % kps == 0) and (kps % cfg.block_k == 0), M_SUB=1, EVICT=cfg.evict, BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP_ROWS=_CLAMP_ROWS,
+        HEADS=True, SX_H=x.stride(1), SW_H=weight.stride(0), SY_H=out.stride(1),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def linear_heads_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Plain-torch reference: fp32 ``[B, G, N]``, head g = ``linear_ref(x[:, g], weight[g])``."""
+    return torch.einsum("bgk,gnk->bgn", x.to(weight.dtype).float(), weight.float())
+
+
 # ----------------------------------------------------------------------------------------------
 # Self-check for `ds4t check`
 # ----------------------------------------------------------------------------------------------
@@ -435,4 +494,14 @@ def _check(device) -> list:
         cfg = linear_config(K, N, wdt, x.dtype)
         results.append(CheckResult(f"linear {str(wdt).replace('torch.', '')}", f"B={B} K={K} N={N}",
                                    err, _TOL[wdt], inv, ms, note=f"relative to max|ref|; {cfg}"))
+    G, K, N = 6, 64, 96   # per-head weights, e.g. MLA's absorbed W_UK
+    x = torch.randn(B, G, K, generator=g).to(device)
+    w = (torch.randn(G, N, K, generator=g) / K ** 0.5).to(torch.bfloat16).to(device)
+    ref = linear_heads_ref(x, w)
+    y = linear_heads(x, w)
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    inv = rows_invariant(lambda t: linear_heads(t, w), x)
+    ms = timer(lambda: linear_heads(x, w), warmup=1, iters=3)
+    results.append(CheckResult("linear_heads bfloat16", f"B={B} G={G} K={K} N={N}", err, _TOL[torch.bfloat16],
+                               inv, ms, note="one launch for G per-head linears"))
     return results

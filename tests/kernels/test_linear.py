@@ -216,3 +216,53 @@ def test_negative_control_is_caught(bad):
 
 def default_device():
     return torch.device("cpu" if INTERPRET else "cuda")
+
+
+# ----------------------------------------------------------------------------- linear_heads
+
+HEAD_SHAPES = [(5, 4, 64, 96), (1, 3, 48, 17), (19, 2, 128, 40)]   # (B, G, K, N)
+
+
+@pytest.mark.parametrize("B,G,K,N", HEAD_SHAPES)
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_linear_heads_is_the_per_head_loop_bitwise(device, B, G, K, N, wdt):
+    g = torch.Generator(device="cpu").manual_seed(B + G + K)
+    # x as a strided view of a wider projection (as MLA's q_nope part); out a view of a buffer
+    wide = torch.randn(B, G * K + 7, generator=g).to(device)
+    x = wide[:, : G * K].view(B, G, K)
+    w = (torch.randn(G, N, K, generator=g) / K ** 0.5).to(wdt).to(device)
+    buf = poisoned((B, G, N + 5), device=device)
+    got = L.linear_heads(x, w, out=buf[:, :, :N])
+    assert got.data_ptr() == buf.data_ptr()
+    assert not torch.isnan(got).any()
+    assert torch.isnan(buf[:, :, N:]).all()            # nothing written past N
+    loop = torch.stack([linear(x[:, h], w[h]) for h in range(G)], dim=1)
+    assert torch.equal(got, loop)
+    torch.testing.assert_close(got, L.linear_heads_ref(x, w), **TOL[wdt])
+
+
+_HX = torch.randn(33, 3, 40, generator=torch.Generator().manual_seed(5))
+_HW = (torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(6)) / 40 ** 0.5).to(torch.bfloat16)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.permutations(range(33)).flatmap(
+    lambda p: st.integers(1, 33).flatmap(lambda n: st.tuples(st.just(p[:n]), st.integers(0, n - 1)))))
+def test_linear_heads_rows_invariant(case):
+    rows, i = case
+    dev = torch.device(_device())
+    x, w = _HX.to(dev), _HW.to(dev)
+    assert_rows_invariant(lambda rs: L.linear_heads(x[list(rs)], w), rows, i)
+
+
+def test_linear_heads_bad_args():
+    with pytest.raises(ValueError, match="linear_heads"):
+        L.linear_heads(torch.randn(2, 3, 8), torch.randn(4, 5, 8))
+    with pytest.raises(ValueError, match="out must be"):
+        L.linear_heads(torch.randn(2, 3, 8), torch.randn(3, 5, 8), out=torch.empty(2, 3, 4))
+
+
+def _device():
+    from ds4t.backend import default_device
+
+    return default_device()
