@@ -131,6 +131,37 @@ def time_steps(model, n: int, mode: str, ctx: int, iters: int, warmup: int = 3, 
             s.close()
 
 
+def profile_step(model, n: int, ctx: int, steps: int = 5):
+    """Per-kernel GPU time of eager native steps (torch.profiler): [(kernel, us per step, calls per
+    step)], most expensive first, and the summed kernel time per step. Compared with the graph
+    step time it splits a step into kernel time and launch / idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.cuda_graphs = False
+    sessions, toks = _sessions(model, n, ctx, steps + 8, seed=n + 1000)
+    items = lambda: [ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)]  # noqa: E731
+    try:
+        ds4t.eval_batch(items(), mode="native")   # compile outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                ds4t.eval_batch(items(), mode="native")
+            torch.cuda.synchronize()
+    finally:
+        model.cuda_graphs = True
+        for s in sessions:
+            s.close()
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "cuda_time_total", 0)
+        if dev_us and ev.count:
+            rows.append((ev.key, dev_us / steps, ev.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows)
+
+
 def graph_exactness(model, n: int = 6, steps: int = 6) -> bool:
     """The same greedy decode with CUDA graphs and eagerly: logits and final states bitwise equal."""
     runs = []
@@ -284,6 +315,19 @@ def bench_model(name, args, bw, log, rows):
                              ordered_tok_s=n / ordd * 1e3, speedup=ordd / nat, floor_speedup=n * f1 / fb["total"],
                              floor_frac=floor_ms / nat, exact=exact))
             print(json.dumps(mine[-1]), flush=True)
+    if args.profile:
+        if paths[0] is not None:
+            model.native_path = paths[0]
+        for n in (1, 16):
+            prof, total_us = profile_step(model, n, args.ctx)
+            step = next((r["native_ms"] for r in mine if r["n"] == n), float("nan"))
+            log(f"\n### {name}: profile of an eager native step, N={n} (torch.profiler, GPU time)\n")
+            log(f"summed kernel time {total_us / 1e3:.3f} ms per step; graph-replayed step {step:.3f} ms; "
+                f"{sum(r[2] for r in prof):.0f} kernels per step\n")
+            log("| kernel | us per step | calls per step |")
+            log("|---|---|---|")
+            for k, us, calls in prof[:15]:
+                log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -340,6 +384,7 @@ def main():
                     help="MODEL=p1,p2: native paths to time for a model with a native_path option")
     ap.add_argument("--eager-ns", default=None, help="N values to time without CUDA graphs too (default: --ns)")
     ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a native step at N=1 and 16")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
