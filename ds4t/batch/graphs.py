@@ -10,6 +10,9 @@ kernels on the same addresses, so its bits equal the eager step's (tests/batch/t
 
 Only whole decode batches (one token per session) are captured, at their exact size: padding
 to a bucket would make padded rows pick MoE experts and read weights no session needs.
+A graph reads the weights and state at the addresses it was captured with: copying new values
+into them is fine, but replacing a weight tensor by another object needs
+``graphs_for(model).clear()`` (growing the state pool is noticed and clears them automatically).
 Everything here is inert on the CPU. ``DS4T_CUDA_GRAPHS=0`` turns graphs off;
 ``DS4T_CUDA_GRAPH_MAX_ROWS`` (default 64) caps the batch sizes captured.
 """
@@ -122,6 +125,15 @@ class StepGraphs:
         self.graphs[key] = _Captured(graph, static, out)
         self.stats.captures += 1
         return logits
+
+
+def memory_estimate(model, max_batch: int) -> int:
+    """Bytes the captured steps of batches of 1..max_batch sessions hold on to beyond one step's
+    workspace: each graph keeps its static logits (fp32 [n, vocab]); intermediates share one pool."""
+    if not enabled_for(model):
+        return 0
+    top = min(max_batch, max_rows())
+    return 4 * model.vocab_size * top * (top + 1) // 2
 
 
 _runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ds4t.batch import graphs
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10 ** 3, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
 
@@ -45,6 +47,7 @@ class MemoryPlan:
     step_rows: int
     available: Optional[int]
     available_source: str
+    graphs: int = 0   # CUDA graphs of decode batches of 1..slots sessions (their static outputs)
 
     @property
     def sessions(self) -> int:
@@ -52,7 +55,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.sessions + self.workspace
+        return self.weights + self.sessions + self.workspace + self.graphs
 
     @property
     def fits(self) -> bool:
@@ -62,7 +65,7 @@ class MemoryPlan:
         """How many sessions at this max ctx would fit (None when the limit is unknown)."""
         if self.available is None:
             return None
-        room = self.available - self.weights - self.workspace
+        room = self.available - self.weights - self.workspace - self.graphs
         return max(0, room // self.per_slot) if self.per_slot else None
 
     def format(self) -> str:
@@ -70,6 +73,7 @@ class MemoryPlan:
             ("weights", "", self.weights),
             ("sessions", f"{self.slots} x {fmt_bytes(self.per_slot)} at ctx {self.max_ctx}", self.sessions),
             ("workspace", f"estimate, steps of up to {self.step_rows} rows", self.workspace),
+            ("graphs", "CUDA graphs of decode batches, one per size" if self.graphs else "none", self.graphs),
             ("total", "", self.total),
         ]
         lines = [f"memory plan: {self.model} on {self.device}"]
@@ -129,4 +133,5 @@ def plan(model, slots: int, max_ctx: int, step_rows: int, memory_limit: Optional
         model=f"{model.name} ({model.family}, {str(model.dtype).replace('torch.', '')})",
         device=str(model.device), slots=slots, max_ctx=max_ctx, weights=weights,
         per_slot=model.pool.bytes_per_slot(max_ctx), workspace=workspace_estimate(model, step_rows),
-        step_rows=step_rows, available=available, available_source=source)
+        step_rows=step_rows, available=available, available_source=source,
+        graphs=graphs.memory_estimate(model, slots))

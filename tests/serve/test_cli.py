@@ -7,10 +7,12 @@ import time
 
 import aiohttp
 import pytest
+import torch
 
 from ds4t.serve import cli
 from ds4t.serve.http import Server
 from ds4t.serve.persistence import SUFFIX
+from ds4t.batch import graphs
 from ds4t.serve.planner import parse_size
 
 from .conftest import greedy_ref, post, run
@@ -36,6 +38,20 @@ def test_plan_counts_every_session_at_max_ctx(model):
     assert plan.weights == model.weight_bytes() and plan.total == plan.weights + plan.sessions + plan.workspace
     text = plan.format()
     assert "3 x" in text and "ctx 128" in text and "fits: yes" in text
+    assert plan.graphs == 0   # CPU: no CUDA graphs
+
+
+def test_plan_counts_cuda_graph_outputs(monkeypatch):
+    """On a GPU each decode batch size 1..N keeps a graph with static fp32 logits [n, vocab]."""
+    class GpuModel:
+        device = torch.device("cuda")
+        vocab_size = 1000
+
+    assert graphs.memory_estimate(GpuModel(), 3) == 4 * 1000 * (1 + 2 + 3)
+    monkeypatch.setenv("DS4T_CUDA_GRAPH_MAX_ROWS", "2")
+    assert graphs.memory_estimate(GpuModel(), 3) == 4 * 1000 * (1 + 2)
+    monkeypatch.setenv("DS4T_CUDA_GRAPHS", "0")
+    assert graphs.memory_estimate(GpuModel(), 3) == 0
 
 
 def test_refuses_to_start_when_the_plan_does_not_fit(capsys):
