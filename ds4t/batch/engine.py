@@ -101,6 +101,9 @@ def eval_batch(items: Sequence[DecodeItem], mode: str = "auto") -> BatchResult:
                 i, r = bad[0]
                 raise NotNativeError(f"item {i}: native path not available: {r}", item=i)
     native = [i for i in range(n) if reasons[i] is None]
+    if len(native) == n:   # the whole batch in one call: its logits are already in item order
+        out = run_segments(model, work)
+        return BatchResult(out, ["native"] * n, reasons, time.perf_counter() - t0)
     logits: List[Optional[torch.Tensor]] = [None] * n
     if native:
         out = run_segments(model, [work[i] for i in native])
