@@ -1,0 +1,197 @@
+"""Compile every Triton kernel a workload launches for an NVIDIA GPU, on a machine without one.
+
+The Triton interpreter (the CPU path) runs kernels as Python and accepts code the GPU compiler
+rejects. This tool closes that gap without a GPU:
+  1. record: run the workload in the interpreter with the GPU's launcher paths (the
+     interpreter-only fast paths switched off) and note every launch: kernel, argument dtypes,
+     constexpr values, warps and stages;
+  2. compile: in a child process with ``TRITON_INTERPRET=0`` (the kernels then take their GPU
+     branches, e.g. ``tl.dot``), compile each distinct launch to a cubin for an sm_90 (H100 /
+     H200) target with Triton's own compiler and ptxas.
+A launch that does not compile is reported with its error, and the exit status is non-zero.
+Block sizes are the interpreter's (its launchers pick their own configs), so this proves the
+GPU frontend accepts each kernel's code paths, not that the GPU's exact configs compile.
+
+Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek] [--checks]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+_TL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int32": "int32", "int64": "int64",
+              "i32": "int32", "i64": "int64", "int8": "int8", "uint8": "uint8"}
+_TORCH_PTR = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32", "int64": "i64",
+              "int8": "i8", "uint8": "u8", "bool": "i1", "int16": "i16"}
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. record (interpreter)
+# ----------------------------------------------------------------------------------------------
+def _encode(v):
+    import torch
+    import triton.language as tl
+
+    if isinstance(v, torch.Tensor):
+        return {"tensor": str(v.dtype).replace("torch.", "")}
+    if isinstance(v, tl.dtype):
+        return {"tl": str(v)}
+    if isinstance(v, tl.constexpr):
+        return _encode(v.value)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"cannot record a launch argument of type {type(v).__name__}")
+
+
+def record(presets, checks: bool) -> list:
+    """Distinct launches of a decode step, a mixed prefill + decode step and (``checks``) every
+    registered kernel self-check, with the GPU's launcher paths."""
+    import ds4t
+
+    if not ds4t.backend.INTERPRET:
+        raise SystemExit("compile_check records launches in the Triton interpreter: run it where "
+                         "TRITON_INTERPRET=1 (a machine without a GPU); on a GPU, run the tests instead")
+    import triton.runtime.interpreter as interp
+
+    from ds4t.kernels import attention, conv, gdn, linear, moe, registry
+
+    for m in (attention, conv, gdn, moe):
+        m.ROWS_PATH = False
+    linear._CLAMP_ROWS = False
+    seen, out = set(), []
+    original = interp.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        rec = {"module": self.fn.__module__, "name": self.fn.__name__,
+               "args": {k: _encode(v) for k, v in named.items()}}
+        key = json.dumps(rec, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(rec)
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interp.InterpretedFunction.run = run
+    try:
+        for preset in presets:
+            model = ds4t.load(preset)
+            a, b, c = (model.new_session(64) for _ in range(3))
+            a.prefill([1, 2, 3])
+            b.prefill([4, 5])
+            ds4t.eval_batch([ds4t.DecodeItem(a, 6), ds4t.DecodeItem(b, 7)], mode="native")
+            ds4t.eval_batch([ds4t.DecodeItem(a, 8), ds4t.DecodeItem(c, [1, 2, 3, 4])], mode="native")
+        if checks:
+            for check in registry.all_checks():
+                check("cpu")
+    finally:
+        interp.InterpretedFunction.run = original
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. compile (child process, TRITON_INTERPRET=0)
+# ----------------------------------------------------------------------------------------------
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _signature(jit, args: dict):
+    import triton.language as tl
+
+    sig, consts = {}, {}
+    for p in jit.params:
+        name = p.name
+        if name in args:
+            v = args[name]
+        elif p.default is not inspect.Parameter.empty:
+            v = p.default
+        else:
+            raise TypeError(f"{jit.__name__}: launch did not pass {name}")
+        if isinstance(v, dict) and "tl" in v:
+            v = getattr(tl, _TL_DTYPES[v["tl"]])
+        if p.is_constexpr or v is None:
+            sig[name] = "constexpr"
+            consts[name] = v
+        elif isinstance(v, dict) and "tensor" in v:
+            sig[name] = "*" + _TORCH_PTR[v["tensor"]]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{jit.__name__}: cannot type argument {name}={v!r}")
+    return sig, consts
+
+
+def compile_all(records: list, arch: int) -> list:
+    """Compile each recorded launch; returns [(kernel, ok, seconds, error)]."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch
+
+    torch.cuda.is_available = lambda: True   # ds4t.backend: take the GPU branches, no device needed
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for rec in records:
+        jit = getattr(importlib.import_module(rec["module"]), rec["name"])
+        label = f"{rec['module'].rsplit('.', 1)[-1]}.{rec['name']}"
+        t0 = time.time()
+        try:
+            sig, consts = _signature(jit, rec["args"])
+            opts = {k: rec["args"][k] for k in _LAUNCH_OPTIONS if rec["args"].get(k) is not None}
+            triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=target, options=opts)
+            results.append((label, True, time.time() - t0, ""))
+        except Exception as e:  # report every failure, keep compiling the rest
+            msg = str(e).strip().splitlines()
+            results.append((label, False, time.time() - t0, " | ".join(msg[-6:])[:600]))
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="tiny-qwen,tiny-glm,tiny-deepseek")
+    ap.add_argument("--checks", action="store_true", help="also every registered kernel self-check")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    ap.add_argument("--compile", dest="records_file", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.records_file:   # child: compile and print JSON results
+        with open(args.records_file) as f:
+            records = json.load(f)
+        print(json.dumps(compile_all(records, args.arch)))
+        return 0
+    records = record([p for p in args.presets.split(",") if p], args.checks)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(records, f)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    os.unlink(f.name)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        return 2
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    bad = [r for r in results if not r[1]]
+    for label, ok, secs, err in results:
+        print(f"{'ok  ' if ok else 'FAIL'} {label:40s} {secs:5.1f} s {err}")
+    kernels = len({r[0] for r in results})
+    print(f"{len(results)} launches of {kernels} kernels compiled for sm_{args.arch}: {len(bad)} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
