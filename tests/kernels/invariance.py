@@ -1,6 +1,7 @@
 """Shared helpers for kernel tests: NaN poisoning and the row batch-invariance property."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -23,3 +24,17 @@ def assert_rows_invariant(run: Callable[[Sequence[int]], torch.Tensor], batch_ro
         f"row {batch_rows[i]} differs between batch of {len(batch_rows)} and alone: "
         f"max diff {(full[i].float() - alone[0].float()).abs().max().item()}"
     )
+
+
+@contextlib.contextmanager
+def launcher_path(module, rows_path: bool):
+    """Run ``module``'s interpreter-only rows path (``rows_path`` True, honoured only in the
+    interpreter) or its GPU launchers, restoring the module's choice afterwards."""
+    from ds4t.backend import INTERPRET
+
+    saved = module.ROWS_PATH
+    module.ROWS_PATH = bool(rows_path) and INTERPRET
+    try:
+        yield
+    finally:
+        module.ROWS_PATH = saved

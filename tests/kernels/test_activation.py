@@ -7,7 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds4t.kernels import activation as A
-from ds4t.kernels.activation import add, add_ref, sigmoid_mul, sigmoid_mul_ref, silu_mul, silu_mul_ref
+from ds4t.kernels.activation import (
+    add,
+    add_ref,
+    sigmoid_mul,
+    sigmoid_mul_ref,
+    silu_mul,
+    silu_mul_ref,
+)
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

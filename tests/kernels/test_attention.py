@@ -21,7 +21,7 @@ from ds4t.kernels.attention import (
     write_kv_ref,
 )
 from tests.kernels.devices import gen
-from tests.kernels.invariance import assert_rows_invariant, poisoned
+from tests.kernels.invariance import assert_rows_invariant, launcher_path, poisoned
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -257,12 +257,8 @@ def pool():
 def test_rows_batch_invariant(pool, data):
     """Row i among B rows (random slots, lengths 1..L, random order) == row i alone, bitwise."""
     kc, vc, q = pool
-    saved = A.ROWS_PATH
-    A.ROWS_PATH = INTERPRET and data.draw(st.booleans(), label="rows path")
-    try:
+    with launcher_path(A, data.draw(st.booleans(), label="rows path")):
         _check_rows_batch_invariant(kc, vc, q, data)
-    finally:
-        A.ROWS_PATH = saved
 
 
 def _check_rows_batch_invariant(kc, vc, q, data):
@@ -409,9 +405,5 @@ def test_norm_rope_write_kv_rows_invariant(data):
         s, p = slots[idx].long(), pos[idx].long()
         return torch.cat([qo.flatten(1), kc1[s, p].float().flatten(1), vc1[s, p].float().flatten(1)], 1)
 
-    saved = A.ROWS_PATH
-    A.ROWS_PATH = rows_path
-    try:
+    with launcher_path(A, rows_path):
         assert_rows_invariant(run, rows, i)
-    finally:
-        A.ROWS_PATH = saved

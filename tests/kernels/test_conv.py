@@ -6,8 +6,13 @@ from hypothesis import strategies as st
 
 from ds4t.backend import INTERPRET
 from ds4t.kernels import conv as CV
-from ds4t.kernels.conv import conv1d_prefill, conv1d_prefill_ref, conv1d_update, conv1d_update_ref
-from tests.kernels.invariance import poisoned
+from ds4t.kernels.conv import (
+    conv1d_prefill,
+    conv1d_prefill_ref,
+    conv1d_update,
+    conv1d_update_ref,
+)
+from tests.kernels.invariance import launcher_path, poisoned
 
 # Inputs of every dtype are upcast to fp32 exactly, in the kernel and in the reference alike, and
 # all arithmetic is fp32: the only differences are exp() implementations (silu) -> tight for all.
@@ -144,12 +149,8 @@ POOL = 40
 )
 def test_rows_batch_invariant(perm, n, dtype, W, rows_path):
     """Each row's output and its slot's new state are bitwise the same in a batch and alone."""
-    saved = CV.ROWS_PATH
-    CV.ROWS_PATH = rows_path and INTERPRET
-    try:
+    with launcher_path(CV, rows_path):
         _check_rows_batch_invariant(perm, n, dtype, W)
-    finally:
-        CV.ROWS_PATH = saved
 
 
 def _check_rows_batch_invariant(perm, n, dtype, W):

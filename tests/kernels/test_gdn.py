@@ -13,7 +13,7 @@ from ds4t.kernels import gdn as GD
 from ds4t.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
 from ds4t.kernels.norm import gated_rms_norm
 from tests.kernels.devices import gen
-from tests.kernels.invariance import poisoned
+from tests.kernels.invariance import launcher_path, poisoned
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -186,12 +186,8 @@ POOL = 40
 )
 def test_rows_batch_invariant(perm, n, dtype, shape, rows_path):
     """Each row's output and its slot's new state are bitwise the same in a batch and alone."""
-    saved = GD.ROWS_PATH
-    GD.ROWS_PATH = rows_path and INTERPRET
-    try:
+    with launcher_path(GD, rows_path):
         _check_rows_batch_invariant(perm, n, dtype, shape)
-    finally:
-        GD.ROWS_PATH = saved
 
 
 def _check_rows_batch_invariant(perm, n, dtype, shape):

@@ -12,7 +12,7 @@ from ds4t.backend import (
 from ds4t.kernels import moe as M
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from tests.kernels.devices import gen
-from tests.kernels.invariance import assert_rows_invariant, poisoned
+from tests.kernels.invariance import assert_rows_invariant, launcher_path, poisoned
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -168,12 +168,8 @@ def test_moe_rows_invariant(case, dtype, rows_path):
     def run(rs):
         return moe_experts(_H[rs], _IDS[rs], _W[rs], wg, wu, wd, out=poisoned((len(rs), _D)))
 
-    saved = M.ROWS_PATH
-    M.ROWS_PATH = rows_path and INTERPRET
-    try:
+    with launcher_path(M, rows_path):
         assert_rows_invariant(run, rows, i)
-    finally:
-        M.ROWS_PATH = saved
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")

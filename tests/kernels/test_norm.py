@@ -7,8 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds4t.kernels import norm as NM
-from ds4t.kernels.norm import (add_rms_norm, add_rms_norm_ref, gated_rms_norm, gated_rms_norm_ref, rms_norm,
-                               rms_norm_ref)
+from ds4t.kernels.norm import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    gated_rms_norm,
+    gated_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
