@@ -247,9 +247,10 @@ def _linear_kernel(
 
 
 @triton.jit
-def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps,
+def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps, stride_ym,
                        N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[i] = ((p[0,i] + p[1,i]) + p[2,i]) + ... (+ bias): the split partials in a fixed order."""
+    """y[i] = ((p[0,i] + p[1,i]) + p[2,i]) + ... (+ bias): the split partials in a fixed order.
+    p is contiguous [SPLIT, B, N]; y [B, N] may have any row stride (e.g. a column slice)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -257,7 +258,7 @@ def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps,
         acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc, mask=mask)
+    tl.store(y_ptr + (offs // N).to(tl.int64) * stride_ym + offs % N, acc, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,7 +369,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
     total = B * N
     block = 1024 if not INTERPRET else max(16, min(1 << 16, triton.next_power_of_2(total)))
     _splitk_sum_kernel[(triton.cdiv(total, block),)](
-        part, b_arg, out, total, part.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
+        part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
         num_warps=4,
     )
     return out

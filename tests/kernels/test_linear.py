@@ -218,6 +218,18 @@ def default_device():
     return torch.device("cpu" if INTERPRET else "cuda")
 
 
+@pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
+def test_out_may_be_a_column_slice(device, cfg):
+    """``out`` with a row stride wider than N (a column slice of a buffer): same bits as a fresh
+    output, nothing written outside the slice (split-K's final sum included)."""
+    x, w, b = _data(5, 200, 70, torch.bfloat16, device=device)
+    buf = poisoned((5, 70 + 9), device=device)
+    got = linear(x, w, b, out=buf[:, 3:73], config=cfg)
+    assert got.data_ptr() == buf[:, 3:73].data_ptr()
+    assert torch.equal(got, linear(x, w, b, config=cfg))
+    assert torch.isnan(buf[:, :3]).all() and torch.isnan(buf[:, 73:]).all()
+
+
 # ----------------------------------------------------------------------------- linear_heads
 
 HEAD_SHAPES = [(5, 4, 64, 96), (1, 3, 48, 17), (19, 2, 128, 40)]   # (B, G, K, N)
@@ -239,6 +251,17 @@ def test_linear_heads_is_the_per_head_loop_bitwise(device, B, G, K, N, wdt):
     loop = torch.stack([linear(x[:, h], w[h]) for h in range(G)], dim=1)
     assert torch.equal(got, loop)
     torch.testing.assert_close(got, L.linear_heads_ref(x, w), **TOL[wdt])
+
+
+def test_linear_heads_with_split_k_runs_the_per_head_loop(device, monkeypatch):
+    """A config with split-K (big K on the GPU) takes the loop; still the per-head linear bits."""
+    split = LinearConfig(block_n=32, block_k=16, split=2, swap=True)
+    monkeypatch.setattr(L, "linear_config", lambda *a, **k: split)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(5, 3, 64, generator=g).to(device)
+    w = torch.randn(3, 40, 64, generator=g).to(torch.bfloat16).to(device)
+    loop = torch.stack([linear(x[:, h], w[h], config=split) for h in range(3)], dim=1)
+    assert torch.equal(L.linear_heads(x, w), loop)
 
 
 _HX = torch.randn(33, 3, 40, generator=torch.Generator().manual_seed(5))
