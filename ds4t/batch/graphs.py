@@ -102,13 +102,13 @@ class StepGraphs:
             return model.forward(StepBatch.from_meta(to_device(meta, model.device), n, o, segs))
         cap = self.graphs.get(key)
         if cap is not None:
-            cap.meta.copy_(to_device(meta, model.device))
+            to_device(meta, model.device, out=cap.meta)
             cap.graph.replay()
             self.stats.replays += 1
             return cap.logits.clone()
         # First step of this key: run it for real on the static buffer (compiling every kernel
         # it needs), then record the same launches reading that buffer.
-        static = to_device(meta, model.device).clone()
+        static = to_device(meta, model.device)
         logits = model.forward(StepBatch.from_meta(static, n, o, segs))
         self.stats.eager += 1
         if self._pool is None:

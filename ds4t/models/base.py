@@ -194,11 +194,14 @@ class StepBatch:
         return cls.from_meta(to_device(meta, device), n, o, segs)
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """Host tensor -> ``device`` without a host sync (through pinned memory on a GPU)."""
-    device = torch.device(device)
+def to_device(t: torch.Tensor, device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Host tensor -> ``device`` (or into ``out``, a device tensor of its shape) without a host
+    sync: through pinned memory on a GPU."""
+    device = torch.device(device if out is None else out.device)
     if device.type == "cuda":
         t = t.pin_memory()
+    if out is not None:
+        return out.copy_(t, non_blocking=True)
     return t.to(device, non_blocking=True)
 
 
