@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
+from ds4t.kernels import activation, norm, rope
 from ds4t.kernels.registry import CheckResult, register_check
 from ds4t.kernels.rope import _cos_sin
 
@@ -618,8 +619,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             **({} if INTERPRET else {"num_warps": 4}),
         )
     if gate is not None:
-        from ds4t.kernels.activation import sigmoid_mul
-        sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))
+        activation.sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))
     return out
 
 
@@ -662,13 +662,10 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     if not ROWS_PATH:
         # GPU: the separate kernels (the norm of a [R*H, D] view for one row, of a copy for many,
         # as the Qwen3-Next layer has always passed them).
-        from ds4t.kernels.norm import rms_norm
-        from ds4t.kernels.rope import rope
-
-        qn = rms_norm(q.reshape(R * H, D), q_norm, eps, zero_centered=zero_centered).view(R, H, D)
-        kn = rms_norm(k.reshape(R * KV, D), k_norm, eps, zero_centered=zero_centered).view(R, KV, D)
-        rope(qn, positions, inv_freq, rotary_dim=rotary_dim, out=out)
-        write_kv(rope(kn, positions, inv_freq, rotary_dim=rotary_dim), v, k_cache, v_cache, slots, positions)
+        qn = norm.rms_norm(q.reshape(R * H, D), q_norm, eps, zero_centered=zero_centered).view(R, H, D)
+        kn = norm.rms_norm(k.reshape(R * KV, D), k_norm, eps, zero_centered=zero_centered).view(R, KV, D)
+        rope.rope(qn, positions, inv_freq, rotary_dim=rotary_dim, out=out)
+        write_kv(rope.rope(kn, positions, inv_freq, rotary_dim=rotary_dim), v, k_cache, v_cache, slots, positions)
         return out
     BH, BKV = triton.next_power_of_2(H), triton.next_power_of_2(KV)
     BD, BDV = triton.next_power_of_2(D), triton.next_power_of_2(DV)

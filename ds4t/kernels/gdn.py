@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
+from ds4t.kernels import norm
 from ds4t.kernels.registry import CheckResult, register_check
 
 L2_EPS = 1e-6
@@ -308,9 +309,8 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         num_warps=nw,
     )
     if gated_norm is not None:
-        from ds4t.kernels.norm import gated_rms_norm
         z, norm_w, eps = gated_norm
-        out = gated_rms_norm(out.view(R * Hv, Dv), z.reshape(R * Hv, Dv), norm_w, eps).view(R, Hv, Dv)
+        out = norm.gated_rms_norm(out.view(R * Hv, Dv), z.reshape(R * Hv, Dv), norm_w, eps).view(R, Hv, Dv)
     return out
 
 
