@@ -7,8 +7,9 @@ from typing import Callable, Sequence
 import torch
 
 
-def poisoned(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """A fresh tensor full of NaN: elements a kernel fails to write stay NaN and fail the test."""
+def poisoned(shape, dtype=torch.float32, device=None) -> torch.Tensor:
+    """A fresh tensor full of NaN: elements a kernel fails to write stay NaN and fail the test.
+    ``device=None``: torch's default device (the kernels' device under ``on_kernel_device``)."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 

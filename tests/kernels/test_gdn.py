@@ -144,11 +144,13 @@ def test_reference_matches_hf(Hk, Hv, Dk, Dv):
         torch_recurrent_gated_delta_rule,
     )
 
-    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, default_device())
+    # the reference against HF's torch forms: both plain torch, compared on the CPU (on the H200
+    # HF's chunked form, with its in-chunk triangular solve, was 5e-4 off: not what is tested here)
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, "cpu")
     # decode: B rows, one token each (HF batch B, T=1)
     B = 4
-    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, default_device())
-    slots = torch.tensor([3, 6, 0, 1], dtype=torch.int32)
+    q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, "cpu")
+    slots = torch.tensor([3, 6, 0, 1], dtype=torch.int32, device="cpu")
     st_r = state0.clone()
     ref = gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, st_r, slots)
     hq, hk, hv, hg, hb = _hf_inputs(q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log, dt_bias)
@@ -159,7 +161,7 @@ def test_reference_matches_hf(Hk, Hv, Dk, Dv):
 
     # prefill: T tokens of one session, against HF's recurrent and chunked forms
     T = 9
-    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, default_device())
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, "cpu")
     st_r = state0.clone()
     ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, st_r, 4)
     hq, hk, hv, hg, hb = _hf_inputs(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias)

@@ -129,9 +129,9 @@ def test_matches_hf_transformers(device):
     assert torch.equal(inv, default_inv_freq(8, 10000.0))
     x = q[0].transpose(0, 1).contiguous().to(device)                 # [T, H, D] rows
     got = _run(x, pos[0].to(device), inv.to(device), scale=emb.attention_scaling)
-    torch.testing.assert_close(got.cpu(), hq[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got.cpu(), hq[0].transpose(0, 1).cpu(), atol=2e-6, rtol=1e-5)
     got_k = _run(k[0].transpose(0, 1).contiguous().to(device), pos[0].to(device), inv.to(device))
-    torch.testing.assert_close(got_k.cpu(), hk[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got_k.cpu(), hk[0].transpose(0, 1).cpu(), atol=2e-6, rtol=1e-5)
 
     # DeepSeek-V3: YaRN, interleaved pairs, qk_rope_head_dim 8
     cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, qk_rope_head_dim=8,
@@ -151,7 +151,7 @@ def test_matches_hf_transformers(device):
     P = _deinterleave_perm(8, 8)
     got = _run(q[0].transpose(0, 1).contiguous().to(device), pos[0].to(device), emb.inv_freq.float().to(device),
                interleaved=True, scale=emb.attention_scaling)
-    torch.testing.assert_close(got.cpu()[..., P], hq[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got.cpu()[..., P], hq[0].transpose(0, 1).cpu(), atol=2e-6, rtol=1e-5)
 
 
 def test_default_inv_freq():

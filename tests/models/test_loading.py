@@ -103,7 +103,7 @@ def test_load_bf16_checkpoint_as_fp32(tmp_path):
     m = ds4t.load(str(tmp_path), dtype=torch.float32)
     assert m.dtype == torch.float32
     assert all(t.dtype == torch.float32 for t in _weights(m))
-    assert torch.equal(_params(m)["embed"], sd["model.embed_tokens.weight"].float())
+    assert torch.equal(_params(m)["embed"].cpu(), sd["model.embed_tokens.weight"].float())
 
 
 @pytest.mark.parametrize("bad", ["int8", "float64", torch.float64, torch.int8])

@@ -35,10 +35,12 @@ def test_plan_counts_every_session_at_max_ctx(model):
     server, plan = cli.build(args_for("--batched-session", "3", "--max-ctx", "128", "--plan-only"), model=model)
     assert server is None and plan.fits
     assert plan.per_slot == model.pool.bytes_per_slot(128) and plan.sessions == 3 * plan.per_slot
-    assert plan.weights == model.weight_bytes() and plan.total == plan.weights + plan.sessions + plan.workspace
+    assert plan.weights == model.weight_bytes() and plan.total == plan.weights + plan.sessions + plan.workspace + plan.graphs
     text = plan.format()
     assert "3 x" in text and "ctx 128" in text and "fits: yes" in text
-    assert plan.graphs == 0   # CPU: no CUDA graphs
+    assert plan.graphs == graphs.memory_estimate(model, 3)   # 0 on the CPU: no CUDA graphs
+    if model.device.type == "cpu":
+        assert plan.graphs == 0
 
 
 def test_plan_counts_cuda_graph_outputs(monkeypatch):
