@@ -1,13 +1,17 @@
 """Routed MoE experts (SwiGLU), natively batched: each chosen expert's weights are read once for all
 the (row, rank) pairs that chose it.
 
-    out[b] = sum_{j = 0..k-1, in rank order} weights[b, j] * down_e(silu(gate_e(h_b)) * up_e(h_b)),
-    e = ids[b, j]
+    out[b] = sum_{j = 0..KT-1, in rank order} weight[b, j] * down_e(silu(gate_e(h_b)) * up_e(h_b)),
+    e = expert[b, j]
 
 Shapes: h [B, D] (fp32; bf16/fp16 upcast), ids [B, k] int32/int64 in [0, E) (from
 :mod:`ds4t.kernels.router`; every pair must name a valid expert, none is skipped),
 weights [B, k] fp32, w_gate / w_up [E, I, D], w_down [E, D, I] (fp32, bf16 or fp16, all one dtype;
 HF's fused ``gate_up_proj`` [E, 2I, D] splits into ``[:, :I]`` and ``[:, I:]`` views, which work as is).
+Ranks 0..k-1 are the routed pairs (ids, weights). With ``shared_expert=s`` every row has one more
+rank, k (KT = k + 1): expert s with weight sigmoid(shared_gate[b]) (fp32 [B], any stride: Qwen3-Next
+gates its shared expert by a router row), or 1 without a gate. A shared expert therefore costs no
+host-side concatenation of ids and weights, and is combined last, in the same order everywhere.
 
 Numerics: the activation is rounded to the weight dtype before each product (h before gate/up,
 silu(g)·u before down); products accumulate in fp32 (``ds4t.backend.mma``); silu, the product g·u,
@@ -15,12 +19,14 @@ the routing weight and the rank sum are fp32. Returns fp32 [B, D].
 
 How it runs (no host synchronisation; every grid comes from shapes):
 
-1. Group the P = B·k pairs by expert on the device: a stable sort of the flat expert ids gives the
-   pairs of expert e as ``order[bounds[e]:bounds[e+1]]`` (``bounds`` from ``searchsorted``).
+1. ``_moe_group_kernel``, grid (E,): program e scans the P = B·KT pairs and lists the pairs that chose
+   e, in pair order, at ``order[bounds[e]:bounds[e+1]]`` (``bounds[e]`` = pairs with a smaller expert
+   id). One launch; it replaces a sort, a search and their casts, which cost more than the experts
+   themselves at decode sizes (H200 profile, bench/results).
 2. ``_moe_gate_up_kernel``, grid (E, cdiv(I, BN)): program (e, n) loops over its expert's pairs in
    tiles of BLOCK_M = 16 rows, K (= D) in fixed BK steps, and writes silu(g)·u for its I columns to a
    per-pair buffer act [P, I]. Programs of experts nobody chose run zero iterations.
-3. ``_moe_down_kernel``, grid (E, cdiv(D, BN)): the same over I, writes y [P, D] (= [B, k, D]).
+3. ``_moe_down_kernel``, grid (E, cdiv(D, BN)): the same over I, writes y [P, D] (= [B, KT, D]).
 4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
 
 Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
@@ -48,7 +54,8 @@ def _tiles(N: int, K: int):
     if INTERPRET:
         # few, big programs: the interpreter pays per program and per op
         return max(16, min(128, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K)))
-    return max(16, min(64, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
+    return (max(16, min(GPU_TILE_N, triton.next_power_of_2(N))),
+            max(16, min(GPU_TILE_K, triton.next_power_of_2(K))))
 
 
 _INTERPRET_C = tl.constexpr(INTERPRET)
@@ -74,6 +81,55 @@ def _mma_rows(a, b, acc):
 @triton.jit
 def _silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _pair_expert(ids_ptr, si_b, b, j, mask, KTOP: tl.constexpr, SHARED):
+    """Expert of pair (row b, rank j): ids[b, j] for the routed ranks j < KTOP, the shared expert
+    ``SHARED`` at rank KTOP. Masked-off pairs give -1."""
+    e = tl.load(ids_ptr + b * si_b + j, mask=mask & (j < KTOP), other=0).to(tl.int32)
+    e = tl.where(j < KTOP, e, SHARED)
+    return tl.where(mask, e, -1)
+
+
+@triton.jit
+def _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, b, j, mask, KTOP: tl.constexpr, GATED: tl.constexpr):
+    """Weight of pair (b, j): weights[b, j] for j < KTOP; at rank KTOP (the shared expert)
+    sigmoid(gate[b]) when GATED, else 1. Masked-off pairs give 0."""
+    w = tl.load(w_ptr + b * sw_b + j, mask=mask & (j < KTOP), other=0.0).to(tl.float32)
+    if GATED:
+        g = tl.load(gate_ptr + b * sg_b, mask=mask & (j >= KTOP), other=0.0).to(tl.float32)
+        ws = 1.0 / (1.0 + tl.exp(-g))
+    else:
+        ws = 1.0
+    return tl.where(mask, tl.where(j < KTOP, w, ws), 0.0)
+
+
+@triton.jit
+def _moe_group_kernel(
+    ids_ptr, si_b, order_ptr, bounds_ptr, P, SHARED,
+    KTOP: tl.constexpr, KT: tl.constexpr, BP: tl.constexpr,
+):
+    """Program e: bounds[e] = #pairs with expert < e, bounds[e+1] (last program) = P, and the pairs
+    of expert e in pair order at order[bounds[e]:]. Two scans of the pairs; nothing shared between
+    programs, so no atomics and no ordering between programs."""
+    e = tl.program_id(0)
+    start = 0
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        pe = _pair_expert(ids_ptr, si_b, (p // KT).to(tl.int64), p % KT, p < P, KTOP, SHARED)
+        start += tl.sum(((pe >= 0) & (pe < e)).to(tl.int32), axis=0)
+    tl.store(bounds_ptr + e, start)
+    pos = start
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        pe = _pair_expert(ids_ptr, si_b, (p // KT).to(tl.int64), p % KT, p < P, KTOP, SHARED)
+        hit = (pe == e).to(tl.int32)
+        at = pos + tl.cumsum(hit, axis=0) - 1
+        tl.store(order_ptr + at, p, mask=hit > 0)
+        pos += tl.sum(hit, axis=0)
+    if e == tl.num_programs(0) - 1:
+        tl.store(bounds_ptr + e + 1, P)
 
 
 @triton.jit
@@ -146,8 +202,8 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_combine_kernel(
-    y_ptr, sy_p, w_ptr, sw_b, out_ptr, so_b, B, D,
-    KTOP: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+    y_ptr, sy_p, w_ptr, sw_b, gate_ptr, sg_b, out_ptr, so_b, B, D,
+    KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -155,26 +211,27 @@ def _moe_combine_kernel(
     m2 = rm[:, None] & (n < D)[None, :]
     r64 = r.to(tl.int64)
     acc = tl.zeros([ROWS, BD], dtype=tl.float32)
-    for j in tl.static_range(KTOP):
-        wj = tl.load(w_ptr + r64 * sw_b + j, mask=rm, other=0.0).to(tl.float32)
-        yj = tl.load(y_ptr + (r64 * KTOP + j)[:, None] * sy_p + n[None, :], mask=m2, other=0.0)
+    for j in tl.static_range(KT):
+        wj = _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, r64, j, rm, KTOP, GATED)
+        yj = tl.load(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], mask=m2, other=0.0)
         acc = acc + wj[:, None] * yj
     tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
 
 
 @triton.jit
 def _moe_rows_kernel(
-    h_ptr, sh_b, ids_ptr, si_b, wts_ptr, swt_b,
+    h_ptr, sh_b, ids_ptr, si_b, wts_ptr, swt_b, gate_ptr, sg_b, SHARED,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
     wd_ptr, sd_e, sd_n, sd_k,
     out_ptr, so_b, B,
-    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, WDT: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr,
+    WDT: tl.constexpr, ROWS: tl.constexpr,
     KP: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
     """Interpreter path: gate/up, down and the rank combine of ROWS rows in one program.
 
     Every (row, rank) pair gathers its own expert's weight tiles ([ROWS, KP, ., .] tiles, KP =
-    next_pow2(KTOP) ranks; padded ranks have weight 0), so nothing is grouped by expert. A pair's
+    next_pow2(KT) ranks; padded ranks use expert 0 with weight 0), so nothing is grouped by expert. A pair's
     arithmetic is the grouped kernels' own, in their order: gate/up summed over D in BK chunks (the
     grouped gate/up kernel's BK), the down product summed over I in BI chunks (the grouped kernels'
     I tile), each chunk a broadcast product summed over K in order (as :func:`_mma_rows`); the rank
@@ -189,12 +246,9 @@ def _moe_rows_kernel(
     ii = tl.arange(0, BI)
     dd = tl.arange(0, BD)
     r2 = r64[:, None]
-    if KP == KTOP:
-        e = tl.load(ids_ptr + r2 * si_b + j).to(tl.int64)                 # [ROWS, KP]
-        wj = tl.load(wts_ptr + r2 * swt_b + j).to(tl.float32)
-    else:  # padded ranks: expert 0 (in bounds), weight 0
-        e = tl.load(ids_ptr + r2 * si_b + j, mask=j < KTOP, other=0).to(tl.int64)
-        wj = tl.load(wts_ptr + r2 * swt_b + j, mask=j < KTOP, other=0.0).to(tl.float32)
+    live = (j < KT) & (r2 >= 0)                                          # [ROWS, KP]
+    e = tl.maximum(_pair_expert(ids_ptr, si_b, r2, j, live, KTOP, SHARED), 0).to(tl.int64)
+    wj = _pair_weight(wts_ptr, swt_b, gate_ptr, sg_b, r2, j, live, KTOP, GATED)
     e4 = e[:, :, None, None]
     g_ptrs = (e4 * sw_e + (kk * sw_k)[None, None, :, None]) + (ii * sw_n)[None, None, None, :]   # [ROWS, KP, BK, BI]
     d_ptrs = (e4 * sd_e + (ii * sd_k)[None, None, :, None]) + (dd * sd_n)[None, None, None, :]   # [ROWS, KP, BI, BD]
@@ -271,7 +325,7 @@ on the GPU the grouped kernels (each expert's weights read once per batch). Test
 to run the grouped kernels in the interpreter too."""
 
 
-def _check_args(h, ids, weights, w_gate, w_up, w_down):
+def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate):
     if h.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != h.shape[0]:
         raise ValueError(f"h [B, D], ids [B, k], weights [B, k] expected; got {tuple(h.shape)}, "
                          f"{tuple(ids.shape)}, {tuple(weights.shape)}")
@@ -281,7 +335,44 @@ def _check_args(h, ids, weights, w_gate, w_up, w_down):
                          f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
     if not (w_gate.dtype == w_up.dtype == w_down.dtype):
         raise TypeError("w_gate, w_up, w_down must share one dtype")
+    if shared_expert is None:
+        if shared_gate is not None:
+            raise ValueError("shared_gate without shared_expert")
+        if ids.shape[1] == 0:
+            raise ValueError("ids [B, 0]: no expert to run (k = 0 needs a shared_expert)")
+    else:
+        if not 0 <= int(shared_expert) < E:
+            raise ValueError(f"shared_expert={shared_expert} is not an expert index in [0, {E})")
+        if shared_gate is not None and (shared_gate.dim() != 1 or shared_gate.shape[0] != h.shape[0]):
+            raise ValueError(f"shared_gate must be [B={h.shape[0]}], got {tuple(shared_gate.shape)}")
     return E, I, D
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int] = None):
+    """The (row, rank) pairs grouped by expert, on the device, in one launch.
+
+    ids [B, k] int32/int64 (row stride any, unit column stride when k > 1); with ``shared_expert``
+    every row has one more pair, rank k, naming that expert. Pairs are numbered p = b·KT + j.
+    Returns (order int32 [B·KT], bounds int32 [E+1]): the pairs of expert e, in pair order, are
+    ``order[bounds[e]:bounds[e+1]]`` (a stable sort of the pairs by expert)."""
+    B, k = ids.shape
+    KT = k + (shared_expert is not None)
+    P = B * KT
+    order = torch.empty((P,), dtype=torch.int32, device=ids.device)
+    bounds = torch.empty((num_experts + 1,), dtype=torch.int32, device=ids.device)
+    if P == 0:
+        bounds.zero_()
+        return order, bounds
+    _moe_group_kernel[(num_experts,)](
+        ids, ids.stride(0), order, bounds, P, -1 if shared_expert is None else int(shared_expert),
+        KTOP=k, KT=KT, BP=min(1024, triton.next_power_of_2(P)),
+    )
+    return order, bounds
+
+
+GPU_TILE_N = 64
+GPU_TILE_K = 64
+"""The GPU tile caps of the grouped kernels (see :func:`_tiles`); constants, never from B."""
 
 
 def moe_experts(
@@ -292,15 +383,23 @@ def moe_experts(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
+    shared_expert: Optional[int] = None,
+    shared_gate: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for B rows, each with its k (expert id, weight) pairs.
 
     h [B, D], ids [B, k] int32/int64 in [0, E), weights [B, k] fp32, w_gate/w_up [E, I, D],
-    w_down [E, D, I]. Returns fp32 [B, D] (``out`` if given). See the module docstring.
+    w_down [E, D, I]. ``shared_expert`` (an expert index) adds rank k to every row, weighted by
+    sigmoid(``shared_gate`` fp32 [B]) or by 1 (k may then be 0). Returns fp32 [B, D] (``out`` if
+    given). See the module docstring.
     """
-    E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down)
+    E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate)
     B, k = ids.shape
+    KT = k + (shared_expert is not None)
+    SHARED = -1 if shared_expert is None else int(shared_expert)
+    GATED = shared_gate is not None
+    gate = shared_gate if GATED else weights   # any valid pointer when not gated (never read)
     dev = h.device
     if out is None:
         out = torch.empty((B, D), dtype=torch.float32, device=dev)
@@ -308,31 +407,29 @@ def moe_experts(
         return out
     if h.stride(1) != 1:
         h = h.contiguous()
-    rows_cfg = _rows_config(B, k, D, I)
+    ids = ids if ids.stride(1) == 1 or k <= 1 else ids.contiguous()
+    weights = weights if weights.stride(1) == 1 or k <= 1 else weights.contiguous()
+    if w_gate.stride() != w_up.stride():
+        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    sg = gate.stride(0)
+    rows_cfg = _rows_config(B, KT, D, I)
     if rows_cfg is not None:
         ROWS, KP, BI, BK, BD = rows_cfg
-        if w_gate.stride() != w_up.stride():
-            w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
-        ids = ids if ids.stride(1) == 1 else ids.contiguous()
-        weights = weights if weights.stride(1) == 1 else weights.contiguous()
         _moe_rows_kernel[(triton.cdiv(B, ROWS),)](
-            h, h.stride(0), ids, ids.stride(0), weights, weights.stride(0),
+            h, h.stride(0), ids, ids.stride(0), weights, weights.stride(0), gate, sg, SHARED,
             w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
             w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
             out, out.stride(0), B,
-            D=D, I=I, KTOP=k, WDT=tl_dtype(w_gate.dtype), ROWS=ROWS, KP=KP, BI=BI, BK=BK, BD=BD,
+            D=D, I=I, KTOP=k, KT=KT, GATED=GATED, WDT=tl_dtype(w_gate.dtype), ROWS=ROWS, KP=KP, BI=BI, BK=BK,
+            BD=BD,
         )
         return out
-    P = B * k
-    # 1. group pairs by expert on the device (stable: pairs of an expert in pair order)
-    sorted_ids, order = torch.sort(ids.reshape(-1).to(torch.int64), stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=dev, dtype=torch.int64))
-    order = order.to(torch.int32)
+    P = B * KT
+    # 1. group pairs by expert on the device (pairs of an expert in pair order)
+    order, bounds = group_pairs(ids, E, shared_expert)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     y = torch.empty((P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(w_gate.dtype)
-    if w_gate.stride() != w_up.stride():
-        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     # Programs run over a list of experts. On the GPU: all E (programs of unchosen experts exit
     # at once; no host sync, so the step can be captured in a CUDA graph). In the interpreter,
     # where every program costs milliseconds and tensors are already on the host, only the
@@ -348,7 +445,7 @@ def moe_experts(
         h, h.stride(0), order, bounds, experts,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         act, act.stride(0),
-        D, I, k,
+        D, I, KT,
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK,
     )
     # 3. down
@@ -360,12 +457,13 @@ def moe_experts(
         D, I,
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK,
     )
-    # 4. rank-ordered combine
-    ROWS = 16
+    # 4. rank-ordered combine. One row per program on the GPU: rows never mix, and a decode batch
+    # of 16 rows then spreads over 16x more programs (16-row programs left most SMs idle).
+    ROWS = 16 if INTERPRET else 1
     BD = triton.next_power_of_2(D) if INTERPRET else min(256, triton.next_power_of_2(D))
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
-        y, y.stride(0), weights, weights.stride(0), out, out.stride(0), B, D,
-        KTOP=k, ROWS=ROWS, BD=BD,
+        y, y.stride(0), weights, weights.stride(0), gate, sg, out, out.stride(0), B, D,
+        KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD,
     )
     return out
 
@@ -373,9 +471,15 @@ def moe_experts(
 # ----------------------------------------------------------------------------- reference
 
 
-def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, out=None):
+def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None, shared_gate=None, out=None):
     """Plain-torch :func:`moe_experts` (same rounding points, rank-ordered sum)."""
     wdt = w_gate.dtype
+    if shared_expert is not None:
+        B = ids.shape[0]
+        ids = torch.cat([ids.long(), torch.full((B, 1), shared_expert, dtype=torch.long, device=ids.device)], 1)
+        sw = (torch.sigmoid(shared_gate.float()) if shared_gate is not None
+              else torch.ones(B, dtype=torch.float32, device=h.device))
+        weights = torch.cat([weights.float(), sw[:, None]], 1)
     B, k = ids.shape
     x = h.float().to(wdt).float()
     res = torch.zeros((B, w_gate.shape[2]), dtype=torch.float32, device=h.device)

@@ -88,13 +88,9 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
             scores, w.correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.renormalize, rc.scaling)
     else:
         raise ValueError(f"unknown router kind {rc.kind!r}")
-    if w.shared_index is not None:
-        r = x.shape[0]
-        shared_w = (torch.sigmoid(logits[:, e:e + 1]) if w.shared_gated
-                    else torch.ones((r, 1), dtype=weights.dtype, device=x.device))
-        ids = torch.cat([ids, torch.full((r, 1), w.shared_index, dtype=ids.dtype, device=x.device)], dim=1)
-        weights = torch.cat([weights, shared_w.to(weights.dtype)], dim=1)
-    out = moe.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down)
+    # A fused shared expert is the kernel's extra last rank (weight sigmoid(its router row), or 1).
+    out = moe.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index,
+                          shared_gate=logits[:, e] if w.shared_index is not None and w.shared_gated else None)
     if w.shared_gate_up is not None:
         shared = swiglu(x, w.shared_gate_up, w.shared_down)
         if w.shared_gated:

@@ -323,10 +323,8 @@ class DeepseekModel(DecoderModel):
         # Shared experts: one launch over all rows, computed exactly as inside moe_block (the fused
         # extra expert with weight 1 as the last rank, or a SwiGLU of their own), then added last.
         if w.shared_index is not None:
-            n = x.shape[0]
-            ids = torch.full((n, 1), w.shared_index, dtype=torch.int32, device=x.device)
-            ones = torch.ones((n, 1), dtype=torch.float32, device=x.device)
-            shared = moe.moe_experts(x, ids, ones, w.w_gate, w.w_up, w.w_down)
+            none = torch.empty((x.shape[0], 0), dtype=torch.int32, device=x.device)
+            shared = moe.moe_experts(x, none, none.float(), w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index)
         elif w.shared_gate_up is not None:
             shared = swiglu(x, w.shared_gate_up, w.shared_down)
         else:

@@ -134,6 +134,72 @@ def test_moe_bad_shapes():
     wg, wu, wd = _weights(8, 40, 48, torch.float32, 1)
     with pytest.raises(ValueError):
         moe_experts(torch.randn(2, 47), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2), wg, wu, wd)
+    h, ids, w = torch.randn(2, 48), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
+    with pytest.raises(ValueError, match="shared_expert=8"):
+        moe_experts(h, ids, w, wg, wu, wd, shared_expert=8)
+    with pytest.raises(ValueError, match="without shared_expert"):
+        moe_experts(h, ids, w, wg, wu, wd, shared_gate=torch.zeros(2))
+    with pytest.raises(ValueError, match="shared_gate must be"):
+        moe_experts(h, ids, w, wg, wu, wd, shared_expert=7, shared_gate=torch.zeros(3))
+    with pytest.raises(ValueError, match="k = 0"):
+        moe_experts(h, ids[:, :0], w[:, :0], wg, wu, wd)
+
+
+# ----------------------------------------------------------------------------- shared expert rank
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_shared_expert_is_the_last_rank(path, gated, k):
+    """``shared_expert`` = one more rank per row, expert s, weight sigmoid(gate) or 1: the same bits
+    as passing that rank in ids/weights explicitly (weights from the kernel's own sigmoid), and
+    close to the reference."""
+    E, I, D, B = 9, 40, 48, 7
+    wg, wu, wd = _weights(E, I, D, torch.bfloat16, seed=3)
+    ids, w = _routing(B, E - 1, max(k, 1), seed=4)
+    ids, w = ids[:, :k], w[:, :k]
+    h = torch.randn(B, D, generator=gen(5))
+    logits = torch.randn(B, 3, generator=gen(6))
+    gate = logits[:, 2] if gated else None       # a strided column, as a router row gives it
+    res = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, out=poisoned((B, D)))
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate)
+    assert not torch.isnan(res).any()
+    assert ((res - ref).abs().max() / ref.abs().max()).item() <= TOL[torch.bfloat16]
+    if not gated and k > 0:
+        ids_x = torch.cat([ids, torch.full((B, 1), E - 1, dtype=ids.dtype)], 1)
+        w_x = torch.cat([w, torch.ones(B, 1)], 1)
+        assert torch.equal(res, moe_experts(h, ids_x, w_x, wg, wu, wd))
+    # rows stay independent with the extra rank
+    assert torch.equal(res[3], moe_experts(h[3:4], ids[3:4], w[3:4], wg, wu, wd, shared_expert=E - 1,
+                                           shared_gate=None if gate is None else gate[3:4])[0])
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
+@pytest.mark.parametrize("gated", [False, True])
+def test_rows_path_equals_grouped_with_shared_expert(monkeypatch, gated):
+    E, I, D, B, k = 9, 32, 64, 6, 2
+    wg, wu, wd = _weights(E, I, D, torch.float32, seed=11)
+    ids, w = _routing(B, E - 1, k, seed=12)
+    h = torch.randn(B, D, generator=gen(13))
+    gate = torch.randn(B, generator=gen(14)) if gated else None
+    monkeypatch.setattr(M, "ROWS_PATH", True)
+    rows = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate)
+    monkeypatch.setattr(M, "ROWS_PATH", False)
+    assert torch.equal(rows, moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate))
+
+
+@pytest.mark.parametrize("B,k,E,shared", [(1, 1, 4, None), (5, 3, 7, None), (6, 2, 9, 8), (300, 4, 33, 32),
+                                          (3, 0, 5, 2)])
+def test_group_pairs_is_a_stable_sort_by_expert(B, k, E, shared):
+    """order/bounds of the grouping kernel equal a stable sort of the pair experts (300 x 5 pairs:
+    more than one 1024-pair scan chunk)."""
+    g = gen(B + E)
+    ids = torch.randint(0, E if shared is None else E - 1, (B, k), generator=g, dtype=torch.int64).to(torch.int32)
+    order, bounds = M.group_pairs(ids, E, shared)
+    pair_e = ids.long() if shared is None else torch.cat([ids.long(), torch.full((B, 1), shared, device=ids.device)], 1)
+    pair_e = pair_e.reshape(-1).cpu()
+    want_sorted, want_order = torch.sort(pair_e, stable=True)
+    assert torch.equal(order.cpu().long(), want_order)
+    assert torch.equal(bounds.cpu().long(), torch.searchsorted(want_sorted, torch.arange(E + 1, device="cpu")))
 
 
 # ----------------------------------------------------------------------------- batch invariance
