@@ -50,12 +50,9 @@ BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
 
 
 def _tiles(N: int, K: int):
-    """(BN, BK) for a [N, K] weight: from the weight shape and the backend only."""
-    if INTERPRET:
-        # few, big programs: the interpreter pays per program and per op
-        return max(16, min(128, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K)))
-    return (max(16, min(GPU_TILE_N, triton.next_power_of_2(N))),
-            max(16, min(GPU_TILE_K, triton.next_power_of_2(K))))
+    """(BN, BK) of the interpreter for an [N, K] weight (few, big programs: the interpreter pays per
+    program and per op); from the weight shape only. The GPU's come from :data:`GPU_CONFIG`."""
+    return max(16, min(128, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K)))
 
 
 _INTERPRET_C = tl.constexpr(INTERPRET)
@@ -370,9 +367,21 @@ def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int
     return order, bounds
 
 
-GPU_TILE_N = 64
-GPU_TILE_K = 64
-"""The GPU tile caps of the grouped kernels (see :func:`_tiles`); constants, never from B."""
+GPU_CONFIG = {"gate_up": dict(tile_n=64, tile_k=64, num_warps=4, num_stages=3),
+              "down": dict(tile_n=64, tile_k=64, num_warps=4, num_stages=3)}
+"""GPU launch constants of the grouped kernels: tile caps (see :func:`_tiles`), warps, pipeline
+stages. Constants, never from B (bench/moe_tiles.py sweeps them on a GPU)."""
+
+
+def _gpu_launch(kernel: str, N: int, K: int):
+    """(BN, BK, launch kwargs) of a grouped kernel for an [N, K] weight."""
+    if INTERPRET:
+        BN, BK = _tiles(N, K)
+        return BN, BK, {}
+    c = GPU_CONFIG[kernel]
+    BN = max(16, min(c["tile_n"], triton.next_power_of_2(N)))
+    BK = max(16, min(c["tile_k"], triton.next_power_of_2(K)))
+    return BN, BK, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
 
 
 def moe_experts(
@@ -440,22 +449,22 @@ def moe_experts(
         experts = torch.arange(E, device=dev, dtype=torch.int32)
     n_exp = int(experts.shape[0])
     # 2. gate/up + activation
-    BN, BK = _tiles(I, D)
+    BN, BK, kw = _gpu_launch("gate_up", I, D)
     _moe_gate_up_kernel[(n_exp, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         act, act.stride(0),
         D, I, KT,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, **kw,
     )
     # 3. down
-    BN, BK = _tiles(D, I)
+    BN, BK, kw = _gpu_launch("down", D, I)
     _moe_down_kernel[(n_exp, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts,
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
         y, y.stride(0),
         D, I,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, **kw,
     )
     # 4. rank-ordered combine. One row per program on the GPU: rows never mix, and a decode batch
     # of 16 rows then spreads over 16x more programs (16-row programs left most SMs idle).
