@@ -367,10 +367,12 @@ def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int
     return order, bounds
 
 
-GPU_CONFIG = {"gate_up": dict(tile_n=64, tile_k=64, num_warps=4, num_stages=3),
-              "down": dict(tile_n=64, tile_k=64, num_warps=4, num_stages=3)}
-"""GPU launch constants of the grouped kernels: tile caps (see :func:`_tiles`), warps, pipeline
-stages. Constants, never from B (bench/moe_tiles.py sweeps them on a GPU)."""
+GPU_CONFIG = {"gate_up": dict(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
+              "down": dict(tile_n=128, tile_k=128, num_warps=4, num_stages=3)}
+"""GPU launch constants of the grouped kernels: tile caps, warps, pipeline stages. Constants, never
+from B. Chosen by ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three
+families' expert shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles
+(bench/results/2026-11-29-h200-moe-tiles.md)."""
 
 
 def _gpu_launch(kernel: str, N: int, K: int):
@@ -382,6 +384,18 @@ def _gpu_launch(kernel: str, N: int, K: int):
     BN = max(16, min(c["tile_n"], triton.next_power_of_2(N)))
     BK = max(16, min(c["tile_k"], triton.next_power_of_2(K)))
     return BN, BK, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+
+
+_ALL_EXPERTS: dict = {}
+
+
+def _all_experts(E: int, dev: torch.device) -> torch.Tensor:
+    """0..E-1 int32 on ``dev``, made once (an arange launch per MoE layer and step otherwise). Never
+    written, so CUDA graphs that captured it stay valid."""
+    key = (E, str(dev))
+    if key not in _ALL_EXPERTS:
+        _ALL_EXPERTS[key] = torch.arange(E, device=dev, dtype=torch.int32)
+    return _ALL_EXPERTS[key]
 
 
 def moe_experts(
@@ -446,7 +460,7 @@ def moe_experts(
     if INTERPRET:
         experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
     else:
-        experts = torch.arange(E, device=dev, dtype=torch.int32)
+        experts = _all_experts(E, dev)
     n_exp = int(experts.shape[0])
     # 2. gate/up + activation
     BN, BK, kw = _gpu_launch("gate_up", I, D)

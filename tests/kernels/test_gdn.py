@@ -132,9 +132,11 @@ def test_prefill_fresh_session_long(device):
 
 
 def _hf_inputs(q, k, v, a, b, A_log, dt_bias):
-    """HF layout [1 or B, T, H, D] and its g/beta, computed as Qwen3NextGatedDeltaNet.forward does."""
+    """HF layout [1 or B, T, H, D] and its g/beta, computed as Qwen3NextGatedDeltaNet.forward does
+    (q/k heads repeated to the v heads there, before the rule is called)."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return q, k, v, g, b.sigmoid()
+    r = v.shape[2] // q.shape[2]
+    return q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2), v, g, b.sigmoid()
 
 
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)

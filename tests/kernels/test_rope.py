@@ -151,7 +151,7 @@ def test_matches_hf_transformers(device):
     P = _deinterleave_perm(8, 8)
     got = _run(q[0].transpose(0, 1).contiguous().to(device), pos[0].to(device), emb.inv_freq.float().to(device),
                interleaved=True, scale=emb.attention_scaling)
-    torch.testing.assert_close(got.cpu()[..., P], hq[0].transpose(0, 1).cpu(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got[..., P].cpu(), hq[0].transpose(0, 1).cpu(), atol=2e-6, rtol=1e-5)
 
 
 def test_default_inv_freq():
