@@ -67,6 +67,7 @@ def record(presets, checks: bool) -> list:
 
     for m in (attention, conv, gdn, moe):
         m.ROWS_PATH = False
+    moe.DEVICE_EXPERT_LIST = True
     linear._CLAMP_ROWS = False
     seen, out = set(), []
     original = interp.InterpretedFunction.run

@@ -23,10 +23,11 @@ How it runs (no host synchronisation; every grid comes from shapes):
    e, in pair order, at ``order[bounds[e]:bounds[e+1]]`` (``bounds[e]`` = pairs with a smaller expert
    id). One launch; it replaces a sort, a search and their casts, which cost more than the experts
    themselves at decode sizes (H200 profile, bench/results).
-2. ``_moe_gate_up_kernel``, grid (E, cdiv(I, BN)): program (e, n) loops over its expert's pairs in
+2. ``_moe_gate_up_kernel``, grid (min(E, P), cdiv(I, BN)): program (i, n) takes the i-th chosen
+   expert (from ``bounds``; slots past the chosen experts run zero iterations), loops over its pairs in
    tiles of BLOCK_M = 16 rows, K (= D) in fixed BK steps, and writes silu(g)·u for its I columns to a
-   per-pair buffer act [P, I]. Programs of experts nobody chose run zero iterations.
-3. ``_moe_down_kernel``, grid (E, cdiv(D, BN)): the same over I, writes y [P, D] (= [B, KT, D]).
+   per-pair buffer act [P, I].
+3. ``_moe_down_kernel``, grid (min(E, P), cdiv(D, BN)): the same over I, writes y [P, D] (= [B, KT, D]).
 4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
 
 Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
@@ -130,17 +131,44 @@ def _moe_group_kernel(
 
 
 @triton.jit
+def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: tl.constexpr):
+    """(expert, first pair, end pair) of this program (program_id(0) = slot i).
+
+    DEVICE_LIST: slot i runs the i-th chosen expert in id order, found from ``bounds`` on the device
+    (a grid of min(E, P) slots, not E: at decode sizes most experts are unchosen, and thousands of
+    programs that only exit cost the H200 more than the work itself). A slot past the chosen experts
+    runs zero iterations. Otherwise slot i runs ``experts[i]`` (the interpreter's host-made list).
+    Either way an expert's arithmetic does not depend on the slot that runs it."""
+    i = tl.program_id(0)
+    if DEVICE_LIST:
+        ev = tl.arange(0, BE)
+        lo = tl.load(bounds_ptr + ev, mask=ev < E, other=0)
+        hi = tl.load(bounds_ptr + ev + 1, mask=ev < E, other=0)
+        chosen = (hi > lo).to(tl.int32)
+        slot = tl.cumsum(chosen, axis=0) - 1
+        e = tl.max(tl.where((chosen > 0) & (slot == i), ev, -1), axis=0)
+        ok = e >= 0
+        e = tl.maximum(e, 0)
+    else:
+        e = tl.load(experts_ptr + i)
+        ok = e >= 0
+    start = tl.load(bounds_ptr + e).to(tl.int32)
+    end = tl.load(bounds_ptr + e + 1).to(tl.int32)
+    end = tl.where(ok, end, start)
+    return e, start, end
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
     act_ptr, sa_p,
-    D, I, KTOP,
+    D, I, KTOP, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
-    e = tl.load(experts_ptr + tl.program_id(0))
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
-    start = tl.load(bounds_ptr + e).to(tl.int32)
-    end = tl.load(bounds_ptr + e + 1).to(tl.int32)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
@@ -171,13 +199,12 @@ def _moe_down_kernel(
     act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
     wd_ptr, sw_e, sw_n, sw_k,
     y_ptr, sy_p,
-    D, I,
+    D, I, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
-    e = tl.load(experts_ptr + tl.program_id(0))
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
-    start = tl.load(bounds_ptr + e).to(tl.int32)
-    end = tl.load(bounds_ptr + e + 1).to(tl.int32)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
     wbase = e.to(tl.int64) * sw_e
@@ -321,6 +348,10 @@ ROWS_PATH = INTERPRET
 on the GPU the grouped kernels (each expert's weights read once per batch). Tests set it to False
 to run the grouped kernels in the interpreter too."""
 
+DEVICE_EXPERT_LIST = not INTERPRET
+"""Grouped kernels: programs find their expert on the device (min(E, P) slots; the GPU) or read a
+host-made list of the chosen experts (the interpreter). Tests flip it to run both in the interpreter."""
+
 
 def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate):
     if h.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != h.shape[0]:
@@ -386,18 +417,6 @@ def _gpu_launch(kernel: str, N: int, K: int):
     return BN, BK, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
 
 
-_ALL_EXPERTS: dict = {}
-
-
-def _all_experts(E: int, dev: torch.device) -> torch.Tensor:
-    """0..E-1 int32 on ``dev``, made once (an arange launch per MoE layer and step otherwise). Never
-    written, so CUDA graphs that captured it stay valid."""
-    key = (E, str(dev))
-    if key not in _ALL_EXPERTS:
-        _ALL_EXPERTS[key] = torch.arange(E, device=dev, dtype=torch.int32)
-    return _ALL_EXPERTS[key]
-
-
 def moe_experts(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -453,32 +472,33 @@ def moe_experts(
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     y = torch.empty((P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(w_gate.dtype)
-    # Programs run over a list of experts. On the GPU: all E (programs of unchosen experts exit
-    # at once; no host sync, so the step can be captured in a CUDA graph). In the interpreter,
-    # where every program costs milliseconds and tensors are already on the host, only the
-    # experts some pair chose. Either way each expert's computation is the same: exactness holds.
-    if INTERPRET:
-        experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
+    # Programs run over slots of chosen experts. On the device list (the GPU): min(E, P) slots,
+    # each finding its expert from ``bounds`` (no host sync, so the step can be captured in a CUDA
+    # graph). Otherwise (the interpreter, where tensors are on the host already) a host list of
+    # the chosen experts. Either way each expert's computation is the same: exactness holds.
+    if DEVICE_EXPERT_LIST:
+        experts, n_slots = bounds, min(E, P)
     else:
-        experts = _all_experts(E, dev)
-    n_exp = int(experts.shape[0])
+        experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
+        n_slots = int(experts.shape[0])
+    BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
     BN, BK, kw = _gpu_launch("gate_up", I, D)
-    _moe_gate_up_kernel[(n_exp, triton.cdiv(I, BN))](
+    _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         act, act.stride(0),
-        D, I, KT,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, **kw,
+        D, I, KT, E,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=DEVICE_EXPERT_LIST, BE=BE, **kw,
     )
     # 3. down
     BN, BK, kw = _gpu_launch("down", D, I)
-    _moe_down_kernel[(n_exp, triton.cdiv(D, BN))](
+    _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts,
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
         y, y.stride(0),
-        D, I,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, **kw,
+        D, I, E,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=DEVICE_EXPERT_LIST, BE=BE, **kw,
     )
     # 4. rank-ordered combine. One row per program on the GPU: rows never mix, and a decode batch
     # of 16 rows then spreads over 16x more programs (16-row programs left most SMs idle).

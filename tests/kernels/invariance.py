@@ -34,8 +34,13 @@ def launcher_path(module, rows_path: bool):
     from ds4t.backend import INTERPRET
 
     saved = module.ROWS_PATH
+    saved_list = getattr(module, "DEVICE_EXPERT_LIST", None)
     module.ROWS_PATH = bool(rows_path) and INTERPRET
+    if saved_list is not None:   # the GPU launchers find their experts on the device
+        module.DEVICE_EXPERT_LIST = not module.ROWS_PATH
     try:
         yield
     finally:
         module.ROWS_PATH = saved
+        if saved_list is not None:
+            module.DEVICE_EXPERT_LIST = saved_list

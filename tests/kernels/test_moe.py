@@ -39,13 +39,15 @@ def _routing(B, E, k, seed, n_hot=None):
     return ids, w
 
 
-@pytest.fixture(params=["rows", "grouped"])
+@pytest.fixture(params=["rows", "grouped", "grouped-host-list"])
 def path(request, monkeypatch):
     """Run a case with the interpreter's one-launch path (``rows``) and with the grouped kernels the
-    GPU runs (``grouped``, in the interpreter too)."""
+    GPU runs (``grouped``: programs find their expert on the device; in the interpreter too), and
+    the grouped kernels reading a host-made expert list (the interpreter's way)."""
     if request.param == "rows" and not INTERPRET:
         pytest.skip("the rows path is the interpreter's")
     monkeypatch.setattr(M, "ROWS_PATH", request.param == "rows")
+    monkeypatch.setattr(M, "DEVICE_EXPERT_LIST", request.param == "grouped")
     return request.param
 
 
@@ -252,6 +254,22 @@ def test_rows_path_equals_grouped_kernels(monkeypatch, dtype, B, E, k, D, I):
     monkeypatch.setattr(M, "ROWS_PATH", False)
     grouped = moe_experts(h, ids, w, wg, wu, wd)
     assert torch.equal(rows, grouped)
+
+
+@pytest.mark.parametrize("device_list", [False, True])
+def test_grouped_paths_agree_bitwise(monkeypatch, device_list):
+    """The expert slot a program runs changes no bit: device-found slots == host-listed experts,
+    with experts unchosen between chosen ones (E = 40, 6 rows x 3 ranks)."""
+    E, I, D, B, k = 40, 32, 64, 6, 3
+    wg, wu, wd = _weights(E, I, D, torch.bfloat16, seed=21)
+    ids, w = _routing(B, E, k, seed=22)
+    h = torch.randn(B, D, generator=gen(23))
+    monkeypatch.setattr(M, "ROWS_PATH", False)
+    monkeypatch.setattr(M, "DEVICE_EXPERT_LIST", device_list)
+    a = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D)))
+    monkeypatch.setattr(M, "DEVICE_EXPERT_LIST", not device_list)
+    b = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D)))
+    assert not torch.isnan(a).any() and torch.equal(a, b)
 
 
 def test_moe_row_invariant_with_duplicates_of_itself():
