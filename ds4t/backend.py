@@ -96,6 +96,19 @@ def cast(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
+@triton.jit
+def sigmoid(x):
+    """1 / (1 + exp(-x)), the one formula every kernel uses (router scores, GDN beta, the shared-expert
+    gate): a value computed by two kernels gets the same bits (``tl.sigmoid`` may lower otherwise)."""
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def silu(x):
+    """x / (1 + exp(-x)), the one SiLU formula of the fused kernels (MoE experts, causal conv)."""
+    return x / (1.0 + tl.exp(-x))
+
+
 TORCH_TO_TL = {
     torch.float32: tl.float32,
     torch.bfloat16: tl.bfloat16,

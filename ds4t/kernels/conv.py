@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
+from ds4t.backend import silu as _silu
 from ds4t.kernels.registry import CheckResult, register_check
 
 
@@ -46,11 +47,6 @@ interpreter too."""
 def _block_t(T: int) -> int:
     # Tokens per tile in prefill; the tile never changes which operations an output sees.
     return 64 if INTERPRET else 16
-
-
-@triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
 
 
 @triton.jit

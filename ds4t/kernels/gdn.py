@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
+from ds4t.backend import INTERPRET, sigmoid, timer
 from ds4t.kernels import norm
 from ds4t.kernels.registry import CheckResult, register_check
 
@@ -66,7 +66,7 @@ def _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS: tl.constexpr):
     q = q * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
     g = -tl.exp(A_log) * _softplus(a + dt_bias)
-    beta = 1.0 / (1.0 + tl.exp(-b))
+    beta = sigmoid(b)
     S = S * tl.exp(g)[:, None, None]
     kv = tl.sum(S * k[:, :, None], axis=1)                 # S^T k   [BH, BV]
     delta = (v - kv) * beta[:, None]
@@ -213,7 +213,7 @@ def _gdn_rows_kernel(
     q = q * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=2) + EPS)[:, :, None]
     g = -tl.exp(A_log) * _softplus(a + dt_bias)
-    beta = 1.0 / (1.0 + tl.exp(-b))
+    beta = sigmoid(b)
     S = S * tl.exp(g)[:, :, None, None]
     kv = tl.sum(S * k[:, :, :, None], axis=2)                 # S^T k   [ROWS, BH, BV]
     delta = (v - kv) * beta[:, :, None]

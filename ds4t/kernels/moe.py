@@ -44,7 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
+from ds4t.backend import INTERPRET, cast, mma, sigmoid, timer, tl_dtype
+from ds4t.backend import silu as _silu
 from ds4t.kernels.registry import CheckResult, register_check
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
@@ -77,11 +78,6 @@ def _mma_rows(a, b, acc):
 
 
 @triton.jit
-def _silu(x):
-    return x / (1.0 + tl.exp(-x))
-
-
-@triton.jit
 def _pair_expert(ids_ptr, si_b, b, j, mask, KTOP: tl.constexpr, SHARED):
     """Expert of pair (row b, rank j): ids[b, j] for the routed ranks j < KTOP, the shared expert
     ``SHARED`` at rank KTOP. Masked-off pairs give -1."""
@@ -97,7 +93,7 @@ def _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, b, j, mask, KTOP: tl.constexpr, GA
     w = tl.load(w_ptr + b * sw_b + j, mask=mask & (j < KTOP), other=0.0).to(tl.float32)
     if GATED:
         g = tl.load(gate_ptr + b * sg_b, mask=mask & (j >= KTOP), other=0.0).to(tl.float32)
-        ws = 1.0 / (1.0 + tl.exp(-g))
+        ws = sigmoid(g)
     else:
         ws = 1.0
     return tl.where(mask, tl.where(j < KTOP, w, ws), 0.0)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
+from ds4t.backend import INTERPRET, sigmoid, timer
 from ds4t.kernels.registry import CheckResult, register_check
 
 DROPPED_SCORE: float = float("-inf")
@@ -116,7 +116,7 @@ def _sigmoid_grouped_kernel(
     cm = c < E
     x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx_b + c[None, :], mask=rm[:, None] & cm[None, :],
                 other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-x))
+    s = sigmoid(x)
     bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
     biased = s + bias[None, :]
     gid = c // GS
