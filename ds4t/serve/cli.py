@@ -20,6 +20,69 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    try:
+        v = int(text) if text else default
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise SystemExit(f"ds4t serve: ${name} must be an integer >= 0, got {text!r}")
+    return v
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return v
+
+
+def _size(text: str) -> int:
+    from ds4t.serve.planner import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _cache_dir(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cuda, cuda:N or cpu)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU is available on this machine")
+    if dev.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text}: ds4t runs on cuda or cpu")
+    return text
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server: N resident sessions, decode steps batched",
@@ -30,32 +93,46 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    pos, nonneg = _int_at_least(1), _int_at_least(0)
     p.add_argument("--model", default="tiny-qwen", help="preset name or HF checkpoint directory")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: the checkpoint's)")
-    p.add_argument("--batched-session", type=int, default=1, metavar="N",
+    p.add_argument("--device", default=None, type=_device, help="cuda or cpu (default: cuda if present)")
+    from ds4t.models.checkpoint import DTYPES
+
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="weights and activations (default: the checkpoint's)")
+    p.add_argument("--batched-session", type=pos, default=1, metavar="N",
                    help="resident sessions allocated at start; requests beyond N wait (FIFO)")
-    p.add_argument("--max-ctx", type=int, default=None, metavar="C",
+    p.add_argument("--max-ctx", type=pos, default=None, metavar="C",
                    help="context of every session (default: min(4096, the model's max positions))")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
-    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+    p.add_argument("--port", type=nonneg, default=8000, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--memory-limit", default=None, type=_size, metavar="SIZE",
                    help="refuse to start when the plan exceeds SIZE (e.g. 80GiB); default: the device's free memory")
-    p.add_argument("--coalesce-us", type=int, default=None, metavar="US",
+    p.add_argument("--coalesce-us", type=nonneg, default=None, metavar="US",
                    help=f"after new arrivals, wait up to US for more before the step, while slots are free "
                         f"(default ${ENV_COALESCE} or 2000; 0: never wait)")
     p.add_argument("--batch-log", action="store_true", default=None,
                    help=f"log every batch: items, rows, paths, elapsed (or ${ENV_BATCH_LOG}=1)")
-    p.add_argument("--prefill-chunk", type=int, default=128, metavar="T",
+    p.add_argument("--prefill-chunk", type=pos, default=128, metavar="T",
                    help="prompt tokens per step while anything decodes (default 128)")
-    p.add_argument("--prefill-chunk-idle", type=int, default=512, metavar="T",
+    p.add_argument("--prefill-chunk-idle", type=pos, default=512, metavar="T",
                    help="prompt tokens per step while nothing decodes (default 512)")
-    p.add_argument("--kv-cache-dir", default=None, metavar="DIR",
-                   help="save idle sessions' states here before reusing their slot; restore them when the "
-                        "conversation returns")
-    p.add_argument("--kv-cache-max-entries", type=int, default=256, metavar="K",
+    p.add_argument("--kv-cache-dir", default=None, type=_cache_dir, metavar="DIR",
+                   help="save idle sessions' states here (created 0700, one server per directory) before "
+                        "reusing their slot; restore them when the conversation returns")
+    p.add_argument("--kv-cache-max-entries", type=pos, default=256, metavar="K",
                    help="saved states kept in --kv-cache-dir (least recently used dropped first)")
-    p.add_argument("--max-waiting", type=int, default=1024, help="waiting requests before answering 503")
+    p.add_argument("--max-waiting", type=nonneg, default=1024, metavar="Q",
+                   help="requests that may wait for a busy slot; more get 503 (0: no queue, only idle slots "
+                        "are taken; default 1024)")
+    p.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="at SIGTERM/SIGINT: new requests get 503 while held ones finish for up to S seconds; "
+                        "then open streams end with an error event and [DONE] (default 30)")
+    p.add_argument("--idle-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="close a connection that has not sent a complete request (headers) within S seconds, "
+                        "at its start or between keep-alive requests (default 30)")
+    p.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="answer 408 when a request body has not arrived within S seconds (default 30)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: preset or directory name)")
     p.add_argument("--mode", default="auto", choices=["auto", "ordered"],
                    help="eval_batch mode: auto (native where the model allows) or ordered (each session "
@@ -67,28 +144,34 @@ def build(args, model=None):
     """(server, plan) from parsed arguments; server is None when the plan does not fit."""
     import ds4t
     from ds4t.serve.http import Server
-    from ds4t.serve.planner import parse_size, plan
+    from ds4t.serve.persistence import KVStoreError
+    from ds4t.serve.planner import plan
 
-    if args.batched_session < 1:
-        raise SystemExit("ds4t serve: --batched-session must be >= 1")
     if model is None:
-        model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
-    max_ctx = args.max_ctx or min(4096, model.max_position)
-    if max_ctx < 1 or max_ctx > model.max_position:
+        try:
+            model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
+        except (ds4t.CheckpointError, ValueError, KeyError, OSError) as e:
+            raise SystemExit(f"ds4t serve: cannot load {args.model!r}: {e}") from None
+    max_ctx = args.max_ctx if args.max_ctx is not None else min(4096, model.max_position)
+    if max_ctx > model.max_position:
         raise SystemExit(f"ds4t serve: --max-ctx must be in [1, {model.max_position}] for this model, got {max_ctx}")
-    limit = parse_size(args.memory_limit) if args.memory_limit else None
-    coalesce = args.coalesce_us if args.coalesce_us is not None else int(os.environ.get(ENV_COALESCE, "2000"))
+    coalesce = args.coalesce_us if args.coalesce_us is not None else _env_int(ENV_COALESCE, 2000)
     batch_log = args.batch_log if args.batch_log is not None else _env_flag(ENV_BATCH_LOG)
     p = plan(model, args.batched_session, max_ctx, args.batched_session + max(args.prefill_chunk, args.prefill_chunk_idle),
-             memory_limit=limit)
+             memory_limit=args.memory_limit)
     if not p.fits or args.plan_only:
         return None, p
     model_id = args.served_model_name or (args.model if not os.path.isdir(args.model)
                                           else os.path.basename(os.path.abspath(args.model)))
-    server = Server(model, slots=args.batched_session, max_ctx=max_ctx, model_id=model_id, coalesce_us=coalesce,
-                    prefill_chunk=args.prefill_chunk, prefill_chunk_idle=args.prefill_chunk_idle,
-                    kv_cache_dir=args.kv_cache_dir, kv_cache_max_entries=args.kv_cache_max_entries,
-                    max_waiting=args.max_waiting, batch_log=batch_log, mode=args.mode)
+    try:
+        server = Server(model, slots=args.batched_session, max_ctx=max_ctx, model_id=model_id, coalesce_us=coalesce,
+                        prefill_chunk=args.prefill_chunk, prefill_chunk_idle=args.prefill_chunk_idle,
+                        kv_cache_dir=args.kv_cache_dir, kv_cache_max_entries=args.kv_cache_max_entries,
+                        max_waiting=args.max_waiting, batch_log=batch_log, mode=args.mode,
+                        drain_timeout=args.drain_timeout, idle_timeout=args.idle_timeout,
+                        body_timeout=args.body_timeout)
+    except KVStoreError as e:
+        raise SystemExit(f"ds4t serve: --kv-cache-dir: {e}") from None
     server.aliases.add(args.model)
     return server, p
 
@@ -133,12 +216,23 @@ def run(args) -> int:
     except OSError as e:
         print(f"ds4t serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+    if server.exit_code:
+        print(f"ds4t serve: stopped: {server.worker.fatal} (exit {server.exit_code}: restart me)",
+              file=sys.stderr, flush=True)
+        return server.exit_code
     print("ds4t serve: stopped", flush=True)
     return 0
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Usage errors as one line naming the option, not the whole usage text."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ds4t serve", description=__doc__)
+    p = OneLineErrors(prog="ds4t serve", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 
@@ -147,8 +241,9 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def spawn(argv, env=None, timeout: float = 180.0, cwd=None):
-    """Start ``python -m ds4t.serve *argv`` in a subprocess and wait until it listens.
+def spawn(argv, env=None, timeout: float = 180.0, cwd=None, program=("-m", "ds4t.serve")):
+    """Start ``python -m ds4t.serve *argv`` (or ``python *program *argv``) in a subprocess and wait
+    until it listens.
 
     Returns (process, base URL such as ``http://127.0.0.1:PORT``, what it printed up to then: the
     memory plan and banner). The server's output is drained in
@@ -161,7 +256,7 @@ def spawn(argv, env=None, timeout: float = 180.0, cwd=None):
     import threading
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "ds4t.serve", *argv], cwd=cwd,
+    p = subprocess.Popen([sys.executable, *program, *argv], cwd=cwd,
                          env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     lines = []

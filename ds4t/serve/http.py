@@ -4,7 +4,14 @@ streaming), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus text).
 Extensions to the OpenAI request: ``top_k`` (0: off), ``stop_token_ids``, ``ignore_eos``,
 ``return_token_ids`` (adds ``token_ids`` and ``prompt_token_ids`` to the choice); a completion
 ``prompt`` may be a list of token ids. Errors are OpenAI-shaped: ``{"error": {"message", "type",
-"param", "code"}}`` with a 4xx status for anything the client can fix.
+"param", "code"}}`` with a 4xx status for anything the client can fix. Every error answer -- also
+404/405/413/408 from the HTTP layer and a 500 from a bug -- is such a JSON body and is counted in
+``http_errors_total{status}`` (one middleware does both).
+
+Timeouts: a connection that has not sent a complete request within ``idle_timeout`` s (at the start,
+or between keep-alive requests) is closed; a body not received within ``body_timeout`` s gets a 408.
+Shutdown (:meth:`Server.close`): new requests get 503 while held ones finish for up to
+``drain_timeout`` s; streams still open then end with an error event and ``data: [DONE]``.
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ from ds4t.serve.worker import DecodeWorker, GenParams, Overloaded, Request
 log = logging.getLogger("ds4t.serve")
 
 DEFAULT_MAX_TOKENS = 16
+METRICS = web.AppKey("metrics", Metrics)
+MAX_JSON_DEPTH = 64   # the API's bodies nest 4 deep; json.loads recurses per level (RecursionError past ~1000)
 
 
 class ApiError(Exception):
@@ -40,6 +49,54 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
                                             "code": self.code}}, status=self.status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every error answer as an OpenAI-shaped JSON body, counted by status; a bug is a 500, not a crash."""
+    metrics = request.app[METRICS]
+    try:
+        resp = await handler(request)
+    except ApiError as e:
+        resp = e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        text = e.text or ""
+        msg = text if text and not text.startswith(f"{e.status}:") else f"{e.reason}: {request.method} {request.path}"
+        resp = ApiError(e.status, msg, type_="server_error" if e.status >= 500 else "invalid_request_error").response()
+        if "Allow" in e.headers:  # a 405 says which methods exist
+            resp.headers["Allow"] = e.headers["Allow"]
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        resp = ApiError(500, f"internal error: {type(e).__name__}", type_="server_error").response()
+    if resp.status >= 400:
+        metrics.inc("http_errors_total", status=str(resp.status))
+    return resp
+
+
+def _json_depth(raw: bytes) -> int:
+    """Deepest nesting of [ and { outside strings, counted without parsing (bounded work per byte)."""
+    depth = best = 0
+    in_str = esc = False
+    for c in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif c == 0x5C:  # backslash
+                esc = True
+            elif c == 0x22:
+                in_str = False
+        elif c == 0x22:
+            in_str = True
+        elif c in (0x5B, 0x7B):
+            depth += 1
+            best = max(best, depth)
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return best
 
 
 def _int(body: dict, name: str, default=None, lo=None, hi=None, what="an integer"):
@@ -74,7 +131,8 @@ class Server:
     def __init__(self, model, *, slots: int, max_ctx: int, model_id: Optional[str] = None,
                  coalesce_us: int = 2000, prefill_chunk: int = 128, prefill_chunk_idle: int = 512,
                  kv_cache_dir: Optional[str] = None, kv_cache_max_entries: int = 256, max_waiting: int = 1024,
-                 batch_log: bool = False, mode: str = "auto"):
+                 batch_log: bool = False, mode: str = "auto", drain_timeout: float = 30.0,
+                 idle_timeout: float = 30.0, body_timeout: float = 30.0):
         self.model = model
         self.model_id = model_id or os.path.basename(str(model.name).rstrip("/")) or str(model.name)
         self.aliases = {self.model_id, str(model.name)}
@@ -85,13 +143,18 @@ class Server:
         self.store = None
         if kv_cache_dir:
             def on_event(kind, msg):
-                if kind == "corrupt":
-                    self.metrics.inc("kv_corrupt_total")
+                if kind in ("corrupt", "missing", "skipped"):
+                    self.metrics.inc(f"kv_{kind}_total")
             self.store = KVStore(kv_cache_dir, model_fingerprint(model, self.pool.zero_state),
                                  max_entries=kv_cache_max_entries, on_event=on_event)
         self.worker = DecodeWorker(self.pool, metrics=self.metrics, store=self.store, coalesce_us=coalesce_us,
                                    prefill_chunk=prefill_chunk, prefill_chunk_idle=prefill_chunk_idle,
-                                   max_waiting=max_waiting, batch_log_enabled=batch_log, mode=mode)
+                                   max_waiting=max_waiting, batch_log_enabled=batch_log, mode=mode,
+                                   on_fatal=self._on_fatal)
+        self.drain_timeout = float(drain_timeout)
+        self.idle_timeout = float(idle_timeout)
+        self.body_timeout = float(body_timeout)
+        self.exit_code = 0  # 70 (EX_SOFTWARE) when the decode worker died: a supervisor should restart us
         self.created = int(time.time())
         self._runner: Optional[web.AppRunner] = None
         self._thread: Optional[threading.Thread] = None
@@ -101,7 +164,8 @@ class Server:
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=16 << 20, middlewares=[json_errors])
+        app[METRICS] = self.metrics
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -111,7 +175,12 @@ class Server:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self.worker.start()
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        # keepalive_timeout closes a connection that is idle without a complete request: at its start
+        # (half-open, or headers trickling in) and between keep-alive requests. shutdown_timeout: the
+        # worker has already failed what it held when the runner is cleaned up (close()), so handlers
+        # only have their last events to write.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=self.idle_timeout, shutdown_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -119,10 +188,17 @@ class Server:
         return self.port
 
     async def close(self) -> None:
+        """Drain (503 to new requests, held ones finish for up to ``drain_timeout`` s), then stop the
+        worker -- it fails what is left, so open streams get an error event and [DONE] -- then close
+        the connections."""
+        loop = asyncio.get_running_loop()
+        drained = await loop.run_in_executor(None, self.worker.drain, self.drain_timeout)
+        if not drained:
+            log.warning("drain timeout (%.0f s) reached: failing the requests still held", self.drain_timeout)
+        await loop.run_in_executor(None, self.worker.stop)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         if self.store is not None:
             self.store.close()
         if not self.worker.thread.is_alive():
@@ -138,6 +214,10 @@ class Server:
             await self._stopped.wait()
         finally:
             await self.close()
+
+    def _on_fatal(self, why: str) -> None:  # worker thread
+        self.exit_code = 70
+        self.request_stop()
 
     def request_stop(self) -> None:
         if self._loop is not None and self._stopped is not None:
@@ -173,13 +253,24 @@ class Server:
     # -- parsing -------------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict:
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout:.0f} s") from None
+        if _json_depth(raw) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+        try:
             body = json.loads(raw)
-        except ValueError as e:
+            # a lone UTF-16 surrogate ("\ud800") parses but is no text: no tokenizer can encode it
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "invalid JSON body: a string contains a lone UTF-16 surrogate (not valid Unicode)") from None
+        except (ValueError, RecursionError) as e:
             raise ApiError(400, f"invalid JSON body: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the JSON body must be an object, got {type(body).__name__}")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, f"'model' must be a string, got {type(model).__name__}", "model")
         if model is not None and model not in self.aliases:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_id!r}",
                            "model", "model_not_found")
@@ -227,7 +318,8 @@ class Server:
                            "context_length_exceeded")
         temperature = _float(body, "temperature", 1.0, 0.0, 100.0)
         top_p = _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-        top_k = _int(body, "top_k", 0, -1, None, "an integer >= -1 (0 or -1: off)")
+        V = self.model.vocab_size
+        top_k = _int(body, "top_k", 0, -1, V, f"an integer in [-1, {V}] (0 or -1: off; {V}: the vocabulary)")
         seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1, "a 64-bit integer")
         if seed is None:
             seed = secrets.randbits(63)
@@ -251,37 +343,33 @@ class Server:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
-        params = GenParams(max_tokens=max_tokens, temperature=temperature, top_k=max(0, top_k), top_p=top_p,
-                           seed=seed, stop=tuple(stop), stop_token_ids=tuple(set(stop_ids) | set(eos)))
+        # temperatures below GREEDY_BELOW decode greedily (GenParams; documented in the README)
+        try:
+            params = GenParams(max_tokens=max_tokens, temperature=temperature, top_k=max(0, top_k), top_p=top_p,
+                               seed=seed, stop=tuple(stop), stop_token_ids=tuple(set(stop_ids) | set(eos)))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
         extra = {"stream": stream, "include_usage": bool(so.get("include_usage")),
                  "return_token_ids": bool(body.get("return_token_ids", False))}
         return params, extra
 
     # -- handlers ------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await self._body(request)
-            if "prompt" not in body:
-                raise ApiError(400, "'prompt' is required", "prompt")
-            ids = self._prompt_ids(body["prompt"])
-            params, extra = self._params(body, len(ids))
-        except ApiError as e:
-            self.metrics.inc("http_errors_total", status=str(e.status))
-            return e.response()
+        body = await self._body(request)
+        if "prompt" not in body:
+            raise ApiError(400, "'prompt' is required", "prompt")
+        ids = self._prompt_ids(body["prompt"])
+        params, extra = self._params(body, len(ids))
         return await self._generate(request, ids, params, extra, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
         try:
-            body = await self._body(request)
-            try:
-                text = self.codec.chat_prompt(body.get("messages"))
-            except TokenizeError as e:
-                raise ApiError(400, str(e), "messages") from None
-            ids = self._prompt_ids(text, chat=True)
-            params, extra = self._params(body, len(ids))
-        except ApiError as e:
-            self.metrics.inc("http_errors_total", status=str(e.status))
-            return e.response()
+            text = self.codec.chat_prompt(body.get("messages"))
+        except TokenizeError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = self._prompt_ids(text, chat=True)
+        params, extra = self._params(body, len(ids))
         return await self._generate(request, ids, params, extra, chat=True)
 
     async def _generate(self, request: web.Request, ids: List[int], params: GenParams, extra: dict,
@@ -298,9 +386,10 @@ class Server:
         req = Request(ids, params, sink, self.codec.detokenizer())
         try:
             self.worker.submit(req)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
         except Overloaded as e:
-            self.metrics.inc("http_errors_total", status="503")
-            return ApiError(503, str(e), type_="server_error", code="overloaded").response()
+            raise ApiError(503, str(e), type_="server_error", code="overloaded") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
         base = {"id": rid, "object": obj + (".chunk" if chat and extra["stream"] else ""),
@@ -377,11 +466,15 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         st = self.worker.status()
-        body = {"status": "ok" if self.worker.thread.is_alive() else "error", "model": self.model_id,
+        w = self.worker
+        status = "error" if not w.thread.is_alive() else "draining" if st["draining"] else "ok"
+        body = {"status": status, "model": self.model_id,
                 "max_ctx": self.max_ctx, **st}
         if self.store is not None:
             body["kv_cache"] = {"dir": self.store.dir, "entries": len(self.store.entries), **self.store.stats}
-        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+        if w.fatal:
+            body["error"] = w.fatal
+        return web.json_response(body, status=200 if status == "ok" else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         st = self.worker.status()

@@ -7,17 +7,27 @@ tensor (name, dtype, shape, bytes) and pos. Writes are atomic: a temp file, fsyn
 the directory. A truncated, corrupt or foreign file is detected (header checks + checksum), reported,
 quarantined (renamed ``*.corrupt``) and never loaded: the conversation is prefilled again instead.
 
+The directory holds stored prompts, so it is private to the user running the server: created 0700
+(a wider mode is narrowed at start), refused when another user owns it, files written 0600 through
+``O_EXCL | O_NOFOLLOW`` temp files (a planted symlink or file is never written through), and only
+regular files are ever read (a FIFO or device named like a state file is skipped, never opened
+blocking). One server per directory: an exclusive ``flock`` on ``.lock`` (another server's LRU would
+delete this one's files); a second server gets :class:`KVStoreError` naming the holder's pid.
+
 Saves and loads run on one background I/O thread so the decode worker never waits on the disk; a
 state still waiting to be written is served from memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -31,6 +41,7 @@ log = logging.getLogger("ds4t.serve.kv")
 FORMAT = "ds4t-kv-1"
 SUFFIX = ".kv.safetensors"
 TMP_PREFIX = ".tmp-"
+LOCK_NAME = ".lock"
 FAULT_ENV = "DS4T_SERVE_FAULT_SLOW_WRITE"
 """Test hook: seconds to pause half-way through each state file write (to kill a server mid-write)."""
 
@@ -39,6 +50,28 @@ State = Dict[str, torch.Tensor]
 
 class CorruptStateError(Exception):
     """A state file that failed verification (truncated, bit-flipped, foreign, unreadable)."""
+
+
+class MissingStateError(CorruptStateError):
+    """An indexed state file that is gone (deleted by hand, or the disk was cleaned): not corrupt."""
+
+
+class KVStoreError(Exception):
+    """The directory cannot be used: not a directory, another user's, or held by another server."""
+
+
+def read_regular(path: str) -> bytes:
+    """The bytes of ``path`` if it is a regular file. A symlink, FIFO, device or socket raises
+    OSError without blocking (O_NOFOLLOW | O_NONBLOCK, then fstat on the open descriptor)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -98,6 +131,40 @@ def read_header(data: bytes) -> dict:
     return header
 
 
+def _open_private_dir(path: str) -> int:
+    """Create or check the state directory (ours, 0700) and take its lock; returns the lock's fd."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise KVStoreError(f"{path} exists and is not a directory") from None
+    except OSError as e:
+        raise KVStoreError(f"cannot create {path}: {e.strerror}") from None
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise KVStoreError(f"{path} exists and is not a directory")
+    if st.st_uid != os.geteuid():
+        raise KVStoreError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+                           f"saved prompts must stay private")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+        log.warning("kv-cache: %s was mode %o; narrowed to 0700 (it stores prompts)", path, st.st_mode & 0o777)
+    lock = os.path.join(path, LOCK_NAME)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise KVStoreError(f"cannot open the lock file {lock}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise KVStoreError(f"{path} is in use by another ds4t server (pid {holder}); give each server its own "
+                           f"--kv-cache-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 @dataclasses.dataclass
 class Entry:
     key: str
@@ -110,15 +177,15 @@ class KVStore:
     def __init__(self, directory: str, fingerprint: str, max_entries: int = 256,
                  on_event: Optional[Callable[[str, str], None]] = None):
         self.dir = os.path.abspath(directory)
-        os.makedirs(self.dir, exist_ok=True)
+        self._lock_fd = _open_private_dir(self.dir)
         self.fingerprint = fingerprint
         self.max_entries = max(1, int(max_entries))
         self.on_event = on_event
         self._lock = threading.Lock()
         self.entries: Dict[str, Entry] = {}
         self.pending: Dict[str, Tuple[Tuple[int, ...], int, State]] = {}
-        self.stats = {"saved": 0, "restored": 0, "corrupt": 0, "temp_removed": 0, "save_errors": 0,
-                      "bytes_written": 0}
+        self.stats = {"saved": 0, "restored": 0, "corrupt": 0, "missing": 0, "skipped": 0, "temp_removed": 0,
+                      "save_errors": 0, "bytes_written": 0}
         self._jobs: "queue.Queue" = queue.Queue()
         self._clean_temps()
         self._scan()
@@ -127,26 +194,18 @@ class KVStore:
 
     # -- events ------------------------------------------------------------------------------
     def _event(self, kind: str, msg: str) -> None:
-        if kind == "corrupt":
-            self.stats["corrupt"] += 1
-        (log.warning if kind in ("corrupt", "error") else log.info)("kv-cache: %s", msg)
+        if kind in ("corrupt", "missing", "skipped"):
+            self.stats[kind] += 1
+        (log.warning if kind in ("corrupt", "error", "missing", "skipped") else log.info)("kv-cache: %s", msg)
         if self.on_event is not None:
             self.on_event(kind, msg)
 
     # -- start-up ----------------------------------------------------------------------------
     def _clean_temps(self) -> None:
+        """Remove temp files: with the directory's lock held, each is a killed writer's."""
         for name in os.listdir(self.dir):
             if not name.startswith(TMP_PREFIX):
                 continue
-            try:
-                pid = int(name.split("-")[-2])
-                os.kill(pid, 0)
-                if pid != os.getpid():
-                    continue  # a live writer (another server sharing the directory)
-            except PermissionError:
-                continue  # alive, another user's
-            except (ValueError, IndexError, ProcessLookupError):
-                pass
             try:
                 os.remove(os.path.join(self.dir, name))
                 self.stats["temp_removed"] += 1
@@ -161,8 +220,11 @@ class KVStore:
             path = os.path.join(self.dir, name)
             key = name[: -len(SUFFIX)]
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = read_regular(path)
+            except OSError as e:
+                self._event("skipped", f"{name}: not a readable regular file ({e.strerror}); skipped")
+                continue
+            try:
                 header = read_header(data)
                 meta = header.get("__metadata__") or {}
                 if meta.get("format") != FORMAT:
@@ -170,7 +232,7 @@ class KVStore:
                 if meta.get("fingerprint") != self.fingerprint:
                     continue  # another model's state: not ours to use or to touch
                 tokens = self._tokens_from(data, header)
-            except (OSError, CorruptStateError) as e:
+            except CorruptStateError as e:
                 self._quarantine(path, str(e))
                 continue
             self.entries[key] = Entry(key, tokens, path, os.path.getmtime(path))
@@ -245,22 +307,30 @@ class KVStore:
         final = os.path.join(self.dir, key + SUFFIX)
         tmp = os.path.join(self.dir, f"{TMP_PREFIX}{key}-{os.getpid()}-{threading.get_ident() % 100000}")
         pause = float(os.environ.get(FAULT_ENV, "0") or 0)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # O_EXCL | O_NOFOLLOW: never write through a file or symlink someone planted under this name.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            view = memoryview(data)
-            half = len(view) // 2 if pause > 0 else len(view)
-            for part in (view[:half], view[half:]):
-                while part:
-                    n = os.write(fd, part)
-                    part = part[n:]
-                if pause > 0 and half < len(view):
-                    os.fsync(fd)
-                    time.sleep(pause)
-                    pause = 0
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
+            try:
+                view = memoryview(data)
+                half = len(view) // 2 if pause > 0 else len(view)
+                for part in (view[:half], view[half:]):
+                    while part:
+                        n = os.write(fd, part)
+                        part = part[n:]
+                    if pause > 0 and half < len(view):
+                        os.fsync(fd)
+                        time.sleep(pause)
+                        pause = 0
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         dfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -296,6 +366,11 @@ class KVStore:
             raise CorruptStateError(f"{key}: no such saved state (removed?)")
         try:
             out = self._read_verified(entry)
+        except FileNotFoundError:
+            with self._lock:
+                self.entries.pop(key, None)
+            self._event("missing", f"{os.path.basename(entry.path)} is gone; forgotten, the prompt is prefilled")
+            raise MissingStateError(f"{os.path.basename(entry.path)}: no longer on disk") from None
         except (OSError, CorruptStateError) as e:
             with self._lock:
                 self.entries.pop(key, None)
@@ -312,8 +387,7 @@ class KVStore:
     def _read_verified(self, entry: Entry):
         from safetensors.torch import load as st_load
 
-        with open(entry.path, "rb") as f:
-            data = f.read()
+        data = read_regular(entry.path)
         header = read_header(data)
         meta = header.get("__metadata__") or {}
         if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
@@ -367,6 +441,9 @@ class KVStore:
         self.flush()
         self._jobs.put(("stop", None, None))
         self._thread.join(timeout=10)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock: another server may use the directory
+            self._lock_fd = None
 
     def list_entries(self) -> List[Entry]:
         with self._lock:

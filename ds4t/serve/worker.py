@@ -20,6 +20,12 @@ from the start. Steady decoding never waits.
 Waiting requests are admitted in FIFO order to idle slots (:mod:`ds4t.serve.pool` routing, and
 states saved in ``--kv-cache-dir`` via :mod:`ds4t.serve.persistence`). Active requests are never
 evicted. An invalid item fails only its own request: the batch is run again without it.
+
+Failures: a step that raises (inside the model, in sampling, in delivery) fails the requests of that
+step only (their slots are reset: a half-written state is never continued) and the worker goes on.
+When it cannot go on (``max_step_failures`` steps in a row failed, or its own bookkeeping raised),
+every request still held is failed, ``fatal`` says why and ``on_fatal`` is called: the server then
+exits non-zero so a supervisor restarts it, rather than staying up but dead.
 """
 from __future__ import annotations
 
@@ -59,8 +65,17 @@ def to_int64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures in (0, GREEDY_BELOW) decode greedily, as temperature 0 does. Below it the sampler's
+fp32 ``logits / temperature`` overflows to inf for ordinary logits (|logit| ~ 10 at 1e-38; 1e-40
+is a float32 subnormal) and the draw is garbage; a distribution that sharp is argmax anyway. vLLM uses
+the same 1e-5 threshold for greedy."""
+
+
 @dataclasses.dataclass
 class GenParams:
+    """What a request asks for. ``temperature`` 0 (or below :data:`GREEDY_BELOW`): greedy; ``top_k`` 0:
+    off, at most the vocabulary (checked by :meth:`DecodeWorker.submit`); ``top_p`` in (0, 1]."""
     max_tokens: int
     temperature: float = 0.0
     top_k: int = 0
@@ -69,9 +84,21 @@ class GenParams:
     stop: Tuple[str, ...] = ()
     stop_token_ids: Tuple[int, ...] = ()
 
+    def __post_init__(self):
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        t = float(self.temperature)
+        if not 0.0 <= t <= 100.0:  # also rejects NaN
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        self.temperature = 0.0 if t < GREEDY_BELOW else t
+        if not (isinstance(self.top_k, int) and 0 <= self.top_k < 1 << 31):
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
 
 class Overloaded(Exception):
-    """The waiting queue is full."""
+    """The waiting queue is full, or the server is draining."""
 
 
 class Request:
@@ -166,9 +193,12 @@ class Request:
 class DecodeWorker:
     def __init__(self, pool: SlotPool, *, metrics: Optional[Metrics] = None, store: Optional[KVStore] = None,
                  coalesce_us: int = 2000, prefill_chunk: int = 128, prefill_chunk_idle: int = 512,
-                 max_waiting: int = 1024, batch_log_enabled: bool = False, mode: str = "auto"):
+                 max_waiting: int = 1024, batch_log_enabled: bool = False, mode: str = "auto",
+                 max_step_failures: int = 3, on_fatal: Optional[Callable[[str], None]] = None):
         if prefill_chunk < 1 or prefill_chunk_idle < 1:
             raise ValueError("prefill chunks must be >= 1 token")
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (0: no queue), got {max_waiting}")
         self.pool = pool
         self.model = pool.model
         self.metrics = metrics or Metrics()
@@ -184,6 +214,11 @@ class DecodeWorker:
         self._restored: List[Tuple[Request, object]] = []
         self._cond = threading.Condition()
         self._stop = False
+        self._draining = False
+        self.max_step_failures = max(1, int(max_step_failures))
+        self._failed_in_a_row = 0
+        self.on_fatal = on_fatal
+        self.fatal: Optional[str] = None  # why the worker stopped on its own, if it did
         self._steps = 0
         self._fresh = False  # a request was admitted since the last step (a burst may be arriving)
         self.step_log: "collections.deque[dict]" = collections.deque(maxlen=4096)  # for tests/bench
@@ -194,11 +229,18 @@ class DecodeWorker:
         self.thread.start()
 
     def submit(self, req: Request) -> None:
+        """Queue ``req``. ValueError: parameters this model cannot honour. Overloaded: draining, stopped,
+        or more than ``max_waiting`` requests would wait for a slot (0: only idle slots are taken)."""
+        V = self.model.vocab_size
+        if req.params.top_k > V:
+            raise ValueError(f"top_k must be at most the vocabulary size {V}, got {req.params.top_k}")
         with self._cond:
-            if self._stop:
+            if self._stop or self._draining:
                 raise Overloaded("server is shutting down")
-            if len(self.waiting) >= self.max_waiting:
-                raise Overloaded(f"{len(self.waiting)} requests are already waiting (--max-waiting)")
+            free = sum(s.idle for s in self.pool.slots)
+            if len(self.waiting) - free >= self.max_waiting:
+                raise Overloaded(f"all {len(self.pool)} slots are busy and {len(self.waiting)} requests are "
+                                 f"already waiting (--max-waiting {self.max_waiting})")
             self.waiting.append(req)
             self._cond.notify_all()
 
@@ -216,8 +258,22 @@ class DecodeWorker:
     def status(self) -> dict:
         with self._cond:
             return {"slots": len(self.pool), "busy": self.pool.busy(), "active": len(self.active),
-                    "waiting": len(self.waiting), "steps": self._steps,
+                    "waiting": len(self.waiting), "steps": self._steps, "draining": self._draining,
                     "slot_positions": [s.session.pos for s in self.pool.slots]}
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to ``timeout`` s for the held ones to finish; True if they did.
+        Call :meth:`stop` afterwards: it fails whatever is still held."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+            while (self.waiting or self.active) and self.thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
 
     def stop(self, save: bool = True, timeout: float = 120.0) -> None:
         """Finish the current step, fail what is left (503), save idle states (with a store)."""
@@ -236,11 +292,25 @@ class DecodeWorker:
                     if not self._wait_for_work():
                         break
                 self._step()
-        except Exception:  # noqa: BLE001
+                with self._cond:
+                    self._cond.notify_all()  # drain() waits for active/waiting to empty
+                if self._failed_in_a_row >= self.max_step_failures:
+                    self._die(f"{self._failed_in_a_row} steps in a row failed; the model looks broken")
+                    break
+        except Exception as e:  # noqa: BLE001  (the worker's own bookkeeping: it cannot go on)
             log.exception("decode worker crashed")
-            raise
+            self._die(f"decode worker crashed: {type(e).__name__}: {e}")
         finally:
             self._shutdown()
+
+    def _die(self, why: str) -> None:
+        self.fatal = why
+        log.critical("decode worker stopping: %s", why)
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(why)
+            except Exception:  # noqa: BLE001
+                log.exception("on_fatal failed")
 
     def _wait_for_work(self) -> bool:
         """With the lock held: admit, wait until there is a step to run; coalesce. False: stop."""
@@ -372,6 +442,20 @@ class DecodeWorker:
         if not work:
             return
         ran, logits, paths = self._eval(work)
+        if not ran:
+            return
+        try:
+            self._advance(ran, logits, paths, decode, t0)
+            self._failed_in_a_row = 0
+        except Exception as e:  # noqa: BLE001  (sampling or delivery: fail this step's requests only)
+            log.exception("step failed after the model ran")
+            self._failed_in_a_row += 1
+            for r, _ in ran:
+                if r.state != "done":
+                    self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
+
+    def _advance(self, ran, logits, paths, decode, t0) -> None:
+        """After the model ran ``ran``: count fed prompt tokens, sample, deliver, record the step."""
         t1 = time.perf_counter()
         need, rows = [], []
         for j, (r, toks) in enumerate(ran):
@@ -438,6 +522,7 @@ class DecodeWorker:
                 # A fault inside the model's forward: the rows' states may be half-written. Never
                 # continue them: fail these requests and reset their slots; other slots are untouched.
                 log.exception("step failed inside the model")
+                self._failed_in_a_row += 1
                 for r, _ in work:
                     self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
                 return [], None, []
@@ -509,9 +594,10 @@ class DecodeWorker:
     def _shutdown(self) -> None:
         with self._cond:
             self._stop = True
+            why = f"the decode worker failed ({self.fatal})" if self.fatal else "server is shutting down"
             for r in list(self.waiting) + list(self.active):
                 if r.state != "done":
-                    self._fail(r, 503, "server is shutting down", state_ok=True)
+                    self._fail(r, 503, why, state_ok=self.fatal is None)
             self.waiting.clear()
             if self.store is not None and getattr(self, "_save_on_stop", True):
                 for slot in self.pool.slots:

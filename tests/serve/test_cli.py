@@ -1,6 +1,7 @@
 """`ds4t serve` as a process: the memory plan, refusing to start, and a server killed with SIGKILL while
 it writes a state to --kv-cache-dir, restarted: it uses no corrupt state."""
 import argparse
+import asyncio
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ from ds4t.serve.persistence import SUFFIX
 from ds4t.batch import graphs
 from ds4t.serve.planner import parse_size
 
-from .conftest import greedy_ref, post, run
+from .conftest import greedy_ref, post, run, stream_events
 
 
 def args_for(*argv):
@@ -147,3 +148,90 @@ def test_corrupt_saved_state_is_reported_and_reprefilled(model, tmp_path, damage
     assert j["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert health["kv_cache"]["corrupt"] == 1 and "ds4t_serve_kv_corrupt_total 1" in text
     assert os.path.exists(path + ".corrupt")
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--max-ctx", "0"], "--max-ctx"),
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
+    (["--memory-limit", "lots"], "--memory-limit"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--max-waiting", "-1"], "--max-waiting"),
+    (["--batched-session", "0"], "--batched-session"),
+    (["--drain-timeout", "soon"], "--drain-timeout"),
+    (["--kv-cache-dir", __file__], "--kv-cache-dir"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]))
+def test_bad_cli_values_are_one_line_errors(argv, option, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and option in err and "Traceback" not in err, err
+
+
+def test_a_kv_cache_dir_held_by_another_server_is_a_one_line_error(model, tmp_path):
+    from ds4t.serve.persistence import KVStore
+
+    holder = KVStore(str(tmp_path), "fp")
+    try:
+        with pytest.raises(SystemExit, match="in use by another ds4t server"):
+            cli.build(args_for("--kv-cache-dir", str(tmp_path)), model=model)
+    finally:
+        holder.close()
+
+
+_BROKEN_SERVER = """
+import sys
+import ds4t.serve.worker as worker
+
+def broken(items, mode="auto"):
+    raise RuntimeError("planted: the device is lost")
+
+worker.eval_batch = broken
+from ds4t.serve import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_worker_that_cannot_go_on_exits_the_process_nonzero():
+    p, url, _ = cli.spawn(["--model", "tiny-qwen", "--max-ctx", "64", "--port", "0", "--coalesce-us", "0"],
+                          program=("-c", _BROKEN_SERVER))
+    try:
+        statuses = []
+
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                for _ in range(3):
+                    statuses.append((await post(s, url + "/v1/completions", {"prompt": "hi", "max_tokens": 1}))[0])
+        run(main())
+        rc = p.wait(60)
+    finally:
+        p.kill()
+    assert statuses == [500, 500, 500] and rc == 70
+
+
+def test_sigterm_drains_then_ends_open_streams_with_an_error_and_done():
+    p, url, _ = cli.spawn(["--model", "tiny-qwen", "--batched-session", "2", "--max-ctx", "64", "--port", "0",
+                           "--coalesce-us", "0", "--drain-timeout", "3"])
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                async def stream(n):
+                    body = {"prompt": [1, 2], "max_tokens": n, "temperature": 0, "stream": True}
+                    async with s.post(url + "/v1/completions", json=body) as r:
+                        return await stream_events(r)
+                short, long = asyncio.ensure_future(stream(3)), asyncio.ensure_future(stream(60))
+                for _ in range(1200):
+                    async with s.get(url + "/health") as r:
+                        if (await r.json())["busy"] == 2:
+                            break
+                    await asyncio.sleep(0.05)
+                p.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                refused = await post(s, url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+                return await short, await long, refused
+        short, long, refused = run(main())
+        rc = p.wait(60)
+    finally:
+        p.kill()
+    assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"  # finished in the drain
+    assert long[-1] == "[DONE]" and "error" in long[-2] and "shutting down" in long[-2]["error"]["message"]
+    assert refused[0] == 503 and rc == 0

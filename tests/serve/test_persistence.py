@@ -147,5 +147,122 @@ def test_writer_killed_mid_write_leaves_nothing_usable(tmp_path):
     store = KVStore(tmp_path, "fp")
     assert store.stats["temp_removed"] == 1 and store.entries == {}
     assert store.match(list(range(6))) is None
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == [".lock"]  # the directory lock, released at close
+    store.close()
+
+
+# -- the directory is private, single-server, and never followed through links or FIFOs ----------------
+
+def _store(d, fp="fp", **kw):
+    return KVStore(str(d), fp, **kw)
+
+
+def _state():
+    return {"x": torch.arange(6, dtype=torch.float32)}
+
+
+def test_files_and_directory_are_private(tmp_path):
+    d = tmp_path / "kv"
+    store = _store(d)
+    store.save_async([1, 2, 3], 3, _state())
+    store.flush()
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    [name] = [f for f in os.listdir(d) if f.endswith(SUFFIX)]
+    assert os.stat(d / name).st_mode & 0o777 == 0o600
+    store.close()
+    os.chmod(d, 0o755)  # widened by hand: narrowed again at start
+    _store(d).close()
+    assert os.stat(d).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_another_users_directory_is_refused(tmp_path):
+    from ds4t.serve.persistence import KVStoreError
+
+    d = tmp_path / "kv"
+    d.mkdir(mode=0o700)
+    os.chown(d, 12345, 12345)
+    with pytest.raises(KVStoreError, match="belongs to uid 12345"):
+        _store(d)
+
+
+def test_a_file_as_the_directory_is_a_clear_error(tmp_path):
+    from ds4t.serve.persistence import KVStoreError
+
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(KVStoreError, match="not a directory"):
+        _store(f)
+
+
+def test_one_server_per_directory(tmp_path):
+    from ds4t.serve.persistence import KVStoreError
+
+    first = _store(tmp_path)
+    with pytest.raises(KVStoreError, match=rf"another ds4t server \(pid {os.getpid()}\)"):
+        _store(tmp_path)
+    first.close()
+    _store(tmp_path).close()  # released at close
+
+
+def test_a_planted_symlink_is_never_written_through(tmp_path):
+    d, outside = tmp_path / "kv", tmp_path / "victim.txt"
+    outside.write_text("precious")
+    store = _store(d)
+    tokens = (1, 2, 3)
+    # the temp name is predictable (key, pid, I/O thread): plant a link there before the save runs
+    tmp = d / f".tmp-{store.key(tokens)}-{os.getpid()}-{store._thread.ident % 100000}"
+    os.symlink(outside, tmp)
+    store.save_async(list(tokens), 3, _state())
+    store.flush()
+    assert outside.read_text() == "precious"
+    assert store.stats["save_errors"] == 1 and store.stats["saved"] == 0 and store.match([1, 2, 3, 4]) is None
+    store.close()
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
+
+    store = _store(tmp_path)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    store.save_async([1, 2], 2, _state())
+    store.flush()
+    monkeypatch.undo()
+    assert store.stats["save_errors"] == 1
+    assert sorted(os.listdir(tmp_path)) == [".lock"]
+    store.close()
+
+
+def test_fifos_and_device_links_named_like_states_are_skipped_without_hanging(tmp_path):
+    import threading
+
+    os.mkfifo(tmp_path / ("a" * 40 + SUFFIX))
+    os.symlink("/dev/zero", tmp_path / ("b" * 40 + SUFFIX))
+    out = []
+    t = threading.Thread(target=lambda: out.append(_store(tmp_path)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "start-up blocked on a FIFO or device"
+    store = out[0]
+    assert store.stats["skipped"] == 2 and store.stats["corrupt"] == 0 and store.entries == {}
+    assert os.path.exists(tmp_path / ("a" * 40 + SUFFIX))  # not ours to rename or delete
+    store.close()
+
+
+def test_a_missing_file_is_counted_apart_from_corrupt_ones(tmp_path):
+    from ds4t.serve.persistence import MissingStateError
+
+    store = _store(tmp_path)
+    store.save_async([1, 2, 3], 3, _state())
+    store.flush()
+    key, _ = store.match([1, 2, 3, 4])
+    os.remove(_only_file(tmp_path))
+    with pytest.raises(MissingStateError):
+        store.load(key)
+    assert store.stats["missing"] == 1 and store.stats["corrupt"] == 0
+    assert not any(f.endswith(".corrupt") for f in os.listdir(tmp_path)) and store.match([1, 2, 3, 4]) is None
     store.close()

@@ -146,3 +146,144 @@ def test_conversation_restored_from_disk_after_eviction(model, worker, tmp_path)
     w.stop()
     store.close()
     assert store.stats["saved"] == 3 and store.stats["restored"] == 1  # a, b, and cont at shutdown
+
+
+# -- failures: a step that raises fails its own requests, the worker goes on or exits loudly ----------
+
+def test_failing_sampler_fails_only_that_step(model, worker):
+    w = worker(2, start=False)
+    real, calls = w._sample, []
+
+    def flaky(logits, reqs):
+        calls.append(len(reqs))
+        if len(calls) == 1:
+            raise RuntimeError("planted sampler fault")
+        return real(logits, reqs)
+
+    w._sample = flaky
+    (_, sa), (_, sb) = submit(w, [1, 2, 3], 2), submit(w, [4, 5], 2)
+    w.start()
+    wait_all([sa, sb])
+    assert sa.final["status"] == sb.final["status"] == 500 and "planted sampler fault" in sa.final["message"]
+    _, sc = submit(w, [7, 8, 9], 2)  # the worker kept serving, from reset slots
+    wait_all([sc])
+    assert sc.tokens == greedy_ref(model, [7, 8, 9], 2)[0] and w.thread.is_alive() and w.fatal is None
+
+
+def test_model_fault_fails_its_batch_and_serving_continues(model, worker, monkeypatch):
+    import ds4t.serve.worker as wmod
+
+    real, n = wmod.eval_batch, []
+
+    def faulty(items, mode="auto"):
+        n.append(len(items))
+        if len(n) == 1:
+            raise RuntimeError("planted kernel fault")
+        return real(items, mode=mode)
+
+    monkeypatch.setattr(wmod, "eval_batch", faulty)
+    w = worker(2)
+    _, sa = submit(w, [11, 12], 2)
+    wait_all([sa])
+    assert sa.final["status"] == 500 and "planted kernel fault" in sa.final["message"]
+    _, sb = submit(w, [11, 12], 2)
+    wait_all([sb])
+    assert sb.tokens == greedy_ref(model, [11, 12], 2)[0] and w.fatal is None
+
+
+def test_worker_that_cannot_go_on_fails_everything_and_reports_fatal(model, worker, monkeypatch):
+    import ds4t.serve.worker as wmod
+
+    def broken(items, mode="auto"):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(wmod, "eval_batch", broken)
+    fatal = []
+    w = worker(1, start=False, on_fatal=fatal.append)
+    sinks = [submit(w, [i + 1, i + 2], 2)[1] for i in range(5)]
+    w.start()
+    wait_all(sinks)
+    w.thread.join(30)
+    assert not w.thread.is_alive() and w.fatal and fatal == [w.fatal] and "3 steps in a row" in w.fatal
+    assert [s.final["status"] for s in sinks] == [500, 500, 500, 503, 503]
+    assert all("decode worker failed" in s.final["message"] for s in sinks[3:])
+    with pytest.raises(Exception):
+        submit(w, [1], 1)  # stopped: refused, not queued forever
+
+
+def test_sampling_parameters_are_bounded(model, worker):
+    w = worker(1, start=False)
+    for bad in (dict(top_k=-1), dict(top_k=1 << 31), dict(temperature=float("nan")), dict(temperature=-1e-3),
+                dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0)):
+        with pytest.raises(ValueError):
+            GenParams(**dict(dict(max_tokens=2), **bad))
+    with pytest.raises(ValueError, match="vocabulary size"):
+        w.submit(Request([1], GenParams(max_tokens=1, top_k=model.vocab_size + 1), Sink()))
+    assert GenParams(max_tokens=1, temperature=1e-40).temperature == 0.0  # below the floor: greedy
+    assert GenParams(max_tokens=1, temperature=1e-5).temperature == 1e-5
+
+
+def test_seeded_sampling_at_a_tiny_temperature_is_greedy(model, worker):
+    w = worker(1)
+    sink = Sink()
+    w.submit(Request([3, 4, 5], GenParams(max_tokens=3, temperature=1e-40, top_k=2, seed=1), sink))
+    wait_all([sink])
+    assert sink.tokens == greedy_ref(model, [3, 4, 5], 3)[0]
+
+
+# -- admission: --max-waiting, cancel while queued, drain -----------------------------------------------
+
+def test_max_waiting_zero_takes_idle_slots_and_queues_nothing(model, worker):
+    from ds4t.serve.worker import Overloaded
+
+    w = worker(2, max_waiting=0)
+    _, sa = submit(w, [1, 2], 40)
+    _, sb = submit(w, [3, 4], 40)  # both slots were idle: accepted
+    with pytest.raises(Overloaded, match="max-waiting 0"):
+        submit(w, [5, 6], 1)
+    wait_all([sa, sb])
+    _, sc = submit(w, [5, 6], 1)  # idle again
+    wait_all([sc])
+    assert sc.final["type"] == "done"
+
+
+def test_max_waiting_counts_only_requests_beyond_the_slots(model, worker):
+    from ds4t.serve.worker import Overloaded
+
+    w = worker(1, start=False, max_waiting=2)
+    subs = [submit(w, [i + 1], 1) for i in range(3)]  # 1 takes the idle slot, 2 wait
+    with pytest.raises(Overloaded):
+        submit(w, [9], 1)
+    w.start()
+    wait_all([s for _, s in subs])
+
+
+def test_cancel_while_queued_never_runs(model, worker):
+    w = worker(1, start=False)
+    ra, sa = submit(w, [1, 2, 3], 3)
+    rb, sb = submit(w, [4, 5, 6], 3)  # waits behind a
+    w.cancel(rb)
+    w.start()
+    wait_all([sa, sb])
+    assert sb.final["finish_reason"] == "cancelled" and sb.tokens == []
+    assert all(rb.id not in st["requests"] for st in w.step_log)
+    assert sa.tokens == greedy_ref(model, [1, 2, 3], 3)[0]
+
+
+def test_drain_refuses_new_work_and_lets_held_work_finish(model, worker):
+    from ds4t.serve.worker import Overloaded
+
+    w = worker(1)
+    _, sa = submit(w, [1, 2, 3], 3)
+    assert w.drain(timeout=300) and sa.final["type"] == "done"
+    with pytest.raises(Overloaded, match="shutting down"):
+        submit(w, [1], 1)
+
+
+def test_drain_timeout_then_stop_fails_what_is_left(model, worker):
+    w = worker(1)
+    _, sa = submit(w, [1, 2, 3], 60)
+    assert not w.drain(timeout=0.2)
+    w.stop()
+    wait_all([sa])
+    assert sa.final["type"] == "error" and sa.final["status"] == 503 and len(sa.tokens) < 60
