@@ -462,7 +462,7 @@ class Server:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "ds4t",
-            "max_model_len": self.max_ctx, "family": self.model.family}]})
+            "max_model_len": self.max_ctx, "vocab_size": self.model.vocab_size, "family": self.model.family}]})
 
     async def health(self, request: web.Request) -> web.Response:
         st = self.worker.status()
