@@ -138,6 +138,15 @@ async def send(s, url, rec: Rec) -> Rec:
     return rec
 
 
+def compact(r: Rec) -> dict:
+    """A request's record without its token lists (the JSON stays small for 10^4+ requests)."""
+    body = {k: v for k, v in r["body"].items() if k not in ("prompt", "messages")}
+    out = {k: v for k, v in r.items() if k not in ("times", "tokens", "body")}
+    out.update(body=body, prompt_len=len(r["body"].get("prompt", [])), n_tokens=len(r["tokens"]),
+               ttft_ms=(r["times"][0] - r["t0"]) * 1e3 if r["times"] else None)
+    return out
+
+
 def sample_memory(pid: int) -> dict:
     """The server process's GPU memory (MiB, nvidia-smi) and host RSS (MiB)."""
     out = {"t": time.time(), "gpu_mib": None, "rss_mib": None}
@@ -343,7 +352,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"{a.tag}.json"), "w") as f:
         json.dump({"summary": row, "fails": fails, "memory": mem, "server_rc": p.returncode,
-                   "requests": [{k: v for k, v in r.items() if k != "times"} for r in recs]}, f)
+                   "requests": [compact(r) for r in recs]}, f)
     text = render(a, row, fails, mem, commit)
     with open(os.path.join(a.out, f"{a.tag}.md"), "w") as f:
         f.write(text)
