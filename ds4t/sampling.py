@@ -51,7 +51,8 @@ def to_int64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """A Python or numpy integer, not a bool."""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
@@ -59,8 +60,9 @@ def _is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
-def _rows(name: str, value: Param, B: int) -> List:
-    """``value`` as a list of B Python numbers (a scalar is broadcast)."""
+def per_row(name: str, value: Param, B: int) -> List:
+    """``value`` (a scalar, or B values as a list, tuple, 1-D array or tensor) as a list of B values;
+    ValueError naming ``name`` for another length or shape."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim == 0:
             value = value.item()
@@ -70,7 +72,7 @@ def _rows(name: str, value: Param, B: int) -> List:
             raise ValueError(f"{name} must be a scalar or 1-D, got shape {tuple(value.shape)}")
     if isinstance(value, (list, tuple)):
         if len(value) != B:
-            raise ValueError(f"{name} has {len(value)} values for {B} rows of logits")
+            raise ValueError(f"{name} has {len(value)} values for {B} rows")
         return list(value)
     return [value] * B
 
@@ -81,7 +83,7 @@ def check_params(temperature, top_k, top_p, vocab_size: int, what: str = "") -> 
     number in (0, 1] (1: off). ``what`` prefixes the message (e.g. "row 3: ")."""
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"{what}temperature must be a finite number >= 0, got {temperature!r}")
-    if not _is_int(top_k) or not 0 <= top_k <= vocab_size:
+    if not is_int(top_k) or not 0 <= top_k <= vocab_size:
         raise ValueError(f"{what}top_k must be an int in [0, {vocab_size}] (0: off), got {top_k!r}")
     if not _is_real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"{what}top_p must be a number in (0, 1] (1: off), got {top_p!r}")
@@ -102,17 +104,17 @@ def sample(logits: torch.Tensor, temperature: Param = 0.0, top_k: Param = 0, top
         raise ValueError(f"logits must be a float tensor [B, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
     B, V = logits.shape
-    temps, ks, ps = _rows("temperature", temperature, B), _rows("top_k", top_k, B), _rows("top_p", top_p, B)
-    seeds, poss = _rows("seed", seed, B), _rows("position", position, B)
-    streams = _rows("stream", stream, B) if stream is not None else None
+    temps, ks, ps = per_row("temperature", temperature, B), per_row("top_k", top_k, B), per_row("top_p", top_p, B)
+    seeds, poss = per_row("seed", seed, B), per_row("position", position, B)
+    streams = per_row("stream", stream, B) if stream is not None else None
     for i in range(B):
         what = f"row {i}: " if B > 1 else ""
         check_params(temps[i], ks[i], ps[i], V, what)
-        if not _is_int(seeds[i]):
+        if not is_int(seeds[i]):
             raise ValueError(f"{what}seed must be an int, got {seeds[i]!r}")
-        if not _is_int(poss[i]) or not 0 <= poss[i] < 1 << 63:
+        if not is_int(poss[i]) or not 0 <= poss[i] < 1 << 63:
             raise ValueError(f"{what}position must be an int in [0, 2^63), got {poss[i]!r}")
-        if streams is not None and not _is_int(streams[i]):
+        if streams is not None and not is_int(streams[i]):
             raise ValueError(f"{what}stream must be an int, got {streams[i]!r}")
     greedy = [t < MIN_TEMPERATURE for t in temps]
     if all(greedy):
