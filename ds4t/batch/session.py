@@ -110,4 +110,5 @@ class Session:
         self.tokens = list(tokens) if tokens is not None else self.tokens[:pos]
 
     def __repr__(self) -> str:
-        return f"Session(slot={self.slot}, pos={self.pos}, max_ctx={self.max_ctx}, model={self.model.name!r})"
+        return (f"Session(model={self.model.name!r}, slot={self.slot}, pos={self.pos}, max_ctx={self.max_ctx}, "
+                f"closed={self.closed})")

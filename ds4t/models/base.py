@@ -8,12 +8,16 @@ in the leaf module :mod:`ds4t.step`, so the dependency runs one way: models -> b
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ds4t.batch.session import Session
 from ds4t.step import Segment, StepBatch, to_device  # noqa: F401  (the families import them from here)
+
+COMMON_INIT_ARGS = ("self", "cfg", "source", "device", "dtype", "name", "progress")
+"""Constructor arguments every family takes; the rest are its load options (see Model.load_options)."""
 
 CTX = "ctx"
 """Placeholder in a state shape for the per-slot token capacity (KV caches grow along it)."""
@@ -180,6 +184,23 @@ class Model:
         device-side metadata and state: the key of its CUDA graph, or None when it cannot be
         captured. A family whose step structure depends on an option adds that option."""
         return ("decode", rows)
+
+    @classmethod
+    def load_options(cls) -> Tuple[str, ...]:
+        """The family's own keyword options of ``ds4t.load`` (e.g. ``native_path``), read from its
+        constructor; the model keeps each as an attribute of that name."""
+        return tuple(k for k in inspect.signature(cls.__init__).parameters if k not in COMMON_INIT_ARGS)
+
+    def __repr__(self) -> str:
+        cfg = getattr(self, "cfg", None)
+        moe = getattr(cfg, "ffn", cfg)  # routed experts sit in the FFN config (DeepSeek, GLM) or the top level
+        parts = [f"name={self.name!r}", f"family={self.family!r}", f"dtype={self.dtype}", f"device={self.device}",
+                 f"layers={getattr(cfg, 'num_layers', '?')}", f"hidden_size={getattr(cfg, 'hidden_size', '?')}",
+                 f"vocab_size={self.vocab_size}"]
+        if getattr(moe, "num_experts", 0):
+            parts.append(f"experts={moe.num_experts} (top {moe.top_k})")
+        parts += [f"{k}={getattr(self, k, '?')!r}" for k in self.load_options()]
+        return f"{type(self).__name__}({', '.join(parts)})"
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parameters().values())

@@ -94,11 +94,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
     if options:
-        import inspect
-
-        accepted = inspect.signature(model_cls.__init__).parameters
-        fixed = ("self", "cfg", "source", "device", "dtype", "name", "progress")
-        bad = [k for k in options if k not in accepted or k in fixed]
+        bad = [k for k in options if k not in model_cls.load_options()]
         if bad:
             raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
     model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
