@@ -18,7 +18,7 @@ import torch
 
 from ds4t import sampling
 from ds4t.batch.engine import MODES, DecodeItem, eval_batch
-from ds4t.batch.session import as_token_list
+from ds4t.batch.session import as_token_list, is_int
 
 Prompt = Union[str, Sequence[int], np.ndarray, torch.Tensor]
 
@@ -93,10 +93,10 @@ def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequen
     seeds = [secrets.randbits(63) for _ in range(n)] if seed is None else sampling.per_row("seed", seed, n)
     for i in range(n):
         what = f"prompt {i}: "
-        if not sampling.is_int(budgets[i]) or budgets[i] < 1:
+        if not is_int(budgets[i]) or budgets[i] < 1:
             raise ValueError(f"{what}max_new_tokens must be an int >= 1, got {budgets[i]!r}")
         sampling.check_params(temps[i], tks[i], tps[i], model.vocab_size, what)
-        if not sampling.is_int(seeds[i]):
+        if not is_int(seeds[i]):
             raise ValueError(f"{what}seed must be an int, got {seeds[i]!r}")
     if stop_token_ids is None:
         stops = set(codec.eos_ids) if codec is not None else set()

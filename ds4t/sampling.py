@@ -20,6 +20,7 @@ from typing import List, Sequence, Union
 import numpy as np
 import torch
 
+from ds4t.batch.session import is_int
 from ds4t.kernels import sampling as kernel
 
 MIN_TEMPERATURE = 1e-5
@@ -49,11 +50,6 @@ def to_int64(v: int) -> int:
     """Any Python int as the int64 with the same low 64 bits (how a seed reaches the kernel)."""
     v = int(v) & _MASK64
     return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def is_int(v) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _is_real(v) -> bool:

@@ -11,8 +11,8 @@ import torch
 from ds4t.batch.errors import BatchError
 
 
-def _is_token_int(t) -> bool:
-    """A Python or numpy integer, not a bool (bools are ints to Python but never token ids)."""
+def is_int(t) -> bool:
+    """A Python or numpy integer, not a bool (bools are ints to Python but never token ids or counts)."""
     return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
 
 
@@ -30,14 +30,14 @@ def as_token_list(tokens: Union[int, Sequence[int], torch.Tensor, np.ndarray], v
         if tokens.ndim > 1 or tokens.dtype.kind not in "iu":
             raise BatchError(f"{what}: token ids must be a 1-D integer array, got {tokens.shape} {tokens.dtype}")
         tokens = tokens.reshape(-1).tolist()
-    elif _is_token_int(tokens):
+    elif is_int(tokens):
         tokens = [tokens]
     elif isinstance(tokens, (list, tuple)):
         tokens = list(tokens)
     else:
         raise BatchError(f"{what}: token {tokens!r} is not an int or a list of ints")
     for t in tokens:
-        if not _is_token_int(t):
+        if not is_int(t):
             raise BatchError(f"{what}: token {t!r} is not an int")
         if not 0 <= t < vocab:
             raise BatchError(f"{what}: token {t} outside the vocabulary [0, {vocab})")
