@@ -15,7 +15,7 @@ import torch
 from ds4t.batch.errors import BatchError, NotNativeError
 from ds4t.batch.graphs import graphs_for
 from ds4t.batch.session import Session, as_token_list
-from ds4t.models.base import StepBatch
+from ds4t.step import StepBatch
 
 MODES = ("auto", "native", "ordered")
 

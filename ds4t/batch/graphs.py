@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ds4t.models.base import StepBatch, to_device
+from ds4t.step import StepBatch, to_device
 
 _suspended = 0
 

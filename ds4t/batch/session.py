@@ -1,32 +1,47 @@
 """A resident session: one slot of the model's state pool, its position and token history."""
 from __future__ import annotations
 
+import numbers
 import weakref
 from typing import Dict, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ds4t.batch.errors import BatchError
 
 
-def as_token_list(tokens: Union[int, Sequence[int], torch.Tensor], vocab: int, what: str) -> List[int]:
-    """Validate token ids (an int, a list, or a 1-D integer tensor) against the vocabulary."""
+def is_int(t) -> bool:
+    """A Python or numpy integer, not a bool (bools are ints to Python but never token ids or counts)."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+
+
+def as_token_list(tokens: Union[int, Sequence[int], torch.Tensor, np.ndarray], vocab: int, what: str) -> List[int]:
+    """Validate token ids against the vocabulary; returns them as a list of Python ints.
+
+    Accepted: an int (Python or numpy integer scalar), a list/tuple of them, or a 1-D integer
+    torch tensor / numpy array. Bools and floats are rejected.
+    """
     if isinstance(tokens, torch.Tensor):
-        if tokens.dim() > 1 or tokens.is_floating_point():
+        if tokens.dim() > 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise BatchError(f"{what}: token ids must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         tokens = tokens.reshape(-1).tolist()
-    elif isinstance(tokens, int) and not isinstance(tokens, bool):
+    elif isinstance(tokens, np.ndarray):
+        if tokens.ndim > 1 or tokens.dtype.kind not in "iu":
+            raise BatchError(f"{what}: token ids must be a 1-D integer array, got {tokens.shape} {tokens.dtype}")
+        tokens = tokens.reshape(-1).tolist()
+    elif is_int(tokens):
         tokens = [tokens]
     elif isinstance(tokens, (list, tuple)):
         tokens = list(tokens)
     else:
         raise BatchError(f"{what}: token {tokens!r} is not an int or a list of ints")
     for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int):
+        if not is_int(t):
             raise BatchError(f"{what}: token {t!r} is not an int")
         if not 0 <= t < vocab:
             raise BatchError(f"{what}: token {t} outside the vocabulary [0, {vocab})")
-    return tokens
+    return [int(t) for t in tokens]
 
 
 class Session:
@@ -95,4 +110,5 @@ class Session:
         self.tokens = list(tokens) if tokens is not None else self.tokens[:pos]
 
     def __repr__(self) -> str:
-        return f"Session(slot={self.slot}, pos={self.pos}, max_ctx={self.max_ctx}, model={self.model.name!r})"
+        return (f"Session(model={self.model.name!r}, slot={self.slot}, pos={self.pos}, max_ctx={self.max_ctx}, "
+                f"closed={self.closed})")

@@ -1,15 +1,23 @@
-"""What every model family shares: per-session state pools, the step batch, the model interface.
+"""What every model family shares: per-session state pools and the model interface.
 
-The batch layer (ds4t.batch) talks to models only through :class:`Model`:
-``new_slot``/``free_slot``, ``slot_state``/``load_slot_state``, ``forward(StepBatch)``,
-``native_rules`` and ``row_reasons``.
+The batch layer (ds4t.batch) talks to models only through :class:`Model`: ``pool``
+(:class:`StatePool`), ``forward(StepBatch)``, ``row_reasons``, ``graph_key``, ``vocab_size``,
+``max_position``, ``device`` and ``name``. The step metadata (:class:`~ds4t.step.StepBatch`) lives
+in the leaf module :mod:`ds4t.step`, so the dependency runs one way: models -> batch -> step.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from ds4t.batch.session import Session
+from ds4t.step import Segment, StepBatch, to_device  # noqa: F401  (the families import them from here)
+
+COMMON_INIT_ARGS = ("self", "cfg", "source", "device", "dtype", "name", "progress")
+"""Constructor arguments every family takes; the rest are its load options (see Model.load_options)."""
 
 CTX = "ctx"
 """Placeholder in a state shape for the per-slot token capacity (KV caches grow along it)."""
@@ -119,92 +127,6 @@ class StatePool:
             t.copy_(state[name].to(self.device))
 
 
-@dataclasses.dataclass
-class Segment:
-    """Consecutive tokens of one session inside a step batch (1 token for a decode step)."""
-
-    slot: int
-    start_row: int
-    n: int
-    start_pos: int
-
-
-@dataclasses.dataclass
-class StepBatch:
-    """The rows of one forward call: one row per token, grouped into per-session segments.
-
-    tokens [R] int64, positions [R] int32 (position of each token), slots [R] int32,
-    lengths [R] int32 (= positions + 1: cache entries each row attends to), out_rows [O] int64
-    (rows whose logits are returned, in item order).
-    """
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    lengths: torch.Tensor
-    out_rows: torch.Tensor
-    segments: List[Segment]
-    all_single: bool  # every segment is one token (a pure decode batch)
-    single_rows: torch.Tensor  # int64 [S]: rows of the one-token segments (decode rows of a mixed batch)
-
-    @property
-    def rows(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @staticmethod
-    def host_meta(segments: Sequence[Tuple[int, Sequence[int], int]], all_logits: bool = False):
-        """The metadata of a step on the host: (meta int64 [3R + O + S], R, O, segments).
-
-        segments: (slot, token ids, start position) per session, in item order. ``meta`` holds
-        tokens, positions, slots, out_rows and single_rows back to back, so one host->device
-        copy carries all of it (see :meth:`from_meta`).
-        """
-        toks, pos, slots, out_rows, segs = [], [], [], [], []
-        for slot, ids, start in segments:
-            r0 = len(toks)
-            toks += list(ids)
-            pos += range(start, start + len(ids))
-            slots += [slot] * len(ids)
-            segs.append(Segment(slot, r0, len(ids), start))
-            out_rows += list(range(r0, r0 + len(ids))) if all_logits else [r0 + len(ids) - 1]
-        singles = [sg.start_row for sg in segs if sg.n == 1]
-        meta = torch.tensor(toks + pos + slots + out_rows + singles, dtype=torch.int64)
-        return meta, len(toks), len(out_rows), segs
-
-    @classmethod
-    def from_meta(cls, meta: torch.Tensor, n: int, o: int, segs: List[Segment]) -> "StepBatch":
-        """A batch whose tensors are views of / computed from ``meta`` on the device (no host
-        sync, so a CUDA graph can capture it with ``meta`` as its input buffer)."""
-        positions = meta[n:2 * n].to(torch.int32)
-        return cls(
-            tokens=meta[:n],
-            positions=positions,
-            slots=meta[2 * n:3 * n].to(torch.int32),
-            lengths=positions + 1,
-            out_rows=meta[3 * n:3 * n + o],
-            single_rows=meta[3 * n + o:],
-            segments=segs,
-            all_single=all(s.n == 1 for s in segs),
-        )
-
-    @classmethod
-    def build(cls, segments: Sequence[Tuple[int, Sequence[int], int]], device, all_logits: bool = False) -> "StepBatch":
-        """segments: (slot, token ids, start position) per session, in item order."""
-        meta, n, o, segs = cls.host_meta(segments, all_logits)
-        return cls.from_meta(to_device(meta, device), n, o, segs)
-
-
-def to_device(t: torch.Tensor, device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Host tensor -> ``device`` (or into ``out``, a device tensor of its shape) without a host
-    sync: through pinned memory on a GPU."""
-    device = torch.device(device if out is None else out.device)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    if out is not None:
-        return out.copy_(t, non_blocking=True)
-    return t.to(device, non_blocking=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class NativeRule:
     """When a model's native path applies, as data the engine and ``ds4t support`` both read."""
@@ -237,9 +159,8 @@ class Model:
     def state_specs(self) -> Dict[str, StateSpec]:
         raise NotImplementedError
 
-    def new_session(self, max_ctx: int = 4096):
-        from ds4t.batch.session import Session
-
+    def new_session(self, max_ctx: int = 4096) -> Session:
+        """A new session on one slot of this model's state pool, able to hold ``max_ctx`` tokens."""
         return Session(self, max_ctx)
 
     # -- compute -----------------------------------------------------------------------------
@@ -263,6 +184,23 @@ class Model:
         device-side metadata and state: the key of its CUDA graph, or None when it cannot be
         captured. A family whose step structure depends on an option adds that option."""
         return ("decode", rows)
+
+    @classmethod
+    def load_options(cls) -> Tuple[str, ...]:
+        """The family's own keyword options of ``ds4t.load`` (e.g. ``native_path``), read from its
+        constructor; the model keeps each as an attribute of that name."""
+        return tuple(k for k in inspect.signature(cls.__init__).parameters if k not in COMMON_INIT_ARGS)
+
+    def __repr__(self) -> str:
+        cfg = getattr(self, "cfg", None)
+        moe = getattr(cfg, "ffn", cfg)  # routed experts sit in the FFN config (DeepSeek, GLM) or the top level
+        parts = [f"name={self.name!r}", f"family={self.family!r}", f"dtype={self.dtype}", f"device={self.device}",
+                 f"layers={getattr(cfg, 'num_layers', '?')}", f"hidden_size={getattr(cfg, 'hidden_size', '?')}",
+                 f"vocab_size={self.vocab_size}"]
+        if getattr(moe, "num_experts", 0):
+            parts.append(f"experts={moe.num_experts} (top {moe.top_k})")
+        parts += [f"{k}={getattr(self, k, '?')!r}" for k in self.load_options()]
+        return f"{type(self).__name__}({', '.join(parts)})"
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parameters().values())

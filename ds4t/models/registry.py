@@ -9,6 +9,7 @@ import torch
 from ds4t.backend import default_device
 from ds4t.models.checkpoint import CheckpointError, TensorSource, parse_dtype, read_config
 from ds4t.models.loading import PresetSource
+from ds4t.models.tokenizer import preset_tokenizer
 
 
 def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
@@ -51,6 +52,9 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
          **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
 
+    ``model.tokenizer``: the checkpoint's tokenizer.json, or for a preset a byte-level tokenizer
+    (token id = UTF-8 byte, :mod:`ds4t.models.tokenizer`); None when there is neither.
+
     device: "cuda" when a GPU is present, else "cpu" (default). dtype: torch dtype or name
     ("bf16", "fp16", "fp32"); default: the checkpoint's ``torch_dtype``/``dtype`` (presets: fp32
     for tiny-*, bf16 for the full-size presets). Tensors stored in another dtype are cast.
@@ -67,7 +71,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         name = path_or_preset
         if dtype is None:
             dtype = torch.float32 if path_or_preset.startswith("tiny-") else torch.bfloat16
-        tokenizer = None
+        tokenizer = preset_tokenizer(int(cfg["vocab_size"]))
     elif os.path.isdir(str(path_or_preset)):
         path = str(path_or_preset)
         cfg = read_config(path)
@@ -90,11 +94,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
     if options:
-        import inspect
-
-        accepted = inspect.signature(model_cls.__init__).parameters
-        fixed = ("self", "cfg", "source", "device", "dtype", "name", "progress")
-        bad = [k for k in options if k not in accepted or k in fixed]
+        bad = [k for k in options if k not in model_cls.load_options()]
         if bad:
             raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
     model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ds4t
-from ds4t.models.base import StepBatch
+from ds4t.step import StepBatch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

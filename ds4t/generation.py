@@ -1,0 +1,156 @@
+"""generate(): text or token prompts -> generated tokens, N sessions decoded together in batched steps.
+
+Each prompt gets its own session. The prompts are prefilled together (one ``eval_batch`` call per
+chunk of ``prefill_chunk`` tokens of every prompt not yet consumed), then every step feeds the last
+token of each unfinished session in ONE ``eval_batch`` call; a session leaves the batch when it
+samples a stop token or reaches its token budget. Tokens are chosen by :func:`ds4t.sampling.sample`,
+whose draw for a prompt depends only on its logits, its settings and (seed, position): together
+with the batch-invariant kernels, a prompt generates the same tokens alone or beside any others.
+"""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ds4t import sampling
+from ds4t.batch.engine import MODES, DecodeItem, eval_batch
+from ds4t.batch.session import as_token_list, is_int
+
+Prompt = Union[str, Sequence[int], np.ndarray, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Generation:
+    """What :func:`generate` produced for one prompt."""
+
+    prompt_tokens: List[int]  # the prompt's token ids (encoded when it was text)
+    tokens: List[int]         # generated ids, a stop token included as the last one
+    text: Optional[str]       # the generated ids as text without the stop token; None without a tokenizer
+    finish_reason: str        # "stop": a stop token was sampled; "length": max_new_tokens or the context limit
+
+
+def _codec(model):
+    """The model's text codec (tokenizer, EOS ids), or None when it has no tokenizer."""
+    if getattr(model, "tokenizer", None) is None:
+        return None
+    from ds4t.serve.tokenizer import TextCodec
+
+    return TextCodec.for_model(model)
+
+
+def _prompt_ids(model, codec, prompts) -> List[List[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of prompts (texts or token-id lists), got "
+                         f"{type(prompts).__name__}{' (wrap one prompt in a list)' if isinstance(prompts, str) else ''}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if codec is None:
+                raise ValueError(f"prompt {i}: model {model.name!r} has no tokenizer; pass token ids instead of text")
+            ids = codec.encode(p)
+        else:
+            ids = as_token_list(p, model.vocab_size, f"prompt {i}")
+        if not ids:
+            raise ValueError(f"prompt {i}: no tokens")
+        if len(ids) > model.max_position:
+            raise ValueError(f"prompt {i}: {len(ids)} tokens exceed the model's max_position_embeddings {model.max_position}")
+        out.append(ids)
+    return out
+
+
+def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequence[int]] = 16,
+             temperature=0.0, top_p=1.0, top_k=0, seed=None,
+             stop_token_ids: Optional[Sequence[int]] = None, mode: str = "auto",
+             prefill_chunk: int = 256) -> List[Generation]:
+    """Generate up to ``max_new_tokens`` tokens for each prompt; returns one :class:`Generation` per prompt.
+
+    prompts: a list of texts (encoded with ``model.tokenizer``) and/or token ids (list of ints,
+    numpy array or 1-D integer tensor). temperature, top_p, top_k, seed and max_new_tokens are one
+    value for every prompt or a list with one per prompt (rules: :func:`ds4t.sampling.sample`;
+    temperature below :data:`ds4t.sampling.MIN_TEMPERATURE`, the default 0, is greedy). seed: an
+    int (every prompt draws from it: equal prompts give equal completions), a list, or None (a
+    fresh random seed per prompt, not reproducible). stop_token_ids: generation of a prompt ends
+    after one of them is sampled; None: the checkpoint's EOS ids (none for presets), ``()``: never
+    stop early. mode: ``eval_batch``'s mode ("auto" runs natively where the model allows).
+
+    A prompt's tokens do not depend on the other prompts. Every session opened is closed on
+    return, also on error. Invalid arguments raise ValueError naming the prompt before any work.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    codec = _codec(model)
+    ids = _prompt_ids(model, codec, prompts)
+    n = len(ids)
+    budgets = sampling.per_row("max_new_tokens", max_new_tokens, n)
+    temps, tps, tks = (sampling.per_row(k, v, n) for k, v in
+                       (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)))
+    seeds = [secrets.randbits(63) for _ in range(n)] if seed is None else sampling.per_row("seed", seed, n)
+    for i in range(n):
+        what = f"prompt {i}: "
+        if not is_int(budgets[i]) or budgets[i] < 1:
+            raise ValueError(f"{what}max_new_tokens must be an int >= 1, got {budgets[i]!r}")
+        sampling.check_params(temps[i], tks[i], tps[i], model.vocab_size, what)
+        if not is_int(seeds[i]):
+            raise ValueError(f"{what}seed must be an int, got {seeds[i]!r}")
+    if stop_token_ids is None:
+        stops = set(codec.eos_ids) if codec is not None else set()
+    else:
+        stops = set(as_token_list(list(stop_token_ids), model.vocab_size, "stop_token_ids"))
+
+    sessions = []
+    try:
+        for p, b in zip(ids, budgets):
+            # the last sampled token is never fed back: a prompt needs len(p) + b - 1 positions
+            sessions.append(model.new_session(max_ctx=min(len(p) + int(b) - 1, model.max_position)))
+        logits = _prefill(sessions, ids, prefill_chunk, mode)
+        out = [Generation(p, [], None, "") for p in ids]
+        active = list(range(n))
+        while active:
+            toks = sampling.sample(logits, temperature=[temps[i] for i in active], top_k=[tks[i] for i in active],
+                                   top_p=[tps[i] for i in active], seed=[seeds[i] for i in active],
+                                   position=[sessions[i].pos for i in active]).tolist()
+            keep = []
+            for j, (i, t) in enumerate(zip(active, toks)):
+                g, s = out[i], sessions[i]
+                g.tokens.append(t)
+                if t in stops:
+                    g.finish_reason = "stop"
+                elif len(g.tokens) >= budgets[i] or s.pos >= s.max_ctx:
+                    g.finish_reason = "length"
+                else:
+                    keep.append(j)
+            if not keep:
+                break
+            active, toks = [active[j] for j in keep], [toks[j] for j in keep]
+            logits = eval_batch([DecodeItem(sessions[i], t) for i, t in zip(active, toks)], mode=mode).logits
+    finally:
+        for s in sessions:
+            s.close()
+    if codec is not None:
+        for g in out:
+            body = g.tokens[:-1] if g.finish_reason == "stop" else g.tokens
+            g.text = codec.decode(body)
+    return out
+
+
+def _prefill(sessions, ids: List[List[int]], chunk: int, mode: str) -> torch.Tensor:
+    """Feed every prompt, ``chunk`` tokens of each per ``eval_batch`` call; logits fp32 [N, vocab] of
+    each prompt's last position."""
+    last: List[Optional[torch.Tensor]] = [None] * len(ids)
+    start = 0
+    while True:
+        rows = [i for i, p in enumerate(ids) if start < len(p)]
+        if not rows:
+            break
+        res = eval_batch([DecodeItem(sessions[i], ids[i][start:start + chunk]) for i in rows], mode=mode)
+        for j, i in enumerate(rows):
+            if start + chunk >= len(ids[i]):
+                last[i] = res.logits[j]
+        start += chunk
+    return torch.stack(last)
