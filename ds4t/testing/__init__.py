@@ -14,7 +14,7 @@ The pytest plugin (:mod:`ds4t.testing.plugin`, entry point ``pytest11``) adds th
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -52,6 +52,24 @@ def assert_rows_invariant(run: Callable[[Sequence[int]], torch.Tensor], batch_ro
     )
 
 
+def kernel_ops() -> Dict[str, List[str]]:
+    """Kernel module name -> the ops it defines: every public launcher ``name`` in ``ds4t/kernels/``
+    with a plain-torch reference ``name_ref`` beside it (the naming rule of docs/kernel-conventions.md)."""
+    import importlib
+    import pkgutil
+
+    import ds4t.kernels as pkg
+
+    out = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        mod = importlib.import_module(f"ds4t.kernels.{info.name}")
+        ops = sorted(n for n in vars(mod) if not n.startswith("_") and not n.endswith("_ref")
+                     and callable(getattr(mod, n)) and callable(getattr(mod, n + "_ref", None)))
+        if ops:
+            out[info.name] = ops
+    return out
+
+
 def assert_native_exact(model, scenario=None, *, mode: str = "native", negative_control: bool = True,
                         sessions: int = 3, steps: int = 3, seed: int = 0):
     """Run ``scenario`` (default: a small random one) twice -- every step ordered, and in ``mode`` --
@@ -80,4 +98,4 @@ def assert_native_exact(model, scenario=None, *, mode: str = "native", negative_
     return rep
 
 
-__all__ = ["poisoned", "assert_rows_invariant", "assert_native_exact", "TINY_PRESETS", "HYPOTHESIS_PROFILE"]
+__all__ = ["poisoned", "assert_rows_invariant", "assert_native_exact", "kernel_ops", "TINY_PRESETS", "HYPOTHESIS_PROFILE"]
