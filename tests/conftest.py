@@ -8,7 +8,7 @@ from ds4t.testing import plugin as ds4t_plugin
 
 def pytest_configure(config):
     if not config.pluginmanager.is_registered(ds4t_plugin):
-        config.pluginmanager.register(ds4t_plugin, "ds4t")
+        config.pluginmanager.register(ds4t_plugin, "ds4t.testing.plugin")
     torch.manual_seed(0)
 
 

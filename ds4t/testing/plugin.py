@@ -1,5 +1,6 @@
-"""pytest plugin for ds4t (entry point ``pytest11``: loaded by pytest once ds4t is installed;
-``-p ds4t.testing.plugin`` loads it explicitly, ``-p no:ds4t`` turns it off).
+"""pytest plugin for ds4t (entry point ``pytest11`` named ``ds4t.testing.plugin``: pytest loads it
+once ds4t is installed; ``-p ds4t.testing.plugin`` loads it from a checkout that is not installed,
+``-p no:ds4t.testing.plugin`` turns it off).
 
 Fixtures:
 
@@ -45,9 +46,12 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    import os
+
+    import ds4t
     from ds4t.backend import device_name
 
-    return f"ds4t: kernels on {device_name()}"
+    return f"ds4t {ds4t.__version__} ({os.path.dirname(ds4t.__file__)}): kernels on {device_name()}"
 
 
 @pytest.fixture
