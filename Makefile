@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: demo test check
+.PHONY: demo test check bench-kernels
 demo: $(VENV)/.installed
 	$(VENV)/bin/ds4t demo
 
@@ -25,3 +25,9 @@ check: $(VENV)/.installed
 # -n 2: the suite is CPU-bound in the Triton interpreter; CI machines have 2 cores.
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --durations=15 tests
+
+# pytest-benchmark over every kernel op (bench/micro): small shapes in the interpreter, real layer
+# shapes on a GPU (DS4T_MICRO_SIZE=small|real overrides). Not part of `make test`, which only runs
+# each once with timing off (tests/test_micro_bench.py).
+bench-kernels: $(VENV)/.installed
+	$(PY) -m pytest -p no:cacheprovider bench/micro --benchmark-only --benchmark-columns=min,median,max,rounds

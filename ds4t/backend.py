@@ -4,7 +4,7 @@ On a machine with a CUDA GPU, kernels compile with Triton for that GPU. Without 
 through the Triton interpreter on the CPU (``TRITON_INTERPRET=1``), which must be set before
 ``triton`` is first imported; importing :mod:`ds4t` does that.
 
-Interpreter defects handled here (DESIGN.md §5), each with a test in tests/test_backend.py:
+Interpreter defects handled here (docs/design.md, "The Triton interpreter"), each with a test in tests/test_backend.py:
 
 * ``tl.dot`` on bf16 tiles multiplies raw bit patterns, and on fp32 tiles it is a BLAS sgemm
   whose result for a row depends on the row's place in the tile (OpenBLAS works in 6-row

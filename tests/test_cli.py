@@ -1,8 +1,22 @@
-"""The ds4t command: check, demo, support (exactness is covered in tests/exactness)."""
+"""The ds4t command: check, demo, support, exactness's verdicts, errors, --help, --version, progress."""
 import subprocess
 import sys
 
+import pytest
+import torch
+
+import ds4t
 from ds4t.cli import main
+
+
+def _run(argv, capsys):
+    """(exit code, stdout, stderr) of ``ds4t argv`` run in-process."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
 def test_check_passes_every_kernel(capsys):
@@ -40,8 +54,88 @@ def test_exactness_with_load_options_mixes_paths(capsys):
     assert "exact: yes" in out and "ordered=" in out and "native=" in out
 
 
-def test_bad_load_option_is_a_clear_error():
-    import pytest
+OTHER_DEVICE = "cpu" if torch.cuda.is_available() else "cuda"
 
-    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
-        main(["demo", "--opt", "native_window"])
+
+@pytest.mark.parametrize("argv,needle", [
+    (["demo", "--opt", "native_window"], "expected KEY=VALUE"),
+    (["demo", "--device", OTHER_DEVICE], f"--device {OTHER_DEVICE}"),
+    (["demo", "--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["demo", "--sessions", "0"], "--sessions: expected a positive integer, got 0"),
+    (["exactness", "--steps", "-1"], "--steps: expected a positive integer, got -1"),
+    (["exactness", "--sessions", "two"], "--sessions: expected a positive integer, got 'two'"),
+    (["demo", "--model", "tiny-nothing"], "'tiny-nothing' is neither a checkpoint directory nor a preset"),
+    (["demo", "--opt", "native_window=20"], "qwen3_next models take no option 'native_window'"),
+    (["exactness", "--model", "tiny-glm", "--opt", "native_window=0"], "native_window must be a positive int"),
+    (["demo", "--dtype", "fp8"], "unsupported dtype 'fp8'"),
+    (["check", "--kernel", "lineaer"], "no such kernel; names: "),
+])
+def test_user_errors_are_one_line_with_exit_code_2(capsys, argv, needle):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"ds4t {argv[0]}: error: "), err
+    assert needle in err and "Traceback" not in err
+
+
+def test_unknown_kernel_error_lists_the_names(capsys):
+    _, _, err = _run(["check", "--kernel", "nope"], capsys)
+    for name in ("linear", "linear_heads", "rms_norm", "moe", "sample"):
+        assert f" {name}," in err or err.rstrip().endswith(f" {name}")
+
+
+def test_version(capsys):
+    rc, out, _ = _run(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"ds4t {ds4t.__version__}"
+
+
+def test_help_shows_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")   # argparse wraps help at the terminal width
+    rc, out, _ = _run(["exactness", "--help"], capsys)
+    assert rc == 0
+    for needle in ("(default: tiny-qwen)", "(default: 6)", "(default: 40)", "(default: native)"):
+        assert needle in out, needle
+
+
+def test_check_one_kernel_by_op_or_module_name(capsys):
+    rc, out, _ = _run(["check", "--kernel", "rms_norm"], capsys)
+    assert rc == 0
+    table = out.splitlines()[3:-1]
+    assert table and all(line.split()[0] == "rms_norm" for line in table), out
+    rc, out, _ = _run(["check", "--kernel", "embedding", "--kernel", "silu_mul"], capsys)
+    kernels = {line.split()[0] for line in out.splitlines()[3:-1]}
+    assert rc == 0 and kernels == {"embedding", "silu_mul"}, out
+
+
+def test_progress_bar_on_request_only(capsys):
+    rc, out, err = _run(["demo", "--sessions", "2", "--steps", "2"], capsys)
+    assert rc == 0 and err == ""   # stderr is not a terminal here: no bar unless asked
+    rc, out, err = _run(["demo", "--sessions", "2", "--steps", "2", "--progress"], capsys)
+    assert rc == 0 and "ordered" in err and "native" in err and "/2" in err
+    assert "bit-exact: yes" in out   # the bar goes to stderr, the results to stdout
+
+
+GLM_NO_NATIVE = ["exactness", "--model", "tiny-glm", "--opt", "native_window=1", "--mode", "auto",
+                 "--sessions", "3", "--steps", "3"]
+
+
+def test_exactness_control_not_applicable_when_nothing_runs_natively(capsys):
+    """native_window=1: every row falls back to ordered, so a batch-dependent kernel has nothing to
+    show in; the control says so instead of "NOT CAUGHT", and an exact run exits 0."""
+    rc, out, _ = _run(GLM_NO_NATIVE, capsys)
+    assert "NOT CAUGHT" not in out and "not applicable (no native call of 2+ rows)" in out
+    assert "no row ran natively" in out and "exact: yes" in out
+    assert rc == 0
+
+
+def test_exactness_fails_when_an_applicable_control_is_not_caught(capsys, monkeypatch):
+    """Negative control of the exit code: planting nothing leaves the batch-dependent control
+    applicable (rows batch natively) and not caught, which must fail the run."""
+    import contextlib
+
+    from ds4t.exactness import controls
+
+    monkeypatch.setattr(controls, "plant", lambda kind: contextlib.nullcontext())
+    rc, out, _ = _run(["exactness", "--model", "tiny-qwen", "--sessions", "2", "--steps", "2", "--max-prompt", "6"],
+                      capsys)
+    assert "NOT CAUGHT" in out and "exact: yes" in out
+    assert rc == 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -46,13 +46,14 @@ class Report:
     paths: Dict[str, int] = dataclasses.field(default_factory=dict)
     first_mismatch: Optional[str] = None
     native_missing: int = 0  # items expected native that ran ordered
+    native_batches: int = 0  # steps whose native call held 2+ rows (what a batch-dependent kernel would show in)
 
     @property
     def ok(self) -> bool:
         return self.mismatches == 0 and self.native_missing == 0
 
     def merge(self, other: "Report") -> None:
-        for f in ("sessions", "steps", "rows", "states", "mismatches", "native_missing"):
+        for f in ("sessions", "steps", "rows", "states", "mismatches", "native_missing", "native_batches"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.paths.items():
             self.paths[k] = self.paths.get(k, 0) + v
@@ -68,7 +69,7 @@ def plant(kind: str):
 
     "ulp": the tested path's logits get one element moved by one ulp.
     "batch-dependent": the linear kernel used by the models sums K in two halves whenever a
-    launch has more than one row, so a row's bits depend on the batch (DESIGN.md §3.6).
+    launch has more than one row, so a row's bits depend on the batch (docs/design.md, "Exactness").
     """
     if kind == "ulp":
         _PLANTED["ulp"] = True
@@ -106,8 +107,10 @@ def _greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits).item())
 
 
-def run_scenario(model, sc: Scenario, mode: str = "native") -> Report:
-    """Run ``sc`` with twins (ordered vs ``mode``) and compare; returns the Report."""
+def run_scenario(model, sc: Scenario, mode: str = "native",
+                 on_step: Optional[Callable[[int], None]] = None) -> Report:
+    """Run ``sc`` with twins (ordered vs ``mode``) and compare; returns the Report.
+    ``on_step(step)`` is called after each of the ``sc.steps`` steps (progress bars)."""
     rng = random.Random(sc.seed)
     rep = Report(sessions=len(sc.plans), steps=sc.steps)
     live: Dict[int, tuple] = {}   # plan index -> (session A, session B, next token, pending chunk)
@@ -127,6 +130,8 @@ def run_scenario(model, sc: Scenario, mode: str = "native") -> Report:
                     a.close()
                     b.close()
             if not live:
+                if on_step is not None:
+                    on_step(step)
                 continue
             order = list(live)
             rng.shuffle(order)
@@ -138,6 +143,7 @@ def run_scenario(model, sc: Scenario, mode: str = "native") -> Report:
                 items_b.append(DecodeItem(b, work))
             ra = eval_batch(items_a, mode="ordered")
             rb = eval_batch(items_b, mode=mode)
+            rep.native_batches += rb.paths.count("native") >= 2
             if _PLANTED["ulp"]:
                 i = rng.randrange(rb.logits.shape[0])
                 j = rng.randrange(rb.logits.shape[1])
@@ -158,6 +164,8 @@ def run_scenario(model, sc: Scenario, mode: str = "native") -> Report:
                         rep.first_mismatch = rep.first_mismatch or f"step {step} plan {pi} state {name}"
                 # Both twins continue from A's token so one mismatch does not fork the runs.
                 live[pi] = (a, b, _greedy(ra.logits[k]), None)
+            if on_step is not None:
+                on_step(step)
     finally:
         for a, b, _, _ in live.values():
             a.close()

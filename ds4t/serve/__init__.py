@@ -1,4 +1,4 @@
-"""``ds4t serve``: an OpenAI-compatible HTTP server over N resident sessions (DESIGN.md §1, batch/server).
+"""``ds4t serve``: an OpenAI-compatible HTTP server over N resident sessions (docs/design.md).
 
 * :mod:`~ds4t.serve.planner`     memory plan: weights + N x state at max ctx + workspace vs the device
 * :mod:`~ds4t.serve.pool`        the N pre-allocated sessions and prefix routing

@@ -1,4 +1,4 @@
-"""eval_batch / Session API contract (DESIGN.md §2): validation, paths, no change on error."""
+"""eval_batch / Session API contract (docs/design.md, "API contract"): validation, paths, no change on error."""
 import pytest
 import torch
 

@@ -1,30 +1,10 @@
-"""Shared helpers for kernel tests: NaN poisoning and the row batch-invariance property."""
+"""Shared helpers for kernel tests. NaN poisoning and the row batch-invariance property live in
+:mod:`ds4t.testing` (shipped, for researchers' own tests too) and are re-exported here."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
 
-import torch
-
-
-def poisoned(shape, dtype=torch.float32, device=None) -> torch.Tensor:
-    """A fresh tensor full of NaN: elements a kernel fails to write stay NaN and fail the test.
-    ``device=None``: torch's default device (the kernels' device under ``on_kernel_device``)."""
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def assert_rows_invariant(run: Callable[[Sequence[int]], torch.Tensor], batch_rows: Sequence[int], i: int) -> None:
-    """Row ``batch_rows[i]`` computed among ``batch_rows`` equals it computed alone, bitwise.
-
-    ``run(rows)`` evaluates the kernel on the given subset of a pool of prepared rows (in that
-    order) and returns outputs with one leading entry per row.
-    """
-    full = run(list(batch_rows))
-    alone = run([batch_rows[i]])
-    assert torch.equal(full[i], alone[0]), (
-        f"row {batch_rows[i]} differs between batch of {len(batch_rows)} and alone: "
-        f"max diff {(full[i].float() - alone[0].float()).abs().max().item()}"
-    )
+from ds4t.testing import assert_rows_invariant, poisoned  # noqa: F401
 
 
 @contextlib.contextmanager

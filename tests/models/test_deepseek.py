@@ -62,7 +62,7 @@ def _route(gate, h, dropped):
 
 def test_dropped_group_fill_follows_hf(tmp_path, monkeypatch):
     """Correction biases ~ -1.5 make every biased score negative: filling dropped groups with 0.0
-    (transformers 4.x, DESIGN.md) or -inf (vLLM, transformers 5.x) then picks different experts.
+    (transformers 4.x, docs/design.md "Model semantics") or -inf (vLLM, transformers 5.x) then picks different experts.
     The router kernel must pick what the installed HF picks, and the model must follow HF."""
     cfg = ds_config(num_hidden_layers=2)
     hf = save_tiny(transformers.DeepseekV3ForCausalLM, cfg, tmp_path, seed=4, tweak=bias_tweak(-1.5, 0.1, seed=5))
