@@ -20,7 +20,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with defaults in --help and errors as one line (``ds4t demo: error: ...``), exit 2."""
 
     def __init__(self, *a, **kw):
@@ -31,14 +31,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo`` (1: "a positive integer"), else a one-line error."""
+    what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+    parse.__name__ = what
+    return parse
+
+
+_positive_int = int_at_least(1)
 
 
 def _key_value(text: str):
@@ -261,7 +270,7 @@ def cmd_support(args) -> int:
 def main(argv=None) -> int:
     import ds4t
 
-    p = _Parser(prog="ds4t", description=__doc__)
+    p = Parser(prog="ds4t", description=__doc__)
     p.add_argument("--version", action="version", version=f"ds4t {ds4t.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 

@@ -31,19 +31,6 @@ def _env_int(name: str, default: int) -> int:
     return v
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -93,7 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pos, nonneg = _int_at_least(1), _int_at_least(0)
+    from ds4t.cli import int_at_least
+
+    pos, nonneg = int_at_least(1), int_at_least(0)
     p.add_argument("--model", default="tiny-qwen", help="preset name or HF checkpoint directory")
     p.add_argument("--device", default=None, type=_device, help="cuda or cpu (default: cuda if present)")
     from ds4t.models.checkpoint import DTYPES
@@ -224,15 +213,10 @@ def run(args) -> int:
     return 0
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """Usage errors as one line naming the option, not the whole usage text."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def main(argv=None) -> int:
-    p = OneLineErrors(prog="ds4t serve", description=__doc__)
+    from ds4t.cli import Parser
+
+    p = Parser(prog="ds4t serve", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -343,7 +343,7 @@ class Server:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
-        # temperatures below GREEDY_BELOW decode greedily (GenParams; documented in the README)
+        # temperatures below ds4t.sampling.MIN_TEMPERATURE decode greedily (documented in the README)
         try:
             params = GenParams(max_tokens=max_tokens, temperature=temperature, top_k=max(0, top_k), top_p=top_p,
                                seed=seed, stop=tuple(stop), stop_token_ids=tuple(set(stop_ids) | set(eos)))

@@ -41,7 +41,7 @@ import torch
 
 from ds4t.batch.engine import DecodeItem, eval_batch
 from ds4t.batch.errors import BatchError
-from ds4t.kernels import sampling
+from ds4t import sampling
 from ds4t.serve.metrics import Metrics
 from ds4t.serve.persistence import KVStore
 from ds4t.serve.pool import Slot, SlotPool
@@ -49,33 +49,12 @@ from ds4t.serve.pool import Slot, SlotPool
 log = logging.getLogger("ds4t.serve")
 batch_log = logging.getLogger("ds4t.serve.batch")
 
-_MASK64 = (1 << 64) - 1
-
-
-def stream_id(seed: int) -> int:
-    """The sampling stream of a request: a 63-bit mix (splitmix64) of its seed, not of its slot."""
-    z = (int(seed) + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def to_int64(v: int) -> int:
-    v &= _MASK64
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-GREEDY_BELOW = 1e-5
-"""Temperatures in (0, GREEDY_BELOW) decode greedily, as temperature 0 does. Below it the sampler's
-fp32 ``logits / temperature`` overflows to inf for ordinary logits (|logit| ~ 10 at 1e-38; 1e-40
-is a float32 subnormal) and the draw is garbage; a distribution that sharp is argmax anyway. vLLM uses
-the same 1e-5 threshold for greedy."""
-
-
 @dataclasses.dataclass
 class GenParams:
-    """What a request asks for. ``temperature`` 0 (or below :data:`GREEDY_BELOW`): greedy; ``top_k`` 0:
-    off, at most the vocabulary (checked by :meth:`DecodeWorker.submit`); ``top_p`` in (0, 1]."""
+    """What a request asks for. ``temperature`` 0 (or below :data:`ds4t.sampling.MIN_TEMPERATURE`, where
+    fp32 ``logits / temperature`` would overflow): greedy; ``top_k`` 0: off, at most the vocabulary
+    (checked by :meth:`DecodeWorker.submit`); ``top_p`` in (0, 1]. Draws follow :func:`ds4t.sampling.sample`:
+    seeded by (seed, stream_id(seed), position), never by the slot or the batch."""
     max_tokens: int
     temperature: float = 0.0
     top_k: int = 0
@@ -87,10 +66,8 @@ class GenParams:
     def __post_init__(self):
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        t = float(self.temperature)
-        if not 0.0 <= t <= 100.0:  # also rejects NaN
+        if not 0.0 <= float(self.temperature) <= 100.0:  # also rejects NaN
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        self.temperature = 0.0 if t < GREEDY_BELOW else t
         if not (isinstance(self.top_k, int) and 0 <= self.top_k < 1 << 31):
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
@@ -114,8 +91,6 @@ class Request:
         self.params = params
         self.sink = sink
         self.detok = detok
-        self.stream = stream_id(params.seed)
-        self.seed64 = to_int64(params.seed)
         self.state = "waiting"  # waiting | restoring | prefill | decode | done
         self.slot: Optional[Slot] = None
         self.fed = 0            # prompt tokens already in the slot's state
@@ -529,19 +504,11 @@ class DecodeWorker:
         return [], None, []
 
     def _sample(self, logits: torch.Tensor, reqs: List[Request]) -> List[int]:
-        dev = logits.device
-        if all(r.params.temperature == 0 for r in reqs):
-            return sampling.argmax(logits).tolist()
-        out = sampling.sample(
-            logits,
-            torch.tensor([r.seed64 for r in reqs], dtype=torch.int64, device=dev),
-            torch.tensor([r.stream for r in reqs], dtype=torch.int64, device=dev),
-            torch.tensor([r.slot.session.pos for r in reqs], dtype=torch.int64, device=dev),
-            torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
-            torch.tensor([r.params.top_k for r in reqs], dtype=torch.int32, device=dev),
-            torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
-        )
-        return out.tolist()
+        """One token per row: greedy or seeded, each row by its own request's parameters."""
+        ps = [r.params for r in reqs]
+        return sampling.sample(logits, temperature=[p.temperature for p in ps], top_k=[p.top_k for p in ps],
+                               top_p=[p.top_p for p in ps], seed=[p.seed for p in ps],
+                               position=[r.slot.session.pos for r in reqs]).tolist()
 
     def _deliver(self, r: Request, tok: int, now: float) -> None:
         if r.t_last is None:
