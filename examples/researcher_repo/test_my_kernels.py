@@ -6,7 +6,7 @@ profile without deadline (kernels in the Triton interpreter take far longer than
 """
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ds4t
@@ -30,12 +30,14 @@ def test_matches_reference(ds4t_device):
 
 
 @settings(max_examples=10)
-@given(st.permutations(range(POOL)).flatmap(
-    lambda p: st.integers(1, POOL).flatmap(lambda n: st.tuples(st.just(p[:n]), st.integers(0, n - 1)))))
-def test_rows_invariant(on_kernel_device, case):
-    rows, i = case
+@example(rows=list(range(POOL)))  # the whole pool, every time: a batch-dependent kernel cannot hide
+@given(rows=st.permutations(range(POOL)).flatmap(lambda p: st.integers(1, POOL).map(lambda n: p[:n])))
+def test_rows_invariant(on_kernel_device, rows):
+    """Every row of the subset: computed among the others == computed alone, bitwise. (Many rows of
+    an RMS norm agree even under another summation order: the rsqrt rounds the difference away.)"""
     x, w = _rows(on_kernel_device)
-    assert_rows_invariant(lambda rs: rms_norm(x[list(rs)], w), rows, i)
+    for i in range(len(rows)):
+        assert_rows_invariant(lambda rs: rms_norm(x[list(rs)], w), rows, i)
 
 
 @pytest.mark.parametrize("ds4t_model", ["tiny-glm"], indirect=True)
