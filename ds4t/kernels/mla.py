@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, timer
-from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are launched in chunks
@@ -433,3 +433,9 @@ def _check(device) -> List[CheckResult]:
             note="max(|err| - rtol*|ref|)",
         ))
     return res
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(write_latent, reference=write_latent_ref)
+register_op(mla_decode, reference=mla_decode_ref)
