@@ -150,6 +150,32 @@ def cmd_exactness(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_diagnose(args) -> int:
+    """One decode step native vs ordered, compared op call by op call; names the first that differs."""
+    from ds4t.exactness.diagnose import diagnose
+
+    model = _load(args)
+    d = diagnose(model, sessions=args.sessions, ctx=args.ctx, seed=args.seed)
+    print(f"ds4t diagnose: {args.model} ({model.family}, {model.dtype})")
+    print(d.table())
+    return 0 if d.first is None and d.logits_equal else 1
+
+
+def import_user_modules(names) -> None:
+    """``--import MODULE``: import each module (e.g. one calling ``ds4t.kernels.override``) before
+    the command runs; the current directory is importable, as for ``python -m``."""
+    import importlib
+    import os
+
+    if names and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise SystemExit(f"ds4t: --import {name}: {e}") from None
+
+
 def cmd_support(args) -> int:
     """The support matrix, read from each family's NativeRule data (what the engine uses)."""
     from ds4t.models.registry import _families
@@ -168,7 +194,10 @@ def cmd_support(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ds4t", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("check", help="run every kernel against its reference on this device")
+    user = argparse.ArgumentParser(add_help=False)   # shared by the commands that run kernels
+    user.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first, e.g. one that registers kernel overrides (repeatable)")
+    sub.add_parser("check", parents=[user], help="run every kernel against its reference on this device")
     sub.add_parser("support", help="print the support matrix: model x native path x condition")
 
     def model_args(sp, default="tiny-qwen"):
@@ -178,12 +207,12 @@ def main(argv=None) -> int:
         sp.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                         help="model load option, e.g. native_path=ds4 (DeepSeek) or native_window=20 (GLM)")
 
-    d = sub.add_parser("demo", help="batched vs ordered decode on a tiny model, with a bit-exactness check")
+    d = sub.add_parser("demo", parents=[user], help="batched vs ordered decode on a tiny model, with a bit-exactness check")
     model_args(d)
     d.add_argument("--sessions", type=int, default=8)
     d.add_argument("--steps", type=int, default=32)
 
-    e = sub.add_parser("exactness", help="native vs ordered, bitwise, on random session mixes")
+    e = sub.add_parser("exactness", parents=[user], help="native vs ordered, bitwise, on random session mixes")
     model_args(e)
     e.add_argument("--sessions", type=int, default=6)
     e.add_argument("--steps", type=int, default=6)
@@ -193,12 +222,19 @@ def main(argv=None) -> int:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="skip the planted-deviation runs")
+    g = sub.add_parser("diagnose", parents=[user],
+                       help="one native step vs ordered, op call by op call: the first op whose rows differ")
+    model_args(g)
+    g.add_argument("--sessions", type=int, default=8)
+    g.add_argument("--ctx", type=int, default=64, help="longest random prompt")
+    g.add_argument("--seed", type=int, default=0)
     from ds4t.serve import cli as serve_cli
 
     serve_cli.add_parser(sub)
     args = p.parse_args(argv)
-    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "support": cmd_support,
-            "serve": serve_cli.run}[args.cmd](args)
+    import_user_modules(getattr(args, "imports", []))
+    return {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "diagnose": cmd_diagnose,
+            "support": cmd_support, "serve": serve_cli.run}[args.cmd](args)
 
 
 if __name__ == "__main__":
