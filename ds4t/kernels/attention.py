@@ -43,6 +43,7 @@ length 0 returns zeros.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -51,6 +52,7 @@ import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
 from ds4t.kernels import activation, norm, rope
+from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
 from ds4t.kernels.interp import attention_rows
 
@@ -70,25 +72,37 @@ def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> in
     return 256 if (head_dim + head_dim_v) * elsize >= 1024 else 512
 
 
-def _block_n(split: int, block_d: int, block_dv: int) -> int:
-    """Positions per inner tile, a function of split and head dims only. GPU: ~32 KiB of K (or V)
-    per tile. Interpreter: up to 64 (few loop iterations at the small splits tests use, while
-    splits > 64 still run the multi-tile online softmax the GPU runs)."""
-    if INTERPRET:
-        return min(split, 64)
-    bn = 64 if block_d + block_dv >= 512 else 128
-    return min(split, bn)
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Launch constants of the split and merge kernels (None: Triton's default). Warps and stages
+    never change numerics; ``block_n`` (positions per inner tile) is a function of the split size
+    and head dims only."""
+    block_n: int
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    merge_warps: Optional[int] = None
 
 
-def _gpu_launch_opts(block_d: int, block_dv: int) -> dict:
-    """One fixed config per head shape (no autotune); warps/stages never change numerics.
+def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
+    """~32 KiB of K (or V) per tile; one fixed config per head shape (no autotune). Compiled offline
+    for sm_90 (triton 3.9, bf16): D = Dv = 256 / BLOCK_N 64 -> 244 regs, 86 KB smem; D = Dv = 128 /
+    BLOCK_N 128 -> ~175 regs, 82 KB smem; no spills; K/V loads pipelined with cp.async; both fit two
+    CTAs per SM."""
+    return AttentionConfig(block_n=min(split, 64 if block_d + block_dv >= 512 else 128),
+                           num_warps=4, num_stages=2, merge_warps=4)
 
-    Compiled offline for sm_90 (triton 3.9, bf16): D = Dv = 256 / BLOCK_N 64 -> 244 regs, 86 KB
-    smem; D = Dv = 128 / BLOCK_N 128 -> ~175 regs, 82 KB smem; no spills; K/V loads pipelined
-    with cp.async. Both fit two CTAs per SM. Not yet measured on the GPU: tune here."""
-    if INTERPRET:
-        return {}
-    return {"num_warps": 4, "num_stages": 2}
+
+def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
+    """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
+    > 64 still run the multi-tile online softmax the GPU runs."""
+    return AttentionConfig(block_n=min(split, 64))
+
+
+ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
+    "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
+    source="no GPU sweep yet: the rule's constants come from the offline sm_90 compile above; "
+           "the end-to-end numbers are in bench/results/2026-11-29-h200-decode.md")
+"""Keyed on (split size, BLOCK_D, BLOCK_DV)."""
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -342,7 +356,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_H = max(16, triton.next_power_of_2(G))
     BLOCK_D = max(16, triton.next_power_of_2(D))       # dot operands need >= 16
     BLOCK_DV = max(16, triton.next_power_of_2(DV))
-    BLOCK_N = _block_n(split, BLOCK_D, BLOCK_DV)
+    cfg = ATTENTION_CONFIGS(split, BLOCK_D, BLOCK_DV)
+    BLOCK_N = cfg.block_n
     if variant("decode_attention") == INTERP and attention_rows.launch_decode(
             q, k_cache, v_cache, slots, lengths, out, gate, float(scale) * _LOG2E, split, BLOCK_N):
         return out
@@ -354,7 +369,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
         m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
-    opts = _gpu_launch_opts(BLOCK_D, BLOCK_DV)
     _attn_split_kernel[(B, HKV, NS)](
         q, *q.stride(),
         k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
@@ -363,7 +377,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, *out.stride(),
         float(scale) * _LOG2E, L, NS,
         HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N,
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **opts,
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **launch_kwargs(cfg),
     )
     if not final:
         _attn_merge_kernel[(B, HKV)](
@@ -371,7 +385,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out, *out.stride(),
             L, NS,
             HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
-            **({} if INTERPRET else {"num_warps": 4}),
+            **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}),
         )
     if gate is not None:
         activation.sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, tl_dtype, timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
@@ -325,15 +326,18 @@ def _interpret_config(K: int, N: int) -> LinearConfig:
     return LinearConfig(block_n=block_n, block_k=block_k, split=1, num_warps=4, num_stages=1)
 
 
+LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
+    "linear", gpu=_GPU_TABLE,
+    gpu_rule=lambda K, N, w_dtype: _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size()),
+    interp_rule=lambda K, N, w_dtype: _interpret_config(K, N),
+    source="bench/results/2026-11-29-h200-kernels.md")
+"""Launch configs keyed on (K, N, weight dtype): the H200 sweep above, else the heuristic."""
+
+
 @functools.lru_cache(maxsize=None)
 def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32) -> LinearConfig:
     """The launch config for a weight [N, K]: depends on (K, N, dtypes) and the backend, never on B."""
-    if INTERPRET:
-        return _interpret_config(K, N)
-    cfg = _GPU_TABLE.get((K, N, w_dtype))
-    if cfg is None:
-        cfg = _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size())
-    return cfg
+    return LINEAR_CONFIGS(K, N, w_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ tile; the rank combine is per row in a fixed order. No atomics.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -46,15 +47,10 @@ import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, sigmoid, timer, tl_dtype
 from ds4t.backend import silu as _silu
+from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
-
-
-def interp_tiles(N: int, K: int):
-    """(BN, BK) of the interpreter for an [N, K] weight (few, big programs: the interpreter pays per
-    program and per op); from the weight shape only. The GPU's come from :data:`GPU_CONFIG`."""
-    return max(16, min(128, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K)))
 
 
 @triton.jit
@@ -263,23 +259,37 @@ def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int
     return order, bounds
 
 
-GPU_CONFIG = {"gate_up": dict(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
-              "down": dict(tile_n=128, tile_k=128, num_warps=4, num_stages=3)}
-"""GPU launch constants of the grouped kernels: tile caps, warps, pipeline stages. Constants, never
-from B. Chosen by ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three
-families' expert shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles
-(bench/results/2026-11-29-h200-moe-tiles.md)."""
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Launch constants of a grouped kernel: caps on its N and K tiles (the tile is
+    max(16, min(cap, next_pow2(size)))), warps and pipeline stages (None: Triton's default)."""
+    tile_n: int
+    tile_k: int
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+    def tiles(self, N: int, K: int):
+        """(BN, BK) for an [N, K] weight: from the weight shape only."""
+        return (max(16, min(self.tile_n, triton.next_power_of_2(N))),
+                max(16, min(self.tile_k, triton.next_power_of_2(K))))
 
 
-def _gpu_launch(kernel: str, N: int, K: int):
-    """(BN, BK, launch kwargs) of a grouped kernel for an [N, K] weight."""
-    if INTERPRET:
-        BN, BK = interp_tiles(N, K)
-        return BN, BK, {}
-    c = GPU_CONFIG[kernel]
-    BN = max(16, min(c["tile_n"], triton.next_power_of_2(N)))
-    BK = max(16, min(c["tile_k"], triton.next_power_of_2(K)))
-    return BN, BK, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+_INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
+"""The interpreter's: few, big programs (it pays per program and per op)."""
+
+
+def _unknown_kernel(kernel: str):
+    raise KeyError(f"no MoE launch config for kernel {kernel!r}: the grouped kernels are 'gate_up' and 'down'")
+
+MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
+    "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
+                "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
+    gpu_rule=lambda kernel: _unknown_kernel(kernel), interp_rule=lambda kernel: _INTERP_CONFIG,
+    source="bench/results/2026-11-29-h200-moe-tiles.md")
+"""Keyed on the grouped kernel ("gate_up", "down"); the tiles follow from the weight shape
+(:meth:`MoEConfig.tiles`). Chosen by ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per
+kernel at the three families' expert shapes, N = 1 and 16): the best summed time; 4-15 % faster
+than 64/64 tiles."""
 
 
 def moe_experts(
@@ -345,7 +355,9 @@ def moe_experts(
         n_slots = int(experts.shape[0])
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
-    BN, BK, kw = _gpu_launch("gate_up", I, D)
+    cfg = MOE_CONFIGS("gate_up")
+    BN, BK = cfg.tiles(I, D)
+    kw = launch_kwargs(cfg)
     _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
@@ -354,7 +366,9 @@ def moe_experts(
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
     # 3. down
-    BN, BK, kw = _gpu_launch("down", D, I)
+    cfg = MOE_CONFIGS("down")
+    BN, BK = cfg.tiles(D, I)
+    kw = launch_kwargs(cfg)
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts,
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),

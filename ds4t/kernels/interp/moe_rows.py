@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ds4t.backend import cast, tl_dtype
 from ds4t.backend import silu as _silu
-from ds4t.kernels.moe import _pair_expert, _pair_weight, interp_tiles
+from ds4t.kernels.moe import _INTERP_CONFIG, _pair_expert, _pair_weight
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def rows_config(B: int, k: int, D: int, I: int):
     a row's arithmetic never depends on the M tile (no reduction runs across rows, and each sum
     over K runs in the same order for every row), while the interpreter's gathers cost per element,
     so a lone decode row should not pay for 15 padding rows."""
-    BI, BK = interp_tiles(I, D)
+    BI, BK = _INTERP_CONFIG.tiles(I, D)   # the grouped gate/up kernel's tiles in the interpreter
     BD = triton.next_power_of_2(D)
     KP = triton.next_power_of_2(k)
     rows = min(16, triton.next_power_of_2(B))
