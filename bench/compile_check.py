@@ -63,12 +63,8 @@ def record(presets, checks: bool) -> list:
                          "TRITON_INTERPRET=1 (a machine without a GPU); on a GPU, run the tests instead")
     import triton.runtime.interpreter as interp
 
-    from ds4t.kernels import attention, conv, gdn, linear, moe, registry
+    from ds4t.kernels import registry
 
-    for m in (attention, conv, gdn, moe):
-        m.ROWS_PATH = False
-    moe.DEVICE_EXPERT_LIST = True
-    linear._CLAMP_ROWS = False
     seen, out = set(), []
     original = interp.InterpretedFunction.run
 
@@ -85,16 +81,17 @@ def record(presets, checks: bool) -> list:
 
     interp.InterpretedFunction.run = run
     try:
-        for preset in presets:
-            model = ds4t.load(preset)
-            a, b, c = (model.new_session(64) for _ in range(3))
-            a.prefill([1, 2, 3])
-            b.prefill([4, 5])
-            ds4t.eval_batch([ds4t.DecodeItem(a, 6), ds4t.DecodeItem(b, 7)], mode="native")
-            ds4t.eval_batch([ds4t.DecodeItem(a, 8), ds4t.DecodeItem(c, [1, 2, 3, 4])], mode="native")
-        if checks:
-            for check in registry.all_checks():
-                check("cpu")
+        with registry.use_variants({o.name: registry.GPU for o in registry.ops_with_variants()}):
+            for preset in presets:
+                model = ds4t.load(preset)
+                a, b, c = (model.new_session(64) for _ in range(3))
+                a.prefill([1, 2, 3])
+                b.prefill([4, 5])
+                ds4t.eval_batch([ds4t.DecodeItem(a, 6), ds4t.DecodeItem(b, 7)], mode="native")
+                ds4t.eval_batch([ds4t.DecodeItem(a, 8), ds4t.DecodeItem(c, [1, 2, 3, 4])], mode="native")
+            if checks:
+                for check in registry.all_checks():
+                    check("cpu")
     finally:
         interp.InterpretedFunction.run = original
     return out

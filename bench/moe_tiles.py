@@ -1,4 +1,4 @@
-"""Sweep the GPU launch constants of the grouped MoE kernels (ds4t.kernels.moe.GPU_CONFIG) at the
+"""Sweep the GPU launch constants of the grouped MoE kernels (ds4t.kernels.moe.MOE_CONFIGS) at the
 three families' expert shapes, for decode batches of 1 and 16 rows. Prints, per kernel config, the
 step time of ``moe_experts`` and the fraction of the copy bandwidth its weight bytes allow.
 
@@ -63,7 +63,7 @@ def main():
     bw = 2 * src.numel() * 4 * 10 / (a.elapsed_time(b) / 1e3)
     del src, dst
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    default = {k: dict(v) for k, v in M.GPU_CONFIG.items()}
+    default = dict(M.MOE_CONFIGS.gpu)
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     for name, E, k, D, I in SHAPES:
@@ -78,7 +78,7 @@ def main():
             used = len(set(ids.flatten().tolist())) + 1
             nbytes = used * 3 * I * D * 2
             run = lambda: M.moe_experts(h, ids, w, wg, wu, wd, shared_expert=E)  # noqa: E731
-            M.GPU_CONFIG.update({k_: dict(v) for k_, v in default.items()})
+            M.MOE_CONFIGS.gpu.update(default)
             ref = run()
             base_ms = _time(run)
             print(f"{name} N={n}: {used} experts, {nbytes / 1e6:.0f} MB, default {base_ms * 1e3:.1f} us "
@@ -86,8 +86,8 @@ def main():
             for kernel in ("gate_up", "down"):
                 best = None
                 for tn, tk, st in itertools.product(TILES_N, TILES_K, STAGES):
-                    M.GPU_CONFIG.update({k_: dict(v) for k_, v in default.items()})
-                    M.GPU_CONFIG[kernel] = dict(tile_n=tn, tile_k=tk, num_warps=4, num_stages=st)
+                    M.MOE_CONFIGS.gpu.update(default)
+                    M.MOE_CONFIGS.gpu[kernel] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=4, num_stages=st)
                     try:
                         out = run()
                         ok = bool(((out - ref).abs().max() / ref.abs().max()).item() < 2e-2)
@@ -110,7 +110,7 @@ def main():
                 json.dump(rows, f)
         del wg, wu, wd
         torch.cuda.empty_cache()
-    M.GPU_CONFIG.update(default)
+    M.MOE_CONFIGS.gpu.update(default)
     # the best config per kernel by the summed time over every shape and N (one table for all)
     print("\nsummed over shapes and N (us), best 6 per kernel:")
     for kernel in ("gate_up", "down"):

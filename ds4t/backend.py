@@ -98,9 +98,21 @@ def cast(x, dtype: tl.constexpr):
 
 @triton.jit
 def sigmoid(x):
-    """1 / (1 + exp(-x)), the one formula every kernel uses (router scores, GDN beta, the shared-expert
-    gate): a value computed by two kernels gets the same bits (``tl.sigmoid`` may lower otherwise)."""
+    """1 / (1 + exp(-x)), the one sigmoid of every kernel (router scores, GDN beta, the shared-expert
+    gate, gated norms and gated attention): a value computed by two kernels must get the same bits,
+    so no kernel writes its own formula (``tl.sigmoid`` is this expression in triton 3.6-3.9, but
+    not promised to stay so)."""
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def softplus(x):
+    """torch.nn.functional.softplus (beta=1, threshold=20) with an accurate log1p(exp(x)):
+    log1p(e) = log(u) * e / (u - 1), u = 1 + e (exact when u == 1)."""
+    e = tl.exp(x)
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
 
 
 @triton.jit

@@ -252,6 +252,32 @@ def cmd_exactness(args) -> int:
     return 0 if total.ok and all(c.ok for c in controls) else 1
 
 
+def cmd_diagnose(args) -> int:
+    """One decode step native vs ordered, compared op call by op call; names the first that differs."""
+    from ds4t.exactness.diagnose import diagnose
+
+    model = _load(args)
+    d = diagnose(model, sessions=args.sessions, ctx=args.ctx, seed=args.seed)
+    print(f"ds4t diagnose: {args.model} ({model.family}, {model.dtype})")
+    print(d.table())
+    return 0 if d.first is None and d.logits_equal else 1
+
+
+def import_user_modules(names) -> None:
+    """``--import MODULE``: import each module (e.g. one calling ``ds4t.kernels.override``) before
+    the command runs; the current directory is importable, as for ``python -m``."""
+    import importlib
+    import os
+
+    if names and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise UsageError(f"--import {name}: {e}") from None
+
+
 def cmd_support(args) -> int:
     """The support matrix, read from each family's NativeRule data (what the engine uses)."""
     from ds4t.models.registry import _families
@@ -278,7 +304,10 @@ def main(argv=None) -> int:
         sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal)")
 
-    c = sub.add_parser("check", help="run every kernel against its reference on this device")
+    user = argparse.ArgumentParser(add_help=False)   # shared by the commands that run kernels
+    user.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first, e.g. one that registers kernel overrides (repeatable)")
+    c = sub.add_parser("check", parents=[user], help="run every kernel against its reference on this device")
     c.add_argument("--kernel", action="append", default=[], metavar="NAME",
                    help="only this kernel module (e.g. linear) or op (e.g. rms_norm); repeatable")
     progress_arg(c)
@@ -294,12 +323,12 @@ def main(argv=None) -> int:
                         help="model load option, e.g. native_path=ds4 (DeepSeek) or native_window=20 (GLM)")
         progress_arg(sp)
 
-    d = sub.add_parser("demo", help="batched vs ordered decode on a tiny model, with a bit-exactness check")
+    d = sub.add_parser("demo", parents=[user], help="batched vs ordered decode on a tiny model, with a bit-exactness check")
     model_args(d)
     d.add_argument("--sessions", type=_positive_int, default=8, help="resident sessions, decoded together")
     d.add_argument("--steps", type=_positive_int, default=32, help="greedy decode steps per session")
 
-    e = sub.add_parser("exactness", help="native vs ordered, bitwise, on random session mixes")
+    e = sub.add_parser("exactness", parents=[user], help="native vs ordered, bitwise, on random session mixes")
     model_args(e)
     e.add_argument("--sessions", type=_positive_int, default=6, help="sessions per round (joining and leaving)")
     e.add_argument("--steps", type=_positive_int, default=6, help="batched steps per round")
@@ -311,13 +340,20 @@ def main(argv=None) -> int:
     e.add_argument("--seed", type=int, default=0, help="seed of the random scenarios")
     e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="skip the planted-deviation runs")
+    g = sub.add_parser("diagnose", parents=[user],
+                       help="one native step vs ordered, op call by op call: the first op whose rows differ")
+    model_args(g)
+    g.add_argument("--sessions", type=_positive_int, default=8, help="sessions in the native step")
+    g.add_argument("--ctx", type=_positive_int, default=64, help="longest random prompt")
+    g.add_argument("--seed", type=int, default=0)
     from ds4t.serve import cli as serve_cli
 
     serve_cli.add_parser(sub)
     args = p.parse_args(argv)
-    run = {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "support": cmd_support,
-           "serve": serve_cli.run}[args.cmd]
+    run = {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "diagnose": cmd_diagnose,
+           "support": cmd_support, "serve": serve_cli.run}[args.cmd]
     try:
+        import_user_modules(getattr(args, "imports", []))
         return run(args)
     except UsageError as err:
         print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)

@@ -13,7 +13,8 @@ to a bucket would make padded rows pick MoE experts and read weights no session 
 A graph reads the weights and state at the addresses it was captured with: copying new values
 into them is fine, but replacing a weight tensor by another object needs
 ``graphs_for(model).clear()`` (growing the state pool is noticed and clears them automatically).
-Everything here is inert on the CPU. ``DS4T_CUDA_GRAPHS=0`` turns graphs off;
+Steps run eagerly while a kernel override (``ds4t.kernels.override``) or a non-default launch
+variant is active. Everything here is inert on the CPU. ``DS4T_CUDA_GRAPHS=0`` turns graphs off;
 ``DS4T_CUDA_GRAPH_MAX_ROWS`` (default 64) caps the batch sizes captured.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ds4t.kernels.registry import dispatch_modified
 from ds4t.step import StepBatch, to_device
 
 _suspended = 0
@@ -45,8 +47,10 @@ def suspended():
 
 
 def enabled_for(model) -> bool:
+    """Graphs apply: a CUDA model, not suspended or turned off, and no kernel override or non-default
+    launch variant active (a graph replays the kernels it was captured with)."""
     return (model.device.type == "cuda" and not _suspended and getattr(model, "cuda_graphs", True)
-            and os.environ.get("DS4T_CUDA_GRAPHS", "1") != "0")
+            and os.environ.get("DS4T_CUDA_GRAPHS", "1") != "0" and not dispatch_modified())
 
 
 def max_rows() -> int:

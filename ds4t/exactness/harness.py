@@ -16,7 +16,6 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ds4t.batch import graphs
 from ds4t.batch.engine import DecodeItem, eval_batch
 
 
@@ -68,8 +67,9 @@ def plant(kind: str):
     """Negative control: plant a deviation the harness must catch.
 
     "ulp": the tested path's logits get one element moved by one ulp.
-    "batch-dependent": the linear kernel used by the models sums K in two halves whenever a
-    launch has more than one row, so a row's bits depend on the batch (docs/design.md, "Exactness").
+    "batch-dependent": the models' linear op sums K in two halves whenever a launch has more than
+    one row, so a row's bits depend on the batch (what a split-K chosen from the batch size does;
+    docs/design.md, "Exactness").
     """
     if kind == "ulp":
         _PLANTED["ulp"] = True
@@ -78,9 +78,8 @@ def plant(kind: str):
         finally:
             _PLANTED["ulp"] = False
     elif kind == "batch-dependent":
-        from ds4t.kernels import linear as linear_mod
-
-        original = linear_mod.linear
+        from ds4t.kernels import override
+        from ds4t.kernels.linear import linear as original
 
         def batch_dependent(x, weight, bias=None, *, out=None):
             if x.shape[0] == 1 or x.shape[1] < 2:
@@ -93,12 +92,8 @@ def plant(kind: str):
                 return out
             return y
 
-        linear_mod.linear = batch_dependent
-        try:
-            with graphs.suspended():   # captured steps would replay the unpatched kernel
-                yield
-        finally:
-            linear_mod.linear = original
+        with override("linear", batch_dependent):   # CUDA graphs are bypassed while it holds
+            yield
     else:
         raise ValueError(f"unknown planted deviation {kind!r}: use 'ulp' or 'batch-dependent'")
 

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
-from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+from ds4t.backend import INTERPRET, sigmoid, timer
+from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
+from ds4t.kernels.tensors import fp32_out, rows_view
 
 __all__ = ["silu_mul", "sigmoid_mul", "add", "silu_mul_ref", "sigmoid_mul_ref", "add_ref"]
 
@@ -36,32 +37,21 @@ def _binary_kernel(a_ptr, b_ptr, y_ptr, R, C, stride_a, stride_b, stride_y,
     a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=m, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if OP == 0:
-        y = a * tl.sigmoid(a) * b
+        y = a * sigmoid(a) * b
     elif OP == 1:
-        y = a * tl.sigmoid(b)
+        y = a * sigmoid(b)
     else:
         y = a + b
     tl.store(y_ptr + r64 * stride_y + cols[None, :], y, mask=m)
 
 
-def _prep(t: torch.Tensor, name: str) -> torch.Tensor:
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{name}: unsupported dtype {t.dtype}")
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def _binary(a, b, out, op, names):
-    a = _prep(a, names[0])
-    b = _prep(b, names[1])
+    a = rows_view(a, names[0])
+    b = rows_view(b, names[1])
     if a.shape != b.shape:
         raise ValueError(f"{names[0]} {tuple(a.shape)} and {names[1]} {tuple(b.shape)} differ in shape")
     R, C = a.shape
-    if out is None:
-        out = torch.empty((R, C), dtype=torch.float32, device=a.device)
-    elif out.shape != (R, C) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be fp32 [{R}, {C}] with unit column stride")
+    out = fp32_out(out, (R, C), a.device)
     if R == 0 or C == 0:
         return out
     block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
@@ -118,3 +108,10 @@ def _check(device) -> list:
                                    rows_invariant(run, t), timer(lambda: run(t), warmup=1, iters=3),
                                    note="relative to max|ref|"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(silu_mul, reference=silu_mul_ref)
+register_op(sigmoid_mul, reference=sigmoid_mul_ref)
+register_op(add, reference=add_ref)

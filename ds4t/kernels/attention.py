@@ -19,8 +19,8 @@ Algorithm (two kernels, no host synchronisation, grid from shapes only):
 2. ``_attn_merge_kernel``, grid ``(B, Hkv)``: merges the ``cdiv(lengths[b], SPLIT)`` valid
    splits of a row in ascending split order with log-sum-exp rescaling and divides by the sum.
 
-Batch invariance (DESIGN.md §3): SPLIT (the split *size*) and BLOCK_N depend only on head dims,
-cache dtype and the backend, never on B or on lengths; a row's programs see only that row's q,
+Batch invariance (the rules: docs/kernel-conventions.md): SPLIT (the split *size*) and BLOCK_N
+depend only on head dims, cache dtype and the backend, never on B or on lengths; a row's programs see only that row's q,
 slot and length; merge order is fixed. So a row's bits never depend on the other rows, on B or
 on its position in the batch.
 
@@ -43,6 +43,7 @@ length 0 returns zeros.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -51,8 +52,9 @@ import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
 from ds4t.kernels import activation, norm, rope
-from ds4t.kernels.registry import CheckResult, register_check
-from ds4t.kernels.rope import _cos_sin
+from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
+from ds4t.kernels.interp import attention_rows
 
 _LOG2E = 1.4426950408889634
 
@@ -70,25 +72,37 @@ def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> in
     return 256 if (head_dim + head_dim_v) * elsize >= 1024 else 512
 
 
-def _block_n(split: int, block_d: int, block_dv: int) -> int:
-    """Positions per inner tile, a function of split and head dims only. GPU: ~32 KiB of K (or V)
-    per tile. Interpreter: up to 64 (few loop iterations at the small splits tests use, while
-    splits > 64 still run the multi-tile online softmax the GPU runs)."""
-    if INTERPRET:
-        return min(split, 64)
-    bn = 64 if block_d + block_dv >= 512 else 128
-    return min(split, bn)
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Launch constants of the split and merge kernels (None: Triton's default). Warps and stages
+    never change numerics; ``block_n`` (positions per inner tile) is a function of the split size
+    and head dims only."""
+    block_n: int
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    merge_warps: Optional[int] = None
 
 
-def _gpu_launch_opts(block_d: int, block_dv: int) -> dict:
-    """One fixed config per head shape (no autotune); warps/stages never change numerics.
+def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
+    """~32 KiB of K (or V) per tile; one fixed config per head shape (no autotune). Compiled offline
+    for sm_90 (triton 3.9, bf16): D = Dv = 256 / BLOCK_N 64 -> 244 regs, 86 KB smem; D = Dv = 128 /
+    BLOCK_N 128 -> ~175 regs, 82 KB smem; no spills; K/V loads pipelined with cp.async; both fit two
+    CTAs per SM."""
+    return AttentionConfig(block_n=min(split, 64 if block_d + block_dv >= 512 else 128),
+                           num_warps=4, num_stages=2, merge_warps=4)
 
-    Compiled offline for sm_90 (triton 3.9, bf16): D = Dv = 256 / BLOCK_N 64 -> 244 regs, 86 KB
-    smem; D = Dv = 128 / BLOCK_N 128 -> ~175 regs, 82 KB smem; no spills; K/V loads pipelined
-    with cp.async. Both fit two CTAs per SM. Not yet measured on the GPU: tune here."""
-    if INTERPRET:
-        return {}
-    return {"num_warps": 4, "num_stages": 2}
+
+def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
+    """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
+    > 64 still run the multi-tile online softmax the GPU runs."""
+    return AttentionConfig(block_n=min(split, 64))
+
+
+ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
+    "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
+    source="no GPU sweep yet: the rule's constants come from the offline sm_90 compile above; "
+           "the end-to-end numbers are in bench/results/2026-11-29-h200-decode.md")
+"""Keyed on (split size, BLOCK_D, BLOCK_DV)."""
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -253,240 +267,6 @@ def _attn_merge_kernel(
     tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res, mask=om)
 
 
-@triton.jit
-def _attn_rows_kernel(
-    q_ptr, sq_b, sq_h, sq_d,
-    kc_ptr, skc_s, skc_l, skc_h, skc_d,
-    vc_ptr, svc_s, svc_l, svc_h, svc_d,
-    slots_ptr, lens_ptr,
-    out_ptr, so_b, so_h, so_d,
-    gate_ptr, sg_b, sg_h,
-    qk_scale, L, B,
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr,
-    ROWS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GATED: tl.constexpr,
-):
-    """Interpreter path: ROWS rows, all their query heads, every split and the merge, in one
-    program (the interpreter pays per program and per op, not per element).
-
-    The algorithm is the split kernel's and the merge kernel's: splits of SPLIT positions, each
-    folded in tiles of BLOCK_N with the online softmax in ascending order, then the splits merged
-    in ascending order with log-sum-exp rescaling (one split: acc / l directly). Products are plain
-    fp32 (a 16-bit cache is upcast exactly; no hi/lo split needed off tensor cores). A program loops
-    as far as its longest row; a tile or split past a row's own length leaves that row's state
-    untouched (tl.where), so a row's bits never depend on the other rows of the program.
-    """
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rl = tl.minimum(r, B - 1).to(tl.int64)        # rows past B redo row B-1 and store nothing
-    length = tl.minimum(tl.load(lens_ptr + rl).to(tl.int32), L)                    # [ROWS]
-    slot = tl.load(slots_ptr + rl).to(tl.int64)
-    h = tl.arange(0, BH)
-    hl = h if BH == HQ else tl.minimum(h, HQ - 1)  # padded heads/dims read in bounds, never stored
-    kvh = (hl // G).to(tl.int64)[None, :, None, None]
-    d = tl.arange(0, BD)
-    dl = (d if BD == D else tl.minimum(d, D - 1))[None, None, None, :]
-    dv = tl.arange(0, BDV)
-    dvl = (dv if BDV == DV else tl.minimum(dv, DV - 1))[None, None, None, :]
-    r4 = rl[:, None, None, None]
-    # q [ROWS, BH, 1, BD], pre-scaled for exp2; padded d columns are 0 so they add nothing.
-    q_ptrs = q_ptr + r4 * sq_b + hl[None, :, None, None] * sq_h + d[None, None, None, :] * sq_d
-    if BD == D:
-        q = tl.load(q_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=(d < D)[None, None, None, :], other=0.0)
-    q = q.to(tl.float32) * qk_scale
-    k_row = kc_ptr + (slot * skc_s)[:, None, None, None] + kvh * skc_h + dl * skc_d      # [ROWS, BH, 1, BD]
-    v_row = vc_ptr + (slot * svc_s)[:, None, None, None] + kvh * svc_h + dvl * svc_d     # [ROWS, BH, 1, BDV]
-    n3 = tl.arange(0, BLOCK_N)[None, None, :]
-    len3 = length[:, None, None]
-    n_max = tl.max(length, axis=0)
-
-    l_run = tl.zeros([ROWS, BH], tl.float32)         # a row with length 0 keeps l = 0: output 0
-    acc_run = tl.zeros([ROWS, BH, BDV], tl.float32)
-    if NS > 1:
-        m_run = tl.full([ROWS, BH], float("-inf"), tl.float32)
-    for s in range(0, tl.cdiv(n_max, SPLIT)):
-        s0 = s * SPLIT
-        m_i = tl.full([ROWS, BH], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS, BH], tl.float32)
-        acc = tl.zeros([ROWS, BH, BDV], tl.float32)
-        for t0 in range(s0, tl.minimum(s0 + SPLIT, n_max), BLOCK_N):   # ascending positions
-            pos3 = t0 + n3                                             # [1, 1, BLOCK_N]
-            pm3 = pos3 < len3                                          # [ROWS, 1, BLOCK_N]
-            pm = pm3[:, :, :, None]
-            pos = pos3[:, :, :, None]
-            kt = tl.load(k_row + pos * skc_l, mask=pm, other=0.0).to(tl.float32)      # [ROWS, BH, BN, BD]
-            sc = tl.where(pm3, tl.sum(q * kt, axis=3), float("-inf"))                # [ROWS, BH, BN]
-            m_new = tl.maximum(m_i, tl.max(sc, axis=2))
-            # -inf only for a row with no position yet, whose update is discarded below; 0 there
-            # keeps exp2 away from -inf - -inf (no NaN, no numpy warning).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(sc - m_sub[:, :, None])
-            vt = tl.load(v_row + pos * svc_l, mask=pm, other=0.0).to(tl.float32)     # [ROWS, BH, BN, BDV]
-            live = (t0 < length)[:, None]                              # this tile holds positions of the row
-            l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=2), l_i)
-            acc = tl.where(live[:, :, None], acc * alpha[:, :, None] + tl.sum(p[:, :, :, None] * vt, axis=2), acc)
-            m_i = tl.where(live, m_new, m_i)
-        if NS == 1:
-            l_run = l_i
-            acc_run = acc
-        else:
-            # the merge kernel's step, for rows that have this split
-            m_new = tl.maximum(m_run, m_i)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # as above
-            a = tl.exp2(m_run - m_sub)
-            c = tl.exp2(m_i - m_sub)
-            live = (s0 < length)[:, None]
-            acc_run = tl.where(live[:, :, None], acc_run * a[:, :, None] + acc * c[:, :, None], acc_run)
-            l_run = tl.where(live, l_run * a + l_i * c, l_run)
-            m_run = tl.where(live, m_new, m_run)
-    res = tl.where(l_run[:, :, None] > 0, acc_run / tl.where(l_run > 0, l_run, 1.0)[:, :, None], 0.0)
-    if GATED:  # activation.sigmoid_mul's expression: res * sigmoid(gate)
-        dg = (dv if BDV == DV else tl.minimum(dv, DV - 1))[None, None, :]
-        gt = tl.load(gate_ptr + rl[:, None, None] * sg_b + hl[None, :, None] * sg_h + dg)
-        res = res * tl.sigmoid(gt.to(tl.float32))
-    om = (r < B)[:, None, None]
-    if BH != HQ:
-        om = om & (h < HQ)[None, :, None]
-    if BDV != DV:
-        om = om & (dv < DV)[None, None, :]
-    tl.store(out_ptr + rl[:, None, None] * so_b + h[None, :, None] * so_h + dv[None, None, :] * so_d, res, mask=om)
-
-
-@triton.jit
-def _norm_rotate(row_ptr, s_d, w_ptr, dl3, pd3, dm3, rot, c, sn, eps,
-                 D: tl.constexpr, BD: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """[ROWS, heads, BD] heads at ``row_ptr`` (+ d * s_d): RMSNorm (rms_norm's arithmetic) then
-    rotate-half RoPE with the partner column re-read and normalised with the same rstd."""
-    x = tl.load(row_ptr + dl3 * s_d).to(tl.float32)
-    xp = tl.load(row_ptr + pd3 * s_d).to(tl.float32)
-    if BD != D:
-        x = tl.where(dm3, x, 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
-    w = tl.load(w_ptr + dl3).to(tl.float32)
-    wp = tl.load(w_ptr + pd3).to(tl.float32)
-    if ZERO_CENTERED:
-        w = 1.0 + w
-        wp = 1.0 + wp
-    y = (x * rstd) * w
-    return tl.where(rot, y * c + ((xp * rstd) * wp) * sn, y)
-
-
-@triton.jit
-def _norm_rope_kv_kernel(
-    q_ptr, sq_r, sq_h, sq_d,
-    k_ptr, sk_r, sk_h, sk_d,
-    v_ptr, sv_r, sv_h, sv_d,
-    qw_ptr, kw_ptr, freq_ptr, pos_ptr, slots_ptr,
-    kc_ptr, skc_s, skc_l, skc_h, skc_d,
-    vc_ptr, svc_s, svc_l, svc_h, svc_d,
-    qo_ptr, sqo_r, sqo_h, sqo_d,
-    R, S, L, eps,
-    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    ROWS: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-):
-    """ROWS rows: per-head RMSNorm of q and k, rotate-half RoPE on their first 2*HALF dims, q out
-    (fp32), k and v into the cache at (slots[r], positions[r]) (skipped when either is out of range).
-
-    The arithmetic is that of :func:`ds4t.kernels.norm.rms_norm` then :func:`ds4t.kernels.rope.rope`
-    then :func:`write_kv`, element by element: y = (x * rstd) * w, then y1*c - y2*s / y2*c + y1*s. The
-    rotation partner of column d (d + HALF or d - HALF) is re-read from memory and normalised
-    with the same rstd. Everything is per row: a row's bits never depend on the other rows.
-    """
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rl = tl.minimum(r, R - 1).to(tl.int64)       # rows past R redo row R-1 and store nothing
-    r3 = rl[:, None, None]
-    d = tl.arange(0, BD)
-    ROT: tl.constexpr = 2 * HALF
-    pd = (d + HALF) % ROT                        # rotation partner (in bounds; unused past ROT)
-    d3 = d[None, None, :]
-    pd3 = pd[None, None, :]
-    # cos / sin tables [ROWS, 1, BD]: fp32 angle = position * inv_freq[d mod HALF], as rope does
-    f = tl.load(freq_ptr + d % HALF)
-    pos = tl.load(pos_ptr + rl)
-    ang = pos.to(tl.float32)[:, None, None] * f[None, None, :]
-    c, sn = _cos_sin(ang)                        # libdevice on the GPU, as rope
-    first = d3 < HALF
-    sn = tl.where(first, -sn, sn)                # y1*c - y2*s == y1*c + y2*(-s), exactly
-    rot = d3 < ROT
-    if BD != D:
-        dl3 = tl.minimum(d3, D - 1)              # padded columns read in bounds, count as 0
-        dm3 = d3 < D
-    else:
-        dl3 = d3
-        dm3 = None
-
-    # q [ROWS, BH, BD]
-    h = tl.arange(0, BH)
-    hl = h[None, :, None] if BH == H else tl.minimum(h, H - 1)[None, :, None]
-    yq = _norm_rotate(q_ptr + r3 * sq_r + hl * sq_h, sq_d, qw_ptr, dl3, pd3, dm3, rot, c, sn, eps,
-                      D, BD, ZERO_CENTERED)
-    om = (r < R)[:, None, None]
-    if BH != H:
-        om = om & (h < H)[None, :, None]
-    if BD != D:
-        om = om & dm3
-    tl.store(qo_ptr + r3 * sqo_r + h[None, :, None] * sqo_h + d3 * sqo_d, yq, mask=om)
-
-    # k [ROWS, BKV, BD] -> cache
-    slot = tl.load(slots_ptr + rl).to(tl.int64)
-    p64 = pos.to(tl.int64)
-    ok = (r < R) & (slot >= 0) & (slot < S) & (p64 >= 0) & (p64 < L)   # never write outside the pool
-    ok3 = ok[:, None, None]
-    sl3 = slot[:, None, None]
-    ps3 = p64[:, None, None]
-    g = tl.arange(0, BKV)
-    gl = g[None, :, None] if BKV == KV else tl.minimum(g, KV - 1)[None, :, None]
-    km = ok3
-    if BKV != KV:
-        km = km & (g < KV)[None, :, None]
-    yk = _norm_rotate(k_ptr + r3 * sk_r + gl * sk_h, sk_d, kw_ptr, dl3, pd3, dm3, rot, c, sn, eps,
-                      D, BD, ZERO_CENTERED)
-    if BD != D:
-        kmd = km & dm3
-    else:
-        kmd = km
-    tl.store(kc_ptr + sl3 * skc_s + ps3 * skc_l + g[None, :, None] * skc_h + d3 * skc_d,
-             cast(yk, kc_ptr.dtype.element_ty), mask=kmd)
-
-    # v [ROWS, BKV, BDV] -> cache
-    dv = tl.arange(0, BDV)[None, None, :]
-    if BDV != DV:
-        vm = km & (dv < DV)
-        vx = tl.load(v_ptr + r3 * sv_r + gl * sv_h + tl.minimum(dv, DV - 1) * sv_d)
-    else:
-        vm = km
-        vx = tl.load(v_ptr + r3 * sv_r + gl * sv_h + dv * sv_d)
-    tl.store(vc_ptr + sl3 * svc_s + ps3 * svc_l + g[None, :, None] * svc_h + dv * svc_d,
-             cast(vx, vc_ptr.dtype.element_ty), mask=vm)
-
-
-ROWS_PATH = INTERPRET
-"""In the interpreter, :func:`decode_attention` runs :func:`_attn_rows_kernel` (few programs) and
-:func:`norm_rope_write_kv` runs :func:`_norm_rope_kv_kernel` (one launch); on the GPU the split and
-merge kernels, and the norm, rope and write_kv kernels. Tests set it to False to run those in the
-interpreter too."""
-
-_MAX_TILE = 1 << 20  # elements of one interpreter tile (triton's TRITON_MAX_TENSOR_NUMEL)
-
-
-def _rows_config(B: int, HQ: int, D: int, DV: int, block_n: int):
-    """(ROWS, BH, BD, BDV) of the interpreter path, or None when its tiles would not fit. ROWS (the M
-    tile) grows with B up to 16: no arithmetic runs across rows (see the kernel), and the
-    interpreter's loads cost per element, so a lone decode row should not carry 15 padding rows."""
-    if not ROWS_PATH:
-        return None
-    BH, BD, BDV = triton.next_power_of_2(HQ), triton.next_power_of_2(D), triton.next_power_of_2(DV)
-    rows = min(16, triton.next_power_of_2(B))
-    while rows > 1 and rows * BH * block_n * max(BD, BDV) > _MAX_TILE:
-        rows //= 2
-    if rows * BH * block_n * max(BD, BDV) > _MAX_TILE:
-        return None
-    return rows, BH, BD, BDV
-
-
 # ----------------------------------------------------------------------------- launchers
 
 
@@ -576,20 +356,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_H = max(16, triton.next_power_of_2(G))
     BLOCK_D = max(16, triton.next_power_of_2(D))       # dot operands need >= 16
     BLOCK_DV = max(16, triton.next_power_of_2(DV))
-    BLOCK_N = _block_n(split, BLOCK_D, BLOCK_DV)
-    rows_cfg = _rows_config(B, HQ, D, DV, BLOCK_N)
-    if rows_cfg is not None:
-        ROWS, BH, BD, BDV = rows_cfg
-        _attn_rows_kernel[(triton.cdiv(B, ROWS),)](
-            q, *q.stride(),
-            k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
-            slots, lengths,
-            out, *out.stride(),
-            gate if gate is not None else out, gate.stride(0) if gate is not None else 0, DV,
-            float(scale) * _LOG2E, L, B,
-            HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N, NS=NS,
-            ROWS=ROWS, BH=BH, BD=BD, BDV=BDV, GATED=gate is not None,
-        )
+    cfg = ATTENTION_CONFIGS(split, BLOCK_D, BLOCK_DV)
+    BLOCK_N = cfg.block_n
+    if variant("decode_attention") == INTERP and attention_rows.launch_decode(
+            q, k_cache, v_cache, slots, lengths, out, gate, float(scale) * _LOG2E, split, BLOCK_N):
         return out
     final = NS == 1
     # One split (NS from L and the split size, never from B): the split kernel writes the output.
@@ -599,7 +369,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
         m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
-    opts = _gpu_launch_opts(BLOCK_D, BLOCK_DV)
     _attn_split_kernel[(B, HKV, NS)](
         q, *q.stride(),
         k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
@@ -608,7 +377,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, *out.stride(),
         float(scale) * _LOG2E, L, NS,
         HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N,
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **opts,
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **launch_kwargs(cfg),
     )
     if not final:
         _attn_merge_kernel[(B, HKV)](
@@ -616,7 +385,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out, *out.stride(),
             L, NS,
             HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
-            **({} if INTERPRET else {"num_warps": 4}),
+            **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}),
         )
     if gate is not None:
         activation.sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))
@@ -635,8 +404,8 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     q [R, H, D], k [R, KV, D], v [R, KV, Dv] (any float dtype, any strides), positions / slots
     [R] int32 or int64, inv_freq [rotary_dim / 2] fp32, caches [S, L, KV, D|Dv]. Is
     ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1): those kernels on the GPU,
-    one launch of :func:`_norm_rope_kv_kernel` in the interpreter (``ROWS_PATH``), bitwise the same
-    there. Batch invariant.
+    one launch of the interpreter's twin (variant ``"interp"``,
+    :mod:`ds4t.kernels.interp.attention_rows`), bitwise the same there. Batch invariant.
     """
     _check_cache(k_cache, v_cache)
     S, L, KV, D = k_cache.shape
@@ -659,27 +428,16 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
         raise ValueError(f"out must be float32 [{R}, {H}, {D}]")
     if R == 0:
         return out
-    if not ROWS_PATH:
-        # GPU: the separate kernels (the norm of a [R*H, D] view for one row, of a copy for many,
-        # as the Qwen3-Next layer has always passed them).
-        qn = norm.rms_norm(q.reshape(R * H, D), q_norm, eps, zero_centered=zero_centered).view(R, H, D)
-        kn = norm.rms_norm(k.reshape(R * KV, D), k_norm, eps, zero_centered=zero_centered).view(R, KV, D)
-        rope.rope(qn, positions, inv_freq, rotary_dim=rotary_dim, out=out)
-        write_kv(rope.rope(kn, positions, inv_freq, rotary_dim=rotary_dim), v, k_cache, v_cache, slots, positions)
+    if variant("norm_rope_write_kv") == INTERP:
+        attention_rows.launch_norm_rope_write_kv(q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,
+                                                 slots, rotary_dim, zero_centered, out)
         return out
-    BH, BKV = triton.next_power_of_2(H), triton.next_power_of_2(KV)
-    BD, BDV = triton.next_power_of_2(D), triton.next_power_of_2(DV)
-    # Rows per program: up to 16 (the M tile: every value is per row, nothing is reduced across rows).
-    rows = min(16, triton.next_power_of_2(R))
-    _norm_rope_kv_kernel[(triton.cdiv(R, rows),)](
-        q, *q.stride(), k, *k.stride(), v, *v.stride(),
-        q_norm.contiguous(), k_norm.contiguous(), inv_freq.contiguous(), positions, slots,
-        k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
-        out, *out.stride(),
-        R, S, L, float(eps),
-        H=H, KV=KV, D=D, DV=DV, HALF=rotary_dim // 2, ZERO_CENTERED=bool(zero_centered),
-        ROWS=rows, BH=BH, BKV=BKV, BD=BD, BDV=BDV,
-    )
+    # The separate kernels (the norm of a [R*H, D] view for one row, of a copy for many, as the
+    # Qwen3-Next layer passes them).
+    qn = norm.rms_norm(q.reshape(R * H, D), q_norm, eps, zero_centered=zero_centered).view(R, H, D)
+    kn = norm.rms_norm(k.reshape(R * KV, D), k_norm, eps, zero_centered=zero_centered).view(R, KV, D)
+    rope.rope(qn, positions, inv_freq, rotary_dim=rotary_dim, out=out)
+    write_kv(rope.rope(kn, positions, inv_freq, rotary_dim=rotary_dim), v, k_cache, v_cache, slots, positions)
     return out
 
 
@@ -745,3 +503,10 @@ def _check(device) -> List[CheckResult]:
                                    f"B={B} Hq={HQ} Hkv={HKV} D={D} L={L} split={SPLIT}", err, _TOL[dtype], inv, ms,
                                    note="row invariance: permuted batch and rows alone"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(write_kv, reference=write_kv_ref)
+register_op(decode_attention, reference=decode_attention_ref, variants=(GPU, INTERP))
+register_op(norm_rope_write_kv, variants=(GPU, INTERP))

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
 from ds4t.backend import silu as _silu
-from ds4t.kernels.registry import CheckResult, register_check
+from ds4t.kernels.interp import conv_rows
+from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
 
 
 def _block_c(C: int) -> int:
@@ -36,12 +37,6 @@ def _block_c(C: int) -> int:
     if INTERPRET:
         return triton.next_power_of_2(C)
     return min(256, triton.next_power_of_2(C))
-
-
-ROWS_PATH = INTERPRET
-"""In the interpreter :func:`conv1d_update` runs :func:`_conv1d_update_rows_kernel` (several rows per
-program); on the GPU the one-row-per-program kernel. Tests set it to False to run that one in the
-interpreter too."""
 
 
 def _block_t(T: int) -> int:
@@ -100,65 +95,6 @@ def _conv1d_update_kernel(
     new = tl.where((i == W - 2)[None, :], xv[:, None], sh)
     tl.debug_barrier()
     tl.store(sptr, new, mask=cm[:, None] & (i < W - 1)[None, :])
-
-
-@triton.jit
-def _conv1d_update_rows_kernel(
-    x_ptr, sx_b, sx_c,
-    state_ptr, ss_s, ss_c, ss_w,
-    w_ptr, sw_c, sw_w,
-    bias_ptr,
-    slots_ptr,
-    out_ptr, so_b, so_c,
-    B, C,
-    W: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-):
-    """Interpreter path of :func:`conv1d_update`: ROWS rows and all C channels per program, the
-    same expression in the same order per output (so prefill still equals successive decodes)."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    rl = tl.minimum(r, B - 1).to(tl.int64)[:, None]       # rows past B redo row B-1, store nothing
-    c = tl.arange(0, BC)
-    if BC == C:
-        cl = c.to(tl.int64)[None, :]
-        m = (r < B)[:, None]
-    else:
-        cl = tl.minimum(c, C - 1).to(tl.int64)[None, :]   # padded channels read in bounds
-        m = (r < B)[:, None] & (c < C)[None, :]
-    slot = tl.load(slots_ptr + rl)
-    sp = state_ptr + slot.to(tl.int64) * ss_s + cl * ss_c      # [ROWS, BC] -> state[slot, c, 0]
-    wp = w_ptr + cl * sw_c                                     # [1, BC]
-    xv = tl.load(x_ptr + rl * sx_b + cl * sx_c).to(tl.float32)
-    if HAS_BIAS:
-        acc = tl.load(bias_ptr + cl).to(tl.float32)          # [1, BC]; broadcast by the first tap
-    else:
-        acc = tl.zeros([ROWS, BC], dtype=tl.float32)
-    # Taps over the history (oldest first), then the new input: the fixed order.
-    s1 = xv
-    s2 = xv
-    for j in tl.static_range(W - 1):
-        sj = tl.load(sp + j * ss_w)
-        acc = acc + tl.load(wp + j * sw_w).to(tl.float32) * sj
-        if j == 1:
-            s1 = sj
-        if j == 2:
-            s2 = sj
-    acc = acc + tl.load(wp + (W - 1) * sw_w).to(tl.float32) * xv
-    if SILU:
-        acc = _silu(acc)
-    tl.store(out_ptr + rl * so_b + cl * so_c, acc, mask=m)
-    # Shift the history left and append x: new[i] = state[i + 1] (i < W-2), new[W-2] = x, written
-    # in ascending i (state[i + 1] is read before it is overwritten; each element stays with its
-    # own (row, channel), as in the GPU kernel's barrier-separated version).
-    tl.debug_barrier()
-    for i in tl.static_range(W - 1):
-        if i == W - 2:
-            tl.store(sp + i * ss_w, xv, mask=m)
-        elif i == 0:
-            tl.store(sp, s1, mask=m)
-        elif i == 1:
-            tl.store(sp + ss_w, s2, mask=m)
-        else:
-            tl.store(sp + i * ss_w, tl.load(sp + (i + 1) * ss_w), mask=m)
 
 
 @triton.jit
@@ -256,18 +192,8 @@ def conv1d_update(
     if B == 0:
         return out
     BC = _block_c(C)
-    if ROWS_PATH:
-        rows = min(16, triton.next_power_of_2(B))  # the M tile; nothing is reduced across rows
-        _conv1d_update_rows_kernel[(triton.cdiv(B, rows),)](
-            x, x.stride(0), x.stride(1),
-            conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-            weight, weight.stride(0), weight.stride(1),
-            bias if bias is not None else weight,
-            slots,
-            out, out.stride(0), out.stride(1),
-            B, C,
-            W=W, BC=BC, ROWS=rows, HAS_BIAS=bias is not None, SILU=silu,
-        )
+    if variant("conv1d_update") == INTERP:
+        conv_rows.launch_update(x, conv_state, weight, slots, bias, silu, out, BC)
         return out
     grid = (B, triton.cdiv(C, BC))
     _conv1d_update_kernel[grid](
@@ -397,3 +323,9 @@ def _check(device) -> List[CheckResult]:
         results.append(CheckResult(f"conv1d_prefill {str(dt).split('.')[-1]}", f"T={T} C={C} W={W}", err, tol, True, ms,
                                    note="max_err vs successive conv1d_update"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(conv1d_update, reference=conv1d_update_ref, variants=(GPU, INTERP))
+register_op(conv1d_prefill, reference=conv1d_prefill_ref)

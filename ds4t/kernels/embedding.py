@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
-from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
 __all__ = ["embedding", "embedding_ref"]
 
@@ -78,3 +78,8 @@ def _check(device) -> list:
                                    rows_invariant(lambda i: embedding(i, table), ids),
                                    timer(lambda: embedding(ids, table), warmup=1, iters=3), note="exact"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(embedding, reference=embedding_ref)

@@ -6,9 +6,10 @@ Shapes and dtypes
     bias    [N] or None, any float dtype, added in fp32
     returns [B, N]  fp32
 
-Batch invariance (DESIGN.md §3): every launch parameter -- BLOCK_N, BLOCK_K, the split-K count,
-warps, stages and whether the product is computed as ``x @ w^T`` or ``(w @ x^T)^T`` -- comes from
-:func:`linear_config`, a function of ``(K, N, weight dtype, x dtype)`` only, never of B. Rows are
+Batch invariance (the rules: docs/kernel-conventions.md): every launch parameter -- BLOCK_N,
+BLOCK_K, the split-K count, warps, stages and whether the product is computed as ``x @ w^T`` or
+``(w @ x^T)^T`` -- comes from :func:`linear_config`, a function of ``(K, N, weight dtype, x dtype)``
+only, never of B. Rows are
 tiled in fixed tiles of ``BLOCK_M = 16``; more rows only add M tiles. With a split-K count S > 1
 each of the S programs of an output tile writes its fp32 partial sum to a workspace and a second
 kernel adds the S partials in the fixed order 0..S-1 (no atomics). So a row's bits never depend
@@ -40,17 +41,21 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, tl_dtype, timer
-from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+from ds4t.kernels.config import ConfigTable
+from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
 
 BLOCK_M = 16
 """Rows per tile: a fixed constant (tl.dot needs M >= 16 on the GPU)."""
 
-_CLAMP_ROWS = INTERPRET
-"""Interpreter (M_SUB = 1): rows past B read row B-1 rather than a masked load (a masked load
-costs the interpreter about twice an unmasked one; those rows are never stored). The GPU keeps
-the masked load. Tests set it to False to run the GPU's form in the interpreter."""
+
+def _clamp_rows(op_name: str) -> bool:
+    """The ``"interp"`` variant of linear / linear_heads (M_SUB = 1): rows past B read row B-1
+    rather than a masked load (a masked load costs the interpreter about twice an unmasked one;
+    those rows are never stored). The ``"gpu"`` variant keeps the masked load; the tests run both
+    in the interpreter (:func:`ds4t.kernels.registry.use_variants`)."""
+    return variant(op_name) == INTERP
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,15 +326,18 @@ def _interpret_config(K: int, N: int) -> LinearConfig:
     return LinearConfig(block_n=block_n, block_k=block_k, split=1, num_warps=4, num_stages=1)
 
 
+LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
+    "linear", gpu=_GPU_TABLE,
+    gpu_rule=lambda K, N, w_dtype: _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size()),
+    interp_rule=lambda K, N, w_dtype: _interpret_config(K, N),
+    source="bench/results/2026-11-29-h200-kernels.md")
+"""Launch configs keyed on (K, N, weight dtype): the H200 sweep above, else the heuristic."""
+
+
 @functools.lru_cache(maxsize=None)
 def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32) -> LinearConfig:
     """The launch config for a weight [N, K]: depends on (K, N, dtypes) and the backend, never on B."""
-    if INTERPRET:
-        return _interpret_config(K, N)
-    cfg = _GPU_TABLE.get((K, N, w_dtype))
-    if cfg is None:
-        cfg = _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size())
-    return cfg
+    return LINEAR_CONFIGS(K, N, w_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,7 +363,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
             x, weight, b_arg, out, B, x.stride(0), weight.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
             M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            CLAMP_ROWS=_CLAMP_ROWS and cfg.m_sub == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CLAMP_ROWS=_clamp_rows("linear") and cfg.m_sub == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
@@ -458,7 +466,7 @@ def linear_heads(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.T
         x, weight, weight, out, B, x.stride(0), weight.stride(1), 0, out.stride(0),
         N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=tl_dtype(weight.dtype), HAS_BIAS=False, SWAP=cfg.swap,
         EVEN_K=(K % kps == 0) and (kps % cfg.block_k == 0), M_SUB=1, EVICT=cfg.evict, BLOCK_M=BLOCK_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP_ROWS=_CLAMP_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP_ROWS=_clamp_rows("linear_heads"),
         HEADS=True, SX_H=x.stride(1), SW_H=weight.stride(0), SY_H=out.stride(1),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -506,3 +514,9 @@ def _check(device) -> list:
     results.append(CheckResult("linear_heads bfloat16", f"B={B} G={G} K={K} N={N}", err, _TOL[torch.bfloat16],
                                inv, ms, note="one launch for G per-head linears"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(linear, reference=linear_ref, variants=(GPU, INTERP))
+register_op(linear_heads, reference=linear_heads_ref, variants=(GPU, INTERP))

@@ -39,6 +39,7 @@ GPU), never on B or on the lengths. So a row's bits never depend on the other ro
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional
 
@@ -47,7 +48,8 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, timer
-from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+from ds4t.kernels.config import ConfigTable
+from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are launched in chunks
@@ -72,24 +74,37 @@ def default_split_size(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> 
     return int(min(1024, max(64, p)))
 
 
-def _config(H: int, R: int, Dr: int, split: int):
-    """(BH heads per program, BLOCK_N tokens per tile, MH heads per merge program, warps)."""
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Launch constants of mla_decode: heads per split program, tokens per tile, heads per merge
+    program, warps of the split kernel (the split kernel runs with 2 stages, the merge with 4 warps)."""
+    block_h: int
+    block_n: int
+    merge_heads: int
+    num_warps: int
+
+
+def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
+    # tl.dot needs M >= 16. 64 heads x R in one dot: each cache tile is read once per
+    # 64 heads (DeepSeek-V3: 2 head blocks per split, the second read usually from L2).
     RP = triton.next_power_of_2(R)
-    if INTERPRET:
-        # Few, big programs: every head in one block, long tiles.
-        BH = max(16, triton.next_power_of_2(H))
-        BLOCK_N = 128
-        MH = triton.next_power_of_2(H)
-        warps = 4
-    else:
-        # tl.dot needs M >= 16. 64 heads x R in one dot: each cache tile is read once per
-        # 64 heads (DeepSeek-V3: 2 head blocks per split, the second read usually from L2).
-        BH = max(16, min(64, triton.next_power_of_2(H)))
-        BLOCK_N = 32 if RP >= 256 else 64
-        MH = max(1, min(triton.next_power_of_2(H), 4096 // RP))
-        warps = 8 if BH * RP >= 64 * 256 else 4
-    BLOCK_N = max(16, min(BLOCK_N, triton.next_power_of_2(split)))
-    return BH, BLOCK_N, MH, warps
+    BH = max(16, min(64, triton.next_power_of_2(H)))
+    return MLAConfig(block_h=BH, block_n=max(16, min(32 if RP >= 256 else 64, triton.next_power_of_2(split))),
+                     merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // RP)),
+                     num_warps=8 if BH * RP >= 64 * 256 else 4)
+
+
+def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
+    # Few, big programs: every head in one block, long tiles.
+    return MLAConfig(block_h=max(16, triton.next_power_of_2(H)),
+                     block_n=max(16, min(128, triton.next_power_of_2(split))),
+                     merge_heads=triton.next_power_of_2(H), num_warps=4)
+
+
+MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
+    "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
+    source="no GPU sweep yet; end-to-end numbers: bench/results/2026-11-29-h200-decode.md")
+"""Keyed on (heads, latent rank R, rope dim Dr, split size): never on the batch."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +337,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     q_pe = _last_contig(q_pe)
 
     NS = triton.cdiv(L, split)
-    BH, BLOCK_N, MH, warps = _config(H, R, Dr, split)
+    cfg = MLA_CONFIGS(H, R, Dr, split)
+    BH, BLOCK_N, MH, warps = cfg.block_h, cfg.block_n, cfg.merge_heads, cfg.num_warps
     RP = triton.next_power_of_2(R)
     DRP = max(16, triton.next_power_of_2(max(Dr, 1)))
     NHB = triton.cdiv(H, BH)
@@ -433,3 +449,9 @@ def _check(device) -> List[CheckResult]:
             note="max(|err| - rtol*|ref|)",
         ))
     return res
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(write_latent, reference=write_latent_ref)
+register_op(mla_decode, reference=mla_decode_ref)

@@ -37,6 +37,7 @@ tile; the rank combine is per row in a fixed order. No atomics.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -46,35 +47,10 @@ import triton.language as tl
 
 from ds4t.backend import INTERPRET, cast, mma, sigmoid, timer, tl_dtype
 from ds4t.backend import silu as _silu
-from ds4t.kernels.registry import CheckResult, register_check
+from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
-
-
-def _tiles(N: int, K: int):
-    """(BN, BK) of the interpreter for an [N, K] weight (few, big programs: the interpreter pays per
-    program and per op); from the weight shape only. The GPU's come from :data:`GPU_CONFIG`."""
-    return max(16, min(128, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K)))
-
-
-_INTERPRET_C = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _mma_rows(a, b, acc):
-    """acc + a @ b, each row of the result independent of its position in the tile.
-
-    On the GPU this is :func:`ds4t.backend.mma`. In the interpreter ``tl.dot`` is numpy's matmul
-    (OpenBLAS), whose result for a row depends on the row's position in the tile (Haswell sgemm works
-    in 6-row panels; rows 12..15 of a 16-row tile take a remainder kernel with another summation
-    order). A pair's position in its expert's tile depends on which other pairs chose that expert, so
-    here the product is an explicit broadcast-multiply + sum over K (same order for every row).
-    """
-    if _INTERPRET_C:
-        acc = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    else:
-        acc = mma(a, b, acc)
-    return acc
 
 
 @triton.jit
@@ -184,8 +160,8 @@ def _moe_gate_up_kernel(
             wmask = km[:, None] & nm[None, :]
             wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
             wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
-            acc_g = _mma_rows(a, wg, acc_g)
-            acc_u = _mma_rows(a, wu, acc_u)
+            acc_g = mma(a, wg, acc_g)
+            acc_u = mma(a, wu, acc_u)
         act = _silu(acc_g) * acc_u
         tl.store(act_ptr + p[:, None] * sa_p + n[None, :], act, mask=qm[:, None] & nm[None, :])
 
@@ -216,7 +192,7 @@ def _moe_down_kernel(
             a = cast(a, WDT)
             w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
                         mask=km[:, None] & nm[None, :], other=0.0)
-            acc = _mma_rows(a, w, acc)
+            acc = mma(a, w, acc)
         tl.store(y_ptr + p[:, None] * sy_p + n[None, :], acc, mask=qm[:, None] & nm[None, :])
 
 
@@ -236,117 +212,6 @@ def _moe_combine_kernel(
         yj = tl.load(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], mask=m2, other=0.0)
         acc = acc + wj[:, None] * yj
     tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
-
-
-@triton.jit
-def _moe_rows_kernel(
-    h_ptr, sh_b, ids_ptr, si_b, wts_ptr, swt_b, gate_ptr, sg_b, SHARED,
-    wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
-    wd_ptr, sd_e, sd_n, sd_k,
-    out_ptr, so_b, B,
-    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr,
-    WDT: tl.constexpr, ROWS: tl.constexpr,
-    KP: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-):
-    """Interpreter path: gate/up, down and the rank combine of ROWS rows in one program.
-
-    Every (row, rank) pair gathers its own expert's weight tiles ([ROWS, KP, ., .] tiles, KP =
-    next_pow2(KT) ranks; padded ranks use expert 0 with weight 0), so nothing is grouped by expert. A pair's
-    arithmetic is the grouped kernels' own, in their order: gate/up summed over D in BK chunks (the
-    grouped gate/up kernel's BK), the down product summed over I in BI chunks (the grouped kernels'
-    I tile), each chunk a broadcast product summed over K in order (as :func:`_mma_rows`); the rank
-    combine sums w_j * y_j over the ranks in rank order. Rows never mix: a row's result does not
-    depend on the other rows of the program (tests/kernels/test_moe.py checks it bitwise, and
-    against the grouped kernels).
-    """
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    r64 = tl.minimum(r, B - 1).to(tl.int64)  # rows past B load row B-1 (in bounds) and store nothing
-    j = tl.arange(0, KP)[None, :]
-    kk = tl.arange(0, BK)
-    ii = tl.arange(0, BI)
-    dd = tl.arange(0, BD)
-    r2 = r64[:, None]
-    live = (j < KT) & (r2 >= 0)                                          # [ROWS, KP]
-    e = tl.maximum(_pair_expert(ids_ptr, si_b, r2, j, live, KTOP, SHARED), 0).to(tl.int64)
-    wj = _pair_weight(wts_ptr, swt_b, gate_ptr, sg_b, r2, j, live, KTOP, GATED)
-    e4 = e[:, :, None, None]
-    g_ptrs = (e4 * sw_e + (kk * sw_k)[None, None, :, None]) + (ii * sw_n)[None, None, None, :]   # [ROWS, KP, BK, BI]
-    d_ptrs = (e4 * sd_e + (ii * sd_k)[None, None, :, None]) + (dd * sd_n)[None, None, None, :]   # [ROWS, KP, BI, BD]
-    h_row = h_ptr + r2 * sh_b                                            # [ROWS, 1]
-    EVEN: tl.constexpr = (D % BK == 0) and (I % BI == 0) and (D == BD)
-    for i0 in tl.static_range(0, I, BI):
-        for k0 in tl.static_range(0, D, BK):
-            if D % BK == 0:
-                a = tl.load(h_row + (k0 + kk)[None, :])
-            else:
-                a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
-            a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
-            off = k0 * sw_k + i0 * sw_n
-            if EVEN:
-                wg = tl.load(wg_ptr + off + g_ptrs)
-                wu = tl.load(wu_ptr + off + g_ptrs)
-            else:
-                wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
-                wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
-                wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
-            pg = tl.sum(a * wg.to(tl.float32), axis=2)                    # [ROWS, KP, BI]
-            pu = tl.sum(a * wu.to(tl.float32), axis=2)
-            if k0 == 0:  # 0 + first chunk, as the grouped kernel's zero-initialised accumulator
-                acc_g = 0.0 + pg
-                acc_u = 0.0 + pu
-            else:
-                acc_g = acc_g + pg
-                acc_u = acc_u + pu
-        act = cast(_silu(acc_g) * acc_u, WDT).to(tl.float32)[:, :, :, None]   # [ROWS, KP, BI, 1]
-        if EVEN:
-            wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs)
-        else:
-            wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs,
-                         mask=((i0 + ii) < I)[None, None, :, None] & (dd < D)[None, None, None, :], other=0.0)
-        pd = tl.sum(act * wd.to(tl.float32), axis=2)                      # [ROWS, KP, BD]
-        if i0 == 0:
-            y = 0.0 + pd
-        else:
-            y = y + pd
-    # rank combine: (w0*y0 + w1*y1) + w2*y2 ..., a sum over the rank axis in rank order
-    out = tl.sum(wj[:, :, None] * y, axis=1)
-    rm = (r < B)[:, None]
-    if D == BD:
-        tl.store(out_ptr + r2 * so_b + dd[None, :], out, mask=rm)
-    else:
-        tl.store(out_ptr + r2 * so_b + dd[None, :], out, mask=rm & (dd < D)[None, :])
-
-
-_MAX_TILE = 1 << 20  # elements of one interpreter tile (triton's TRITON_MAX_TENSOR_NUMEL)
-
-
-def _rows_config(B: int, k: int, D: int, I: int):
-    """(ROWS, BI, BK, BD) of the interpreter path, or None when its tiles would not fit. BI, BK, BD
-    come from the weight shapes only. ROWS (rows per program, the M tile) grows with B up to 16:
-    a row's arithmetic never depends on the M tile (no reduction runs across rows, and each sum
-    over K runs in the same order for every row), while the interpreter's gathers cost per element,
-    so a lone decode row should not pay for 15 padding rows."""
-    if not ROWS_PATH:
-        return None
-    BI, BK = _tiles(I, D)
-    BD = triton.next_power_of_2(D)
-    KP = triton.next_power_of_2(k)
-    rows = min(16, triton.next_power_of_2(B))
-    while rows > 1 and rows * KP * max(BK * BI, BI * BD) > _MAX_TILE:
-        rows //= 2
-    if rows * KP * max(BK * BI, BI * BD) > _MAX_TILE:
-        return None
-    return rows, KP, BI, BK, BD
-
-
-ROWS_PATH = INTERPRET
-"""In the interpreter, :func:`moe_experts` runs :func:`_moe_rows_kernel` (one launch, few programs);
-on the GPU the grouped kernels (each expert's weights read once per batch). Tests set it to False
-to run the grouped kernels in the interpreter too."""
-
-DEVICE_EXPERT_LIST = not INTERPRET
-"""Grouped kernels: programs find their expert on the device (min(E, P) slots; the GPU) or read a
-host-made list of the chosen experts (the interpreter). Tests flip it to run both in the interpreter."""
 
 
 def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate):
@@ -394,23 +259,37 @@ def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int
     return order, bounds
 
 
-GPU_CONFIG = {"gate_up": dict(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
-              "down": dict(tile_n=128, tile_k=128, num_warps=4, num_stages=3)}
-"""GPU launch constants of the grouped kernels: tile caps, warps, pipeline stages. Constants, never
-from B. Chosen by ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three
-families' expert shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles
-(bench/results/2026-11-29-h200-moe-tiles.md)."""
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Launch constants of a grouped kernel: caps on its N and K tiles (the tile is
+    max(16, min(cap, next_pow2(size)))), warps and pipeline stages (None: Triton's default)."""
+    tile_n: int
+    tile_k: int
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+    def tiles(self, N: int, K: int):
+        """(BN, BK) for an [N, K] weight: from the weight shape only."""
+        return (max(16, min(self.tile_n, triton.next_power_of_2(N))),
+                max(16, min(self.tile_k, triton.next_power_of_2(K))))
 
 
-def _gpu_launch(kernel: str, N: int, K: int):
-    """(BN, BK, launch kwargs) of a grouped kernel for an [N, K] weight."""
-    if INTERPRET:
-        BN, BK = _tiles(N, K)
-        return BN, BK, {}
-    c = GPU_CONFIG[kernel]
-    BN = max(16, min(c["tile_n"], triton.next_power_of_2(N)))
-    BK = max(16, min(c["tile_k"], triton.next_power_of_2(K)))
-    return BN, BK, {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+_INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
+"""The interpreter's: few, big programs (it pays per program and per op)."""
+
+
+def _unknown_kernel(kernel: str):
+    raise KeyError(f"no MoE launch config for kernel {kernel!r}: the grouped kernels are 'gate_up' and 'down'")
+
+MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
+    "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
+                "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
+    gpu_rule=lambda kernel: _unknown_kernel(kernel), interp_rule=lambda kernel: _INTERP_CONFIG,
+    source="bench/results/2026-11-29-h200-moe-tiles.md")
+"""Keyed on the grouped kernel ("gate_up", "down"); the tiles follow from the weight shape
+(:meth:`MoEConfig.tiles`). Chosen by ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per
+kernel at the three families' expert shapes, N = 1 and 16): the best summed time; 4-15 % faster
+than 64/64 tiles."""
 
 
 def moe_experts(
@@ -450,51 +329,52 @@ def moe_experts(
     if w_gate.stride() != w_up.stride():
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     sg = gate.stride(0)
-    rows_cfg = _rows_config(B, KT, D, I)
-    if rows_cfg is not None:
-        ROWS, KP, BI, BK, BD = rows_cfg
-        _moe_rows_kernel[(triton.cdiv(B, ROWS),)](
-            h, h.stride(0), ids, ids.stride(0), weights, weights.stride(0), gate, sg, SHARED,
-            w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
-            w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
-            out, out.stride(0), B,
-            D=D, I=I, KTOP=k, KT=KT, GATED=GATED, WDT=tl_dtype(w_gate.dtype), ROWS=ROWS, KP=KP, BI=BI, BK=BK,
-            BD=BD,
-        )
-        return out
+    path = variant("moe_experts")
+    if path == INTERP:
+        # imported here: the twin uses this module's jit helpers (_pair_expert, _pair_weight)
+        from ds4t.kernels.interp import moe_rows
+
+        if moe_rows.launch(h, ids, weights, gate, w_gate, w_up, w_down, SHARED, GATED, out):
+            return out
     P = B * KT
     # 1. group pairs by expert on the device (pairs of an expert in pair order)
     order, bounds = group_pairs(ids, E, shared_expert)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     y = torch.empty((P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(w_gate.dtype)
-    # Programs run over slots of chosen experts. On the device list (the GPU): min(E, P) slots,
-    # each finding its expert from ``bounds`` (no host sync, so the step can be captured in a CUDA
-    # graph). Otherwise (the interpreter, where tensors are on the host already) a host list of
-    # the chosen experts. Either way each expert's computation is the same: exactness holds.
-    if DEVICE_EXPERT_LIST:
+    # Programs run over slots of chosen experts. Variant "gpu": min(E, P) slots, each finding its
+    # expert from ``bounds`` on the device (no host sync, so the step can be captured in a CUDA
+    # graph). Variant "host_list" (and "interp" where its tiles do not fit; tensors are on the host
+    # there): a host-made list of the chosen experts. Either way each expert's computation is the
+    # same: exactness holds.
+    device_list = path == GPU
+    if device_list:
         experts, n_slots = bounds, min(E, P)
     else:
         experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
         n_slots = int(experts.shape[0])
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
-    BN, BK, kw = _gpu_launch("gate_up", I, D)
+    cfg = MOE_CONFIGS("gate_up")
+    BN, BK = cfg.tiles(I, D)
+    kw = launch_kwargs(cfg)
     _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         act, act.stride(0),
         D, I, KT, E,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=DEVICE_EXPERT_LIST, BE=BE, **kw,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
     # 3. down
-    BN, BK, kw = _gpu_launch("down", D, I)
+    cfg = MOE_CONFIGS("down")
+    BN, BK = cfg.tiles(D, I)
+    kw = launch_kwargs(cfg)
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts,
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
         y, y.stride(0),
         D, I, E,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=DEVICE_EXPERT_LIST, BE=BE, **kw,
+        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
     # 4. rank-ordered combine. One row per program on the GPU: rows never mix, and a decode batch
     # of 16 rows then spreads over 16x more programs (16-row programs left most SMs idle).
@@ -565,3 +445,8 @@ def _check(device) -> List[CheckResult]:
         results.append(CheckResult(f"moe_experts {str(dt).split('.')[-1]}", f"B={B} E={E} k={k} D={D} I={I}",
                                    err, TOL[dt], inv, ms, note="max_err relative to max |ref|"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(moe_experts, reference=moe_experts_ref, variants=(GPU, INTERP, HOST_LIST))

@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
-from ds4t.kernels.registry import CheckResult, register_check, rows_invariant
+from ds4t.backend import INTERPRET, sigmoid, timer
+from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
+from ds4t.kernels.tensors import fp32_out, rows_view
 
 __all__ = [
     "rms_norm", "add_rms_norm", "gated_rms_norm",
@@ -106,43 +107,27 @@ def _norm_kernel(
                 z = tl.load(z_row + cc).to(tl.float32)
             else:
                 z = tl.load(z_row + cc, mask=m, other=0.0).to(tl.float32)
-            y = y * (z * tl.sigmoid(z))
+            y = y * (z * sigmoid(z))
         tl.store(y_row + cc, y, mask=m)
 
 
-def _rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, D], got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{name}: unsupported dtype {t.dtype}")
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
-def _out(out, R, D, device, name="out"):
-    if out is None:
-        return torch.empty((R, D), dtype=torch.float32, device=device)
-    if out.shape != (R, D) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"{name} must be fp32 [{R}, {D}] with unit column stride")
-    return out
-
-
 def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=None, summed=None):
-    x = _rows_view(x, "x")
+    x = rows_view(x, "x")
     R, D = x.shape
     if weight.shape != (D,):
         raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
     weight = weight.contiguous()
     if residual is not None:
-        residual = _rows_view(residual, "residual")
+        residual = rows_view(residual, "residual")
         if residual.shape != x.shape:
             raise ValueError(f"residual must be {tuple(x.shape)}, got {tuple(residual.shape)}")
     if z is not None:
-        z = _rows_view(z, "z")
+        z = rows_view(z, "z")
         if z.shape != x.shape:
             raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
-    y = _out(out, R, D, x.device)
+    y = fp32_out(out, (R, D), x.device)
     if residual is not None:
-        summed = _out(summed, R, D, x.device, "summed")
+        summed = fp32_out(summed, (R, D), x.device, "summed")
     if R == 0:
         return y, summed
     block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
@@ -233,3 +218,10 @@ def _check(device) -> list:
                                    rows_invariant(run, t), timer(lambda: run(t), warmup=1, iters=3),
                                    note="relative to max|ref|"))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(rms_norm, reference=rms_norm_ref)
+register_op(add_rms_norm, reference=add_rms_norm_ref)
+register_op(gated_rms_norm, reference=gated_rms_norm_ref)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
-from ds4t.kernels.registry import CheckResult, register_check
+from ds4t.kernels.registry import CheckResult, register_check, register_op
 
 if not INTERPRET:
     from triton.language.extra import libdevice
@@ -200,3 +200,8 @@ def _check(device) -> List[CheckResult]:
         results.append(CheckResult(f"rope {'interleaved' if inter else 'rotate-half'}",
                                    f"B={B} H={H} D={D} R={R}", err, 1e-5, inv_ok, ms))
     return results
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(rope, reference=rope_ref)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, sigmoid, timer
-from ds4t.kernels.registry import CheckResult, register_check
+from ds4t.kernels.registry import CheckResult, register_check, register_op
 
 DROPPED_SCORE: float = float("-inf")
 """The biased score HF transformers 5.x gives experts of dropped groups (4.x used 0.0)."""
@@ -157,7 +157,7 @@ def _sigmoid_grouped_kernel(
     tl.store(id_ptr + r[:, None] * K + kc[None, :], ik, mask=om)
 
 
-def _prep(logits: torch.Tensor, top_k: int, out):
+def _check_logits_and_out(logits: torch.Tensor, top_k: int, out):
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, E], got {tuple(logits.shape)}")
     B, E = logits.shape
@@ -185,7 +185,7 @@ def router_softmax_topk(
     descending order (ties to the lower expert index); weights = p / sum(top-k p) when ``renormalize``.
     Returns (weights fp32 [B, top_k], ids int32 [B, top_k]) (``out`` if given).
     """
-    logits, B, E, w, ids = _prep(logits, top_k, out)
+    logits, B, E, w, ids = _check_logits_and_out(logits, top_k, out)
     if B == 0:
         return w, ids
     ROWS = _rows_per_program()
@@ -218,7 +218,7 @@ def router_sigmoid_grouped(
     ties to the lower index). weights = s[ids] (unbiased), / (sum + 1e-20) when ``renormalize``, then
     × ``scaling``. Returns (weights fp32 [B, top_k], ids int32 [B, top_k]) (``out`` if given).
     """
-    logits, B, E, w, ids = _prep(logits, top_k, out)
+    logits, B, E, w, ids = _check_logits_and_out(logits, top_k, out)
     if E % n_group != 0:
         raise ValueError(f"E={E} is not a multiple of n_group={n_group}")
     if not 1 <= topk_group <= n_group:
@@ -309,3 +309,9 @@ def _check(device) -> List[CheckResult]:
     one("router_sigmoid_grouped", lambda t: router_sigmoid_grouped(t, bias, k, 2, 1, True, 2.5),
         lambda t: router_sigmoid_grouped_ref(t, bias, k, 2, 1, True, 2.5))
     return out
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(router_softmax_topk, reference=router_softmax_topk_ref)
+register_op(router_sigmoid_grouped, reference=router_sigmoid_grouped_ref)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
-from ds4t.kernels.registry import CheckResult, register_check
+from ds4t.kernels.registry import CheckResult, register_check, register_op
 
 _GOLDEN = 0x9E3779B9
 _M1 = 0x7FEB352D
@@ -400,3 +400,9 @@ def _check(device) -> List[CheckResult]:
                            timer(lambda: run(list(range(B))), warmup=0 if INTERPRET else 3,
                                  iters=1 if INTERPRET else 10), note="mismatched rows"))
     return res
+
+
+# ----------------------------------------------------------------------------- ops (the models call these)
+
+register_op(argmax, reference=argmax_ref)
+register_op(sample, reference=sample_ref)

@@ -10,19 +10,19 @@ from typing import Optional, Tuple
 
 import torch
 
-from ds4t.kernels import activation, linear, moe, router
+from ds4t.kernels import ops
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 [R, N] = x [R, K] @ w [N, K]^T (+ b); the decode linear kernel."""
-    return linear.linear(x, w, b)
+    return ops.linear(x, w, b)
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
     gu = fused_linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
-    return fused_linear(activation.silu_mul(gu[:, :i], gu[:, i:]), w_down)
+    return fused_linear(ops.silu_mul(gu[:, :i], gu[:, i:]), w_down)
 
 
 @dataclasses.dataclass
@@ -82,21 +82,21 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
     # would compile another variant and a reduction could change order (seen on an H200).
     scores = logits[:, :e]
     if rc.kind == "softmax":
-        weights, ids = router.router_softmax_topk(scores, rc.top_k, rc.renormalize)
+        weights, ids = ops.router_softmax_topk(scores, rc.top_k, rc.renormalize)
     elif rc.kind == "sigmoid_grouped":
-        weights, ids = router.router_sigmoid_grouped(
+        weights, ids = ops.router_sigmoid_grouped(
             scores, w.correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.renormalize, rc.scaling)
     else:
         raise ValueError(f"unknown router kind {rc.kind!r}")
     # A fused shared expert is the kernel's extra last rank (weight sigmoid(its router row), or 1).
-    out = moe.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index,
+    out = ops.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index,
                           shared_gate=logits[:, e] if w.shared_index is not None and w.shared_gated else None)
     if w.shared_gate_up is not None:
         shared = swiglu(x, w.shared_gate_up, w.shared_down)
         if w.shared_gated:
             gate = logits[:, e:e + 1].expand_as(shared).contiguous()
-            shared = activation.sigmoid_mul(shared, gate)
-        out = activation.add(out, shared)
+            shared = ops.sigmoid_mul(shared, gate)
+        out = ops.add(out, shared)
     return out
 
 
@@ -105,9 +105,9 @@ def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down
     return [torch.stack([get(f"{prefix}.{i}.{nm}.weight") for i in range(n)]) for nm in names]
 
 
-def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
-    """HF's default RoPE frequencies, fp32 [rotary_dim/2]."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scaling for a context-extension ``scale`` (HF's ``get_mscale``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def yarn_inv_freq(rotary_dim: int, p: dict, max_position: int):
@@ -121,15 +121,12 @@ def yarn_inv_freq(rotary_dim: int, p: dict, max_position: int):
     beta_fast = p.get("beta_fast") or 32
     beta_slow = p.get("beta_slow") or 1
 
-    def get_mscale(scale, mscale=1.0):
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         if p.get("mscale") and p.get("mscale_all_dim"):
-            attention_factor = get_mscale(factor, p["mscale"]) / get_mscale(factor, p["mscale_all_dim"])
+            attention_factor = yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"])
         else:
-            attention_factor = get_mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def corr_dim(n_rot):
         return (rotary_dim * math.log(orig / (n_rot * 2 * math.pi))) / (2 * math.log(base))

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import torch
 
-from ds4t.kernels import embedding, linear, norm
+from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
 
 
@@ -67,18 +67,18 @@ class DecoderModel(Model):
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         zc = self.zero_centered_norms
-        h = embedding.embedding(batch.tokens, self.embed)
-        x = norm.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc)
+        h = ops.embedding(batch.tokens, self.embed)
+        x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc)
         res = h
         for i in range(self.num_layers):
             out = self.mixer(i, x, batch)
-            x, res = norm.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc)
+            x, res = ops.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc)
             out = self.ffn(i, x, batch)
             nxt = self.input_norms[i + 1] if i + 1 < self.num_layers else self.final_norm
-            x, res = norm.add_rms_norm(out, res, nxt, self.eps, zero_centered=zc)
+            x, res = ops.add_rms_norm(out, res, nxt, self.eps, zero_centered=zc)
         if batch.out_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.out_rows)
-        return linear.linear(x, self.lm_head)
+        return ops.linear(x, self.lm_head)
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every weight tensor once, by the first name that holds it: the shared stack, then each

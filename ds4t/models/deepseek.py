@@ -1,6 +1,6 @@
 """DeepSeek-V3 (``model_type`` deepseek_v3): multi-head latent attention (MLA) + sigmoid-routed MoE.
 
-Attention (absorbed MLA decode, DESIGN.md §4):
+Attention (absorbed MLA decode):
 
 * Down-projections, fused at load time into ONE linear ``w_a`` whose output is
   ``[q part | c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]``: the q part is ``q_a_proj``'s output
@@ -14,7 +14,7 @@ Attention (absorbed MLA decode, DESIGN.md §4):
   and ``o[h] = W_UV[h] latent_out[h]`` are per-head linear-kernel launches (batch-invariant: the
   K order of each depends only on the weight shape), then ``o_proj``.
 * The per-session cache is ``layers.{i}.latent`` [CTX, kv_lora_rank + qk_rope_head_dim] holding
-  ``[c_kv || k_pe after RoPE]``; attention over it is :func:`ds4t.kernels.mla.mla_decode` (MQA).
+  ``[c_kv || k_pe after RoPE]``; attention over it is :func:`ds4t.kernels.ops.mla_decode` (MQA).
 * Softmax scale: ``qk_head_dim^-0.5``, × ``mscale(factor, mscale_all_dim)^2`` for YaRN configs
   that set ``mscale_all_dim`` (as HF's DeepseekV3Attention).
 
@@ -41,15 +41,15 @@ give the ordered fallback's bits exactly (tests/exactness/test_deepseek_exactnes
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds4t.kernels import activation, linear, mla, moe, norm, rope
+from ds4t.kernels import ops
+from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, MoEWeights, SigmoidMoEConfig, default_inv_freq, ffn, fused_linear,
-                                moe_block, preset_init_plain, swiglu, yarn_inv_freq)
+from ds4t.models.blocks import (DenseMLP, MoEWeights, SigmoidMoEConfig, ffn, fused_linear,
+                                moe_block, preset_init_plain, swiglu, yarn_inv_freq, yarn_mscale)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
@@ -60,10 +60,6 @@ PRESETS = ("tiny-deepseek", "deepseek-v3-4l")
 _FFN_DEFAULTS = dict(first_k_dense_replace=3, n_group=8, topk_group=4, num_experts_per_tok=8,
                      norm_topk_prob=True, routed_scaling_factor=2.5, moe_intermediate_size=2048,
                      n_routed_experts=256)
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass
@@ -225,7 +221,7 @@ class DeepseekModel(DecoderModel):
         if rp["rope_type"] == "yarn":
             inv_freq, self.rope_scale = yarn_inv_freq(dr, rp, c.max_position)
             if rp.get("mscale_all_dim"):
-                m = _yarn_mscale(rp["factor"], rp["mscale_all_dim"])
+                m = yarn_mscale(rp["factor"], rp["mscale_all_dim"])
                 self.softmax_scale = self.softmax_scale * m * m
         else:
             inv_freq, self.rope_scale = default_inv_freq(dr, float(rp["rope_theta"])), 1.0
@@ -288,22 +284,22 @@ class DeepseekModel(DecoderModel):
         qw = c.q_width
         dev = a.device
         if c.q_lora_rank:
-            q = fused_linear(norm.rms_norm(a[:, :qw], L["q_a_norm"], c.eps), L["w_qb"])
+            q = fused_linear(ops.rms_norm(a[:, :qw], L["q_a_norm"], c.eps), L["w_qb"])
         else:
             q = a[:, :qw]
-        c_kv = norm.rms_norm(a[:, qw:qw + R], L["kv_a_norm"], c.eps)
+        c_kv = ops.rms_norm(a[:, qw:qw + R], L["kv_a_norm"], c.eps)
         # RoPE on q_pe of every head and the shared k_pe in one launch: pe [n, H + 1, dr].
         pe = torch.empty((n, H + 1, dr), dtype=torch.float32, device=dev)
         pe[:, :H] = q[:, H * dn:].view(n, H, dr)
         pe[:, H] = a[:, qw + R:]
-        rope.rope(pe, positions, self.inv_freq, interleaved=c.rope_interleave, scale=self.rope_scale, out=pe)
+        ops.rope(pe, positions, self.inv_freq, interleaved=c.rope_interleave, scale=self.rope_scale, out=pe)
         cache = self.pool.tensors[f"layers.{i}.latent"]
-        mla.write_latent(c_kv, pe[:, H], cache, slots, positions)
+        ops.write_latent(c_kv, pe[:, H], cache, slots, positions)
         # Absorb W_UK into the query and apply W_UV after attention: per-head linears, all heads
         # in one launch each (bitwise the per-head loop; 2 launches instead of 2·H).
-        q_lat = linear.linear_heads(q[:, :H * dn].view(n, H, dn), L["w_uk_t"])
-        lat = mla.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
-        o = linear.linear_heads(lat, L["w_uv"])
+        q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), L["w_uk_t"])
+        lat = ops.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
+        o = ops.linear_heads(lat, L["w_uv"])
         return fused_linear(o.view(n, H * dv), L["w_o"], L.get("b_o"))
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -324,18 +320,18 @@ class DeepseekModel(DecoderModel):
         # extra expert with weight 1 as the last rank, or a SwiGLU of their own), then added last.
         if w.shared_index is not None:
             none = torch.empty((x.shape[0], 0), dtype=torch.int32, device=x.device)
-            shared = moe.moe_experts(x, none, none.float(), w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index)
+            shared = ops.moe_experts(x, none, none.float(), w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index)
         elif w.shared_gate_up is not None:
             shared = swiglu(x, w.shared_gate_up, w.shared_down)
         else:
             return out
-        return activation.add(out, shared)
+        return ops.add(out, shared)
 
 
 def preset_config(name: str) -> dict:
     """HF-style config dicts for the built-in DeepSeek-V3 presets."""
     if name == "tiny-deepseek":
-        # DESIGN.md §4 tiny config with 2 layers (1 dense + 1 MoE) to keep the CPU interpreter fast.
+        # 2 layers (1 dense + 1 MoE): every layer kind runs, and the CPU interpreter stays fast.
         return dict(
             model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,

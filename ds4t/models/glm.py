@@ -27,9 +27,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds4t.kernels import attention, norm, rope
+from ds4t.kernels import ops
+from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import SigmoidMoEConfig, default_inv_freq, ffn, fused_linear, preset_init_plain
+from ds4t.models.blocks import SigmoidMoEConfig, ffn, fused_linear, preset_init_plain
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
@@ -184,15 +185,15 @@ class GlmModel(DecoderModel):
             qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
             q = qkv[:, :H * hd].reshape(R * H, hd)
             k = qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd)
-            qk[:, :H] = norm.rms_norm(q, L["q_norm"], c.eps).view(R, H, hd)
-            qk[:, H:] = norm.rms_norm(k, L["k_norm"], c.eps).view(R, KV, hd)
+            qk[:, :H] = ops.rms_norm(q, L["q_norm"], c.eps).view(R, H, hd)
+            qk[:, H:] = ops.rms_norm(k, L["k_norm"], c.eps).view(R, KV, hd)
         else:
             qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
-        qk = rope.rope(qk, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)   # q and k in one launch
+        qk = ops.rope(qk, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)   # q and k in one launch
         v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
         kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
-        attention.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
-        o = attention.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
+        ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
+        o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
         return fused_linear(o.reshape(R, H * hd), L["w_o"])
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -202,7 +203,7 @@ class GlmModel(DecoderModel):
 def preset_config(name: str) -> dict:
     """HF-style config dicts for the built-in GLM-4.5 MoE presets."""
     if name == "tiny-glm":
-        # DESIGN.md §4 tiny config with 2 layers (1 dense + 1 MoE) to keep the CPU interpreter fast.
+        # 2 layers (1 dense + 1 MoE): every layer kind runs, and the CPU interpreter stays fast.
         return dict(
             model_type="glm4_moe", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,

@@ -14,9 +14,10 @@ from typing import Dict, List
 
 import torch
 
-from ds4t.kernels import attention, conv, gdn, norm
+from ds4t.kernels import ops
+from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (MoEWeights, RouterConfig, default_inv_freq, fuse_shared_expert, fused_linear,
+from ds4t.models.blocks import (MoEWeights, RouterConfig, fuse_shared_expert, fused_linear,
                                moe_block, stack_experts, swiglu)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
@@ -263,9 +264,9 @@ class QwenModel(DecoderModel):
         v = qkv[:, 2 * H * hd + KV * hd:].unflatten(1, (KV, hd))
         kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
         # q/k norms (zero-centred), RoPE, and k/v into the cache: one launch.
-        q = attention.norm_rope_write_kv(q, k, v, L["q_norm"], L["k_norm"], c.eps, batch.positions, self.inv_freq,
+        q = ops.norm_rope_write_kv(q, k, v, L["q_norm"], L["k_norm"], c.eps, batch.positions, self.inv_freq,
                                          kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
-        o = attention.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate)  # · sigmoid(gate)
+        o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate)  # · sigmoid(gate)
         return fused_linear(o.view(R, H * hd), L["w_o"], L["b_o"])
 
     def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -289,26 +290,26 @@ class QwenModel(DecoderModel):
             return q, k, v
 
         if batch.all_single:
-            mixed = conv.conv1d_update(mixed, conv_state, L["conv_w"], batch.slots)
+            mixed = ops.conv1d_update(mixed, conv_state, L["conv_w"], batch.slots)
             q, k, v = split(mixed)
             # The output norm comes with the step (bitwise as the gated_rms_norm below).
-            y = gdn.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots,
+            y = ops.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots,
                                z=z.unflatten(1, (hv, dv)), norm_w=L["norm_w"], norm_eps=c.eps)
             return fused_linear(y.view(R, hv * dv), L["w_out"])
         o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
         if batch.single_rows.numel():
             idx = batch.single_rows  # on the device already: no host sync
-            m1 = conv.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
+            m1 = ops.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
             q, k, v = split(m1)
-            o[idx] = gdn.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
+            o[idx] = ops.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
         for s in batch.segments:
             if s.n == 1:
                 continue
             rows = slice(s.start_row, s.start_row + s.n)
-            m1 = conv.conv1d_prefill(mixed[rows], conv_state, L["conv_w"], s.slot)
+            m1 = ops.conv1d_prefill(mixed[rows], conv_state, L["conv_w"], s.slot)
             q, k, v = split(m1)
-            o[rows] = gdn.gdn_prefill(q, k, v, a[rows], b[rows], L["A_log"], L["dt_bias"], rec, s.slot)
-        y = norm.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), L["norm_w"], c.eps)
+            o[rows] = ops.gdn_prefill(q, k, v, a[rows], b[rows], L["A_log"], L["dt_bias"], rec, s.slot)
+        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), L["norm_w"], c.eps)
         return fused_linear(y.view(R, hv * dv), L["w_out"])
 
 

@@ -39,8 +39,8 @@ def test_native_path_is_bit_exact(model, path, monkeypatch):
     launches = []
     monkeypatch.setattr(model, "cuda_graphs", False, raising=False)   # count an eager step's launches (a replay has none)
     orig = mla.mla_decode
-    monkeypatch.setattr(mla, "mla_decode", lambda q, *a, **k: launches.append(q.shape[0]) or orig(q, *a, **k))
-    res = ds4t.eval_batch([ds4t.DecodeItem(s, 7) for s in sessions], mode="native")
+    with ds4t.kernels.override("mla_decode", lambda q, *a, **k: launches.append(q.shape[0]) or orig(q, *a, **k)):
+        res = ds4t.eval_batch([ds4t.DecodeItem(s, 7) for s in sessions], mode="native")
     assert res.paths == ["native"] * 3
     layers = model.num_layers
     assert launches == ([3] * layers if path == "full" else [1] * (3 * layers))

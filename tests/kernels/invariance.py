@@ -9,18 +9,16 @@ from ds4t.testing import assert_rows_invariant, poisoned  # noqa: F401
 
 @contextlib.contextmanager
 def launcher_path(module, rows_path: bool):
-    """Run ``module``'s interpreter-only rows path (``rows_path`` True, honoured only in the
-    interpreter) or its GPU launchers, restoring the module's choice afterwards."""
+    """Run the ops of kernel ``module`` with their interpreter twins (``rows_path`` True, honoured
+    only in the interpreter: variant ``"interp"``) or with the GPU's launches (variant ``"gpu"``),
+    restoring the previous selection afterwards."""
     from ds4t.backend import INTERPRET
+    from ds4t.kernels.registry import GPU, INTERP, ops_with_variants, use_variants
 
-    saved = module.ROWS_PATH
-    saved_list = getattr(module, "DEVICE_EXPERT_LIST", None)
-    module.ROWS_PATH = bool(rows_path) and INTERPRET
-    if saved_list is not None:   # the GPU launchers find their experts on the device
-        module.DEVICE_EXPERT_LIST = not module.ROWS_PATH
-    try:
+    family = module.__name__.rsplit(".", 1)[-1]
+    with_variants = ops_with_variants(family)
+    if not with_variants:
+        raise ValueError(f"kernel module {module.__name__} has no op with launch variants")
+    which = INTERP if rows_path and INTERPRET else GPU
+    with use_variants({o.name: which for o in with_variants}):
         yield
-    finally:
-        module.ROWS_PATH = saved
-        if saved_list is not None:
-            module.DEVICE_EXPERT_LIST = saved_list

@@ -65,13 +65,13 @@ SHAPES = [(6, 2, 48, 48), (4, 1, 80, 80), (3, 3, 16, 40)]
 
 
 @pytest.fixture(params=["rows", "split-merge"])
-def path(request, monkeypatch):
+def path(request):
     """Run a case with the interpreter's one-program-per-rows kernel (``rows``) and with the split
     and merge kernels the GPU runs (``split-merge``, in the interpreter too)."""
     if request.param == "rows" and not INTERPRET:
         pytest.skip("the rows path is the interpreter's")
-    monkeypatch.setattr(A, "ROWS_PATH", request.param == "rows")
-    return request.param
+    with launcher_path(A, request.param == "rows"):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))

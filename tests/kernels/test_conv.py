@@ -33,13 +33,13 @@ def _params(C, W, dtype, device, seed=0):
 
 
 @pytest.fixture(params=["rows", "one-row"])
-def path(request, monkeypatch):
+def path(request):
     """Run a case with the interpreter's several-rows-per-program kernel (``rows``) and with the
     one-row-per-program kernel the GPU runs (``one-row``, in the interpreter too)."""
     if request.param == "rows" and not INTERPRET:
         pytest.skip("the rows path is the interpreter's")
-    monkeypatch.setattr(CV, "ROWS_PATH", request.param == "rows")
-    return request.param
+    with launcher_path(CV, request.param == "rows"):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -179,7 +179,7 @@ def _check_rows_batch_invariant(perm, n, dtype, W):
 
 @pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
 @pytest.mark.parametrize("C,W,use_bias", [(200, 4, True), (192, 4, False), (37, 2, True), (64, 6, False)])
-def test_rows_path_equals_one_row_kernel(monkeypatch, C, W, use_bias):
+def test_rows_path_equals_one_row_kernel(C, W, use_bias):
     """The interpreter's rows kernel evaluates each output with the one-row kernel's expression in
     its order: the same bits, and the same new state."""
     g, w, bias, state0 = _params(C, W, torch.bfloat16, "cpu", seed=3)
@@ -187,7 +187,7 @@ def test_rows_path_equals_one_row_kernel(monkeypatch, C, W, use_bias):
     slots = torch.tensor([5, 0, 6, 2, 3, 1], dtype=torch.int32)
     res = {}
     for rows in (True, False):
-        monkeypatch.setattr(CV, "ROWS_PATH", rows)
         st = state0.clone()
-        res[rows] = conv1d_update(x, st, w, slots, bias=bias if use_bias else None), st
+        with launcher_path(CV, rows):
+            res[rows] = conv1d_update(x, st, w, slots, bias=bias if use_bias else None), st
     assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])

@@ -46,13 +46,13 @@ def _inputs(g, R, Hk, Hv, Dk, Dv, dtype, device):
 
 
 @pytest.fixture(params=["rows", "one-row"])
-def path(request, monkeypatch):
+def path(request):
     """Run a case with the interpreter's several-rows-per-program decode kernel (``rows``) and with
     the one-row-per-program kernel the GPU runs (``one-row``, in the interpreter too)."""
     if request.param == "rows" and not INTERPRET:
         pytest.skip("the rows path is the interpreter's")
-    monkeypatch.setattr(GD, "ROWS_PATH", request.param == "rows")
-    return request.param
+    with launcher_path(GD, request.param == "rows"):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -237,7 +237,7 @@ def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv):
 
 @pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES + [(1, 2, 20, 12)])
-def test_rows_path_equals_one_row_kernel(monkeypatch, Hk, Hv, Dk, Dv):
+def test_rows_path_equals_one_row_kernel(Hk, Hv, Dk, Dv):
     """The interpreter's rows kernel runs _gdn_step's operations with a leading row axis: the same
     bits and the same new state as the one-row kernel (and so as gdn_prefill)."""
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, "cpu", seed=6)
@@ -245,7 +245,7 @@ def test_rows_path_equals_one_row_kernel(monkeypatch, Hk, Hv, Dk, Dv):
     slots = torch.tensor([5, 0, 6, 2, 3, 1], dtype=torch.int32)
     res = {}
     for rows in (True, False):
-        monkeypatch.setattr(GD, "ROWS_PATH", rows)
         st = state0.clone()
-        res[rows] = gdn_decode(q, k, v, a, b, A_log, dt_bias, st, slots), st
+        with launcher_path(GD, rows):
+            res[rows] = gdn_decode(q, k, v, a, b, A_log, dt_bias, st, slots), st
     assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])

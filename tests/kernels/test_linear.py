@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ds4t.backend import INTERPRET
 from ds4t.kernels import linear as L
 from ds4t.kernels.linear import LinearConfig, linear, linear_config, linear_ref
+from ds4t.kernels.registry import GPU, use_variants
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -74,11 +75,11 @@ def test_activation_is_rounded_to_weight_dtype(device):
 
 @pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_paths_match_reference(device, cfg, wdt, monkeypatch):
-    monkeypatch.setattr(L, "_CLAMP_ROWS", False)   # the GPU's masked row loads
+def test_gpu_paths_match_reference(device, cfg, wdt):
     x, w, b = _data(19, 200, 333, wdt, device=device, seed=3)
     out = poisoned((19, 333), device=device)
-    linear(x, w, b, out=out, config=cfg)
+    with use_variants({"linear": GPU}):   # the GPU's masked row loads
+        linear(x, w, b, out=out, config=cfg)
     torch.testing.assert_close(out, linear_ref(x, w, b), **TOL[wdt])
 
 
@@ -161,12 +162,9 @@ def test_rows_invariant(batch, wdt, shape):
 @settings(PROPERTY, max_examples=10)
 @given(batch=batches(), cfg=st.sampled_from(PATH_CONFIGS), shape=st.sampled_from(INV_SHAPES))
 def test_rows_invariant_gpu_paths(batch, cfg, shape):
-    saved, L._CLAMP_ROWS = L._CLAMP_ROWS, False   # the GPU's masked row loads
-    try:
+    with use_variants({"linear": GPU}):   # the GPU's masked row loads
         check_rows_invariant(lambda x, w, b: linear(x, w, b, config=cfg), torch.bfloat16, default_device(), batch,
                              shape=shape)
-    finally:
-        L._CLAMP_ROWS = saved
 
 
 # ---------------------------------------------------------------------------------------------

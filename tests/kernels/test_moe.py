@@ -11,6 +11,7 @@ from ds4t.backend import (
 )
 from ds4t.kernels import moe as M
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
+from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, use_variants
 from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant, launcher_path, poisoned
 
@@ -40,15 +41,15 @@ def _routing(B, E, k, seed, n_hot=None):
 
 
 @pytest.fixture(params=["rows", "grouped", "grouped-host-list"])
-def path(request, monkeypatch):
+def path(request):
     """Run a case with the interpreter's one-launch path (``rows``) and with the grouped kernels the
     GPU runs (``grouped``: programs find their expert on the device; in the interpreter too), and
     the grouped kernels reading a host-made expert list (the interpreter's way)."""
     if request.param == "rows" and not INTERPRET:
         pytest.skip("the rows path is the interpreter's")
-    monkeypatch.setattr(M, "ROWS_PATH", request.param == "rows")
-    monkeypatch.setattr(M, "DEVICE_EXPERT_LIST", request.param == "grouped")
-    return request.param
+    variant = {"rows": INTERP, "grouped": GPU, "grouped-host-list": HOST_LIST}[request.param]
+    with use_variants({"moe_experts": variant}):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -177,16 +178,16 @@ def test_shared_expert_is_the_last_rank(path, gated, k):
 
 @pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
 @pytest.mark.parametrize("gated", [False, True])
-def test_rows_path_equals_grouped_with_shared_expert(monkeypatch, gated):
+def test_rows_path_equals_grouped_with_shared_expert(gated):
     E, I, D, B, k = 9, 32, 64, 6, 2
     wg, wu, wd = _weights(E, I, D, torch.float32, seed=11)
     ids, w = _routing(B, E - 1, k, seed=12)
     h = torch.randn(B, D, generator=gen(13))
     gate = torch.randn(B, generator=gen(14)) if gated else None
-    monkeypatch.setattr(M, "ROWS_PATH", True)
-    rows = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate)
-    monkeypatch.setattr(M, "ROWS_PATH", False)
-    assert torch.equal(rows, moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate))
+    with use_variants({"moe_experts": INTERP}):
+        rows = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate)
+    with use_variants({"moe_experts": GPU}):
+        assert torch.equal(rows, moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate))
 
 
 @pytest.mark.parametrize("B,k,E,shared", [(1, 1, 4, None), (5, 3, 7, None), (6, 2, 9, 8), (300, 4, 33, 32),
@@ -243,32 +244,32 @@ def test_moe_rows_invariant(case, dtype, rows_path):
 @pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,E,k,D,I", [(1, 9, 3, 64, 32), (8, 9, 3, 64, 32), (33, 8, 2, 48, 40), (3, 6, 2, 300, 260)])
-def test_rows_path_equals_grouped_kernels(monkeypatch, dtype, B, E, k, D, I):
+def test_rows_path_equals_grouped_kernels(dtype, B, E, k, D, I):
     """The interpreter's one-launch path does the grouped kernels' arithmetic in their order: the
     same bits (D, I of 300, 260: several K chunks and I tiles)."""
     wg, wu, wd = _weights(E, I, D, dtype, seed=7)
     ids, w = _routing(B, E, k, seed=8)
     h = torch.randn(B, D, generator=gen(9))
-    monkeypatch.setattr(M, "ROWS_PATH", True)
-    rows = moe_experts(h, ids, w, wg, wu, wd)
-    monkeypatch.setattr(M, "ROWS_PATH", False)
-    grouped = moe_experts(h, ids, w, wg, wu, wd)
+    with use_variants({"moe_experts": INTERP}):
+        rows = moe_experts(h, ids, w, wg, wu, wd)
+    with use_variants({"moe_experts": GPU}):
+        grouped = moe_experts(h, ids, w, wg, wu, wd)
     assert torch.equal(rows, grouped)
 
 
 @pytest.mark.parametrize("device_list", [False, True])
-def test_grouped_paths_agree_bitwise(monkeypatch, device_list):
+def test_grouped_paths_agree_bitwise(device_list):
     """The expert slot a program runs changes no bit: device-found slots == host-listed experts,
     with experts unchosen between chosen ones (E = 40, 6 rows x 3 ranks)."""
     E, I, D, B, k = 40, 32, 64, 6, 3
     wg, wu, wd = _weights(E, I, D, torch.bfloat16, seed=21)
     ids, w = _routing(B, E, k, seed=22)
     h = torch.randn(B, D, generator=gen(23))
-    monkeypatch.setattr(M, "ROWS_PATH", False)
-    monkeypatch.setattr(M, "DEVICE_EXPERT_LIST", device_list)
-    a = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D)))
-    monkeypatch.setattr(M, "DEVICE_EXPERT_LIST", not device_list)
-    b = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D)))
+    first, second = (GPU, HOST_LIST) if device_list else (HOST_LIST, GPU)
+    with use_variants({"moe_experts": first}):
+        a = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D)))
+    with use_variants({"moe_experts": second}):
+        b = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D)))
     assert not torch.isnan(a).any() and torch.equal(a, b)
 
 

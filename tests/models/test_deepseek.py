@@ -60,7 +60,7 @@ def _route(gate, h, dropped):
         gate.norm_topk_prob, gate.routed_scaling_factor, dropped=dropped)[1].cpu()
 
 
-def test_dropped_group_fill_follows_hf(tmp_path, monkeypatch):
+def test_dropped_group_fill_follows_hf(tmp_path):
     """Correction biases ~ -1.5 make every biased score negative: filling dropped groups with 0.0
     (transformers 4.x, docs/design.md "Model semantics") or -inf (vLLM, transformers 5.x) then picks different experts.
     The router kernel must pick what the installed HF picks, and the model must follow HF."""
@@ -85,11 +85,11 @@ def test_dropped_group_fill_follows_hf(tmp_path, monkeypatch):
     check_against_hf(model, hf, prompt, 4, 1e-4)
     # The other fill gives visibly different logits: the comparison above can tell them apart.
     other = 0.0 if torch.equal(hf_ids, neg_inf) else float("-inf")
-    monkeypatch.setattr(router_mod, "router_sigmoid_grouped",
-                        functools.partial(router_mod.router_sigmoid_grouped, dropped=other))
-    s = model.new_session(max_ctx=32)
-    want = hf(input_ids=torch.tensor([prompt])).logits[0].float().detach()
-    assert rel_err(s.prefill(prompt, all_logits=True), want) > 1e-3
+    with ds4t.kernels.override("router_sigmoid_grouped",
+                               functools.partial(router_mod.router_sigmoid_grouped, dropped=other)):
+        s = model.new_session(max_ctx=32)
+        want = hf(input_ids=torch.tensor([prompt])).logits[0].float().detach()
+        assert rel_err(s.prefill(prompt, all_logits=True), want) > 1e-3
 
 
 def test_bf16_within_stated_bound(tmp_path):
