@@ -45,7 +45,8 @@ def test_override_swaps_the_op_in_every_model_and_restores(model):
 
     def shifted(x, weight, bias=None, *, out=None):
         seen.append(tuple(x.shape))
-        return torch.nextafter(L.linear(x, weight, bias, out=out), torch.tensor(float("inf")))
+        y = L.linear(x, weight, bias, out=out)
+        return torch.nextafter(y, torch.full_like(y, float("inf")))
 
     with override("linear", shifted) as h:
         assert registry.dispatch_modified() and registry.overrides() == {"linear": registry.describe(shifted)}
