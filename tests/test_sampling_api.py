@@ -14,8 +14,11 @@ B, V = 6, 256
 
 @pytest.fixture(scope="module")
 def logits():
+    """On the kernels' device (the sampler keeps the logits' device; the GPU kernel needs CUDA)."""
+    from ds4t.backend import default_device
+
     g = torch.Generator().manual_seed(3)
-    return torch.randn(B, V, generator=g) * 3
+    return (torch.randn(B, V, generator=g) * 3).to(default_device())
 
 
 PARAMS = dict(temperature=[0.0, 1.0, 0.7, 1.3, 2.0, 0.9], top_k=[0, 0, 5, 40, 0, 20],
@@ -24,10 +27,12 @@ PARAMS = dict(temperature=[0.0, 1.0, 0.7, 1.3, 2.0, 0.9], top_k=[0, 0, 5, 40, 0,
 
 def test_same_bits_as_the_kernel_with_seed_derived_streams(logits):
     p = PARAMS
+    dev = logits.device
     want = kernel.sample(
-        logits, torch.tensor([sampling.to_int64(s) for s in p["seed"]]),
-        torch.tensor([sampling.stream_id(s) for s in p["seed"]]), torch.tensor(p["position"]),
-        torch.tensor(p["temperature"]), torch.tensor(p["top_k"], dtype=torch.int32), torch.tensor(p["top_p"]))
+        logits, torch.tensor([sampling.to_int64(s) for s in p["seed"]], device=dev),
+        torch.tensor([sampling.stream_id(s) for s in p["seed"]], device=dev), torch.tensor(p["position"], device=dev),
+        torch.tensor(p["temperature"], device=dev), torch.tensor(p["top_k"], dtype=torch.int32, device=dev),
+        torch.tensor(p["top_p"], device=dev))
     got = sampling.sample(logits, **p)
     assert got.dtype == torch.int64 and got.shape == (B,) and torch.equal(got, want)
     # scalars broadcast; numpy and tensor parameters are accepted
@@ -75,19 +80,21 @@ def test_stream_id_and_to_int64_keep_their_bits():
 
 def test_temperatures_below_the_floor_are_greedy(logits):
     # the kernel itself at a subnormal temperature: logits / t overflows and the draw is not the argmax
-    t = torch.full((B,), 1e-40)
+    dev = logits.device
+    t = torch.full((B,), 1e-40, device=dev)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy reports the overflow
-        raw = kernel.sample(logits, torch.zeros(B, dtype=torch.int64), torch.arange(B), torch.zeros(B, dtype=torch.int64),
-                            t, torch.zeros(B, dtype=torch.int32), torch.ones(B))
+        raw = kernel.sample(logits, torch.zeros(B, dtype=torch.int64, device=dev), torch.arange(B, device=dev),
+                            torch.zeros(B, dtype=torch.int64, device=dev), t,
+                            torch.zeros(B, dtype=torch.int32, device=dev), torch.ones(B, device=dev))
     assert not torch.equal(raw, kernel.argmax(logits))
     for temp in (0.0, 1e-40, sampling.MIN_TEMPERATURE * 0.99):
         assert torch.equal(sampling.sample(logits, temperature=temp, seed=5), kernel.argmax(logits))
 
 
-def test_the_floor_itself_samples():
+def test_the_floor_itself_samples(logits):
     """Two tied maxima: greedy always takes the first; at MIN_TEMPERATURE the seed picks between them."""
-    x = torch.zeros(16, V)
+    x = torch.zeros(16, V, device=logits.device)
     x[:, 10] = x[:, 20] = 5.0
     seeds = list(range(16))
     below = sampling.sample(x, temperature=sampling.MIN_TEMPERATURE * 0.99, seed=seeds)

@@ -37,6 +37,7 @@ log = logging.getLogger("ds4t.serve")
 
 DEFAULT_MAX_TOKENS = 16
 METRICS = web.AppKey("metrics", Metrics)
+STARTED = web.AppKey("started", set)  # ids of connections whose first request reached the app
 MAX_JSON_DEPTH = 64   # the API's bodies nest 4 deep; json.loads recurses per level (RecursionError past ~1000)
 
 
@@ -55,6 +56,7 @@ class ApiError(Exception):
 async def json_errors(request: web.Request, handler):
     """Every error answer as an OpenAI-shaped JSON body, counted by status; a bug is a 500, not a crash."""
     metrics = request.app[METRICS]
+    request.app[STARTED].add(id(request.protocol))
     try:
         resp = await handler(request)
     except ApiError as e:
@@ -75,6 +77,46 @@ async def json_errors(request: web.Request, handler):
     if resp.status >= 400:
         metrics.inc("http_errors_total", status=str(resp.status))
     return resp
+
+
+class _HeaderDeadline:
+    """aiohttp's protocol factory, wrapped: a connection whose first request has not reached the app
+    within ``timeout`` s is closed (half-open clients, headers trickled in). aiohttp's own
+    keepalive_timeout closes connections idle between requests; only some versions also arm it when
+    a connection opens, so this does not rely on it."""
+
+    def __init__(self, inner, timeout: float, started: set):
+        self.inner, self.timeout, self.started = inner, timeout, started
+
+    def __call__(self):
+        handler = self.inner()
+        if self.timeout > 0:
+            asyncio.get_event_loop().call_later(self.timeout, self._check, handler)
+        return handler
+
+    def _check(self, handler) -> None:
+        if id(handler) in self.started:
+            self.started.discard(id(handler))
+        elif handler.transport is not None:
+            handler.force_close()
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose sites accept connections through :class:`_HeaderDeadline`."""
+
+    def __init__(self, app: web.Application, header_timeout: float, **kw):
+        super().__init__(app, **kw)
+        self._header_timeout = header_timeout
+        self._guarded = None
+
+    @property
+    def server(self):
+        inner = super().server
+        if inner is None:
+            return None
+        if self._guarded is None or self._guarded.inner is not inner:
+            self._guarded = _HeaderDeadline(inner, self._header_timeout, self.app[STARTED])
+        return self._guarded
 
 
 def _json_depth(raw: bytes) -> int:
@@ -166,6 +208,7 @@ class Server:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 << 20, middlewares=[json_errors])
         app[METRICS] = self.metrics
+        app[STARTED] = set()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -175,12 +218,12 @@ class Server:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self.worker.start()
-        # keepalive_timeout closes a connection that is idle without a complete request: at its start
-        # (half-open, or headers trickling in) and between keep-alive requests. shutdown_timeout: the
-        # worker has already failed what it held when the runner is cleaned up (close()), so handlers
-        # only have their last events to write.
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     keepalive_timeout=self.idle_timeout, shutdown_timeout=5.0)
+        # idle_timeout: a connection is closed when its first request has not arrived by then
+        # (_HeaderDeadline) or when it sits idle between keep-alive requests (keepalive_timeout).
+        # shutdown_timeout: the worker has already failed what it held when the runner is cleaned up
+        # (close()), so handlers only have their last events to write.
+        self._runner = _Runner(self.app(), self.idle_timeout, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=self.idle_timeout, shutdown_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

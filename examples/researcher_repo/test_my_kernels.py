@@ -20,7 +20,8 @@ POOL, D = 12, 200   # D not a multiple of the 64-wide chunk
 
 def _rows(device):
     g = torch.Generator().manual_seed(0)
-    return torch.randn(POOL, D, generator=g).to(device), (1 + 0.1 * torch.randn(D, generator=g)).to(device)
+    x, w = torch.randn(POOL, D, generator=g, device="cpu"), 1 + 0.1 * torch.randn(D, generator=g, device="cpu")
+    return x.to(device), w.to(device)
 
 
 def test_matches_reference(ds4t_device):

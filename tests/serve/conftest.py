@@ -48,3 +48,40 @@ async def stream_events(resp):
             data = line[6:].decode()
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def slow_steps(monkeypatch, seconds: float) -> None:
+    """Every step of the decode worker takes at least ``seconds``: a GPU runs a tiny model's step in
+    about a millisecond, too fast for tests that must catch a request mid-generation."""
+    import time
+
+    import ds4t.serve.worker as worker
+
+    real = worker.eval_batch
+
+    def slow(items, mode="auto"):
+        time.sleep(seconds)
+        return real(items, mode=mode)
+
+    monkeypatch.setattr(worker, "eval_batch", slow)
+
+
+SLOW_SERVER = """
+import sys, time
+import ds4t.serve.worker as worker
+
+real = worker.eval_batch
+
+def slow(items, mode="auto"):
+    time.sleep(SECONDS)
+    return real(items, mode=mode)
+
+worker.eval_batch = slow
+from ds4t.serve import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def slow_server_program(seconds: float):
+    """``python -c`` arguments for ``cli.spawn``: ``ds4t serve`` whose every step takes >= ``seconds``."""
+    return ("-c", SLOW_SERVER.replace("SECONDS", repr(float(seconds))))

@@ -16,7 +16,7 @@ from ds4t.serve.persistence import SUFFIX
 from ds4t.batch import graphs
 from ds4t.serve.planner import parse_size
 
-from .conftest import greedy_ref, post, run, stream_events
+from .conftest import greedy_ref, post, run, slow_server_program, stream_events
 
 
 def args_for(*argv):
@@ -209,8 +209,9 @@ def test_a_worker_that_cannot_go_on_exits_the_process_nonzero():
 
 
 def test_sigterm_drains_then_ends_open_streams_with_an_error_and_done():
+    # steps >= 70 ms on any device: the 60-token stream cannot finish within the 3 s drain, the 3-token one can
     p, url, _ = cli.spawn(["--model", "tiny-qwen", "--batched-session", "2", "--max-ctx", "64", "--port", "0",
-                           "--coalesce-us", "0", "--drain-timeout", "3"])
+                           "--coalesce-us", "0", "--drain-timeout", "3"], program=slow_server_program(0.07))
     try:
         async def main():
             async with aiohttp.ClientSession() as s:

@@ -11,7 +11,7 @@ from ds4t.serve.http import Server
 from ds4t.serve.tokenizer import TextCodec
 from ds4t.serve.worker import GenParams, Request
 
-from .conftest import greedy_ref, post, run, stream_events
+from .conftest import greedy_ref, post, run, slow_steps, stream_events
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +288,8 @@ def test_concurrent_streaming_and_chat_requests_match_each_alone(server, chat, s
         assert got == alone[i % 8], (bodies[i % 8], got, alone[i % 8])
 
 
-def test_max_waiting_503_and_recovery(model):
+def test_max_waiting_503_and_recovery(model, monkeypatch):
+    slow_steps(monkeypatch, 0.05)  # the 40-token request holds the slot >= 2 s on any device
     srv = Server(model, slots=1, max_ctx=64, model_id="tiny-qwen", coalesce_us=0, max_waiting=0)
     srv.start_in_thread()
     try:

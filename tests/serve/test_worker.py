@@ -8,7 +8,7 @@ from ds4t.serve.persistence import KVStore, model_fingerprint
 from ds4t.serve.pool import SlotPool
 from ds4t.serve.worker import DecodeWorker, GenParams, Request
 
-from .conftest import greedy_ref
+from .conftest import greedy_ref, slow_steps
 
 
 class Sink:
@@ -278,7 +278,8 @@ def test_drain_refuses_new_work_and_lets_held_work_finish(model, worker):
         submit(w, [1], 1)
 
 
-def test_drain_timeout_then_stop_fails_what_is_left(model, worker):
+def test_drain_timeout_then_stop_fails_what_is_left(model, worker, monkeypatch):
+    slow_steps(monkeypatch, 0.05)  # 60 tokens take >= 3 s on any device
     w = worker(1)
     _, sa = submit(w, [1, 2, 3], 60)
     assert not w.drain(timeout=0.2)

@@ -26,7 +26,10 @@ def test_entry_point_is_declared():
 
 
 def test_installed_entry_point_matches_the_declaration():
-    eps = importlib.metadata.distribution("ds4t").entry_points
+    try:
+        eps = importlib.metadata.distribution("ds4t").entry_points
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("ds4t is imported from a checkout, not installed")
     if not any(ep.group == "pytest11" for ep in eps):
         pytest.skip("the installed ds4t metadata predates its pytest11 entry point: reinstall (pip install -e .)")
     assert {ep.name: ep.value for ep in eps if ep.group == "pytest11"} == _declared_pytest11()
