@@ -1,4 +1,5 @@
-"""Pieces every family composes: dense SwiGLU MLP, routed MoE with shared experts, RoPE tables.
+"""Pieces every family composes: the layer weight types (a layer = a mixer + an FFN; the FFN a
+dense SwiGLU MLP or routed MoE with shared experts), their compute, RoPE tables.
 
 Each is written once here and used by qwen.py, deepseek.py and glm.py.
 """
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -25,10 +26,22 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
     return fused_linear(ops.silu_mul(gu[:, :i], gu[:, i:]), w_down)
 
 
-@dataclasses.dataclass
+# eq=False on the weight types: field-wise == would compare tensors elementwise (an error, not a
+# bool); identity is what two layers' weights being "equal" means.
+@dataclasses.dataclass(frozen=True, eq=False)
+class DenseMLP:
+    """A dense SwiGLU MLP (model dtype), gate and up fused into one weight."""
+
+    gate_up: torch.Tensor   # [2I, D]: rows [gate | up]
+    down: torch.Tensor      # [D, I]
+
+
+@dataclasses.dataclass(eq=False)
 class MoEWeights:
     """A routed-expert block. router [E(+1), D]: the router, plus the shared-expert gate row
-    appended when the family gates its shared expert (Qwen3-Next); experts stacked per expert."""
+    appended when the family gates its shared expert (Qwen3-Next); model dtype for Qwen3-Next, fp32
+    for DeepSeek-V3 / GLM-4.5 (their routers run in fp32). Experts stacked per expert, model dtype;
+    E+1 of them once a shared expert is fused in (:func:`fuse_shared_expert`)."""
 
     router: torch.Tensor
     w_gate: torch.Tensor          # [E, I, D]
@@ -39,6 +52,25 @@ class MoEWeights:
     shared_gated: bool = False                       # sigmoid(router row E) scales the shared expert
     correction_bias: Optional[torch.Tensor] = None  # [E] fp32, sigmoid routers only
     shared_index: Optional[int] = None  # set by fuse_shared_expert: the shared expert is expert E
+
+    def routed_only(self) -> "MoEWeights":
+        """The routed experts alone, for a caller that runs the shared expert itself: the same
+        tensors (a fused shared expert stays stacked as expert E, which the router never picks)."""
+        return dataclasses.replace(self, shared_gate_up=None, shared_down=None, shared_index=None)
+
+
+FFN = Union[DenseMLP, MoEWeights]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layer:
+    """One decoder layer's weights: the family's token mixer (attention, Gated DeltaNet or MLA
+    weights, defined in the family's module) and the FFN. The layer's two RMSNorm gains stay on the
+    stack (``DecoderModel.input_norms`` / ``post_norms``): each is fused with the residual add before
+    it, and the next layer's input norm with this layer's last add."""
+
+    mixer: Any
+    ffn: FFN
 
 
 def fuse_shared_expert(w: MoEWeights) -> MoEWeights:
@@ -149,14 +181,6 @@ def yarn_inv_freq(rotary_dim: int, p: dict, max_position: int):
 # ----------------------------------------------------------------------------------------------
 # The DeepSeek-V3 / GLM-4.5 feed-forward layout (shared by deepseek.py and glm.py)
 # ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class DenseMLP:
-    """A dense SwiGLU MLP with gate and up fused into one weight [2I, D]."""
-
-    gate_up: torch.Tensor   # [2I, D]
-    down: torch.Tensor      # [D, I]
-
-
 @dataclasses.dataclass(frozen=True)
 class SigmoidMoEConfig:
     """FFN layout of DeepSeek-V3 and GLM-4.5 MoE: layers below ``first_k_dense_replace`` are dense
@@ -262,7 +286,7 @@ class SigmoidMoEConfig:
             return ()
         return tuple(f"model.layers.{i}.mlp.shared_experts." for i in range(num_layers) if self.is_moe(i))
 
-    def load(self, get, prefix: str, layer: int):
+    def load(self, get, prefix: str, layer: int) -> FFN:
         """Layer ``layer``'s FFN as DenseMLP or MoEWeights. The router weight and the correction
         bias are read as fp32 whatever the checkpoint stores (HF keeps them fp32 and runs the router
         product in fp32; bf16 checkpoints may store them either way). A shared expert as wide as a
@@ -280,7 +304,7 @@ class SigmoidMoEConfig:
         return fuse_shared_expert(w)
 
 
-def ffn(w, x: torch.Tensor, rc: Optional[RouterConfig]) -> torch.Tensor:
+def ffn(w: FFN, x: torch.Tensor, rc: Optional[RouterConfig]) -> torch.Tensor:
     """A DenseMLP or a MoE block (MoEWeights with router config ``rc``) on rows x fp32 [R, D]."""
     if isinstance(w, MoEWeights):
         return moe_block(x, w, rc)

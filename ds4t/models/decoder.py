@@ -1,17 +1,19 @@
 """The pre-norm decoder stack all three families share: embed -> layers -> norm -> LM head.
 
 A family supplies ``mixer(i, x, batch)`` (attention / Gated DeltaNet / MLA for layer i) and
-``ffn(i, x)`` (dense MLP or MoE) and its norm weights; residual adds are fused into the norms.
+``ffn(i, x)`` (dense MLP or MoE), its layers' weights (``self.layers``, one
+:class:`~ds4t.models.blocks.Layer` each) and its norm weights; residual adds are fused into the norms.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
+from ds4t.models.blocks import Layer
 
 
 def stack_tensors(c) -> Dict[str, tuple]:
@@ -37,6 +39,7 @@ class DecoderModel(Model):
     final_norm: torch.Tensor
     input_norms: List[torch.Tensor]
     post_norms: List[torch.Tensor]
+    layers: List[Layer]
     eps: float
     num_layers: int
 
@@ -82,21 +85,25 @@ class DecoderModel(Model):
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every weight tensor once, by the first name that holds it: the shared stack, then each
-        layer's dict ``self.layers[i]`` whose values are tensors or dataclasses of tensors (MoE /
-        dense MLP weights). A tied LM head and views sharing a tensor (DeepSeek's ``routed``) are
-        not listed twice, so byte counts stay right."""
+        layer's weights named by their path through the nested dataclasses (``layers.3.mixer.w_qkv``,
+        ``layers.3.ffn.w_gate``). A tied LM head is not listed twice, so byte counts stay right."""
         named = [("embed", self.embed), ("lm_head", self.lm_head), ("final_norm", self.final_norm)]
         for i in range(self.num_layers):
             named += [(f"layers.{i}.input_norm", self.input_norms[i]), (f"layers.{i}.post_norm", self.post_norms[i])]
-            for k, v in self.layers[i].items():
-                if isinstance(v, torch.Tensor):
-                    named.append((f"layers.{i}.{k}", v))
-                elif dataclasses.is_dataclass(v):
-                    named += [(f"layers.{i}.{k}.{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v)
-                              if isinstance(getattr(v, f.name), torch.Tensor)]
+            named += named_tensors(self.layers[i], f"layers.{i}")
         p, seen = {}, set()
         for name, t in named:
             if id(t) not in seen:
                 seen.add(id(t))
                 p[name] = t
         return p
+
+
+def named_tensors(obj, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) for every tensor in ``obj``, a tensor or a dataclass of them (nested
+    to any depth), in field order; fields that hold no tensor (None, flags, indices) are skipped."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from named_tensors(getattr(obj, f.name), f"{prefix}.{f.name}")

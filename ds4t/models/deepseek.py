@@ -48,8 +48,8 @@ import torch
 from ds4t.kernels import ops
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, MoEWeights, SigmoidMoEConfig, ffn, fused_linear,
-                                moe_block, preset_init_plain, swiglu, yarn_inv_freq, yarn_mscale)
+from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_linear, moe_block,
+                                preset_init_plain, swiglu, yarn_inv_freq, yarn_mscale)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
@@ -161,6 +161,23 @@ def _q_rows(c: DeepseekConfig) -> torch.Tensor:
     return torch.tensor(nope + pe)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MLAWeights:
+    """An MLA layer's weights, laid out for absorbed decode (both native paths and the ordered one
+    use them as they are). H heads; dn, dr, dv = qk_nope / qk_rope / v head dims; Rk = kv_lora_rank;
+    qw = q_width (q_lora_rank, or H·(dn + dr) without it). Matrices in the model dtype, the rest fp32."""
+
+    w_a: torch.Tensor                 # [qw + Rk + dr, D]: rows [q part | c_kv | k_pe]
+    b_a: Optional[torch.Tensor]       # [qw + Rk + dr]; with attention_bias only (q part zeros without q_lora_rank)
+    q_a_norm: Optional[torch.Tensor]  # [q_lora_rank]; with q_lora_rank only
+    w_qb: Optional[torch.Tensor]      # [H·(dn + dr), q_lora_rank]: rows [nope all heads | rope all heads]
+    kv_a_norm: torch.Tensor           # [Rk]
+    w_uk_t: torch.Tensor              # [H, Rk, dn]: W_UK transposed, q_latent = W_UK^T q_nope
+    w_uv: torch.Tensor                # [H, dv, Rk]: o = W_UV latent_out
+    w_o: torch.Tensor                 # [D, H·dv]
+    b_o: Optional[torch.Tensor]       # [D]; with attention_bias only
+
+
 class DeepseekModel(DecoderModel):
     family = "deepseek_v3"
 
@@ -189,30 +206,26 @@ class DeepseekModel(DecoderModel):
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            L: Dict[str, object] = {}
             kv_a = get(a + "kv_a_proj_with_mqa.weight")
             kv_a_b = get(a + "kv_a_proj_with_mqa.bias", f32) if c.attention_bias else None
+            b_a = q_a_norm = w_qb = None
             if c.q_lora_rank:
-                L["w_a"] = torch.cat([get(a + "q_a_proj.weight"), kv_a]).contiguous()
+                w_a = torch.cat([get(a + "q_a_proj.weight"), kv_a]).contiguous()
                 if c.attention_bias:
-                    L["b_a"] = torch.cat([get(a + "q_a_proj.bias", f32), kv_a_b])
-                L["q_a_norm"] = get(a + "q_a_layernorm.weight", f32)
-                L["w_qb"] = get(a + "q_b_proj.weight")[q_rows].contiguous()
+                    b_a = torch.cat([get(a + "q_a_proj.bias", f32), kv_a_b])
+                q_a_norm = get(a + "q_a_layernorm.weight", f32)
+                w_qb = get(a + "q_b_proj.weight")[q_rows].contiguous()
             else:
-                L["w_a"] = torch.cat([get(a + "q_proj.weight")[q_rows], kv_a]).contiguous()
+                w_a = torch.cat([get(a + "q_proj.weight")[q_rows], kv_a]).contiguous()
                 if c.attention_bias:
-                    L["b_a"] = torch.cat([torch.zeros(c.q_width, dtype=f32, device=self.device), kv_a_b])
-            L["kv_a_norm"] = get(a + "kv_a_layernorm.weight", f32)
+                    b_a = torch.cat([torch.zeros(c.q_width, dtype=f32, device=self.device), kv_a_b])
+            kv_a_norm = get(a + "kv_a_layernorm.weight", f32)
             kv_b = get(a + "kv_b_proj.weight").view(H, dn + dv, R)
-            L["w_uk_t"] = kv_b[:, :dn, :].transpose(1, 2).contiguous()   # [H, R, dn]: q_latent = W_UK^T q_nope
-            L["w_uv"] = kv_b[:, dn:, :].contiguous()                      # [H, dv, R]: o = W_UV latent
-            L["w_o"] = get(a + "o_proj.weight")
-            if c.attention_bias:
-                L["b_o"] = get(a + "o_proj.bias", f32)
-            L["ffn"] = c.ffn.load(get, p + "mlp.", i)
-            if isinstance(L["ffn"], MoEWeights):  # the routed part alone, for the ds4 path
-                L["routed"] = dataclasses.replace(L["ffn"], shared_gate_up=None, shared_down=None, shared_index=None)
-            self.layers.append(L)
+            mixer = MLAWeights(
+                w_a=w_a, b_a=b_a, q_a_norm=q_a_norm, w_qb=w_qb, kv_a_norm=kv_a_norm,
+                w_uk_t=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv=kv_b[:, dn:, :].contiguous(),
+                w_o=get(a + "o_proj.weight"), b_o=get(a + "o_proj.bias", f32) if c.attention_bias else None)
+            self.layers.append(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
         get.finish()
         warn_mtp_skipped(get, mtp)
         self.router_cfg = c.ffn.router
@@ -266,8 +279,8 @@ class DeepseekModel(DecoderModel):
         return self._native_path == "ds4" and segments is not None and len(segments) > 1
 
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        L = self.layers[i]
-        a = fused_linear(x, L["w_a"], L.get("b_a"))   # Q/KV down-projections: always batched
+        w = self.layers[i].mixer
+        a = fused_linear(x, w.w_a, w.b_a)   # Q/KV down-projections: always batched
         if not self._per_session(batch.segments):
             return self._mla(i, a, batch.positions, batch.slots, batch.lengths)
         out = torch.empty((x.shape[0], self.cfg.hidden_size), dtype=torch.float32, device=x.device)
@@ -278,16 +291,16 @@ class DeepseekModel(DecoderModel):
 
     def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths) -> torch.Tensor:
         """Attention after the down-projection for rows ``a`` [R, q_width + kv_lora_rank + rope]."""
-        c, L = self.cfg, self.layers[i]
+        c, w = self.cfg, self.layers[i].mixer
         n, H, R = a.shape[0], c.num_heads, c.kv_lora_rank
         dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         qw = c.q_width
         dev = a.device
         if c.q_lora_rank:
-            q = fused_linear(ops.rms_norm(a[:, :qw], L["q_a_norm"], c.eps), L["w_qb"])
+            q = fused_linear(ops.rms_norm(a[:, :qw], w.q_a_norm, c.eps), w.w_qb)
         else:
             q = a[:, :qw]
-        c_kv = ops.rms_norm(a[:, qw:qw + R], L["kv_a_norm"], c.eps)
+        c_kv = ops.rms_norm(a[:, qw:qw + R], w.kv_a_norm, c.eps)
         # RoPE on q_pe of every head and the shared k_pe in one launch: pe [n, H + 1, dr].
         pe = torch.empty((n, H + 1, dr), dtype=torch.float32, device=dev)
         pe[:, :H] = q[:, H * dn:].view(n, H, dr)
@@ -297,14 +310,13 @@ class DeepseekModel(DecoderModel):
         ops.write_latent(c_kv, pe[:, H], cache, slots, positions)
         # Absorb W_UK into the query and apply W_UV after attention: per-head linears, all heads
         # in one launch each (bitwise the per-head loop; 2 launches instead of 2·H).
-        q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), L["w_uk_t"])
+        q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t)
         lat = ops.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
-        o = ops.linear_heads(lat, L["w_uv"])
-        return fused_linear(o.view(n, H * dv), L["w_o"], L.get("b_o"))
+        o = ops.linear_heads(lat, w.w_uv)
+        return fused_linear(o.view(n, H * dv), w.w_o, w.b_o)
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        L = self.layers[i]
-        w = L["ffn"]
+        w = self.layers[i].ffn
         segs = batch.segments
         if not self._per_session(segs):
             return ffn(w, x, self.router_cfg)
@@ -314,8 +326,9 @@ class DeepseekModel(DecoderModel):
             for r in rows:
                 out[r] = swiglu(x[r], w.gate_up, w.down)
             return out
+        routed = w.routed_only()
         for r in rows:
-            out[r] = moe_block(x[r], L["routed"], self.router_cfg)
+            out[r] = moe_block(x[r], routed, self.router_cfg)
         # Shared experts: one launch over all rows, computed exactly as inside moe_block (the fused
         # extra expert with weight 1 as the last rank, or a SwiGLU of their own), then added last.
         if w.shared_index is not None:

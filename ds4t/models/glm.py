@@ -30,7 +30,7 @@ import torch
 from ds4t.kernels import ops
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import SigmoidMoEConfig, ffn, fused_linear, preset_init_plain
+from ds4t.models.blocks import Layer, SigmoidMoEConfig, ffn, fused_linear, preset_init_plain
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
@@ -106,6 +106,17 @@ def expected_tensors(c: GlmConfig) -> Dict[str, tuple]:
     return t
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class GlmAttentionWeights:
+    """A GQA attention layer's weights. Matrices in the model dtype, the rest fp32."""
+
+    w_qkv: torch.Tensor             # [(H + 2KV)·hd, D]: rows [q | k | v]
+    b_qkv: Optional[torch.Tensor]   # [(H + 2KV)·hd]; with attention_bias only
+    q_norm: Optional[torch.Tensor]  # [hd], plain RMSNorm gain; with use_qk_norm only
+    k_norm: Optional[torch.Tensor]  # [hd]; with use_qk_norm only
+    w_o: torch.Tensor               # [D, H·hd] (o_proj has no bias)
+
+
 class GlmModel(DecoderModel):
     family = "glm4_moe"
 
@@ -122,18 +133,17 @@ class GlmModel(DecoderModel):
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            L: Dict[str, object] = {}
-            L["w_qkv"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
-                                    get(a + "v_proj.weight")]).contiguous()
+            b_qkv = q_norm = k_norm = None
             if c.attention_bias:
-                L["b_qkv"] = torch.cat([get(a + "q_proj.bias", f32), get(a + "k_proj.bias", f32),
-                                        get(a + "v_proj.bias", f32)])
-            L["w_o"] = get(a + "o_proj.weight")
+                b_qkv = torch.cat([get(a + "q_proj.bias", f32), get(a + "k_proj.bias", f32),
+                                   get(a + "v_proj.bias", f32)])
             if c.use_qk_norm:
-                L["q_norm"] = get(a + "q_norm.weight", f32)
-                L["k_norm"] = get(a + "k_norm.weight", f32)
-            L["ffn"] = c.ffn.load(get, p + "mlp.", i)
-            self.layers.append(L)
+                q_norm, k_norm = get(a + "q_norm.weight", f32), get(a + "k_norm.weight", f32)
+            mixer = GlmAttentionWeights(
+                w_qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                 get(a + "v_proj.weight")]).contiguous(),
+                b_qkv=b_qkv, q_norm=q_norm, k_norm=k_norm, w_o=get(a + "o_proj.weight"))
+            self.layers.append(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
         get.finish()
         warn_mtp_skipped(get, mtp)
         self.router_cfg = c.ffn.router
@@ -178,15 +188,15 @@ class GlmModel(DecoderModel):
 
     # -- compute -----------------------------------------------------------------------------
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        c, L = self.cfg, self.layers[i]
+        c, w = self.cfg, self.layers[i].mixer
         R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = fused_linear(x, L["w_qkv"], L.get("b_qkv"))
+        qkv = fused_linear(x, w.w_qkv, w.b_qkv)
         if c.use_qk_norm:
             qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
             q = qkv[:, :H * hd].reshape(R * H, hd)
             k = qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd)
-            qk[:, :H] = ops.rms_norm(q, L["q_norm"], c.eps).view(R, H, hd)
-            qk[:, H:] = ops.rms_norm(k, L["k_norm"], c.eps).view(R, KV, hd)
+            qk[:, :H] = ops.rms_norm(q, w.q_norm, c.eps).view(R, H, hd)
+            qk[:, H:] = ops.rms_norm(k, w.k_norm, c.eps).view(R, KV, hd)
         else:
             qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
         qk = ops.rope(qk, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)   # q and k in one launch
@@ -194,10 +204,10 @@ class GlmModel(DecoderModel):
         kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
         ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
         o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
-        return fused_linear(o.reshape(R, H * hd), L["w_o"])
+        return fused_linear(o.reshape(R, H * hd), w.w_o)
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        return ffn(self.layers[i]["ffn"], x, self.router_cfg)
+        return ffn(self.layers[i].ffn, x, self.router_cfg)
 
 
 def preset_config(name: str) -> dict:

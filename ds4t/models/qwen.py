@@ -10,15 +10,15 @@ become one linear [E+1, D].
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from ds4t.kernels import ops
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (MoEWeights, RouterConfig, fuse_shared_expert, fused_linear,
-                               moe_block, stack_experts, swiglu)
+from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
+                               fused_linear, stack_experts)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader
@@ -144,6 +144,31 @@ def expected_tensors(c: QwenConfig) -> Dict[str, tuple]:
     return t
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatedAttentionWeights:
+    """A gated-attention layer's weights. Matrices in the model dtype, the rest fp32."""
+
+    w_qkv: torch.Tensor             # [(2H + 2KV)·hd, D]: rows [q all heads | gate all heads | k | v]
+    b_qkv: Optional[torch.Tensor]   # [(2H + 2KV)·hd], same row order; with attention_bias only
+    q_norm: torch.Tensor            # [hd], zero-centred RMSNorm gain
+    k_norm: torch.Tensor            # [hd], zero-centred RMSNorm gain
+    w_o: torch.Tensor               # [D, H·hd]
+    b_o: Optional[torch.Tensor]     # [D]; with attention_bias only
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatedDeltaNetWeights:
+    """A Gated DeltaNet layer's weights (Hk/Hv key/value heads of dims dk/dv; conv_dim =
+    2·Hk·dk + Hv·dv). Matrices in the model dtype, the rest fp32."""
+
+    w_in: torch.Tensor      # [conv_dim + Hv·dv + 2·Hv, D]: rows [q | k | v | z | b | a]
+    conv_w: torch.Tensor    # [conv_dim, conv_kernel]: depthwise causal conv over [q | k | v]
+    A_log: torch.Tensor     # [Hv]: the decay g = -exp(A_log)·softplus(a + dt_bias)
+    dt_bias: torch.Tensor   # [Hv]
+    norm_w: torch.Tensor    # [dv]: the gated output norm's gain (plain x̂·w, not zero-centred)
+    w_out: torch.Tensor     # [D, Hv·dv]
+
+
 def _gdn_row_order(c: QwenConfig):
     """Row permutations turning HF's per-key-head-group interleave into [q|k|v|z] and [b|a]."""
     hk, dk, dv, r = c.lin_k_heads, c.lin_k_dim, c.lin_v_dim, c.lin_v_heads // c.lin_k_heads
@@ -182,30 +207,27 @@ class QwenModel(DecoderModel):
         qg_order = _q_gate_order(c)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            L: Dict[str, object] = {}
             if c.layer_types[i] == "linear_attention":
                 a = p + "linear_attn."
                 qkvz = get(a + "in_proj_qkvz.weight")[qkvz_order.to(self.device)]
                 ba = get(a + "in_proj_ba.weight")[ba_order.to(self.device)]
-                L["w_in"] = torch.cat([qkvz, ba]).contiguous()
-                L["conv_w"] = get(a + "conv1d.weight", f32).squeeze(1).contiguous()
-                L["A_log"] = get(a + "A_log", f32)
-                L["dt_bias"] = get(a + "dt_bias", f32)
-                L["norm_w"] = get(a + "norm.weight", f32)
-                L["w_out"] = get(a + "out_proj.weight")
+                mixer = GatedDeltaNetWeights(
+                    w_in=torch.cat([qkvz, ba]).contiguous(),
+                    conv_w=get(a + "conv1d.weight", f32).squeeze(1).contiguous(),
+                    A_log=get(a + "A_log", f32), dt_bias=get(a + "dt_bias", f32),
+                    norm_w=get(a + "norm.weight", f32), w_out=get(a + "out_proj.weight"))
             else:
                 a = p + "self_attn."
                 q = get(a + "q_proj.weight")[qg_order.to(self.device)]
-                L["w_qkv"] = torch.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]).contiguous()
-                L["b_qkv"] = None
-                L["b_o"] = None
+                b_qkv = b_o = None
                 if c.attention_bias:
                     qb = get(a + "q_proj.bias", f32)[qg_order.to(self.device)]
-                    L["b_qkv"] = torch.cat([qb, get(a + "k_proj.bias", f32), get(a + "v_proj.bias", f32)])
-                    L["b_o"] = get(a + "o_proj.bias", f32)
-                L["w_o"] = get(a + "o_proj.weight")
-                L["q_norm"] = get(a + "q_norm.weight", f32)
-                L["k_norm"] = get(a + "k_norm.weight", f32)
+                    b_qkv = torch.cat([qb, get(a + "k_proj.bias", f32), get(a + "v_proj.bias", f32)])
+                    b_o = get(a + "o_proj.bias", f32)
+                mixer = GatedAttentionWeights(
+                    w_qkv=torch.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]).contiguous(),
+                    b_qkv=b_qkv, q_norm=get(a + "q_norm.weight", f32), k_norm=get(a + "k_norm.weight", f32),
+                    w_o=get(a + "o_proj.weight"), b_o=b_o)
             m = p + "mlp."
             if c.sparse_layers[i]:
                 wg, wu, wd = stack_experts(get, m + "experts", c.num_experts)
@@ -217,11 +239,11 @@ class QwenModel(DecoderModel):
                         [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")]).contiguous()
                     moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
                     moe_w.shared_gated = True
-                L["moe"] = fuse_shared_expert(moe_w)
+                mlp = fuse_shared_expert(moe_w)
             else:
-                L["mlp_gate_up"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous()
-                L["mlp_down"] = get(m + "down_proj.weight")
-            self.layers.append(L)
+                mlp = DenseMLP(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous(),
+                               get(m + "down_proj.weight"))
+            self.layers.append(Layer(mixer, mlp))
         get.finish()
         self.router_cfg = RouterConfig("softmax", c.num_experts, c.top_k, c.norm_topk_prob)
         self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
@@ -248,15 +270,12 @@ class QwenModel(DecoderModel):
         return self._gated_attention(i, x, batch)
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        L = self.layers[i]
-        if "moe" in L:
-            return moe_block(x, L["moe"], self.router_cfg)
-        return swiglu(x, L["mlp_gate_up"], L["mlp_down"])
+        return ffn(self.layers[i].ffn, x, self.router_cfg)
 
     def _gated_attention(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        c, L = self.cfg, self.layers[i]
+        c, w = self.cfg, self.layers[i].mixer
         R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = fused_linear(x, L["w_qkv"], L["b_qkv"])
+        qkv = fused_linear(x, w.w_qkv, w.b_qkv)
         # Views of the projection (the prologue kernel takes any strides).
         q = qkv[:, : H * hd].unflatten(1, (H, hd))
         gate = qkv[:, H * hd: 2 * H * hd]
@@ -264,16 +283,16 @@ class QwenModel(DecoderModel):
         v = qkv[:, 2 * H * hd + KV * hd:].unflatten(1, (KV, hd))
         kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
         # q/k norms (zero-centred), RoPE, and k/v into the cache: one launch.
-        q = ops.norm_rope_write_kv(q, k, v, L["q_norm"], L["k_norm"], c.eps, batch.positions, self.inv_freq,
+        q = ops.norm_rope_write_kv(q, k, v, w.q_norm, w.k_norm, c.eps, batch.positions, self.inv_freq,
                                          kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
         o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate)  # · sigmoid(gate)
-        return fused_linear(o.view(R, H * hd), L["w_o"], L["b_o"])
+        return fused_linear(o.view(R, H * hd), w.w_o, w.b_o)
 
     def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        c, L = self.cfg, self.layers[i]
+        c, w = self.cfg, self.layers[i].mixer
         R, hk, hv, dk, dv = x.shape[0], c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
         cd = c.conv_dim
-        proj = fused_linear(x, L["w_in"])
+        proj = fused_linear(x, w.w_in)
         # Views, never .contiguous(): see docs/kernel-conventions.md ("one row vs many").
         mixed = proj[:, :cd]
         z = proj[:, cd: cd + hv * dv]
@@ -290,27 +309,27 @@ class QwenModel(DecoderModel):
             return q, k, v
 
         if batch.all_single:
-            mixed = ops.conv1d_update(mixed, conv_state, L["conv_w"], batch.slots)
+            mixed = ops.conv1d_update(mixed, conv_state, w.conv_w, batch.slots)
             q, k, v = split(mixed)
             # The output norm comes with the step (bitwise as the gated_rms_norm below).
-            y = ops.gdn_decode(q, k, v, a, b, L["A_log"], L["dt_bias"], rec, batch.slots,
-                               z=z.unflatten(1, (hv, dv)), norm_w=L["norm_w"], norm_eps=c.eps)
-            return fused_linear(y.view(R, hv * dv), L["w_out"])
+            y = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.slots,
+                               z=z.unflatten(1, (hv, dv)), norm_w=w.norm_w, norm_eps=c.eps)
+            return fused_linear(y.view(R, hv * dv), w.w_out)
         o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
         if batch.single_rows.numel():
             idx = batch.single_rows  # on the device already: no host sync
-            m1 = ops.conv1d_update(mixed[idx], conv_state, L["conv_w"], batch.slots[idx])
+            m1 = ops.conv1d_update(mixed[idx], conv_state, w.conv_w, batch.slots[idx])
             q, k, v = split(m1)
-            o[idx] = ops.gdn_decode(q, k, v, a[idx], b[idx], L["A_log"], L["dt_bias"], rec, batch.slots[idx])
+            o[idx] = ops.gdn_decode(q, k, v, a[idx], b[idx], w.A_log, w.dt_bias, rec, batch.slots[idx])
         for s in batch.segments:
             if s.n == 1:
                 continue
             rows = slice(s.start_row, s.start_row + s.n)
-            m1 = ops.conv1d_prefill(mixed[rows], conv_state, L["conv_w"], s.slot)
+            m1 = ops.conv1d_prefill(mixed[rows], conv_state, w.conv_w, s.slot)
             q, k, v = split(m1)
-            o[rows] = ops.gdn_prefill(q, k, v, a[rows], b[rows], L["A_log"], L["dt_bias"], rec, s.slot)
-        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), L["norm_w"], c.eps)
-        return fused_linear(y.view(R, hv * dv), L["w_out"])
+            o[rows] = ops.gdn_prefill(q, k, v, a[rows], b[rows], w.A_log, w.dt_bias, rec, s.slot)
+        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps)
+        return fused_linear(y.view(R, hv * dv), w.w_out)
 
 
 def preset_config(name: str) -> dict:

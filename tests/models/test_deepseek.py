@@ -110,7 +110,7 @@ def test_bf16_within_stated_bound(tmp_path):
         assert f.get_slice("model.layers.1.mlp.experts.0.up_proj.weight").get_dtype() == "BF16"
     model = ds4t.load(str(tmp_path))
     assert model.dtype == torch.bfloat16
-    assert model.layers[1]["ffn"].router.dtype == torch.float32
+    assert model.layers[1].ffn.router.dtype == torch.float32
     check_against_hf(model, hf.float(), list(range(5, 17)), 32, 5e-2)
 
 

@@ -79,7 +79,7 @@ def test_sharded_matches_single_file_and_hf(ckpts):
 
 def _weights(model):
     p = _params(model)
-    return [p["embed"], p["lm_head"], p["layers.0.w_in"], p["layers.1.w_qkv"]]
+    return [p["embed"], p["lm_head"], p["layers.0.mixer.w_in"], p["layers.1.mixer.w_qkv"]]
 
 
 @pytest.mark.parametrize("name,want", [("bf16", torch.bfloat16), ("fp16", torch.float16),
