@@ -76,8 +76,10 @@ _fixed_chunk = rms_norm
 
 
 def rms_norm(x, weight, eps=1e-6, *, out=None):
-    """The classic mistake: a reduction chunk chosen from the batch size."""
-    return _fixed_chunk(x, weight, eps, out=out, block_k=16 if x.shape[0] > 1 else 64)
+    """The classic mistake: a reduction chunk chosen from the batch size. (A chunk of 2 gives each
+    lane 100 sequential adds: the sum moves by a few ulp, enough to survive the rsqrt's rounding in
+    about half of the rows on the CPU and the GPU; a chunk of 16 moved too few rows to fail reliably.)"""
+    return _fixed_chunk(x, weight, eps, out=out, block_k=2 if x.shape[0] > 1 else 64)
 '''
 
 
