@@ -37,7 +37,7 @@ def _codec(model):
     """The model's text codec (tokenizer, EOS ids), or None when it has no tokenizer."""
     if getattr(model, "tokenizer", None) is None:
         return None
-    from ds4t.serve.tokenizer import TextCodec
+    from ds4t.text import TextCodec
 
     return TextCodec.for_model(model)
 

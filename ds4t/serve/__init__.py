@@ -6,9 +6,8 @@
 * :mod:`~ds4t.serve.persistence` idle states on disk (atomic, checksummed safetensors files)
 * :mod:`~ds4t.serve.http`        the aiohttp app: /v1/completions, /v1/chat/completions, /v1/models,
                                  /health, /metrics
-* :mod:`~ds4t.serve.tokenizer`   tokenizer.json or bytes; chat templates
 * :mod:`~ds4t.serve.cli`         ``ds4t serve`` arguments
 
-Only the public model API is used (Session, DecodeItem, eval_batch, state_dict/load_state_dict,
+Text comes from :mod:`ds4t.text` (tokenizer.json or bytes; chat templates). Only the public model API is used (Session, DecodeItem, eval_batch, state_dict/load_state_dict,
 pool.reserve/bytes_per_slot), so every model family serves the same way.
 """

@@ -30,7 +30,7 @@ from aiohttp import web
 from ds4t.serve.metrics import Metrics
 from ds4t.serve.persistence import KVStore, model_fingerprint
 from ds4t.serve.pool import SlotPool
-from ds4t.serve.tokenizer import TextCodec, TokenizeError
+from ds4t.text import TextCodec, TokenizeError
 from ds4t.serve.worker import DecodeWorker, GenParams, Overloaded, Request
 
 log = logging.getLogger("ds4t.serve")

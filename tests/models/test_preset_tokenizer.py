@@ -6,7 +6,7 @@ import pytest
 
 import ds4t
 from ds4t.models.tokenizer import preset_tokenizer
-from ds4t.serve.tokenizer import TextCodec
+from ds4t.text import TextCodec
 
 TEXTS = ["hello", "", " two  spaces\tand\nlines\r\n", "héllo wörld ✓ 漢字 🙂", "<|eos|> [CLS] \x00\x7f"]
 

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from ds4t.serve.http import Server
-from ds4t.serve.tokenizer import TextCodec
+from ds4t.text import TextCodec
 from ds4t.serve.worker import GenParams, Request
 
 from .conftest import greedy_ref, post, run, slow_steps, stream_events

@@ -5,7 +5,7 @@ import types
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ds4t.serve.tokenizer import TextCodec, TokenizeError
+from ds4t.text import TextCodec, TokenizeError
 
 
 @pytest.fixture(scope="module")

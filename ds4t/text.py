@@ -1,4 +1,4 @@
-"""Text <-> token ids for the server: the checkpoint's tokenizer.json, or bytes for the presets.
+"""Text <-> token ids (``ds4t.generate``, the server): the checkpoint's tokenizer.json, or bytes for the presets.
 
 ``TextCodec.for_model(model)``: ``model.tokenizer`` (a ``tokenizers.Tokenizer``) when the
 checkpoint has one; otherwise byte-level (token id = byte value, vocab >= 256; ids >= 256 render
