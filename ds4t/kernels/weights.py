@@ -1,0 +1,153 @@
+"""Weight formats the kernels read besides plain float tensors: block-scaled FP8 (weight-only, W8A16).
+
+Published FP8 checkpoints (DeepSeek-V3, Qwen3-Next-80B-A3B-FP8, GLM-4.5-FP8) store a linear weight as
+``float8_e4m3fn [N, K]`` plus ``weight_scale_inv`` fp32 ``[ceil(N/bn), ceil(K/bk)]``: the real weight is
+``w[n, k] = fp8[n, k] * scale_inv[n // bn, k // bk]`` (despite its name, the scale multiplies), with
+``(bn, bk) = quantization_config.weight_block_size`` (128, 128 in every release).
+
+In memory, :class:`FP8Weight` keeps the fp8 values as they are and the scales per (row, K block):
+``scale [N, ceil(K/bk)]``, the checkpoint's block scales repeated over the ``bn`` rows of each block. Same
+values, 4 bytes per ``bk`` weights (3 % of the fp8 bytes at bk = 128); what it buys is that a row carries
+its own scales, so load-time fusions that concatenate or permute rows (q/k/v into one matrix, Qwen's
+per-head row order, MoE experts stacked) work for any N, including N that is not a multiple of ``bn``
+(DeepSeek's ``kv_a_proj_with_mqa`` has 576 rows).
+
+Kernels compute ``y = sum over K blocks j of scale[n, j] * (x[:, block j] . fp8[n, block j])`` with the
+dot in fp32 (fp8 -> the activation dtype is exact), so a K tile never spans two scale blocks: a kernel's
+BLOCK_K must divide ``block_k``. Every launch constant still comes from the shapes, never from the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence, Tuple, Union
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FP8Weight:
+    """A block-scaled FP8 weight: ``data`` float8_e4m3fn ``[..., N, K]`` (K contiguous), ``scale`` fp32
+    ``[..., N, ceil(K / block_k)]``; leading dims (MoE experts) shared. ``w = data * scale`` per K block."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    block_k: int
+
+    def __post_init__(self):
+        d, s = self.data, self.scale
+        if d.dtype != FP8_DTYPE:
+            raise ValueError(f"FP8Weight data must be {FP8_DTYPE}, got {d.dtype}")
+        if s.dtype != torch.float32:
+            raise ValueError(f"FP8Weight scale must be float32, got {s.dtype}")
+        if not (isinstance(self.block_k, int) and self.block_k > 0):
+            raise ValueError(f"FP8Weight block_k must be a positive int, got {self.block_k!r}")
+        want = (*d.shape[:-1], math.ceil(d.shape[-1] / self.block_k))
+        if tuple(s.shape) != want:
+            raise ValueError(f"FP8Weight scale must be {want} for data {tuple(d.shape)} and block_k "
+                             f"{self.block_k}, got {tuple(s.shape)}")
+        if d.device != s.device:
+            raise ValueError(f"FP8Weight data on {d.device}, scale on {s.device}")
+
+    # -- what the code around a weight asks of it -------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel reads: fp8 values plus scales."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+    def contiguous(self) -> "FP8Weight":
+        return FP8Weight(self.data.contiguous(), self.scale.contiguous(), self.block_k)
+
+    def to(self, device) -> "FP8Weight":
+        return FP8Weight(self.data.to(device), self.scale.to(device), self.block_k)
+
+    def __getitem__(self, idx) -> "FP8Weight":
+        """Rows (or leading-dim entries) selected by ``idx``; the K axis is never indexed."""
+        return FP8Weight(self.data[idx], self.scale[idx], self.block_k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The real weight ``data * scale`` (computed in fp32, then cast to ``dtype``)."""
+        K = self.data.shape[-1]
+        s = self.scale.repeat_interleave(self.block_k, dim=-1)[..., :K]
+        return (self.data.float() * s).to(dtype)
+
+
+Weight = Union[torch.Tensor, FP8Weight]
+
+
+def from_block_scales(data: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> FP8Weight:
+    """The checkpoint layout (``data`` fp8 [N, K], ``scale_inv`` [ceil(N/bn), ceil(K/bk)]) -> FP8Weight.
+    Raises ValueError on a scale of the wrong shape."""
+    bn, bk = block
+    N, K = data.shape[-2:]
+    want = (*data.shape[:-2], math.ceil(N / bn), math.ceil(K / bk))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv must be {list(want)} for a weight of {list(data.shape)} in "
+                         f"{bn}x{bk} blocks, got {list(scale_inv.shape)}")
+    rows = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :N, :]
+    return FP8Weight(data, rows.contiguous(), bk)
+
+
+def quantize(w: torch.Tensor, block: Tuple[int, int] = (128, 128)) -> FP8Weight:
+    """Block-quantize a float weight [..., N, K] as published FP8 checkpoints are made: per (bn, bk) block,
+    scale = amax / 448 and fp8 = round(w / scale) (saturating). Deterministic; on ``w``'s device."""
+    bn, bk = block
+    N, K = w.shape[-2:]
+    nb, kb = math.ceil(N / bn), math.ceil(K / bk)
+    wf = w.float()
+    pad = torch.zeros(*w.shape[:-2], nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+    pad[..., :N, :K] = wf
+    blocks = pad.unflatten(-2, (nb, bn)).unflatten(-1, (kb, bk))       # [..., nb, bn, kb, bk]
+    amax = blocks.abs().amax(dim=(-3, -1))                              # [..., nb, kb]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = blocks / scale_inv[..., :, None, :, None]
+    data = q.clamp(-FP8_MAX, FP8_MAX).flatten(-4, -3).flatten(-2, -1)[..., :N, :K].to(FP8_DTYPE)
+    return from_block_scales(data.contiguous(), scale_inv, block)
+
+
+def cat_rows(parts: Sequence[Weight]) -> Weight:
+    """Concatenate weights along N (rows): plain tensors with torch.cat, FP8 weights with their row
+    scales (all parts must share block_k)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts)).contiguous()
+    if not all(isinstance(p, FP8Weight) for p in parts):
+        raise TypeError("cat_rows: cannot mix FP8 and float weights in one fused matrix")
+    if len({p.block_k for p in parts}) != 1:
+        raise ValueError(f"cat_rows: parts have different block_k {[p.block_k for p in parts]}")
+    return FP8Weight(torch.cat([p.data for p in parts], dim=-2).contiguous(),
+                     torch.cat([p.scale for p in parts], dim=-2).contiguous(), parts[0].block_k)
+
+
+def stack(parts: Sequence[Weight]) -> Weight:
+    """Stack weights along a new leading dim (MoE experts): [E, N, K] (and scales [E, N, KB])."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.stack(list(parts)).contiguous()
+    if not all(isinstance(p, FP8Weight) for p in parts):
+        raise TypeError("stack: cannot mix FP8 and float weights")
+    if len({p.block_k for p in parts}) != 1:
+        raise ValueError(f"stack: parts have different block_k {[p.block_k for p in parts]}")
+    return FP8Weight(torch.stack([p.data for p in parts]).contiguous(),
+                     torch.stack([p.scale for p in parts]).contiguous(), parts[0].block_k)
+
+
+def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A float tensor of ``w`` (dequantized if FP8): for the few weights a model must rearrange beyond
+    rows at load (DeepSeek's absorbed ``kv_b``), and for references."""
+    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w.to(dtype)
