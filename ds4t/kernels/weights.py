@@ -9,7 +9,7 @@ In memory, :class:`FP8Weight` keeps the fp8 values as they are and the scales pe
 ``scale [N, ceil(K/bk)]``, the checkpoint's block scales repeated over the ``bn`` rows of each block. Same
 values, 4 bytes per ``bk`` weights (3 % of the fp8 bytes at bk = 128); what it buys is that a row carries
 its own scales, so load-time fusions that concatenate or permute rows (q/k/v into one matrix, Qwen's
-per-head row order, MoE experts stacked) work for any N, including N that is not a multiple of ``bn``
+per-head row order, MoE experts stacked: :func:`cat`, :func:`stack`, indexing) work for any N, including N that is not a multiple of ``bn``
 (DeepSeek's ``kv_a_proj_with_mqa`` has 576 rows).
 
 Kernels compute ``y = sum over K blocks j of scale[n, j] * (x[:, block j] . fp8[n, block j])`` with the
@@ -122,17 +122,20 @@ def quantize(w: torch.Tensor, block: Tuple[int, int] = (128, 128)) -> FP8Weight:
     return from_block_scales(data.contiguous(), scale_inv, block)
 
 
-def cat_rows(parts: Sequence[Weight]) -> Weight:
-    """Concatenate weights along N (rows): plain tensors with torch.cat, FP8 weights with their row
-    scales (all parts must share block_k)."""
+def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
+    """Concatenate weights along ``dim`` (rows of [N, K], or experts of [E, N, K]; never K): plain
+    tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(list(parts)).contiguous()
+        return torch.cat(list(parts), dim=dim).contiguous()
     if not all(isinstance(p, FP8Weight) for p in parts):
-        raise TypeError("cat_rows: cannot mix FP8 and float weights in one fused matrix")
+        raise TypeError("cat: cannot mix FP8 and float weights in one fused matrix")
+    nd = parts[0].dim()
+    if dim % nd == nd - 1:
+        raise ValueError("cat: FP8 weights cannot be joined along K (their scales run along K in blocks)")
     if len({p.block_k for p in parts}) != 1:
-        raise ValueError(f"cat_rows: parts have different block_k {[p.block_k for p in parts]}")
-    return FP8Weight(torch.cat([p.data for p in parts], dim=-2).contiguous(),
-                     torch.cat([p.scale for p in parts], dim=-2).contiguous(), parts[0].block_k)
+        raise ValueError(f"cat: parts have different block_k {[p.block_k for p in parts]}")
+    return FP8Weight(torch.cat([p.data for p in parts], dim=dim).contiguous(),
+                     torch.cat([p.scale for p in parts], dim=dim).contiguous(), parts[0].block_k)
 
 
 def stack(parts: Sequence[Weight]) -> Weight:

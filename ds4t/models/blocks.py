@@ -11,7 +11,8 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ds4t.kernels import ops
+from ds4t.kernels import ops, weights
+from ds4t.kernels.weights import Weight
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -32,8 +33,8 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
 class DenseMLP:
     """A dense SwiGLU MLP (model dtype), gate and up fused into one weight."""
 
-    gate_up: torch.Tensor   # [2I, D]: rows [gate | up]
-    down: torch.Tensor      # [D, I]
+    gate_up: Weight   # [2I, D]: rows [gate | up]
+    down: Weight      # [D, I]
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,11 +45,11 @@ class MoEWeights:
     E+1 of them once a shared expert is fused in (:func:`fuse_shared_expert`)."""
 
     router: torch.Tensor
-    w_gate: torch.Tensor          # [E, I, D]
-    w_up: torch.Tensor            # [E, I, D]
-    w_down: torch.Tensor          # [E, D, I]
-    shared_gate_up: Optional[torch.Tensor] = None   # [2*Is, D]
-    shared_down: Optional[torch.Tensor] = None      # [D, Is]
+    w_gate: Weight          # [E, I, D]
+    w_up: Weight            # [E, I, D]
+    w_down: Weight          # [E, D, I]
+    shared_gate_up: Optional[Weight] = None   # [2*Is, D]
+    shared_down: Optional[Weight] = None      # [D, Is]
     shared_gated: bool = False                       # sigmoid(router row E) scales the shared expert
     correction_bias: Optional[torch.Tensor] = None  # [E] fp32, sigmoid routers only
     shared_index: Optional[int] = None  # set by fuse_shared_expert: the shared expert is expert E
@@ -88,9 +89,9 @@ def fuse_shared_expert(w: MoEWeights) -> MoEWeights:
     e = w.w_gate.shape[0]
     return dataclasses.replace(
         w,
-        w_gate=torch.cat([w.w_gate, w.shared_gate_up[:i][None]]).contiguous(),
-        w_up=torch.cat([w.w_up, w.shared_gate_up[i:][None]]).contiguous(),
-        w_down=torch.cat([w.w_down, w.shared_down[None]]).contiguous(),
+        w_gate=weights.cat([w.w_gate, w.shared_gate_up[:i][None]]),
+        w_up=weights.cat([w.w_up, w.shared_gate_up[i:][None]]),
+        w_down=weights.cat([w.w_down, w.shared_down[None]]),
         shared_gate_up=None, shared_down=None, shared_index=e)
 
 
@@ -134,7 +135,7 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
 
 def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down_proj")):
     """Stack per-expert HF weights ``{prefix}.{i}.{name}.weight`` into [E, ...] tensors."""
-    return [torch.stack([get(f"{prefix}.{i}.{nm}.weight") for i in range(n)]) for nm in names]
+    return [weights.stack([get(f"{prefix}.{i}.{nm}.weight") for i in range(n)]) for nm in names]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -292,14 +293,14 @@ class SigmoidMoEConfig:
         product in fp32; bf16 checkpoints may store them either way). A shared expert as wide as a
         routed one is fused in as an extra expert (:func:`fuse_shared_expert`)."""
         if not self.is_moe(layer):
-            return DenseMLP(torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]).contiguous(),
+            return DenseMLP(weights.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]),
                             get(prefix + "down_proj.weight"))
         wg, wu, wd = stack_experts(get, prefix + "experts", self.num_experts)
         w = MoEWeights(router=get(prefix + "gate.weight", torch.float32), w_gate=wg, w_up=wu, w_down=wd,
                        correction_bias=get(prefix + "gate.e_score_correction_bias", torch.float32))
         if self.n_shared_experts:
-            w.shared_gate_up = torch.cat([get(prefix + "shared_experts.gate_proj.weight"),
-                                          get(prefix + "shared_experts.up_proj.weight")]).contiguous()
+            w.shared_gate_up = weights.cat([get(prefix + "shared_experts.gate_proj.weight"),
+                                            get(prefix + "shared_experts.up_proj.weight")])
             w.shared_down = get(prefix + "shared_experts.down_proj.weight")
         return fuse_shared_expert(w)
 

@@ -35,13 +35,21 @@ def parse_dtype(dtype) -> Optional[torch.dtype]:
         raise CheckpointError(f"unsupported dtype {dtype!r}: use one of {sorted(DTYPES)}") from None
 
 
+_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16,
+              "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
+              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class TensorSource:
     """A name -> tensor store that knows where each tensor came from (for error messages)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None, origin: str = "in-memory weights"):
         self._tensors = dict(tensors or {})
         self._files: Dict[str, str] = {}
+        self._dtypes: Dict[str, Optional[torch.dtype]] = {}
         self.origin = origin
+        self.fp8 = None        # the checkpoint's block-FP8 settings (ds4t.models.quant.FP8Config), set by load()
+        self.quantize = None   # FP8Config when load(quantize="fp8") quantizes float weights as they are read
 
     @classmethod
     def from_dir(cls, path: str) -> "TensorSource":
@@ -69,6 +77,7 @@ class TensorSource:
                 with safe_open(full, "pt") as h:
                     for k in h.keys():
                         src._files[k] = full
+                        src._dtypes[k] = _ST_DTYPES.get(h.get_slice(k).get_dtype())
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"{full}: cannot read safetensors header ({e})") from None
         return src
@@ -78,6 +87,12 @@ class TensorSource:
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors or name in self._files
+
+    def stored_dtype(self, name: str) -> Optional[torch.dtype]:
+        """The dtype ``name`` is stored in, without reading it (None: a dtype torch has no name for)."""
+        if name in self._tensors:
+            return self._tensors[name].dtype
+        return self._dtypes.get(name)
 
     def shape(self, name: str):
         if name in self._tensors:

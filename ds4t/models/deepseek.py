@@ -45,7 +45,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds4t.kernels import ops
+from ds4t.kernels import ops, weights
+from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_linear, moe_block,
@@ -167,14 +168,14 @@ class MLAWeights:
     use them as they are). H heads; dn, dr, dv = qk_nope / qk_rope / v head dims; Rk = kv_lora_rank;
     qw = q_width (q_lora_rank, or H·(dn + dr) without it). Matrices in the model dtype, the rest fp32."""
 
-    w_a: torch.Tensor                 # [qw + Rk + dr, D]: rows [q part | c_kv | k_pe]
+    w_a: Weight                 # [qw + Rk + dr, D]: rows [q part | c_kv | k_pe]
     b_a: Optional[torch.Tensor]       # [qw + Rk + dr]; with attention_bias only (q part zeros without q_lora_rank)
     q_a_norm: Optional[torch.Tensor]  # [q_lora_rank]; with q_lora_rank only
-    w_qb: Optional[torch.Tensor]      # [H·(dn + dr), q_lora_rank]: rows [nope all heads | rope all heads]
+    w_qb: Optional[Weight]      # [H·(dn + dr), q_lora_rank]: rows [nope all heads | rope all heads]
     kv_a_norm: torch.Tensor           # [Rk]
     w_uk_t: torch.Tensor              # [H, Rk, dn]: W_UK transposed, q_latent = W_UK^T q_nope
     w_uv: torch.Tensor                # [H, dv, Rk]: o = W_UV latent_out
-    w_o: torch.Tensor                 # [D, H·dv]
+    w_o: Weight                 # [D, H·dv]
     b_o: Optional[torch.Tensor]       # [D]; with attention_bias only
 
 
@@ -210,17 +211,19 @@ class DeepseekModel(DecoderModel):
             kv_a_b = get(a + "kv_a_proj_with_mqa.bias", f32) if c.attention_bias else None
             b_a = q_a_norm = w_qb = None
             if c.q_lora_rank:
-                w_a = torch.cat([get(a + "q_a_proj.weight"), kv_a]).contiguous()
+                w_a = weights.cat([get(a + "q_a_proj.weight"), kv_a])
                 if c.attention_bias:
                     b_a = torch.cat([get(a + "q_a_proj.bias", f32), kv_a_b])
                 q_a_norm = get(a + "q_a_layernorm.weight", f32)
                 w_qb = get(a + "q_b_proj.weight")[q_rows].contiguous()
             else:
-                w_a = torch.cat([get(a + "q_proj.weight")[q_rows], kv_a]).contiguous()
+                w_a = weights.cat([get(a + "q_proj.weight")[q_rows], kv_a])
                 if c.attention_bias:
                     b_a = torch.cat([torch.zeros(c.q_width, dtype=f32, device=self.device), kv_a_b])
             kv_a_norm = get(a + "kv_a_layernorm.weight", f32)
-            kv_b = get(a + "kv_b_proj.weight").view(H, dn + dv, R)
+            # Absorbed MLA splits kv_b per head and transposes its K half: a rearrangement along K that
+            # block scales cannot follow, so an FP8 kv_b is dequantized here (the one tensor that is).
+            kv_b = weights.as_float(get(a + "kv_b_proj.weight"), self.dtype).view(H, dn + dv, R)
             mixer = MLAWeights(
                 w_a=w_a, b_a=b_a, q_a_norm=q_a_norm, w_qb=w_qb, kv_a_norm=kv_a_norm,
                 w_uk_t=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv=kv_b[:, dn:, :].contiguous(),

@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds4t.kernels import ops
+from ds4t.kernels import ops, weights
+from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import Layer, SigmoidMoEConfig, ffn, fused_linear, preset_init_plain
@@ -110,11 +111,11 @@ def expected_tensors(c: GlmConfig) -> Dict[str, tuple]:
 class GlmAttentionWeights:
     """A GQA attention layer's weights. Matrices in the model dtype, the rest fp32."""
 
-    w_qkv: torch.Tensor             # [(H + 2KV)·hd, D]: rows [q | k | v]
+    w_qkv: Weight             # [(H + 2KV)·hd, D]: rows [q | k | v]
     b_qkv: Optional[torch.Tensor]   # [(H + 2KV)·hd]; with attention_bias only
     q_norm: Optional[torch.Tensor]  # [hd], plain RMSNorm gain; with use_qk_norm only
     k_norm: Optional[torch.Tensor]  # [hd]; with use_qk_norm only
-    w_o: torch.Tensor               # [D, H·hd] (o_proj has no bias)
+    w_o: Weight               # [D, H·hd] (o_proj has no bias)
 
 
 class GlmModel(DecoderModel):
@@ -140,8 +141,7 @@ class GlmModel(DecoderModel):
             if c.use_qk_norm:
                 q_norm, k_norm = get(a + "q_norm.weight", f32), get(a + "k_norm.weight", f32)
             mixer = GlmAttentionWeights(
-                w_qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
-                                 get(a + "v_proj.weight")]).contiguous(),
+                w_qkv=weights.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
                 b_qkv=b_qkv, q_norm=q_norm, k_norm=k_norm, w_o=get(a + "o_proj.weight"))
             self.layers.append(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
         get.finish()

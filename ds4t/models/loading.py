@@ -11,7 +11,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
+from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, from_block_scales, quantize
 from ds4t.models.checkpoint import CheckpointError, TensorSource
+from ds4t.models.quant import SCALE_SUFFIX, FP8Config, is_quantized_linear
 
 
 class WeightReader:
@@ -19,29 +21,95 @@ class WeightReader:
 
     ``expected`` maps each checkpoint name to its shape (from the config); reading checks the
     shape, counts progress, and ``finish`` reports tensors the family did not use.
+
+    Block-FP8: with ``fp8`` (the checkpoint's quantization_config) a tensor stored as float8_e4m3fn is
+    read with its ``*_scale_inv`` into an :class:`~ds4t.kernels.weights.FP8Weight` (never dequantized);
+    with ``quantize`` the float weights a published FP8 checkpoint would quantize are quantized as they
+    are read. Anything that would load silently wrong is a CheckpointError naming the tensor: float8
+    without its scale (or without a quantization_config), a scale of the wrong shape or for a float
+    tensor, another float8 format, float8 where the model needs a float tensor (norms, routers, ...).
     """
 
     def __init__(self, source: TensorSource, expected: Dict[str, Tuple[int, ...]], device, dtype: torch.dtype,
-                 ignore_prefixes=(), progress: Optional[bool] = None):
-        self.source, self.expected, self.device, self.dtype = source, expected, device, dtype
-        missing = [k for k in expected if k not in source]
+                 ignore_prefixes=(), progress: Optional[bool] = None, fp8: Optional[FP8Config] = None,
+                 quantize: Optional[FP8Config] = None):
+        self.source, self.device, self.dtype = source, device, dtype
+        # load() puts the checkpoint's FP8 settings and the quantize option on the source.
+        self.fp8 = fp8 if fp8 is not None else getattr(source, "fp8", None)
+        self.quantize = quantize if quantize is not None else getattr(source, "quantize", None)
+        self.expected = dict(expected)
+        self.fp8_names = self._fp8_tensors(source, expected)
+        for name in self.fp8_names:
+            N, K = expected[name]
+            bn, bk = self.fp8.block
+            self.expected[name + SCALE_SUFFIX] = (-(-N // bn), -(-K // bk))
+        missing = [k for k in self.expected if k not in source]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise CheckpointError(f"{source.origin}: missing tensor {missing[0]!r}{more}")
-        self.ignored = sorted(k for k in source.keys() if k not in expected and k.startswith(tuple(ignore_prefixes)))
-        unknown = sorted(k for k in source.keys() if k not in expected and not k.startswith(tuple(ignore_prefixes)))
+            what = "scale of float8 tensor" if missing[0].endswith(SCALE_SUFFIX) else "tensor"
+            raise CheckpointError(f"{source.origin}: missing {what} {missing[0]!r}{more}")
+        self.ignored = sorted(k for k in source.keys() if k not in self.expected and k.startswith(tuple(ignore_prefixes)))
+        unknown = sorted(k for k in source.keys() if k not in self.expected and not k.startswith(tuple(ignore_prefixes)))
         if unknown:
+            k = unknown[0]
+            base = k[: -len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else None
+            if base is not None and base in expected:
+                raise CheckpointError(f"{source.origin}: {k!r} scales {base!r}, which is stored as "
+                                      f"{source.stored_dtype(base)}, not float8_e4m3fn")
             raise CheckpointError(
-                f"{source.origin}: unexpected tensor {unknown[0]!r} (and {len(unknown) - 1} more) "
+                f"{source.origin}: unexpected tensor {k!r} (and {len(unknown) - 1} more) "
                 "for this model_type/config")
         if progress is None:
-            progress = len(expected) > 200 and sys.stderr.isatty()
+            progress = len(self.expected) > 200 and sys.stderr.isatty()
         self.bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress)
 
-    def __call__(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        t = self.source.get(name, self.expected[name], dtype or self.dtype, self.device)
+    def _fp8_tensors(self, source: TensorSource, expected) -> set:
+        """Names of the expected tensors stored in float8 (checked against the config)."""
+        stored = getattr(source, "stored_dtype", lambda name: None)
+        out = set()
+        for name in expected:
+            dt = stored(name)
+            if dt is None or not dt.is_floating_point or dt.itemsize != 1:
+                continue
+            if dt != FP8_DTYPE:
+                raise CheckpointError(f"{source.origin}: tensor {name!r} is {dt}; block-FP8 checkpoints store "
+                                      f"float8_e4m3fn (quantization_config.fmt 'e4m3')")
+            if self.fp8 is None:
+                raise CheckpointError(f"{source.origin}: tensor {name!r} is float8_e4m3fn but config.json has no "
+                                      f"quantization_config (its block size and scales are unknown)")
+            if self.fp8.keeps_float(name):
+                raise CheckpointError(f"{source.origin}: tensor {name!r} is float8_e4m3fn but its module is in "
+                                      f"quantization_config.modules_to_not_convert")
+            if len(expected[name]) != 2:
+                raise CheckpointError(f"{source.origin}: tensor {name!r} is float8_e4m3fn but is not a matrix "
+                                      f"{tuple(expected[name])}: only linear weights are block-quantized")
+            out.add(name)
+        return out
+
+    def __call__(self, name: str, dtype: Optional[torch.dtype] = None):
+        """The tensor ``name``: a float tensor in ``dtype`` (default: the model dtype), or an
+        FP8Weight for a block-FP8 linear weight (read as stored, or quantized when ``quantize``)."""
+        if name in self.fp8_names:
+            if dtype is not None:
+                raise CheckpointError(f"{self.source.origin}: tensor {name!r} is float8_e4m3fn, but the model "
+                                      f"reads it as {dtype} (norms, routers and biases stay unquantized)")
+            t = self._read_fp8(name)
+        else:
+            t = self.source.get(name, self.expected[name], dtype or self.dtype, self.device)
+            q = self.quantize
+            if q is not None and dtype is None and is_quantized_linear(name) and not q.keeps_float(name):
+                t = quantize(t, q.block)
         self.bar.update(1)
         return t
+
+    def _read_fp8(self, name: str) -> FP8Weight:
+        data = self.source.get(name, self.expected[name], None, self.device)
+        scale_name = name + SCALE_SUFFIX
+        scale = self.source.get(scale_name, None, torch.float32, self.device)
+        try:
+            return from_block_scales(data, scale, self.fp8.block)
+        except ValueError as e:
+            raise CheckpointError(f"{self.source.origin}: {scale_name!r}: {e}") from None
 
     def finish(self) -> None:
         self.bar.close()

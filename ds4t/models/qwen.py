@@ -14,7 +14,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ds4t.kernels import ops
+from ds4t.kernels import ops, weights
+from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
@@ -148,11 +149,11 @@ def expected_tensors(c: QwenConfig) -> Dict[str, tuple]:
 class GatedAttentionWeights:
     """A gated-attention layer's weights. Matrices in the model dtype, the rest fp32."""
 
-    w_qkv: torch.Tensor             # [(2H + 2KV)·hd, D]: rows [q all heads | gate all heads | k | v]
+    w_qkv: Weight             # [(2H + 2KV)·hd, D]: rows [q all heads | gate all heads | k | v]
     b_qkv: Optional[torch.Tensor]   # [(2H + 2KV)·hd], same row order; with attention_bias only
     q_norm: torch.Tensor            # [hd], zero-centred RMSNorm gain
     k_norm: torch.Tensor            # [hd], zero-centred RMSNorm gain
-    w_o: torch.Tensor               # [D, H·hd]
+    w_o: Weight               # [D, H·hd]
     b_o: Optional[torch.Tensor]     # [D]; with attention_bias only
 
 
@@ -161,12 +162,12 @@ class GatedDeltaNetWeights:
     """A Gated DeltaNet layer's weights (Hk/Hv key/value heads of dims dk/dv; conv_dim =
     2·Hk·dk + Hv·dv). Matrices in the model dtype, the rest fp32."""
 
-    w_in: torch.Tensor      # [conv_dim + Hv·dv + 2·Hv, D]: rows [q | k | v | z | b | a]
+    w_in: Weight      # [conv_dim + Hv·dv + 2·Hv, D]: rows [q | k | v | z | b | a]
     conv_w: torch.Tensor    # [conv_dim, conv_kernel]: depthwise causal conv over [q | k | v]
     A_log: torch.Tensor     # [Hv]: the decay g = -exp(A_log)·softplus(a + dt_bias)
     dt_bias: torch.Tensor   # [Hv]
     norm_w: torch.Tensor    # [dv]: the gated output norm's gain (plain x̂·w, not zero-centred)
-    w_out: torch.Tensor     # [D, Hv·dv]
+    w_out: Weight     # [D, Hv·dv]
 
 
 def _gdn_row_order(c: QwenConfig):
@@ -212,7 +213,7 @@ class QwenModel(DecoderModel):
                 qkvz = get(a + "in_proj_qkvz.weight")[qkvz_order.to(self.device)]
                 ba = get(a + "in_proj_ba.weight")[ba_order.to(self.device)]
                 mixer = GatedDeltaNetWeights(
-                    w_in=torch.cat([qkvz, ba]).contiguous(),
+                    w_in=weights.cat([qkvz, ba]),
                     conv_w=get(a + "conv1d.weight", f32).squeeze(1).contiguous(),
                     A_log=get(a + "A_log", f32), dt_bias=get(a + "dt_bias", f32),
                     norm_w=get(a + "norm.weight", f32), w_out=get(a + "out_proj.weight"))
@@ -225,7 +226,7 @@ class QwenModel(DecoderModel):
                     b_qkv = torch.cat([qb, get(a + "k_proj.bias", f32), get(a + "v_proj.bias", f32)])
                     b_o = get(a + "o_proj.bias", f32)
                 mixer = GatedAttentionWeights(
-                    w_qkv=torch.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]).contiguous(),
+                    w_qkv=weights.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
                     b_qkv=b_qkv, q_norm=get(a + "q_norm.weight", f32), k_norm=get(a + "k_norm.weight", f32),
                     w_o=get(a + "o_proj.weight"), b_o=b_o)
             m = p + "mlp."
@@ -235,13 +236,13 @@ class QwenModel(DecoderModel):
                 moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd)
                 if c.shared_intermediate_size:
                     moe_w.router = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
-                    moe_w.shared_gate_up = torch.cat(
-                        [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")]).contiguous()
+                    moe_w.shared_gate_up = weights.cat(
+                        [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")])
                     moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
                     moe_w.shared_gated = True
                 mlp = fuse_shared_expert(moe_w)
             else:
-                mlp = DenseMLP(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).contiguous(),
+                mlp = DenseMLP(weights.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
                                get(m + "down_proj.weight"))
             self.layers.append(Layer(mixer, mlp))
         get.finish()

@@ -9,6 +9,7 @@ import torch
 from ds4t.backend import default_device
 from ds4t.models.checkpoint import CheckpointError, TensorSource, parse_dtype, read_config
 from ds4t.models.loading import PresetSource
+from ds4t.models.quant import parse_quantization, quantize_option
 from ds4t.models.tokenizer import preset_tokenizer
 
 
@@ -49,7 +50,7 @@ def preset_source(name: str, seed: int = 0):
 
 
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
-         **options):
+         quantize: Optional[str] = None, **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
 
     ``model.tokenizer``: the checkpoint's tokenizer.json, or for a preset a byte-level tokenizer
@@ -60,6 +61,9 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     for tiny-*, bf16 for the full-size presets). Tensors stored in another dtype are cast.
     options: family-specific model options, passed to the model class, e.g.
     ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe).
+    quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
+    weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``).
+    A preset whose config carries a quantization_config (``qwen3-next-80b-fp8``) is quantized at load.
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype)
@@ -93,6 +97,10 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
+    source.fp8 = parse_quantization(cfg)
+    source.quantize = quantize_option(quantize, cfg)
+    if path_or_preset in configs and source.fp8 is not None:
+        source.quantize, source.fp8 = source.fp8, None  # a preset's weights are drawn in float
     if options:
         bad = [k for k in options if k not in model_cls.load_options()]
         if bad:
