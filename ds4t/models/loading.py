@@ -80,9 +80,10 @@ class WeightReader:
             if self.fp8.keeps_float(name):
                 raise CheckpointError(f"{source.origin}: tensor {name!r} is float8_e4m3fn but its module is in "
                                       f"quantization_config.modules_to_not_convert")
-            if len(expected[name]) != 2:
-                raise CheckpointError(f"{source.origin}: tensor {name!r} is float8_e4m3fn but is not a matrix "
-                                      f"{tuple(expected[name])}: only linear weights are block-quantized")
+            if not is_quantized_linear(name) or len(expected[name]) != 2:
+                raise CheckpointError(f"{source.origin}: tensor {name!r} is float8_e4m3fn, but only the decoder's "
+                                      f"linear weights run in FP8 (router gates, norms, conv, embeddings and the "
+                                      f"LM head stay unquantized)")
             out.add(name)
         return out
 

@@ -1,0 +1,166 @@
+"""Block-FP8 checkpoints in the published layout: loaded as FP8 (never dequantized, never silently wrong),
+HF transformers on the dequantized weights as the oracle, native == ordered and prefill-chunk invariance."""
+import os
+
+import pytest
+import torch
+
+import ds4t
+from ds4t.kernels.weights import FP8Weight
+from tests.models.fp8_checkpoint import write_dequantized_checkpoint, write_fp8_checkpoint
+from tests.models.hf_oracle import hf_prefill_and_decode, rel_err, save_tiny
+
+transformers = pytest.importorskip("transformers")
+
+# Blocks smaller than the tiny dims, so rows and columns end in partial blocks (64 = 3 x 24 - 8): what
+# DeepSeek's 576-row kv_a_proj is to 128-row blocks. The block comes from the config, never the shapes.
+BLOCK = (24, 40)
+
+
+def _qwen(tmp_path):
+    from tests.models.test_qwen import qwen_config
+
+    save_tiny(transformers.Qwen3NextForCausalLM, qwen_config(), tmp_path / "float", seed=1)
+    return tmp_path / "float"
+
+
+def _glm(tmp_path):
+    from tests.models.test_glm import glm_config
+
+    save_tiny(transformers.Glm4MoeForCausalLM, glm_config(), tmp_path / "float", seed=1)
+    return tmp_path / "float"
+
+
+def _deepseek(tmp_path):
+    from tests.models.test_deepseek import deepseek_config
+
+    save_tiny(transformers.DeepseekV3ForCausalLM, deepseek_config(), tmp_path / "float", seed=1)
+    return tmp_path / "float"
+
+
+FAMILIES = {"qwen3_next": _qwen, "glm4_moe": _glm, "deepseek_v3": _deepseek}
+
+
+@pytest.fixture(scope="module")
+def qwen_float(tmp_path_factory):
+    return _qwen(tmp_path_factory.mktemp("qwen"))
+
+
+def _fp8_dir(src, dst, **kw):
+    tensors = write_fp8_checkpoint(str(src), str(dst), block=kw.pop("block", BLOCK), **kw)
+    return str(dst), tensors
+
+
+# -- loading: FP8 kept as FP8 -----------------------------------------------------------------------
+
+def test_published_layout_loads_as_fp8_without_a_dequantized_copy(qwen_float, tmp_path):
+    path, tensors = _fp8_dir(qwen_float, tmp_path / "fp8")
+    m = ds4t.load(path, dtype="fp32")
+    w = m.layers[0].mixer.w_in
+    assert isinstance(w, FP8Weight) and w.block_k == BLOCK[1]
+    assert not any(t.dtype == torch.float32 and t.dim() == 2 and t.shape == w.shape for t in m.parameters().values())
+    # the fused in_proj rows are the checkpoint's fp8 values, per-row scales the checkpoint's blocks
+    fp8 = tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    assert w.data.dtype == torch.float8_e4m3fn and w.data.shape[0] > fp8.shape[0]
+    assert m.weight_bytes() < ds4t.load(str(qwen_float), dtype="fp32").weight_bytes() / 2
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t, c: t.pop("model.layers.0.linear_attn.out_proj.weight_scale_inv"),
+     "missing scale of float8 tensor 'model.layers.0.linear_attn.out_proj.weight_scale_inv'"),
+    (lambda t, c: t.__setitem__("model.layers.0.linear_attn.out_proj.weight_scale_inv", torch.ones(1, 1)),
+     r"out_proj.weight_scale_inv.*must be \[3, 2\]"),
+    (lambda t, c: c.pop("quantization_config"), "float8_e4m3fn but config.json has no quantization_config"),
+    (lambda t, c: c["quantization_config"].update(quant_method="gptq"), "quant_method 'gptq' is not supported"),
+    (lambda t, c: c["quantization_config"].update(fmt="e5m2"), "fmt 'e5m2' is not supported"),
+    (lambda t, c: c["quantization_config"].update(activation_scheme="static"), "activation_scheme 'static'"),
+    (lambda t, c: c["quantization_config"].update(weight_block_size=None), "weight_block_size must be two"),
+    (lambda t, c: c["quantization_config"].update(weight_block_size=[24, 40, 1]), "weight_block_size must be two"),
+    (lambda t, c: c["quantization_config"].update(modules_to_not_convert=["model.layers.0.linear_attn.out_proj"]),
+     "out_proj.weight' is float8_e4m3fn but its module is in quantization_config.modules_to_not_convert"),
+    (lambda t, c: t.__setitem__("model.layers.3.self_attn.q_proj.weight",
+                                t["model.layers.3.self_attn.q_proj.weight"].to(torch.float8_e5m2)),
+     "q_proj.weight' is torch.float8_e5m2"),
+    (lambda t, c: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(torch.float8_e4m3fn)),
+     "'model.norm.weight' is float8_e4m3fn, but only the decoder's linear weights run in FP8"),
+    (lambda t, c: t.__setitem__("model.layers.0.mlp.gate.weight", t["model.layers.0.mlp.gate.weight"].to(torch.float8_e4m3fn)),
+     "'model.layers.0.mlp.gate.weight' is float8_e4m3fn, but only the decoder's linear weights run in FP8"),
+    (lambda t, c: t.update({"model.layers.0.mlp.gate.weight": t["model.layers.0.mlp.gate.weight"].to(torch.float8_e4m3fn),
+                            "model.layers.0.mlp.gate.weight_scale_inv": torch.ones(1, 2)}),
+     "'model.layers.0.mlp.gate.weight' is float8_e4m3fn, but only the decoder's linear weights run in FP8"),
+    (lambda t, c: t.__setitem__("model.layers.0.mlp.gate.weight_scale_inv", torch.ones(1, 1)),
+     "'model.layers.0.mlp.gate.weight_scale_inv' scales 'model.layers.0.mlp.gate.weight', which is stored as torch.float32"),
+])
+def test_every_bad_fp8_checkpoint_is_a_clear_error(qwen_float, tmp_path, edit, match):
+    path, _ = _fp8_dir(qwen_float, tmp_path / "bad", edit=edit)
+    with pytest.raises(ds4t.CheckpointError, match=match):
+        ds4t.load(path, dtype="fp32")
+
+
+def test_modules_to_not_convert_stay_float(qwen_float, tmp_path):
+    keep = "model.layers.3.self_attn.o_proj"
+    path, tensors = _fp8_dir(qwen_float, tmp_path / "skip", skip=[keep])
+    assert tensors[keep + ".weight"].dtype == torch.float32
+    m = ds4t.load(path, dtype="fp32")
+    assert isinstance(m.layers[3].mixer.w_o, torch.Tensor) and isinstance(m.layers[3].mixer.w_qkv, FP8Weight)
+
+
+def test_quantize_at_load_matches_the_published_layout(qwen_float, tmp_path):
+    """load(quantize="fp8") on the float checkpoint == loading the FP8 checkpoint made from it."""
+    path, _ = _fp8_dir(qwen_float, tmp_path / "fp8", block=(128, 128))
+    a = ds4t.load(path, dtype="fp32").parameters()
+    b = ds4t.load(str(qwen_float), dtype="fp32", quantize="fp8").parameters()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+    with pytest.raises(ValueError, match="quantize must be None or 'fp8'"):
+        ds4t.load("tiny-qwen", quantize="int4")
+
+
+# -- running: the HF oracle on the dequantized weights, exactness ------------------------------------
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp32_activations_match_hf_on_the_dequantized_weights(tmp_path, family):
+    src = FAMILIES[family](tmp_path)
+    path, tensors = _fp8_dir(src, tmp_path / "fp8")
+    write_dequantized_checkpoint(tensors, str(src), str(tmp_path / "deq"), BLOCK)
+    cls = {"qwen3_next": transformers.Qwen3NextForCausalLM, "glm4_moe": transformers.Glm4MoeForCausalLM,
+           "deepseek_v3": transformers.DeepseekV3ForCausalLM}[family]
+    hf = cls.from_pretrained(str(tmp_path / "deq"), dtype=torch.float32).eval()
+    prompt = [int(t) for t in torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4))]
+    want_prompt, want_steps, toks = hf_prefill_and_decode(hf, prompt, 6)
+    model = ds4t.load(path, dtype="fp32")
+    s = model.new_session(max_ctx=64)
+    assert rel_err(s.prefill(prompt, all_logits=True), want_prompt) < 1e-4
+    got = torch.stack([ds4t.eval_batch([ds4t.DecodeItem(s, t)]).logits[0] for t in toks])
+    assert rel_err(got, want_steps) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-glm", "tiny-deepseek"])
+def test_fp8_native_equals_ordered_with_the_negative_control(name):
+    from ds4t.testing import assert_native_exact
+
+    assert_native_exact(ds4t.load(name, quantize="fp8"), sessions=4, steps=3)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-glm", "tiny-deepseek"])
+def test_fp8_prefill_chunks_are_bitwise_equal_and_equal_token_by_token(name):
+    model = ds4t.load(name, quantize="fp8")
+    prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))]
+    ref = model.new_session(64)
+    whole = ref.prefill(prompt, all_logits=True)
+    state = ref.state_dict()
+    for chunk in (1, 17, 64):
+        s = model.new_session(64)
+        parts = [s.prefill(prompt[i:i + chunk], all_logits=True) for i in range(0, len(prompt), chunk)]
+        assert torch.equal(torch.cat(parts), whole), chunk
+        st = s.state_dict()
+        assert all(torch.equal(st[k], state[k]) for k in state), chunk
+        s.close()
+    # token by token inside a batch with another session decoding
+    other = model.new_session(64)
+    other.prefill([3, 4, 5])
+    s = model.new_session(64)
+    rows = []
+    for t in prompt:
+        res = ds4t.eval_batch([ds4t.DecodeItem(s, t), ds4t.DecodeItem(other, 7)])
+        rows.append(res.logits[0])
+    assert torch.equal(torch.stack(rows), whole)
