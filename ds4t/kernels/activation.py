@@ -10,21 +10,41 @@ trivially batch invariant (no reductions).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, sigmoid, timer
+from ds4t.backend import sigmoid, timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.tensors import fp32_out, rows_view
 
 __all__ = ["silu_mul", "sigmoid_mul", "add", "silu_mul_ref", "sigmoid_mul_ref", "add_ref"]
 
 _OP_SILU_MUL, _OP_SIGMOID_MUL, _OP_ADD = 0, 1, 2
-_BLOCK_R = 1 if not INTERPRET else 64
-_MAX_BLOCK_C = 2048 if not INTERPRET else 1 << 14
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationConfig:
+    """Launch constants of the elementwise kernel: rows and columns per program, warps."""
+    block_r: int
+    block_c: int
+    num_warps: int = 4
+
+
+def _activation_config(C: int, block_r: int, max_block_c: int) -> ActivationConfig:
+    return ActivationConfig(block_r=block_r, block_c=min(triton.next_power_of_2(C), max_block_c))
+
+
+ACTIVATION_CONFIGS: ConfigTable[ActivationConfig] = ConfigTable(
+    "activation", gpu={},
+    gpu_rule=lambda C: _activation_config(C, block_r=1, max_block_c=2048),
+    interp_rule=lambda C: _activation_config(C, block_r=64, max_block_c=1 << 14),
+    source="rule: one row per program, columns in tiles of <= 2048, 4 warps; not swept")
+"""Keyed on the row width C (elementwise: no tile changes a value)."""
 
 
 @triton.jit
@@ -54,10 +74,10 @@ def _binary(a, b, out, op, names):
     out = fp32_out(out, (R, C), a.device)
     if R == 0 or C == 0:
         return out
-    block_c = min(triton.next_power_of_2(C), _MAX_BLOCK_C)
-    grid = (triton.cdiv(R, _BLOCK_R), triton.cdiv(C, block_c))
+    cfg = ACTIVATION_CONFIGS(C)
+    grid = (triton.cdiv(R, cfg.block_r), triton.cdiv(C, cfg.block_c))
     _binary_kernel[grid](a, b, out, R, C, a.stride(0), b.stride(0), out.stride(0),
-                         OP=op, BLOCK_R=_BLOCK_R, BLOCK_C=block_c, num_warps=4)
+                         OP=op, BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
     return out
 
 

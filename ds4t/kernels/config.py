@@ -8,6 +8,7 @@ Next to each table, the ``source`` names the ``bench/results`` file whose sweep 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Dict, Generic, Hashable, TypeVar
 
@@ -37,3 +38,14 @@ class ConfigTable(Generic[C]):
         key_ = key[0] if len(key) == 1 else key
         cfg = self.gpu.get(key_)
         return cfg if cfg is not None else self.gpu_rule(*key)
+
+    @contextlib.contextmanager
+    def forced(self, rule: Callable[..., C]):
+        """Inside the block every key gets ``rule(*key)``, on either backend (tests run the GPU's
+        tiles in the interpreter this way)."""
+        saved = self.gpu, self.gpu_rule, self.interp_rule
+        self.gpu, self.gpu_rule, self.interp_rule = {}, rule, rule
+        try:
+            yield self
+        finally:
+            self.gpu, self.gpu_rule, self.interp_rule = saved

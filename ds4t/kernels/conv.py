@@ -20,28 +20,34 @@ there is no reduction across rows. Rows must name distinct slots.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
+from ds4t.backend import timer
 from ds4t.backend import silu as _silu
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import conv_rows
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
 
 
-def _block_c(C: int) -> int:
-    # Interpreter: one big block (few programs). GPU: 256 channels per program.
-    if INTERPRET:
-        return triton.next_power_of_2(C)
-    return min(256, triton.next_power_of_2(C))
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    """Launch constants of the conv kernels: channels per program, and tokens per tile in prefill
+    (the tile never changes which operations an output sees). Warps: Triton's default."""
+    block_c: int
+    block_t: int
 
 
-def _block_t(T: int) -> int:
-    # Tokens per tile in prefill; the tile never changes which operations an output sees.
-    return 64 if INTERPRET else 16
+CONV_CONFIGS: ConfigTable[ConvConfig] = ConfigTable(
+    "conv1d", gpu={},
+    gpu_rule=lambda C: ConvConfig(block_c=min(256, triton.next_power_of_2(C)), block_t=16),
+    interp_rule=lambda C: ConvConfig(block_c=triton.next_power_of_2(C), block_t=64),  # few, big programs
+    source="rule: 256 channels per program, 16 tokens per prefill tile; not swept")
+"""Keyed on the channel count C."""
 
 
 @triton.jit
@@ -191,7 +197,7 @@ def conv1d_update(
     out = _out(out, (B, C), x.device)
     if B == 0:
         return out
-    BC = _block_c(C)
+    BC = CONV_CONFIGS(C).block_c
     if variant("conv1d_update") == INTERP:
         conv_rows.launch_update(x, conv_state, weight, slots, bias, silu, out, BC)
         return out
@@ -230,7 +236,8 @@ def conv1d_prefill(
     if T == 0:
         return out
     st = conv_state[slot]
-    BC = _block_c(C)
+    cfg = CONV_CONFIGS(C)
+    BC = cfg.block_c
     grid = (triton.cdiv(C, BC),)
     _conv1d_prefill_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -239,7 +246,7 @@ def conv1d_prefill(
         bias if bias is not None else weight,
         out, out.stride(0), out.stride(1),
         T, C,
-        W=W, BW=triton.next_power_of_2(W - 1), BT=_block_t(T), BC=BC, HAS_BIAS=bias is not None, SILU=silu,
+        W=W, BW=triton.next_power_of_2(W - 1), BT=cfg.block_t, BC=BC, HAS_BIAS=bias is not None, SILU=silu,
     )
     return out
 

@@ -9,19 +9,38 @@ kernel runs. A pure gather: trivially batch invariant.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
+from ds4t.backend import timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
 __all__ = ["embedding", "embedding_ref"]
 
-_BLOCK_R = 1 if not INTERPRET else 32
-_MAX_BLOCK_D = 2048 if not INTERPRET else 1 << 14
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """Launch constants of the gather: rows and columns per program, warps."""
+    block_r: int
+    block_d: int
+    num_warps: int = 4
+
+
+def _embedding_config(D: int, block_r: int, max_block_d: int) -> EmbeddingConfig:
+    return EmbeddingConfig(block_r=block_r, block_d=min(triton.next_power_of_2(D), max_block_d))
+
+
+EMBEDDING_CONFIGS: ConfigTable[EmbeddingConfig] = ConfigTable(
+    "embedding", gpu={},
+    gpu_rule=lambda D: _embedding_config(D, block_r=1, max_block_d=2048),
+    interp_rule=lambda D: _embedding_config(D, block_r=32, max_block_d=1 << 14),
+    source="rule: one row per program, columns in tiles of <= 2048, 4 warps; not swept")
+"""Keyed on the row width D (a gather: no tile changes a value)."""
 
 
 @triton.jit
@@ -52,10 +71,10 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, *, out: Optional[torch.Ten
         raise ValueError(f"out must be fp32 [{B}, {D}] with unit column stride")
     if B == 0 or D == 0:
         return out
-    block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
-    grid = (triton.cdiv(B, _BLOCK_R), triton.cdiv(D, block_d))
+    cfg = EMBEDDING_CONFIGS(D)
+    grid = (triton.cdiv(B, cfg.block_r), triton.cdiv(D, cfg.block_d))
     _embedding_kernel[grid](ids, table, out, B, D, table.stride(0), out.stride(0),
-                            BLOCK_R=_BLOCK_R, BLOCK_D=block_d, num_warps=4)
+                            BLOCK_R=cfg.block_r, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps)
     return out
 
 

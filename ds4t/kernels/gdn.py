@@ -27,6 +27,7 @@ in the interpreter (and, by construction, is expected to on the GPU).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -34,20 +35,33 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, sigmoid, softplus, timer
+from ds4t.backend import sigmoid, softplus, timer
 from ds4t.kernels import norm
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import gdn_rows
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
 
 L2_EPS = 1e-6
 
 
-def _tiles(Hv: int, Dk: int, Dv: int):
-    """(BH, BK, BV, num_warps) from head shapes only."""
-    BK = triton.next_power_of_2(Dk)
-    if INTERPRET:
-        return triton.next_power_of_2(Hv), BK, triton.next_power_of_2(Dv), 4
-    return 1, BK, min(32, triton.next_power_of_2(Dv)), 4
+@dataclasses.dataclass(frozen=True)
+class GDNConfig:
+    """Launch constants of the recurrence: value heads per program, the Dk block (always all of
+    Dk), the Dv tile (columns of S are independent: the tile changes no sum) and warps."""
+    block_h: int
+    block_k: int
+    block_v: int
+    num_warps: int = 4
+
+
+GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
+    "gdn", gpu={},
+    gpu_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=1, block_k=triton.next_power_of_2(Dk),
+                                          block_v=min(32, triton.next_power_of_2(Dv))),
+    interp_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=triton.next_power_of_2(Hv), block_k=triton.next_power_of_2(Dk),
+                                             block_v=triton.next_power_of_2(Dv)),
+    source="rule: one value head and 32 Dv columns per program, 4 warps; not swept")
+"""Keyed on the head shapes (Hv, Dk, Dv), never on the number of rows."""
 
 
 @triton.jit
@@ -177,7 +191,8 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         raise ValueError(f"out must be float32 {(R, Hv, Dv)}, got {out.dtype} {tuple(out.shape)}")
     if R == 0:
         return out
-    BH, BK, BV, nw = _tiles(Hv, Dk, Dv)
+    cfg = GDN_CONFIGS(Hv, Dk, Dv)
+    BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out
@@ -191,7 +206,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         out, *out.stride(),
         R, Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS,
-        num_warps=nw,
+        num_warps=cfg.num_warps,
     )
     if gated_norm is not None:
         z, norm_w, eps = gated_norm

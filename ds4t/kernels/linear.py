@@ -17,8 +17,8 @@ on how many rows share the launch or where the row sits.
 
 Rows per program: a program may own M_SUB (1, 2, 4) 16-row sub-tiles, each with its own 16-row
 dot, so a row's arithmetic does not depend on which sub-tile it lands in (checked on an H200 for
-B = 1..64). The table uses M_SUB = 1: M_SUB = 2 was 20% faster at B = 64 but 5-45% slower at
-B <= 16 on the H200.
+B = 1..64). The table uses M_SUB = 1: on the H200, M_SUB = 2 is ~20% faster at B = 64 but 5-45%
+slower at B <= 16 (bench/results/2026-11-29-h200-kernels.md).
 
 GPU configs of the four decode weight shapes were swept on an H200 (bench/bench_kernels.py
 --sweep; bench/results/2026-11-29-h200-kernels.md): 88-107% of the 4.1-4.2 TB/s copy bandwidth
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, cast, mma, tl_dtype, timer
+from ds4t.backend import cast, mma, tl_dtype, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 
@@ -334,6 +334,24 @@ LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
 """Launch configs keyed on (K, N, weight dtype): the H200 sweep above, else the heuristic."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitKSumConfig:
+    """Launch constants of the split-K sum: elements per program are
+    ``max(min_block, min(max_block, next_pow2(B * N)))``. The sum is elementwise (each element adds
+    its S partials in the order 0..S-1), so the block never changes an element's bits."""
+    min_block: int
+    max_block: int
+    num_warps: int = 4
+
+
+SPLITK_SUM_CONFIGS: ConfigTable[SplitKSumConfig] = ConfigTable(
+    "splitk_sum", gpu={},
+    gpu_rule=lambda N: SplitKSumConfig(min_block=1024, max_block=1024),
+    interp_rule=lambda N: SplitKSumConfig(min_block=16, max_block=1 << 16),   # few, big programs
+    source="rule: 1024 elements per program, 4 warps; not swept")
+"""Keyed on the output width N (the rule does not read it)."""
+
+
 @functools.lru_cache(maxsize=None)
 def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32) -> LinearConfig:
     """The launch config for a weight [N, K]: depends on (K, N, dtypes) and the backend, never on B."""
@@ -375,10 +393,11 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     total = B * N
-    block = 1024 if not INTERPRET else max(16, min(1 << 16, triton.next_power_of_2(total)))
+    sum_cfg = SPLITK_SUM_CONFIGS(N)
+    block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
     _splitk_sum_kernel[(triton.cdiv(total, block),)](
         part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
-        num_warps=4,
+        num_warps=sum_cfg.num_warps,
     )
     return out
 

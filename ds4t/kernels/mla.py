@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, cast, mma, timer
+from ds4t.backend import cast, mma, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
@@ -77,11 +77,13 @@ def default_split_size(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Launch constants of mla_decode: heads per split program, tokens per tile, heads per merge
-    program, warps of the split kernel (the split kernel runs with 2 stages, the merge with 4 warps)."""
+    program, warps and stages of the split kernel, warps of the merge kernel."""
     block_h: int
     block_n: int
     merge_heads: int
     num_warps: int
+    num_stages: int = 2
+    merge_warps: int = 4
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -105,6 +107,20 @@ MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
     "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
     source="no GPU sweep yet; end-to-end numbers: bench/results/2026-11-29-h200-decode.md")
 """Keyed on (heads, latent rank R, rope dim Dr, split size): never on the batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteLatentConfig:
+    """Launch constants of write_latent (one program per row): warps."""
+    num_warps: int
+
+
+WRITE_LATENT_CONFIGS: ConfigTable[WriteLatentConfig] = ConfigTable(
+    "write_latent", gpu={},
+    gpu_rule=lambda R: WriteLatentConfig(num_warps=max(1, min(4, triton.next_power_of_2(R) // 128))),
+    interp_rule=lambda R: WriteLatentConfig(num_warps=4),
+    source="rule: one warp per 128 latent columns, 1 to 4; not swept")
+"""Keyed on the latent rank R."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +296,7 @@ def write_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
         cache, cache.stride(0), cache.stride(1),
         slots, positions,
         R=R, DR=Dr, RP=triton.next_power_of_2(R), DRP=triton.next_power_of_2(max(Dr, 1)),
-        num_warps=4 if INTERPRET else max(1, min(4, triton.next_power_of_2(R) // 128)),
+        num_warps=WRITE_LATENT_CONFIGS(R).num_warps,
     )
 
 
@@ -368,7 +384,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             po_c, pm_c, pl_c,
             qk_scale, H, L, NS,
             R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, SPLIT=split, NHB=NHB,
-            num_warps=warps, num_stages=2,
+            num_warps=warps, num_stages=cfg.num_stages,
         )
         if NS > 1:
             _mla_merge_kernel[(triton.cdiv(H, MH), nb)](
@@ -376,7 +392,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 po_c, pm_c, pl_c,
                 lengths[b0:b1], H, L, NS,
                 R=R, RP=RP, MH=MH, SPLIT=split,
-                num_warps=4,
+                num_warps=cfg.merge_warps,
             )
     return out
 

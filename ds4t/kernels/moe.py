@@ -292,6 +292,26 @@ kernel at the three families' expert shapes, N = 1 and 16): the best summed time
 than 64/64 tiles."""
 
 
+@dataclasses.dataclass(frozen=True)
+class MoECombineConfig:
+    """Launch constants of the rank-ordered combine: rows per program (rows never mix) and the D
+    block. Warps: Triton's default."""
+    rows: int
+    block_d: int
+
+
+# One row per program on the GPU: rows never mix, and a decode batch of 16 rows spreads over 16
+# programs. Measured on an H200 (Qwen3-Next, N = 16, bench/results/2026-11-29-h200-decode.md):
+# 29 us per call with 16-row programs, 9.4 us per step for 4 calls with one row per program.
+MOE_COMBINE_CONFIGS: ConfigTable[MoECombineConfig] = ConfigTable(
+    "moe_combine", gpu={},
+    gpu_rule=lambda D: MoECombineConfig(rows=1, block_d=min(256, triton.next_power_of_2(D))),
+    interp_rule=lambda D: MoECombineConfig(rows=16, block_d=triton.next_power_of_2(D)),
+    source="rule: one row per program, D in blocks of <= 256 (bench/results/2026-11-29-h200-decode.md "
+           "times the step with it); not swept")
+"""Keyed on the hidden size D."""
+
+
 def moe_experts(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -376,10 +396,9 @@ def moe_experts(
         D, I, E,
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
-    # 4. rank-ordered combine. One row per program on the GPU: rows never mix, and a decode batch
-    # of 16 rows then spreads over 16x more programs (16-row programs left most SMs idle).
-    ROWS = 16 if INTERPRET else 1
-    BD = triton.next_power_of_2(D) if INTERPRET else min(256, triton.next_power_of_2(D))
+    # 4. rank-ordered combine (MOE_COMBINE_CONFIGS)
+    cfg = MOE_COMBINE_CONFIGS(D)
+    ROWS, BD = cfg.rows, cfg.block_d
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
         y, y.stride(0), weights, weights.stride(0), gate, sg, out, out.stride(0), B, D,
         KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD,

@@ -12,20 +12,22 @@ Math (all in fp32):  x̂ = x * rsqrt(mean(x², over D) + eps)
 
 Batch invariance: each row's statistics are reduced over D alone, in an order fixed by D
 (BLOCK_D chunks, then one tl.sum over the chunk accumulator). On the GPU a program owns one row;
-in the interpreter a program owns up to _ROWS rows (programs are what cost time there), fewer
-when R is smaller (its loads cost per element). The row count is the M tile: each row's sum is
-its own tl.sum over D, whatever the other rows of the tile (tests/kernels/test_norm.py checks
+in the interpreter a program owns up to 32 rows (programs are what cost time there; NORM_CONFIGS),
+fewer when R is smaller (its loads cost per element). The row count is the M tile: each row's sum
+is its own tl.sum over D, whatever the other rows of the tile (tests/kernels/test_norm.py checks
 rows alone against rows in batches of 1..33, bitwise).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, sigmoid, timer
+from ds4t.backend import sigmoid, timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.tensors import fp32_out, rows_view
 
@@ -34,8 +36,29 @@ __all__ = [
     "rms_norm_ref", "add_rms_norm_ref", "gated_rms_norm_ref",
 ]
 
-_MAX_BLOCK_D = 8192 if not INTERPRET else 1 << 16
-_ROWS = 1 if not INTERPRET else 32
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Launch constants of the norm kernel: the most rows per program (the launcher takes
+    ``min(rows, next_pow2(R))``: each row's sum is its own tl.sum over D, so the row count never
+    changes a row's bits), the D chunk and the warps."""
+    rows: int
+    block_d: int
+    num_warps: int
+
+
+def _norm_config(D: int, rows: int, max_block_d: int) -> NormConfig:
+    block_d = min(triton.next_power_of_2(D), max_block_d)
+    return NormConfig(rows=rows, block_d=block_d,
+                      num_warps=1 if block_d <= 256 else (4 if block_d <= 2048 else 8))
+
+
+NORM_CONFIGS: ConfigTable[NormConfig] = ConfigTable(
+    "rms_norm", gpu={},
+    gpu_rule=lambda D: _norm_config(D, rows=1, max_block_d=8192),
+    interp_rule=lambda D: _norm_config(D, rows=32, max_block_d=1 << 16),
+    source="rule: one row per program, D in chunks of <= 8192, warps scale with the chunk width; not swept")
+"""Keyed on the row width D (never on R)."""
 
 
 @triton.jit
@@ -130,18 +153,17 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
         summed = fp32_out(summed, (R, D), x.device, "summed")
     if R == 0:
         return y, summed
-    block_d = min(triton.next_power_of_2(D), _MAX_BLOCK_D)
+    cfg = NORM_CONFIGS(D)
     r_arg = residual if residual is not None else x
     z_arg = z if z is not None else x
     s_arg = summed if summed is not None else y
-    num_warps = 1 if block_d <= 256 else (4 if block_d <= 2048 else 8)
-    rows = min(_ROWS, triton.next_power_of_2(R))
+    rows = min(cfg.rows, triton.next_power_of_2(R))
     _norm_kernel[(triton.cdiv(R, rows),)](
         x, r_arg, z_arg, weight, y, s_arg,
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
-        D=D, ROWS=rows, BLOCK_D=block_d,
+        D=D, ROWS=rows, BLOCK_D=cfg.block_d,
         ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
-        num_warps=num_warps,
+        num_warps=cfg.num_warps,
     )
     return y, summed
 

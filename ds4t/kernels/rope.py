@@ -25,6 +25,7 @@ Batch invariance: elementwise per row; nothing crosses rows.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 
 if not INTERPRET:
@@ -40,6 +42,31 @@ else:  # the interpreter has no libdevice; its tl.cos / tl.sin are numpy's (accu
     libdevice = None
 
 _INTERPRET_C = tl.constexpr(INTERPRET)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Launch constants of rope (one program per row and head block): heads per program, the
+    rotated half and the pass-through part as powers of two. Warps: Triton's default."""
+    block_h: int
+    block_half: int
+    block_p: int
+
+
+def _rope_config(H: int, D: int, R: int, gpu: bool) -> RopeConfig:
+    block_half = triton.next_power_of_2(max(R // 2, 1))
+    block_h = triton.next_power_of_2(H)                   # interpreter: one program per row
+    if gpu:
+        block_h = min(block_h, max(1, 2048 // block_half))
+    return RopeConfig(block_h=block_h, block_half=block_half, block_p=triton.next_power_of_2(max(D - R, 1)))
+
+
+ROPE_CONFIGS: ConfigTable[RopeConfig] = ConfigTable(
+    "rope", gpu={},
+    gpu_rule=lambda H, D, R: _rope_config(H, D, R, gpu=True),
+    interp_rule=lambda H, D, R: _rope_config(H, D, R, gpu=False),
+    source="rule: heads per program up to 2048 rotated pairs; not swept")
+"""Keyed on (heads H, head dim D, rotary dim R)."""
 
 
 @triton.jit
@@ -127,18 +154,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
         raise ValueError(f"out must be float32 [{B}, {H}, {D}]")
     if B == 0 or H == 0:
         return out
-    half = R // 2
-    block_half = triton.next_power_of_2(max(half, 1))
-    block_p = triton.next_power_of_2(max(D - R, 1))
-    if INTERPRET:
-        block_h = triton.next_power_of_2(H)           # one program per row
-    else:
-        block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_half))
-    grid = (B, triton.cdiv(H, block_h))
+    cfg = ROPE_CONFIGS(H, D, R)
+    grid = (B, triton.cdiv(H, cfg.block_h))
     _rope_kernel[grid](
         x, *x.stride(), positions, inv_freq, out, *out.stride(), float(scale),
-        H=H, D=D, HALF=half, INTERLEAVED=bool(interleaved),
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_P=block_p,
+        H=H, D=D, HALF=R // 2, INTERLEAVED=bool(interleaved),
+        BLOCK_H=cfg.block_h, BLOCK_HALF=cfg.block_half, BLOCK_P=cfg.block_p,
     )
     return out
 

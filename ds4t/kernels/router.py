@@ -26,6 +26,7 @@ row's result depends on that row only.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional, Tuple
 
@@ -33,19 +34,30 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, sigmoid, timer
+from ds4t.backend import sigmoid, timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 
 DROPPED_SCORE: float = float("-inf")
-"""The biased score HF transformers 5.x gives experts of dropped groups (4.x used 0.0)."""
+"""The biased score HF transformers 5.x gives experts of dropped groups (HF 4.x gives 0.0)."""
 
 
-def _rows_per_program() -> int:
-    # Rows per program: a fixed constant (never from B). The interpreter's cost is per program and
-    # per op, so one block of 16 rows keeps a decode batch to one or two programs. On the GPU one
-    # row per program: measured on an H200 (triton 3.6, E=512), the softmax of a row inside a
-    # 16-row block differed in the last bit from the same row alone (bench/diagnose_invariance.py).
-    return 16 if INTERPRET else 1
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Launch constants of the router kernels: rows per program. Warps: Triton's default."""
+    rows: int
+
+
+# Rows per program: a fixed constant (never from B). The interpreter's cost is per program and
+# per op, so one block of 16 rows keeps a decode batch to one or two programs. On the GPU one
+# row per program: measured on an H200 (triton 3.6, E=512), the softmax of a row inside a
+# 16-row block differed in the last bit from the same row alone (bench/diagnose_invariance.py).
+ROUTER_CONFIGS: ConfigTable[RouterConfig] = ConfigTable(
+    "router", gpu={},
+    gpu_rule=lambda E: RouterConfig(rows=1), interp_rule=lambda E: RouterConfig(rows=16),
+    source="rule: one row per program on the GPU (16-row programs change a row's softmax bits: "
+           "bench/diagnose_invariance.py); not swept")
+"""Keyed on the expert count E (the rule does not read it)."""
 
 
 @triton.jit
@@ -188,7 +200,7 @@ def router_softmax_topk(
     logits, B, E, w, ids = _check_logits_and_out(logits, top_k, out)
     if B == 0:
         return w, ids
-    ROWS = _rows_per_program()
+    ROWS = ROUTER_CONFIGS(E).rows
     _softmax_topk_kernel[(triton.cdiv(B, ROWS),)](
         logits, logits.stride(0), w, ids, B, E,
         K=top_k, RENORM=bool(renormalize), ROWS=ROWS, BE=triton.next_power_of_2(E),
@@ -227,7 +239,7 @@ def router_sigmoid_grouped(
         raise ValueError(f"correction_bias must be [{E}], got {tuple(correction_bias.shape)}")
     if B == 0:
         return w, ids
-    ROWS = _rows_per_program()
+    ROWS = ROUTER_CONFIGS(E).rows
     _sigmoid_grouped_kernel[(triton.cdiv(B, ROWS),)](
         logits, logits.stride(0), correction_bias.contiguous(), w, ids, B, E, E // n_group,
         float(scaling), float(dropped),

@@ -24,6 +24,7 @@ sorts instead of bisecting; tests compare the chosen tokens exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import INTERPRET, timer
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 
 _GOLDEN = 0x9E3779B9
@@ -39,11 +41,26 @@ _M2 = 0x846CA68B
 _MASK32 = 0xFFFFFFFF
 
 
-def _tiles(V: int):
-    """(rows per program, vocab chunk): fixed per backend and V, never from B."""
-    if INTERPRET:
-        return 64, min(4096, triton.next_power_of_2(V))
-    return 1, min(4096, triton.next_power_of_2(V))
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Launch constants of argmax / sample: rows per program, the vocab chunk (each row is reduced
+    over V in chunks of ``block_v``, in chunk order, whatever the rows beside it), and the sample
+    kernel's warps (argmax launches with Triton's default)."""
+    rows: int
+    block_v: int
+    num_warps: int
+
+
+def _sampling_config(V: int, rows: int, num_warps: int) -> SamplingConfig:
+    return SamplingConfig(rows=rows, block_v=min(4096, triton.next_power_of_2(V)), num_warps=num_warps)
+
+
+SAMPLING_CONFIGS: ConfigTable[SamplingConfig] = ConfigTable(
+    "sampling", gpu={},
+    gpu_rule=lambda V: _sampling_config(V, rows=1, num_warps=8),
+    interp_rule=lambda V: _sampling_config(V, rows=64, num_warps=4),
+    source="rule: one row per program, vocab chunks of <= 4096, 8 warps for sample; not swept")
+"""Keyed on the vocabulary size V, never on B."""
 
 
 # ----------------------------------------------------------------------------- Triton pieces
@@ -250,8 +267,8 @@ def argmax(logits: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
-    R, BV = _tiles(V)
-    _argmax_kernel[(triton.cdiv(B, R),)](logits, logits.stride(0), out, B, V, R=R, BV=BV)
+    cfg = SAMPLING_CONFIGS(V)
+    _argmax_kernel[(triton.cdiv(B, cfg.rows),)](logits, logits.stride(0), out, B, V, R=cfg.rows, BV=cfg.block_v)
     return out
 
 
@@ -282,10 +299,10 @@ def sample(
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
-    R, BV = _tiles(V)
-    _sample_kernel[(triton.cdiv(B, R),)](
+    cfg = SAMPLING_CONFIGS(V)
+    _sample_kernel[(triton.cdiv(B, cfg.rows),)](
         logits, logits.stride(0), seeds, streams, positions, temperature, top_k, top_p, out, B, V,
-        R=R, BV=BV, SINGLE=V <= BV, num_warps=4 if INTERPRET else 8,
+        R=cfg.rows, BV=cfg.block_v, SINGLE=V <= cfg.block_v, num_warps=cfg.num_warps,
     )
     return out
 

@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ds4t.backend import INTERPRET
 from ds4t.kernels import activation as A
 from ds4t.kernels.activation import (
     add,
@@ -36,11 +37,12 @@ def _pair(B, C, dt, device, seed=0):
 
 
 @pytest.fixture(params=["gpu-tiles", "interp-tiles"])
-def tiles(request, monkeypatch):
+def tiles(request):
     if request.param == "gpu-tiles":
-        monkeypatch.setattr(A, "_BLOCK_R", 1)
-        monkeypatch.setattr(A, "_MAX_BLOCK_C", 1024)
-    return request.param
+        with A.ACTIVATION_CONFIGS.forced(lambda C: A._activation_config(C, block_r=1, max_block_c=1024)):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize("op,ref", OPS, ids=lambda f: getattr(f, "__name__", ""))
@@ -91,7 +93,7 @@ def batches(draw):
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(batch=batches(), k=st.integers(0, 2), dt=st.sampled_from(DTYPES))
 def test_rows_invariant(batch, k, dt):
-    device = torch.device("cpu") if A.INTERPRET else torch.device("cuda")
+    device = torch.device("cpu") if INTERPRET else torch.device("cuda")
     a, b = _pair(POOL, C_INV, dt, device, seed=7)
     op = OPS[k][0]
     assert_rows_invariant(lambda i: op(a[i], b[i]), *batch)

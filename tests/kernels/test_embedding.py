@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ds4t.backend import INTERPRET
 from ds4t.kernels import embedding as E
 from ds4t.kernels.embedding import embedding, embedding_ref
 from tests.kernels.invariance import assert_rows_invariant, poisoned
@@ -15,11 +16,12 @@ TOL = {dt: dict(atol=0.0, rtol=0.0) for dt in DTYPES}  # a gather and an exact u
 
 
 @pytest.fixture(params=["gpu-tiles", "interp-tiles"])
-def tiles(request, monkeypatch):
+def tiles(request):
     if request.param == "gpu-tiles":
-        monkeypatch.setattr(E, "_BLOCK_R", 1)
-        monkeypatch.setattr(E, "_MAX_BLOCK_D", 128)
-    return request.param
+        with E.EMBEDDING_CONFIGS.forced(lambda D: E._embedding_config(D, block_r=1, max_block_d=128)):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
@@ -59,7 +61,7 @@ def batches(draw):
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(batch=batches(), dt=st.sampled_from(DTYPES))
 def test_rows_invariant(batch, dt):
-    device = torch.device("cpu") if E.INTERPRET else torch.device("cuda")
+    device = torch.device("cpu") if INTERPRET else torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(8)
     table = torch.randn(V_INV, D_INV, generator=g).to(dt).to(device)
     ids = torch.randint(0, V_INV, (POOL,), generator=g).to(device)

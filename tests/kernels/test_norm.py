@@ -6,6 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ds4t.backend import INTERPRET
 from ds4t.kernels import norm as NM
 from ds4t.kernels.norm import (
     add_rms_norm,
@@ -38,13 +39,19 @@ def _data(B, D, dt, device, seed=0):
     return x, r, z, w
 
 
+def _gpu_tiles(max_block_d):
+    """The GPU's tiles (1 row/program), D chunked at ``max_block_d``."""
+    return NM.NORM_CONFIGS.forced(lambda D: NM._norm_config(D, rows=1, max_block_d=max_block_d))
+
+
 @pytest.fixture(params=["gpu-tiles", "interp-tiles"])
-def tiles(request, monkeypatch):
+def tiles(request):
     """Run each case with the interpreter's tiles and with the GPU's (1 row/program, chunked D)."""
     if request.param == "gpu-tiles":
-        monkeypatch.setattr(NM, "_ROWS", 1)
-        monkeypatch.setattr(NM, "_MAX_BLOCK_D", 256)
-    return request.param
+        with _gpu_tiles(256):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
@@ -116,7 +123,7 @@ def batches(draw):
 @given(batch=batches(), op=st.sampled_from(["rms", "rms_zc", "add", "gated"]),
        dt=st.sampled_from(DTYPES), gpu_tiles=st.booleans())
 def test_rows_invariant(batch, op, dt, gpu_tiles):
-    device = torch.device("cpu") if NM.INTERPRET else torch.device("cuda")
+    device = torch.device("cpu") if INTERPRET else torch.device("cuda")
     x, r, z, w = _data(POOL, D_INV, dt, device, seed=4)
     fns = {
         "rms": lambda i: rms_norm(x[i], w, EPS),
@@ -124,10 +131,8 @@ def test_rows_invariant(batch, op, dt, gpu_tiles):
         "add": lambda i: torch.cat(add_rms_norm(x[i], r[i], w, EPS), 1),
         "gated": lambda i: gated_rms_norm(x[i], z[i], w, EPS),
     }
-    saved = NM._ROWS, NM._MAX_BLOCK_D
     if gpu_tiles:
-        NM._ROWS, NM._MAX_BLOCK_D = 1, 128
-    try:
+        with _gpu_tiles(128):
+            assert_rows_invariant(fns[op], *batch)
+    else:
         assert_rows_invariant(fns[op], *batch)
-    finally:
-        NM._ROWS, NM._MAX_BLOCK_D = saved

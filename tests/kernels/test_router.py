@@ -51,7 +51,7 @@ def test_softmax_topk_vs_ref(B, E, k, renorm):
 
 
 @pytest.mark.parametrize("B,E,k", [(5, 8, 2), (13, 10, 3), (3, 9, 9)])
-def test_softmax_topk_one_row_programs(monkeypatch, B, E, k):
+def test_softmax_topk_one_row_programs(B, E, k):
     """The GPU's one row per program (in the interpreter too) gives the bits of the interpreter's
     16-row programs, with E a power of two and not (padded expert columns)."""
     from ds4t.kernels import router as RT
@@ -59,8 +59,8 @@ def test_softmax_topk_one_row_programs(monkeypatch, B, E, k):
     g = gen(B + E)
     x = torch.randn(B, E, generator=g) * 3
     many = router_softmax_topk(x, k, True)
-    monkeypatch.setattr(RT, "_rows_per_program", lambda: 1)
-    one = router_softmax_topk(x, k, True)
+    with RT.ROUTER_CONFIGS.forced(lambda E: RT.RouterConfig(rows=1)):
+        one = router_softmax_topk(x, k, True)
     assert torch.equal(many[0], one[0]) and torch.equal(many[1], one[1])
     wr, ir = router_softmax_topk_ref(x, k, True)
     assert torch.equal(one[1], ir)

@@ -1,0 +1,127 @@
+"""ds4t.kernels.config: every kernel module declares its launch constants as ConfigTables.
+
+The expected values below are what each launcher computed inline before its constants moved into
+a table (hard-coded here from that code), on the GPU rule and on the interpreter rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+
+import pytest
+import triton
+
+import ds4t.kernels
+from ds4t.backend import INTERPRET
+from ds4t.kernels.config import ConfigTable
+
+# module -> {attribute: ConfigTable.kernel}
+EXPECTED = {
+    "activation": {"ACTIVATION_CONFIGS": "activation"},
+    "attention": {"ATTENTION_CONFIGS": "decode_attention"},
+    "conv": {"CONV_CONFIGS": "conv1d"},
+    "embedding": {"EMBEDDING_CONFIGS": "embedding"},
+    "gdn": {"GDN_CONFIGS": "gdn"},
+    "linear": {"LINEAR_CONFIGS": "linear", "SPLITK_SUM_CONFIGS": "splitk_sum"},
+    "mla": {"MLA_CONFIGS": "mla_decode", "WRITE_LATENT_CONFIGS": "write_latent"},
+    "moe": {"MOE_CONFIGS": "moe", "MOE_COMBINE_CONFIGS": "moe_combine"},
+    "norm": {"NORM_CONFIGS": "rms_norm"},
+    "rope": {"ROPE_CONFIGS": "rope"},
+    "router": {"ROUTER_CONFIGS": "router"},
+    "sampling": {"SAMPLING_CONFIGS": "sampling"},
+}
+
+
+def _modules():
+    """The top-level ds4t.kernels modules (the interp/ twins take their tiles from these)."""
+    for info in pkgutil.iter_modules(ds4t.kernels.__path__):
+        if not info.ispkg:
+            yield info.name, importlib.import_module(f"ds4t.kernels.{info.name}")
+
+
+def _tables(mod):
+    return {k: v for k, v in vars(mod).items() if isinstance(v, ConfigTable)}
+
+
+def test_every_kernel_module_has_its_tables():
+    found = {name: {k: t.kernel for k, t in _tables(mod).items()} for name, mod in _modules()}
+    assert {n: t for n, t in found.items() if t} == EXPECTED
+    for name, mod in _modules():
+        has_kernels = any(isinstance(v, triton.runtime.JITFunction) and v.__module__ == mod.__name__
+                          for v in vars(mod).values())
+        if has_kernels:
+            assert name in EXPECTED, f"ds4t.kernels.{name} launches kernels but declares no ConfigTable"
+        for attr, table in _tables(mod).items():
+            assert table.source.strip(), f"{name}.{attr} has no source"
+
+
+def _rules(table):
+    return {"gpu": table.gpu_rule, "interp": table.interp_rule}
+
+
+def _fields(cfg, names):
+    return tuple(getattr(cfg, n) for n in names)
+
+
+def _m(name):
+    return importlib.import_module(f"ds4t.kernels.{name}")
+
+
+# (module, table, fields, key, expected GPU values, expected interpreter values)
+CASES = [
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (200,), (1, 256, 1), (32, 256, 1)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (2048,), (1, 2048, 4), (32, 2048, 4)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (7168,), (1, 8192, 8), (32, 8192, 8)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (100000,), (1, 8192, 8), (32, 65536, 8)),
+    ("activation", "ACTIVATION_CONFIGS", ("block_r", "block_c", "num_warps"), (333,), (1, 512, 4), (64, 512, 4)),
+    ("activation", "ACTIVATION_CONFIGS", ("block_r", "block_c", "num_warps"), (20000,), (1, 2048, 4),
+     (64, 16384, 4)),
+    ("embedding", "EMBEDDING_CONFIGS", ("block_r", "block_d", "num_warps"), (100,), (1, 128, 4), (32, 128, 4)),
+    ("embedding", "EMBEDDING_CONFIGS", ("block_r", "block_d", "num_warps"), (7168,), (1, 2048, 4),
+     (32, 8192, 4)),
+    ("sampling", "SAMPLING_CONFIGS", ("rows", "block_v", "num_warps"), (300,), (1, 512, 8), (64, 512, 4)),
+    ("sampling", "SAMPLING_CONFIGS", ("rows", "block_v", "num_warps"), (151936,), (1, 4096, 8), (64, 4096, 4)),
+    ("gdn", "GDN_CONFIGS", ("block_h", "block_k", "block_v", "num_warps"), (32, 128, 128), (1, 128, 32, 4),
+     (32, 128, 128, 4)),
+    ("gdn", "GDN_CONFIGS", ("block_h", "block_k", "block_v", "num_warps"), (3, 100, 20), (1, 128, 32, 4),
+     (4, 128, 32, 4)),
+    ("conv", "CONV_CONFIGS", ("block_c", "block_t"), (100,), (128, 16), (128, 64)),
+    ("conv", "CONV_CONFIGS", ("block_c", "block_t"), (8192,), (256, 16), (8192, 64)),
+    ("mla", "WRITE_LATENT_CONFIGS", ("num_warps",), (64,), (1,), (4,)),
+    ("mla", "WRITE_LATENT_CONFIGS", ("num_warps",), (256,), (2,), (4,)),
+    ("mla", "WRITE_LATENT_CONFIGS", ("num_warps",), (512,), (4,), (4,)),
+    ("mla", "WRITE_LATENT_CONFIGS", ("num_warps",), (1000,), (4,), (4,)),
+    ("rope", "ROPE_CONFIGS", ("block_h", "block_half", "block_p"), (32, 128, 128), (32, 64, 1), (32, 64, 1)),
+    ("rope", "ROPE_CONFIGS", ("block_h", "block_half", "block_p"), (128, 192, 64), (64, 32, 128),
+     (128, 32, 128)),
+    ("rope", "ROPE_CONFIGS", ("block_h", "block_half", "block_p"), (16, 256, 64), (16, 32, 256), (16, 32, 256)),
+    ("router", "ROUTER_CONFIGS", ("rows",), (512,), (1,), (16,)),
+    ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (2048,), (1, 256), (16, 2048)),
+    ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (100,), (1, 128), (16, 128)),
+    ("mla", "MLA_CONFIGS", ("block_h", "block_n", "merge_heads", "num_warps", "num_stages", "merge_warps"),
+     (128, 512, 64, 256), (64, 32, 8, 8, 2, 4), (128, 128, 128, 4, 2, 4)),
+    ("linear", "SPLITK_SUM_CONFIGS", ("min_block", "max_block", "num_warps"), (4096,), (1024, 1024, 4),
+     (16, 1 << 16, 4)),
+]
+
+
+@pytest.mark.parametrize("mod,attr,fields,key,gpu,interp", CASES,
+                         ids=[f"{c[1]}{c[3]}" for c in CASES])
+def test_rules_give_the_inline_values(mod, attr, fields, key, gpu, interp):
+    table = getattr(_m(mod), attr)
+    rules = _rules(table)
+    assert _fields(rules["gpu"](*key), fields) == gpu
+    assert _fields(rules["interp"](*key), fields) == interp
+    cfg = table(*key)    # this backend's answer
+    assert _fields(cfg, fields) == (interp if INTERPRET else gpu)
+    assert dataclasses.is_dataclass(cfg) and type(cfg).__dataclass_params__.frozen
+
+
+def test_forced_overrides_both_rules_and_restores():
+    table = _m("norm").NORM_CONFIGS
+    before = (table.gpu, table.gpu_rule, table.interp_rule)
+    cfg = _m("norm").NormConfig(rows=1, block_d=16, num_warps=1)
+    with table.forced(lambda D: cfg):
+        assert table(4096) is cfg
+    assert (table.gpu, table.gpu_rule, table.interp_rule) == before
