@@ -135,7 +135,7 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
 
 def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down_proj")):
     """Stack per-expert HF weights ``{prefix}.{i}.{name}.weight`` into [E, ...] tensors."""
-    return [weights.stack([get(f"{prefix}.{i}.{nm}.weight") for i in range(n)]) for nm in names]
+    return [get.stack([f"{prefix}.{i}.{nm}.weight" for i in range(n)]) for nm in names]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -358,6 +358,15 @@ def preset_config(name: str) -> dict:
             max_position_embeddings=262144, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
             tie_word_embeddings=False)
+    if name == "qwen3-next-80b-fp8":
+        # Qwen3-Next-80B-A3B at full depth (48 layers: 12 x [3 Gated DeltaNet + 1 gated attention]) in
+        # block-FP8 as the official -FP8 release stores it: random weights drawn on the device and
+        # quantized as they are read (~80 GB; one H200 holds it, bf16's 160 GB would not fit).
+        cfg = preset_config("qwen3-next-80b-4l")
+        cfg.update(num_hidden_layers=48, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
+                   quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128]})
+        return cfg
     raise KeyError(name)
 
 
