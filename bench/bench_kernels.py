@@ -497,6 +497,7 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also time m_sub variants of the table configs")
     ap.add_argument("--fp8", action="store_true",
                     help="FP8 weights (128x128 blocks, bf16 activations) at FP8_SHAPES instead of bf16 at LINEAR_SHAPES")
+    ap.add_argument("--shapes", default=None, help="comma-separated KxN to run instead of the default shapes")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -520,6 +521,8 @@ def main():
     errors = {}
     fp8 = args.fp8
     shapes = FP8_SHAPES if fp8 else LINEAR_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
     jobs = [(K, N, table_config(K, N, fp8)) for K, N in shapes]
     if args.variants:
         jobs += [(K, N, c) for K, N in shapes for _, c in variant_cfgs(K, N, fp8)]
