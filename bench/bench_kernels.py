@@ -11,6 +11,10 @@
       B=16. The best config per shape is what ``ds4t/kernels/linear.py:_GPU_TABLE`` should hold.
    b. B in {1,2,4,8,16,32,64}: ds4t with its own config (``linear_config``), the sweep's best
       (if different) and ``torch.nn.functional.linear`` (bf16 x). Bytes = weight + x + y.
+   ``--fp8``: the same with block-scaled FP8 weights (128x128 blocks; x fp32 rounded to bf16 in the
+   kernel) at FP8_SHAPES (DeepSeek-V3's >= 100 MB linears); bytes = fp8 + scales + x + y; torch's
+   row is cuBLAS on the dequantized bf16 weight. ``--fp8 --sweep`` sweeps FP8 configs (BLOCK_K
+   64 / 128, splits on scale blocks) for an FP8 ``_GPU_TABLE`` entry.
 3. Attention: ``ds4t.kernels.attention.decode_attention`` vs torch SDPA (bf16, enable_gqa) for
    B in {1,8,32}, L in {1k,8k,32k}, heads (16q/2kv, d256) and (64q/8kv, d128). Bytes = KV read.
 
@@ -46,6 +50,10 @@ OUT = os.environ.get("OUT", "./out")
 L2_BYTES = 60e6
 ROTATE_BYTES = 4 * L2_BYTES
 LINEAR_SHAPES = [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936)]  # (K, N)
+# --fp8: block-scaled FP8 weights (128x128 blocks), DeepSeek-V3's big linears (dense MLP gate/up and
+# down, o_proj: >= 100 MB of fp8) and q_b (37 MB). x fp32 rounded to bf16 in the kernel (act_dtype).
+FP8_SHAPES = [(7168, 18432), (18432, 7168), (16384, 7168), (1536, 24576)]
+FP8_BLOCK = (128, 128)
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 TEST_FILES = ["tests/kernels"]   # every kernel's tests (inputs follow the kernels' device: tests/kernels/devices.py)
 
@@ -172,8 +180,10 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def candidates(K, N):
+def candidates(K, N, fp8=False):
     """Configs worth timing for a bf16 weight [N, K] (all keep the K order a function of K, N)."""
+    if fp8:
+        return fp8_candidates(K, N)
     out = []
     for swap in (True, False):
         for bn in (16, 32, 64, 128):
@@ -198,6 +208,27 @@ def candidates(K, N):
     return out
 
 
+def fp8_candidates(K, N):
+    """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries."""
+    bk_scale = FP8_BLOCK[1]
+    out = []
+    for swap in (True, False):
+        for bn in (32, 64, 128, 256):
+            for bk in (64, 128):
+                for split in (1, 2, 4, 8):
+                    if split > 1 and (K % (split * bk_scale) or K // split < 4 * bk_scale):
+                        continue
+                    ctas = cdiv(N, bn) * split
+                    if ctas < 64 or (split > 1 and ctas > 1200):
+                        continue
+                    for stages in (3, 4, 5):
+                        if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
+                            continue
+                        out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=4,
+                                                num_stages=stages, swap=swap))
+    return out
+
+
 def cfg_str(c):
     return (f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
             + (f"/m{c.m_sub}" if c.m_sub != 1 else "") + (f"/ev{c.evict}" if c.evict != 1 else ""))
@@ -210,9 +241,16 @@ def cfg_str(c):
 VARIANTS = {"ds4t-ev0": dict(evict=0), "ds4t-ev2": dict(evict=2), "ds4t-m2ev0": dict(m_sub=2, evict=0)}
 
 
-def variant_cfgs(K, N):
+def table_config(K, N, fp8=False):
+    """The config ds4t picks: bf16 weights with fp32 x, or FP8 weights with bf16 activations."""
+    if fp8:
+        return linear_config(K, N, torch.float8_e4m3fn, torch.bfloat16, FP8_BLOCK[1])
+    return linear_config(K, N, torch.bfloat16, torch.float32)
+
+
+def variant_cfgs(K, N, fp8=False):
     import dataclasses
-    base = linear_config(K, N, torch.bfloat16, torch.float32)
+    base = table_config(K, N, fp8)
     return [(name, dataclasses.replace(base, **kw)) for name, kw in VARIANTS.items()]
 
 
@@ -223,12 +261,16 @@ def _compile_worker(jobs):
     import ds4t as _d  # noqa: F401
     from ds4t.kernels.linear import LinearConfig as _C
     from ds4t.kernels.linear import linear as _lin
+    from ds4t.kernels.weights import quantize as _q
     errs = []
-    for K, N, fields in jobs:
+    for K, N, fields, fp8 in jobs:
         try:
-            w = _t.empty((N, K), dtype=_t.bfloat16, device="cuda")
+            if fp8:
+                w, adt = _q(_t.randn((N, K), device="cuda"), FP8_BLOCK), _t.bfloat16
+            else:
+                w, adt = _t.empty((N, K), dtype=_t.bfloat16, device="cuda"), None
             for B in (1, 16):
-                _lin(_t.randn(B, K, device="cuda"), w, config=_C(**fields))
+                _lin(_t.randn(B, K, device="cuda"), w, config=_C(**fields), act_dtype=adt)
             _t.cuda.synchronize()
             errs.append(None)
         except Exception as e:
@@ -236,19 +278,19 @@ def _compile_worker(jobs):
     return errs
 
 
-def precompile(jobs, workers):
+def precompile(jobs, workers, fp8=False):
     import concurrent.futures as cf
     import dataclasses
     import multiprocessing as mp
     t0 = time.time()
     chunks = [[] for _ in range(workers)]
     for i, (K, N, c) in enumerate(jobs):
-        chunks[i % workers].append((K, N, dataclasses.asdict(c)))
+        chunks[i % workers].append((K, N, dataclasses.asdict(c), fp8))
     errors = {}
     try:
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
             for chunk, errs in zip(chunks, ex.map(_compile_worker, chunks)):
-                for (K, N, f), e in zip(chunk, errs):
+                for (K, N, f, _), e in zip(chunk, errs):
                     if e:
                         errors[(K, N, LinearConfig(**f))] = e
     except Exception as e:
@@ -268,12 +310,25 @@ def rows_invariant(run, x, rows):
 
 
 class LinearCase:
-    def __init__(self, K, N, gen):
-        self.K, self.N = K, N
-        self.wbytes = N * K * 2
-        self.n_rot = max(2, math.ceil(ROTATE_BYTES / self.wbytes))
-        self.ws = [(torch.randn(N, K, device="cuda", generator=gen) * K ** -0.5).bfloat16()
-                   for _ in range(self.n_rot)]
+    """Rotating copies of one weight shape: bf16, or (``fp8``) block-scaled FP8 run with bf16
+    activations (bytes = fp8 values + fp32 scales; torch's row: cuBLAS on the dequantized bf16)."""
+    def __init__(self, K, N, gen, fp8=False):
+        self.K, self.N, self.fp8 = K, N, fp8
+        self.adt = torch.bfloat16 if fp8 else None
+        if fp8:
+            from ds4t.kernels.weights import quantize
+            self.wbytes = N * K + N * cdiv(K, FP8_BLOCK[1]) * 4
+            self.n_rot = max(2, math.ceil(ROTATE_BYTES / self.wbytes))
+            self.ws = [quantize(torch.randn(N, K, device="cuda", generator=gen) * K ** -0.5, FP8_BLOCK)
+                       for _ in range(self.n_rot)]
+            self.tws = [w.dequantize(torch.bfloat16) for w in self.ws[:max(2, math.ceil(ROTATE_BYTES / (2 * N * K)))]]
+        else:
+            self.wbytes = N * K * 2
+            self.n_rot = max(2, math.ceil(ROTATE_BYTES / self.wbytes))
+            self.ws = [(torch.randn(N, K, device="cuda", generator=gen) * K ** -0.5).bfloat16()
+                       for _ in range(self.n_rot)]
+            self.tws = self.ws
+        self.twbytes = N * K * 2
         self.pool = torch.randn(64, K, device="cuda", generator=gen)
         self.perm = torch.randperm(64, generator=torch.Generator().manual_seed(K + N)).tolist()
         self._refs = {}
@@ -284,27 +339,30 @@ class LinearCase:
     def ds4t_fns(self, B, cfg):
         x = self.x(B)
         out = torch.empty(B, self.N, device="cuda")
-        return [lambda w=w: linear(x, w, out=out, config=cfg) for w in self.ws]
+        return [lambda w=w: linear(x, w, out=out, config=cfg, act_dtype=self.adt) for w in self.ws]
+
+    def run(self, t, cfg):
+        return linear(t, self.ws[0], config=cfg, act_dtype=self.adt)
 
     def torch_fns(self, B):
         x = self.x(B).bfloat16()
-        return [lambda w=w: torch.nn.functional.linear(x, w) for w in self.ws]
+        return [lambda w=w: torch.nn.functional.linear(x, w) for w in self.tws]
 
     def check(self, cfg, B=16):
         x = self.x(B)
-        y = linear(x, self.ws[0], config=cfg)
+        y = self.run(x, cfg)
         if B not in self._refs:
-            self._refs[B] = linear_ref(x, self.ws[0])
+            self._refs[B] = linear_ref(x, self.ws[0], act_dtype=self.adt)
         ref = self._refs[B]
         err = ((y - ref).abs().max() / ref.abs().max()).item()
-        inv = rows_invariant(lambda t: linear(t, self.ws[0], config=cfg), x, [0, B // 2, B - 1])
+        inv = rows_invariant(lambda t: self.run(t, cfg), x, [0, B // 2, B - 1])
         return err, inv
 
 
 def sweep_shape(case, errors, topk=4):
     K, N = case.K, case.N
     res = []
-    for c in candidates(K, N):
+    for c in candidates(K, N, case.fp8):
         if (K, N, c) in errors:
             res.append(dict(K=K, N=N, config=cfg_str(c), status="compile: " + errors[(K, N, c)][:80]))
             continue
@@ -331,15 +389,15 @@ def bench_linear(case, cfgs, copy_bw):
         for name, cfg in cfgs:
             ms, how = time_calls(case.ds4t_fns(B, cfg))
             nbytes = case.wbytes + B * case.K * 4 + B * case.N * 4
-            inv = rows_invariant(lambda t: linear(t, case.ws[0], config=cfg), xb, check_rows(B))
+            inv = rows_invariant(lambda t: case.run(t, cfg), xb, check_rows(B))
             rows.append(dict(K=case.K, N=case.N, B=B, impl=name, config=cfg_str(cfg), ms=ms, timing=how,
                              bytes=nbytes, gbs=nbytes / (ms * 1e-3) / 1e9, frac=nbytes / (ms * 1e-3) / copy_bw,
                              invariant=inv))
         ms, how = time_calls(case.torch_fns(B))
-        nbytes = case.wbytes + B * case.K * 2 + B * case.N * 2
+        nbytes = case.twbytes + B * case.K * 2 + B * case.N * 2
         xt = xb.bfloat16()
-        inv = rows_invariant(lambda t: torch.nn.functional.linear(t, case.ws[0]), xt, check_rows(B))
-        rows.append(dict(K=case.K, N=case.N, B=B, impl="torch", config="cuBLAS bf16", ms=ms, timing=how,
+        inv = rows_invariant(lambda t: torch.nn.functional.linear(t, case.tws[0]), xt, check_rows(B))
+        rows.append(dict(K=case.K, N=case.N, B=B, impl="torch", config="cuBLAS bf16" + (" (dequantized)" if case.fp8 else ""), ms=ms, timing=how,
                          bytes=nbytes, gbs=nbytes / (ms * 1e-3) / 1e9, frac=nbytes / (ms * 1e-3) / copy_bw,
                          invariant=inv))
     return rows
@@ -437,6 +495,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="sweep linear configs (slow: compiles ~200)")
     ap.add_argument("--variants", action="store_true", help="also time m_sub variants of the table configs")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 weights (128x128 blocks, bf16 activations) at FP8_SHAPES instead of bf16 at LINEAR_SHAPES")
+    ap.add_argument("--shapes", default=None, help="comma-separated KxN to run instead of the default shapes")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -458,14 +519,18 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     errors = {}
-    jobs = [(K, N, linear_config(K, N, torch.bfloat16, torch.float32)) for K, N in LINEAR_SHAPES]
+    fp8 = args.fp8
+    shapes = FP8_SHAPES if fp8 else LINEAR_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
+    jobs = [(K, N, table_config(K, N, fp8)) for K, N in shapes]
     if args.variants:
-        jobs += [(K, N, c) for K, N in LINEAR_SHAPES for _, c in variant_cfgs(K, N)]
+        jobs += [(K, N, c) for K, N in shapes for _, c in variant_cfgs(K, N, fp8)]
     if args.sweep:
-        jobs += [(K, N, c) for K, N in LINEAR_SHAPES for c in candidates(K, N)]
+        jobs += [(K, N, c) for K, N in shapes for c in candidates(K, N, fp8)]
     jobs = list(dict.fromkeys(jobs))
     log(f"compiling {len(jobs)} linear configs in parallel")
-    errors = precompile(jobs, min(args.workers, len(jobs)))
+    errors = precompile(jobs, min(args.workers, len(jobs)), fp8)
 
     if proc is not None:
         ok, tail = finish_pytest(proc, args.pytest_timeout)
@@ -482,13 +547,13 @@ def main():
     md += [f"\n## Copy bandwidth\n\n{bw / 1e12:.3f} TB/s (1 GiB fp32 `copy_`, read + write bytes, median of 20)"]
 
     sweep_rows, lin_rows, best_cfgs, neg = [], [], {}, None
-    for K, N in LINEAR_SHAPES:
+    for K, N in shapes:
         t0 = time.time()
-        case = LinearCase(K, N, gen)
-        table_cfg = linear_config(K, N, torch.bfloat16, torch.float32)
+        case = LinearCase(K, N, gen, fp8)
+        table_cfg = table_config(K, N, fp8)
         cfgs = [("ds4t", table_cfg)]
         if args.variants:
-            cfgs += [(n, c) for n, c in variant_cfgs(K, N) if (K, N, c) not in errors]
+            cfgs += [(n, c) for n, c in variant_cfgs(K, N, fp8) if (K, N, c) not in errors]
         if args.sweep:
             res, best = sweep_shape(case, errors)
             sweep_rows += res
@@ -505,7 +570,7 @@ def main():
                 log(f"   not ok: {r['config']}: {r['status']} err={r.get('err')} inv={r.get('inv')}")
         rows = bench_linear(case, cfgs, bw)
         lin_rows += rows
-        if (K, N) == (14336, 4096):
+        if (K, N) == (14336, 4096) and not fp8:
             neg = negative_control(case)
             log(f"negative control (split-K from B) caught by the invariance check: {neg}")
         for r in rows:
@@ -520,8 +585,10 @@ def main():
             keys = ["K", "N", "config", "status", "err", "inv", "ms_b1", "tbs_b1", "ms_b16", "tbs_b16"]
             write_csv(os.path.join(OUT, "sweep.csv"), sweep_rows, keys)
 
-    md += ["\n## Linear (bf16 weight, fp32 x for ds4t / bf16 x for torch)\n",
-           "bytes = weight + x + y; % = of the copy bandwidth above; inv = row alone == row in batch "
+    md += ["\n## Linear (FP8 128x128-block weight, fp32 x rounded to bf16 in the kernel for ds4t; cuBLAS on the "
+           "dequantized bf16 weight with bf16 x for torch)\n" if fp8 else
+           "\n## Linear (bf16 weight, fp32 x for ds4t / bf16 x for torch)\n",
+           "bytes = weight (FP8: fp8 values + fp32 scales) + x + y; % = of the copy bandwidth above; inv = row alone == row in batch "
            "(torch.equal, rows 0, 17, 40, B/2, B-1 (those < B) of a random row order).\n"]
     md.append(md_table(["K x N", "B", "impl", "config", "ms", "TB/s", "% copy", "inv"],
                        [[f"{r['K']}x{r['N']}", r["B"], r["impl"], r["config"], f"{r['ms']:.4f}",
@@ -555,7 +622,7 @@ def main():
     # Short table last.
     log("\n==== summary (TB/s, % of copy BW, batch-invariant) ====")
     log(f"copy {bw / 1e12:.3f} TB/s")
-    for K, N in LINEAR_SHAPES:
+    for K, N in shapes:
         for B in (1, 16, 64):
             parts = [f"{r['impl']} {r['gbs'] / 1e3:.2f} {100 * r['frac']:.0f}% {'inv' if r['invariant'] else 'NOT-inv'}"
                      for r in lin_rows if (r["K"], r["N"], r["B"]) == (K, N, B)]

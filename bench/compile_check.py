@@ -12,7 +12,8 @@ A launch that does not compile is reported with its error, and the exit status i
 Block sizes are the interpreter's (its launchers pick their own configs), so this proves the
 GPU frontend accepts each kernel's code paths, not that the GPU's exact configs compile.
 
-Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek] [--checks]
+Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek] [--checks] [--no-fp8]
+(FP8-weight launches of linear, linear_heads and moe_experts are recorded unless --no-fp8.)
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)
 _TL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int32": "int32", "int64": "int64",
               "i32": "int32", "i64": "int64", "int8": "int8", "uint8": "uint8"}
 _TORCH_PTR = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32", "int64": "i64",
-              "int8": "i8", "uint8": "u8", "bool": "i1", "int16": "i16"}
+              "int8": "i8", "uint8": "u8", "bool": "i1", "int16": "i16", "float8_e4m3fn": "fp8e4nv"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,9 +54,48 @@ def _encode(v):
     raise TypeError(f"cannot record a launch argument of type {type(v).__name__}")
 
 
-def record(presets, checks: bool) -> list:
-    """Distinct launches of a decode step, a mixed prefill + decode step and (``checks``) every
-    registered kernel self-check, with the GPU's launcher paths."""
+def record_fp8() -> None:
+    """Launches with FP8 weights (W8A16), which the presets do not load: linear (with the
+    interpreter's config, the GPU's FP8 heuristic, split-K and 2 / 4 row sub-tiles), linear_heads
+    and moe_experts (the interpreter's tiles and the GPU's FP8 ``MOE_CONFIGS`` entries), each with
+    fp32 and bf16 activations. Call inside the GPU-variant selection of :func:`record`."""
+    import torch
+
+    from ds4t.kernels import linear as L
+    from ds4t.kernels import moe as M
+    from ds4t.kernels.weights import quantize
+
+    g = torch.Generator().manual_seed(0)
+    for adt in (torch.float32, torch.bfloat16):
+        for K, N in ((300, 200), (8192, 64)):
+            x = torch.randn(3, K, generator=g)
+            w = quantize(torch.randn(N, K, generator=g) / K ** 0.5)
+            b = torch.randn(N, generator=g)
+            for cfg in (None, L._gpu_fp8_heuristic(K, N, 128),
+                        L.LinearConfig(block_n=64, block_k=64, split=2, swap=False, m_sub=2),
+                        L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4)):
+                L.linear(x, w, b, config=cfg, act_dtype=adt)
+        xh = torch.randn(3, 4, 128, generator=g)
+        L.linear_heads(xh, quantize(torch.randn(4, 96, 128, generator=g) / 128 ** 0.5), act_dtype=adt)
+        E, I, D = 5, 136, 300
+        wg, wu, wd = (quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5) for s in ((E, I, D), (E, I, D), (E, D, I)))
+        ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
+        wts = torch.rand(3, 2, generator=g)
+        rule = M.MOE_CONFIGS.interp_rule
+        try:
+            for gpu_tiles in (False, True):
+                if gpu_tiles:
+                    M.MOE_CONFIGS.interp_rule = lambda kernel, fmt=None: M.MOE_CONFIGS.gpu[(kernel, fmt) if fmt else kernel]
+                M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
+                              act_dtype=adt)
+        finally:
+            M.MOE_CONFIGS.interp_rule = rule
+
+
+def record(presets, checks: bool, fp8: bool = True) -> list:
+    """Distinct launches of a decode step, a mixed prefill + decode step, (``fp8``) the FP8-weight
+    launches of :func:`record_fp8` and (``checks``) every registered kernel self-check, with the
+    GPU's launcher paths."""
     import ds4t
 
     if not ds4t.backend.INTERPRET:
@@ -89,6 +129,8 @@ def record(presets, checks: bool) -> list:
                 b.prefill([4, 5])
                 ds4t.eval_batch([ds4t.DecodeItem(a, 6), ds4t.DecodeItem(b, 7)], mode="native")
                 ds4t.eval_batch([ds4t.DecodeItem(a, 8), ds4t.DecodeItem(c, [1, 2, 3, 4])], mode="native")
+            if fp8:
+                record_fp8()
             if checks:
                 for check in registry.all_checks():
                     check("cpu")
@@ -164,6 +206,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="tiny-qwen,tiny-glm,tiny-deepseek")
     ap.add_argument("--checks", action="store_true", help="also every registered kernel self-check")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--compile", dest="records_file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -172,7 +215,7 @@ def main():
             records = json.load(f)
         print(json.dumps(compile_all(records, args.arch)))
         return 0
-    records = record([p for p in args.presets.split(",") if p], args.checks)
+    records = record([p for p in args.presets.split(",") if p], args.checks, fp8=not args.no_fp8)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(records, f)
     env = dict(os.environ, TRITON_INTERPRET="0")

@@ -1,7 +1,7 @@
 """Inputs for the kernel micro-benchmarks: one case per kernel op, at two sizes.
 
 ``small``: shapes the Triton interpreter runs in milliseconds (like the ``ds4t check`` shapes,
-fp32 weights as the tiny presets). ``real``: one decode step of 16 sessions at real layer
+fp32 weights as the tiny presets). ``*_fp8`` cases: the same op with block-scaled FP8 weights. ``real``: one decode step of 16 sessions at real layer
 dimensions (Qwen3-Next-80B-A3B, DeepSeek-V3; bf16 weights and caches), for a GPU.
 ``make(device, real)`` builds the inputs once and returns the zero-argument call to time.
 """
@@ -15,6 +15,7 @@ import torch
 
 import ds4t  # noqa: F401  (selects the backend before triton is imported)
 from ds4t.kernels import activation, attention, conv, embedding, gdn, linear, mla, moe, norm, rope, router, sampling
+from ds4t.kernels.weights import quantize
 
 B = 16   # decode rows at the real size (sessions in one step)
 
@@ -52,6 +53,22 @@ def _linear_heads(dev, real):   # DeepSeek-V3 absorbed q_nope -> latent: 128 hea
     b, H, K, N = (B, 128, 128, 512) if real else (5, 3, 40, 24)
     x, w = _rand(dev, b, H, K), _rand(dev, H, N, K, scale=K ** -0.5, dtype=_wdt(real))
     return lambda: linear.linear_heads(x, w)
+
+
+def _linear_fp8(dev, real):
+    """FP8 weights (W8A16, 128x128 blocks). Real: DeepSeek-V3's dense MLP gate (7168 -> 18432,
+    132 MB of fp8 + 4 MB of scales), activations rounded to bf16 as a bf16 model's; small: fp32."""
+    b, K, N = (B, 7168, 18432) if real else (5, 200, 333)
+    x, w = _rand(dev, b, K), quantize(_rand(dev, N, K, scale=K ** -0.5))
+    adt = torch.bfloat16 if real else torch.float32
+    return lambda: linear.linear(x, w, act_dtype=adt)
+
+
+def _linear_heads_fp8(dev, real):
+    b, H, K, N = (B, 128, 128, 512) if real else (5, 3, 40, 24)
+    x, w = _rand(dev, b, H, K), quantize(_rand(dev, H, N, K, scale=K ** -0.5))
+    adt = torch.bfloat16 if real else torch.float32
+    return lambda: linear.linear_heads(x, w, act_dtype=adt)
 
 
 def _norm_inputs(dev, real):
@@ -203,6 +220,19 @@ def _moe_experts(dev, real):
     return lambda: moe.moe_experts(h, ids, wts, wg, wu, wd)
 
 
+def _moe_experts_fp8(dev, real):
+    """The moe_experts case with FP8 experts (128x128 blocks; bf16 activations at the real size)."""
+    b, E, k, D, I = (B, 512, 10, 2048, 512) if real else (6, 10, 3, 48, 40)
+    g = torch.Generator().manual_seed(0)
+    h = _rand(dev, b, D)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(b)]).to(dev, torch.int32)
+    wts = torch.rand(b, k, generator=g).to(dev)
+    wg, wu = quantize(_rand(dev, E, I, D, scale=D ** -0.5, seed=1)), quantize(_rand(dev, E, I, D, scale=D ** -0.5, seed=2))
+    wd = quantize(_rand(dev, E, D, I, scale=I ** -0.5, seed=3))
+    adt = torch.bfloat16 if real else torch.float32
+    return lambda: moe.moe_experts(h, ids, wts, wg, wu, wd, act_dtype=adt)
+
+
 def _router_softmax_topk(dev, real):
     E, k = (512, 10) if real else (10, 3)
     x = _rand(dev, B if real else 7, E, scale=2)
@@ -237,7 +267,7 @@ def _sample(dev, real):
 
 
 CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
-    "linear": _linear, "linear_heads": _linear_heads,
+    "linear": _linear, "linear_heads": _linear_heads, "linear_fp8": _linear_fp8, "linear_heads_fp8": _linear_heads_fp8,
     "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "gated_rms_norm": _gated_rms_norm,
     "silu_mul": _binary(activation.silu_mul), "sigmoid_mul": _binary(activation.sigmoid_mul),
     "add": _binary(activation.add),
@@ -246,7 +276,7 @@ CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
     "conv1d_update": _conv1d_update, "conv1d_prefill": _conv1d_prefill,
     "gdn_decode": _gdn_decode, "gdn_prefill": _gdn_prefill,
     "mla_decode": _mla_decode, "write_latent": _write_latent,
-    "moe_experts": _moe_experts,
+    "moe_experts": _moe_experts, "moe_experts_fp8": _moe_experts_fp8,
     "router_softmax_topk": _router_softmax_topk, "router_sigmoid_grouped": _router_sigmoid_grouped,
     "argmax": _argmax, "sample": _sample,
 }

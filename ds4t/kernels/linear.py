@@ -43,6 +43,7 @@ import triton.language as tl
 from ds4t.backend import cast, mma, tl_dtype, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
+from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, as_float, quantize
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
 
@@ -149,6 +150,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CLAMP_ROWS: tl.constexpr = False,
     HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
+    s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -163,6 +165,14 @@ def _linear_kernel(
     w_tile @ x_tile^T (the weight is the MMA's M operand); the per-element K order is fixed by
     the config either way. CLAMP_ROWS (interpreter, M_SUB = 1): rows past B read row B-1 instead
     of a masked load (cheaper there; those rows are never stored).
+
+    FP8 (SCALE_BK > 0, :class:`ds4t.kernels.weights.FP8Weight`): w holds float8_e4m3fn, s_ptr its
+    fp32 scales [N, KB] (KB = cdiv(K, SCALE_BK), contiguous; head g at g * SS_H). W_DTYPE is then
+    the activation dtype: x is rounded to it and each fp8 tile converted to it (exact). The K loop
+    runs over scale blocks of KSTEP = min(SCALE_BK, K rounded up to BLOCK_K) columns; each block's
+    dot starts from zero, sums its BLOCK_K sub-tiles in K order in fp32, and is then added to the
+    accumulator times that block's per-row scale: ``acc += scale[n, j] * dot_j``. Split-K splits
+    on scale-block boundaries (K_PER_SPLIT is a multiple of KSTEP).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -218,28 +228,75 @@ def _linear_kernel(
     acc2 = acc0
     acc3 = acc0
 
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):
-        if EVEN_K:
-            k_ok = None
-            wt = _load_w(w_ptrs, EVICT)
-        else:
-            k_ok = (k0 + kk + rk) < K
+    if SCALE_BK > 0:
+        KB: tl.constexpr = (K + SCALE_BK - 1) // SCALE_BK
+        if HEADS:
+            s_ptr += hid * SS_H
+        s_rows = s_ptr + rn_ld * KB                                        # [BN] row starts
+        for kb in range(0, K_PER_SPLIT, KSTEP):
+            p0 = tl.zeros(acc0.shape, dtype=tl.float32)
+            p1 = p0
+            p2 = p0
+            p3 = p0
+            for ks in tl.static_range(0, KSTEP, BLOCK_K):
+                if EVEN_K:
+                    k_ok = None
+                    wt = _load_w(w_ptrs, EVICT)
+                else:
+                    k_ok = (k0 + kb + ks + rk) < K
+                    if SWAP:
+                        wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
+                    else:
+                        wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
+                wt = wt.to(W_DTYPE)   # fp8 -> activation dtype: exact
+                if CLAMP_ROWS:
+                    p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False)
+                else:
+                    p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True)
+                if M_SUB >= 2:
+                    p1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, p1, W_DTYPE, SWAP, EVEN_K, True)
+                if M_SUB >= 4:
+                    p2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, p2, W_DTYPE, SWAP, EVEN_K, True)
+                    p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            j = (k0 + kb) // SCALE_BK
+            if not EVEN_K:
+                j = tl.minimum(j, KB - 1)   # a ragged last split may run past K: its products are 0
+            sc = tl.load(s_rows + j)
             if SWAP:
-                wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
+                sc2 = sc[:, None]
             else:
-                wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-        if CLAMP_ROWS:
-            acc0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, False)
-        else:
-            acc0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, True)
-        if M_SUB >= 2:
-            acc1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, acc1, W_DTYPE, SWAP, EVEN_K, True)
-        if M_SUB >= 4:
-            acc2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, acc2, W_DTYPE, SWAP, EVEN_K, True)
-            acc3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, acc3, W_DTYPE, SWAP, EVEN_K, True)
-        if not ONE_STEP:
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+                sc2 = sc[None, :]
+            acc0 = acc0 + p0 * sc2
+            if M_SUB >= 2:
+                acc1 = acc1 + p1 * sc2
+            if M_SUB >= 4:
+                acc2 = acc2 + p2 * sc2
+                acc3 = acc3 + p3 * sc2
+    else:
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            if EVEN_K:
+                k_ok = None
+                wt = _load_w(w_ptrs, EVICT)
+            else:
+                k_ok = (k0 + kk + rk) < K
+                if SWAP:
+                    wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
+                else:
+                    wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
+            if CLAMP_ROWS:
+                acc0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, False)
+            else:
+                acc0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, True)
+            if M_SUB >= 2:
+                acc1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, acc1, W_DTYPE, SWAP, EVEN_K, True)
+            if M_SUB >= 4:
+                acc2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, acc2, W_DTYPE, SWAP, EVEN_K, True)
+                acc3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, acc3, W_DTYPE, SWAP, EVEN_K, True)
+            if not ONE_STEP:
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
 
     if SPLIT_K:
         y_ptr += pid_s * stride_ys
@@ -280,11 +337,23 @@ class LinearConfig:
     m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
 
-    def k_per_split(self, K: int) -> int:
-        return triton.cdiv(triton.cdiv(K, self.split), self.block_k) * self.block_k
+    def k_step(self, K: int, scale_bk: int = 0) -> int:
+        """Columns per K-loop step: BLOCK_K, or for FP8 one scale block (min(scale_bk, K rounded up
+        to BLOCK_K)), which BLOCK_K must divide."""
+        if not scale_bk:
+            return self.block_k
+        if scale_bk % self.block_k:
+            raise ValueError(f"linear: BLOCK_K={self.block_k} must divide the FP8 weight's block_k={scale_bk} "
+                             "(a K tile may not span two scale blocks)")
+        return min(scale_bk, triton.cdiv(K, self.block_k) * self.block_k)
 
-    def programs_per_m_tile(self, K: int, N: int) -> int:
-        return triton.cdiv(N, self.block_n) * triton.cdiv(K, self.k_per_split(K))
+    def k_per_split(self, K: int, scale_bk: int = 0) -> int:
+        """K columns per split: a multiple of :meth:`k_step` (FP8: splits on scale-block boundaries)."""
+        step = self.k_step(K, scale_bk)
+        return triton.cdiv(triton.cdiv(K, self.split), step) * step
+
+    def programs_per_m_tile(self, K: int, N: int, scale_bk: int = 0) -> int:
+        return triton.cdiv(N, self.block_n) * triton.cdiv(K, self.k_per_split(K, scale_bk))
 
 
 # Measured on one H200 (bf16 weights, fp32 x), keyed on (K, N, weight dtype): the best of ~50
@@ -318,20 +387,51 @@ def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
     return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
 
 
-def _interpret_config(K: int, N: int) -> LinearConfig:
+def _fp8_block_k(K: int, scale_bk: int, cap: int) -> int:
+    """The largest power-of-two BLOCK_K <= min(cap, next_pow2(K)) that divides the scale block."""
+    block_k = max(16, min(cap, triton.next_power_of_2(K)))
+    while block_k > 16 and scale_bk % block_k:
+        block_k //= 2
+    if scale_bk % block_k:
+        raise ValueError(f"linear: no BLOCK_K >= 16 divides the FP8 weight's block_k={scale_bk}")
+    return block_k
+
+
+def _gpu_fp8_heuristic(K: int, N: int, scale_bk: int) -> LinearConfig:
+    """FP8 weights (not swept yet): the bf16 rule's 16 KB weight tiles, i.e. 128 fp8 columns (one
+    scale block) by 128 rows, swapped operands; split K (on scale-block boundaries, by K alone) only
+    while each split keeps >= 16 blocks, then narrower row tiles (down to 32) until >= ~192 programs."""
+    block_k = _fp8_block_k(K, scale_bk, 128)
+    block_n = max(16, min(128, triton.next_power_of_2(N)))
+    k_blocks = triton.cdiv(K, max(block_k, scale_bk))
+    split = 1
+    while triton.cdiv(N, block_n) * split < 192 and k_blocks >= 32 * split:
+        split *= 2
+    while triton.cdiv(N, block_n) * split < 192 and block_n > 32:
+        block_n //= 2
+    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
+
+
+def _interpret_config(K: int, N: int, scale_bk: int = 0) -> LinearConfig:
     # Interpreter: few programs, big tiles (its cost is per program and per op, not per element).
     # (The interpreter's mma materialises the [BLOCK_M, BLOCK_K, BLOCK_N] product: keep it <= 4 MB.)
-    block_k = max(16, min(128, triton.next_power_of_2(K)))
+    block_k = max(16, min(128, triton.next_power_of_2(K))) if not scale_bk else _fp8_block_k(K, scale_bk, 128)
     block_n = max(16, min(512, triton.next_power_of_2(N)))
     return LinearConfig(block_n=block_n, block_k=block_k, split=1, num_warps=4, num_stages=1)
 
 
+def _gpu_rule(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> LinearConfig:
+    if w_dtype == FP8_DTYPE:
+        return _gpu_fp8_heuristic(K, N, scale_bk)
+    return _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size())
+
+
 LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
-    "linear", gpu=_GPU_TABLE,
-    gpu_rule=lambda K, N, w_dtype: _gpu_heuristic(K, N, torch.empty((), dtype=w_dtype).element_size()),
-    interp_rule=lambda K, N, w_dtype: _interpret_config(K, N),
-    source="bench/results/2026-11-29-h200-kernels.md")
-"""Launch configs keyed on (K, N, weight dtype): the H200 sweep above, else the heuristic."""
+    "linear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule,
+    interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: _interpret_config(K, N, scale_bk),
+    source="bench/results/2026-11-29-h200-kernels.md (float weights); FP8 weights: not swept, heuristic")
+"""Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
+block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,44 +453,62 @@ SPLITK_SUM_CONFIGS: ConfigTable[SplitKSumConfig] = ConfigTable(
 
 
 @functools.lru_cache(maxsize=None)
-def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32) -> LinearConfig:
-    """The launch config for a weight [N, K]: depends on (K, N, dtypes) and the backend, never on B."""
+def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32,
+                  w_block_k: int = 0) -> LinearConfig:
+    """The launch config for a weight [N, K]: depends on (K, N, dtypes, the FP8 weight's block_k)
+    and the backend, never on B. For FP8 weights ``x_dtype`` is the activation (compute) dtype."""
+    if w_dtype == FP8_DTYPE:
+        if w_block_k <= 0:
+            raise ValueError("linear_config: an FP8 weight needs its block_k (w_block_k)")
+        return LINEAR_CONFIGS(K, N, w_dtype, w_block_k, x_dtype)
     return LINEAR_CONFIGS(K, N, w_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-def _launch(x, weight, bias, out, cfg: LinearConfig):
+def _fp8_parts(weight):
+    """(data tensor, scale tensor or None, scale block or 0) of a weight."""
+    if isinstance(weight, FP8Weight):
+        return weight.data, weight.scale, weight.block_k
+    return weight, None, 0
+
+
+def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
+    """``weight``: a float tensor [N, K] or an FP8Weight (``act_dtype``: its activation dtype)."""
+    w, scale, sbk = _fp8_parts(weight)
     B, K = x.shape
-    N = weight.shape[0]
-    kps = cfg.k_per_split(K)
+    N = w.shape[0]
+    kps = cfg.k_per_split(K, sbk)
+    kstep = cfg.k_step(K, sbk)
     split = triton.cdiv(K, kps)
     even_k = (K % kps == 0) and (kps % cfg.block_k == 0)
     if cfg.m_sub not in (1, 2, 4):
         raise ValueError(f"m_sub must be 1, 2 or 4, got {cfg.m_sub}")
     m_tiles = triton.cdiv(B, BLOCK_M * cfg.m_sub)
     has_bias = bias is not None
-    b_arg = bias if has_bias else weight  # unused pointer when HAS_BIAS is False
-    w_dt = tl_dtype(weight.dtype)
+    b_arg = bias if has_bias else w  # unused pointer when HAS_BIAS is False
+    w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
+    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep)
     if B == 0:
         return out
     if split == 1:
         grid = (m_tiles, triton.cdiv(N, cfg.block_n), 1)
         _linear_kernel[grid](
-            x, weight, b_arg, out, B, x.stride(0), weight.stride(0), 0, out.stride(0),
+            x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
             M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             CLAMP_ROWS=_clamp_rows("linear") and cfg.m_sub == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **fp8,
         )
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     grid = (m_tiles, triton.cdiv(N, cfg.block_n), split)
     _linear_kernel[grid](
-        x, weight, b_arg, part, B, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
+        x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
         N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, SWAP=cfg.swap, EVEN_K=even_k,
         M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
     )
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
@@ -400,6 +518,19 @@ def _launch(x, weight, bias, out, cfg: LinearConfig):
         num_warps=sum_cfg.num_warps,
     )
     return out
+
+
+def _act_dtype(name: str, x: torch.Tensor, weight: Weight, act_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype x is rounded to before the product: the weight's dtype for a float weight (passing
+    any other ``act_dtype`` is an error), ``act_dtype`` or x's own dtype for an FP8 weight."""
+    if isinstance(weight, FP8Weight):
+        adt = x.dtype if act_dtype is None else act_dtype
+        tl_dtype(adt)   # fp32 / bf16 / fp16, else TypeError
+        return adt
+    if act_dtype is not None and act_dtype != weight.dtype:
+        raise ValueError(f"{name}: act_dtype={act_dtype} is for FP8 weights; a {weight.dtype} weight rounds "
+                         f"x to its own dtype")
+    return weight.dtype
 
 
 def _check_args(x, weight, bias, out):
@@ -415,19 +546,41 @@ def _check_args(x, weight, bias, out):
         raise ValueError(f"linear: out must be fp32 [{B}, {N}] with unit column stride")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           out: Optional[torch.Tensor] = None, config: Optional[LinearConfig] = None) -> torch.Tensor:
-    """fp32 ``[B, N] = round_to(weight.dtype)(x) @ weight^T (+ bias)``, fp32 accumulation.
+def _contiguous_fp8(w: FP8Weight) -> FP8Weight:
+    """The kernels read an FP8 weight's data with unit K stride and its scales [..., N, KB] dense."""
+    d, s = w.data, w.scale
+    KB = s.shape[-1]
+    if d.stride(-1) == 1 and d.stride(-2) == d.shape[-1] and s.stride(-1) == 1 and s.stride(-2) == KB:
+        return w
+    return w.contiguous()
 
-    x [B, K] fp32/bf16/fp16; weight [N, K] fp32/bf16/fp16; bias [N] (any float) or None;
-    ``out``: optional fp32 [B, N] buffer to write. Batch invariant: row i's bits do not depend on
-    B or on the other rows. ``config`` overrides :func:`linear_config` (benchmarks only; the
-    override must itself not depend on B).
+
+def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None, *,
+           out: Optional[torch.Tensor] = None, config: Optional[LinearConfig] = None,
+           act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """fp32 ``[B, N] = round_to(A)(x) @ W^T (+ bias)``, fp32 accumulation.
+
+    x [B, K] fp32/bf16/fp16; bias [N] (any float) or None; ``out``: optional fp32 [B, N] buffer to
+    write. ``weight`` is either
+
+    * a float tensor [N, K] fp32/bf16/fp16: W = weight, A = weight.dtype (``act_dtype`` must be
+      None or that dtype); or
+    * an :class:`~ds4t.kernels.weights.FP8Weight` [N, K] (weight-only FP8, W8A16):
+      A = ``act_dtype`` or x's own dtype (x is never rounded to fp8), and per K block j of
+      ``weight.block_k`` columns ``y += scale[n, j] * dot(x[:, block j], fp8[n, block j])`` with the
+      fp8 values converted exactly to A and the block's dot summed in fp32 from zero.
+
+    Batch invariant: row i's bits do not depend on B or on the other rows. ``config`` overrides
+    :func:`linear_config` (benchmarks only; the override must itself not depend on B; for FP8 its
+    BLOCK_K must divide ``weight.block_k``).
     """
     _check_args(x, weight, bias, out)
+    adt = _act_dtype("linear", x, weight, act_dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if weight.stride(-1) != 1:
+    if isinstance(weight, FP8Weight):
+        weight = _contiguous_fp8(weight)
+    elif weight.stride(-1) != 1:
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
@@ -435,66 +588,85 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     N = weight.shape[0]
     if out is None:
         out = torch.empty((B, N), dtype=torch.float32, device=x.device)
-    cfg = config if config is not None else linear_config(K, N, weight.dtype, x.dtype)
-    return _launch(x, weight, bias, out, cfg)
+    if config is not None:
+        cfg = config
+    elif isinstance(weight, FP8Weight):
+        cfg = linear_config(K, N, FP8_DTYPE, adt, weight.block_k)
+    else:
+        cfg = linear_config(K, N, weight.dtype, x.dtype)
+    return _launch(x, weight, bias, out, cfg, adt)
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain-torch reference: fp32 ``round_to(weight.dtype)(x) @ weight^T (+ bias)``."""
-    xr = x.to(weight.dtype).float()
-    y = xr @ weight.float().t()
+def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None, *,
+               act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Plain-torch reference: fp32 ``round_to(A)(x) @ W^T (+ bias)``; an FP8 weight is dequantized
+    (``as_float``: fp8 * scale in fp32) and A is as in :func:`linear`."""
+    adt = _act_dtype("linear_ref", x, weight, act_dtype)
+    xr = x.to(adt).float()
+    y = xr @ as_float(weight, torch.float32).t()
     if bias is not None:
         y = y + bias.float()
     return y
 
 
-def linear_heads(x: torch.Tensor, weight: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor] = None,
+                 act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """One launch of G independent linears: fp32 ``out[:, g] = linear(x[:, g], weight[g])``.
 
     x [B, G, K] fp32/bf16/fp16 (any row and head strides, unit K stride: e.g. a view of a
-    projection); weight [G, N, K] (contiguous per head); ``out``: optional fp32 [B, G, N] with
-    unit N stride (e.g. a view of a wider buffer). Each head runs the tiles, config and K order
-    of a lone :func:`linear` call on its slice, so the result equals the per-head loop bit for
-    bit and is batch invariant the same way. For per-head weights such as MLA's absorbed
-    W_UK / W_UV (DeepSeek-V3: 128 heads per layer), where a loop would launch G kernels.
+    projection); weight [G, N, K] (contiguous per head), a float tensor or an FP8Weight (data
+    [G, N, K], scale [G, N, ceil(K / block_k)]; ``act_dtype`` as in :func:`linear`); ``out``:
+    optional fp32 [B, G, N] with unit N stride (e.g. a view of a wider buffer). Each head runs the
+    tiles, config and K order of a lone :func:`linear` call on its slice, so the result equals the
+    per-head loop bit for bit and is batch invariant the same way. For per-head weights such as
+    MLA's absorbed W_UK / W_UV (DeepSeek-V3: 128 heads per layer), where a loop would launch G kernels.
     """
     if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
         raise ValueError(f"linear_heads: x must be [B, G, K] and weight [G, N, K], got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)}")
+    adt = _act_dtype("linear_heads", x, weight, act_dtype)
     B, G, K = x.shape
     N = weight.shape[1]
     if x.stride(2) != 1:
         x = x.contiguous()
-    if weight.stride(2) != 1 or weight.stride(1) != K:
-        weight = weight.contiguous()
+    fp8 = isinstance(weight, FP8Weight)
+    if fp8:
+        weight = _contiguous_fp8(weight)
+        w, scale, sbk = weight.data, weight.scale, weight.block_k
+    else:
+        if weight.stride(2) != 1 or weight.stride(1) != K:
+            weight = weight.contiguous()
+        w, scale, sbk = weight, None, 0
     if out is None:
         out = torch.empty((B, G, N), dtype=torch.float32, device=x.device)
     elif out.shape != (B, G, N) or out.dtype != torch.float32 or out.stride(2) != 1:
         raise ValueError(f"linear_heads: out must be fp32 [{B}, {G}, {N}] with unit last stride")
-    cfg = linear_config(K, N, weight.dtype, x.dtype)
-    kps = cfg.k_per_split(K)
+    cfg = linear_config(K, N, FP8_DTYPE, adt, sbk) if fp8 else linear_config(K, N, weight.dtype, x.dtype)
+    kps = cfg.k_per_split(K, sbk)
     if triton.cdiv(K, kps) != 1 or cfg.m_sub != 1:
         # Split-K would need a per-head workspace; the per-head loop gives the same bits.
         for g in range(G):
-            linear(x[:, g], weight[g], out=out[:, g])
+            linear(x[:, g], weight[g], out=out[:, g], act_dtype=act_dtype)
         return out
     if B == 0 or G == 0:
         return out
+    extra = {} if not fp8 else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=cfg.k_step(K, sbk), SS_H=scale.stride(0))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), G)
     _linear_kernel[grid](
-        x, weight, weight, out, B, x.stride(0), weight.stride(1), 0, out.stride(0),
-        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=tl_dtype(weight.dtype), HAS_BIAS=False, SWAP=cfg.swap,
+        x, w, w, out, B, x.stride(0), w.stride(1), 0, out.stride(0),
+        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=tl_dtype(adt), HAS_BIAS=False, SWAP=cfg.swap,
         EVEN_K=(K % kps == 0) and (kps % cfg.block_k == 0), M_SUB=1, EVICT=cfg.evict, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP_ROWS=_clamp_rows("linear_heads"),
-        HEADS=True, SX_H=x.stride(1), SW_H=weight.stride(0), SY_H=out.stride(1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEADS=True, SX_H=x.stride(1), SW_H=w.stride(0), SY_H=out.stride(1),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return out
 
 
-def linear_heads_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_heads_ref(x: torch.Tensor, weight: Weight, *, act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-torch reference: fp32 ``[B, G, N]``, head g = ``linear_ref(x[:, g], weight[g])``."""
-    return torch.einsum("bgk,gnk->bgn", x.to(weight.dtype).float(), weight.float())
+    adt = _act_dtype("linear_heads_ref", x, weight, act_dtype)
+    return torch.einsum("bgk,gnk->bgn", x.to(adt).float(), as_float(weight, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,6 +674,9 @@ def linear_heads_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 _TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-4, torch.float16: 2e-4}
 """Max |kernel - reference| / max|reference|: both sum exact products in fp32, in different orders."""
+_TOL_FP8 = {torch.float32: 1e-5, torch.bfloat16: 2e-4, torch.float16: 2e-4}
+"""FP8 weights, keyed on the activation dtype: the kernel sums scale * (x . fp8) per block, the
+reference x . (fp8 * scale); both round in fp32 (products of fp32 x are not exact), in different orders."""
 
 
 @register_check
@@ -522,6 +697,19 @@ def _check(device) -> list:
         cfg = linear_config(K, N, wdt, x.dtype)
         results.append(CheckResult(f"linear {str(wdt).replace('torch.', '')}", f"B={B} K={K} N={N}",
                                    err, _TOL[wdt], inv, ms, note=f"relative to max|ref|; {cfg}"))
+    # FP8 weights (W8A16, 128-column scale blocks; K = 200: a ragged last block), fp32 and bf16 activations
+    w8 = quantize(torch.randn(N, K, generator=g) / K ** 0.5, (128, 128)).to(device)
+    for adt in (torch.float32, torch.bfloat16):
+        x = torch.randn(B, K, generator=g).to(device)
+        b = torch.randn(N, generator=g).to(device)
+        ref = linear_ref(x, w8, b, act_dtype=adt)
+        y = linear(x, w8, b, act_dtype=adt)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        inv = rows_invariant(lambda t: linear(t, w8, b, act_dtype=adt), x)
+        ms = timer(lambda: linear(x, w8, b, act_dtype=adt), warmup=1, iters=3)
+        cfg = linear_config(K, N, FP8_DTYPE, adt, w8.block_k)
+        results.append(CheckResult(f"linear fp8 x {str(adt).replace('torch.', '')}", f"B={B} K={K} N={N}",
+                                   err, _TOL_FP8[adt], inv, ms, note=f"relative to max|ref|; {cfg}"))
     G, K, N = 6, 64, 96   # per-head weights, e.g. MLA's absorbed W_UK
     x = torch.randn(B, G, K, generator=g).to(device)
     w = (torch.randn(G, N, K, generator=g) / K ** 0.5).to(torch.bfloat16).to(device)
@@ -532,6 +720,14 @@ def _check(device) -> list:
     ms = timer(lambda: linear_heads(x, w), warmup=1, iters=3)
     results.append(CheckResult("linear_heads bfloat16", f"B={B} G={G} K={K} N={N}", err, _TOL[torch.bfloat16],
                                inv, ms, note="one launch for G per-head linears"))
+    w8 = quantize(torch.randn(G, N, K, generator=g) / K ** 0.5, (128, 128)).to(device)
+    ref = linear_heads_ref(x, w8)
+    y = linear_heads(x, w8)
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    inv = rows_invariant(lambda t: linear_heads(t, w8), x)
+    ms = timer(lambda: linear_heads(x, w8), warmup=1, iters=3)
+    results.append(CheckResult("linear_heads fp8 x float32", f"B={B} G={G} K={K} N={N}", err,
+                               _TOL_FP8[torch.float32], inv, ms, note="FP8 per-head weights"))
     return results
 
 

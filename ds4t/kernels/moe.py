@@ -49,6 +49,7 @@ from ds4t.backend import INTERPRET, cast, mma, sigmoid, timer, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
+from ds4t.kernels.weights import FP8Weight, as_float, quantize
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
 
@@ -138,7 +139,12 @@ def _moe_gate_up_kernel(
     D, I, KTOP, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
 ):
+    """FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
+    (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
+    columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
+    accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`."""
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -151,17 +157,39 @@ def _moe_gate_up_kernel(
         b = p // KTOP
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < D
-            a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-            a = cast(a.to(tl.float32), WDT)
-            woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
-            wmask = km[:, None] & nm[None, :]
-            wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
-            wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
-            acc_g = mma(a, wg, acc_g)
-            acc_u = mma(a, wu, acc_u)
+        if SBK > 0:
+            s_row = e.to(tl.int64) * ss_e + n * ss_n
+            for kb in range(0, D, KSTEP):
+                pg = tl.zeros([BM, BN], dtype=tl.float32)
+                pu = tl.zeros([BM, BN], dtype=tl.float32)
+                for ks in tl.static_range(0, KSTEP, BK):
+                    kk = kb + ks + tl.arange(0, BK)
+                    km = kk < D
+                    a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
+                    a = cast(a.to(tl.float32), WDT)
+                    woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
+                    wmask = km[:, None] & nm[None, :]
+                    wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0).to(WDT)   # fp8 -> WDT: exact
+                    wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0).to(WDT)
+                    pg = mma(a, wg, pg)
+                    pu = mma(a, wu, pu)
+                j = kb // SBK
+                sg = tl.load(sg_ptr + s_row + j, mask=nm, other=0.0)
+                su = tl.load(su_ptr + s_row + j, mask=nm, other=0.0)
+                acc_g = acc_g + pg * sg[None, :]
+                acc_u = acc_u + pu * su[None, :]
+        else:
+            for k0 in range(0, D, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < D
+                a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
+                a = cast(a.to(tl.float32), WDT)
+                woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
+                wmask = km[:, None] & nm[None, :]
+                wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
+                wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
+                acc_g = mma(a, wg, acc_g)
+                acc_u = mma(a, wu, acc_u)
         act = _silu(acc_g) * acc_u
         tl.store(act_ptr + p[:, None] * sa_p + n[None, :], act, mask=qm[:, None] & nm[None, :])
 
@@ -174,7 +202,9 @@ def _moe_down_kernel(
     D, I, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
 ):
+    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]."""
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -185,14 +215,30 @@ def _moe_down_kernel(
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < I
-            a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-            a = cast(a, WDT)
-            w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
-                        mask=km[:, None] & nm[None, :], other=0.0)
-            acc = mma(a, w, acc)
+        if SBK > 0:
+            s_row = e.to(tl.int64) * ss_e + n * ss_n
+            for kb in range(0, I, KSTEP):
+                pd = tl.zeros([BM, BN], dtype=tl.float32)
+                for ks in tl.static_range(0, KSTEP, BK):
+                    kk = kb + ks + tl.arange(0, BK)
+                    km = kk < I
+                    a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :],
+                                other=0.0)
+                    a = cast(a, WDT)
+                    w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
+                                mask=km[:, None] & nm[None, :], other=0.0).to(WDT)
+                    pd = mma(a, w, pd)
+                sd = tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0)
+                acc = acc + pd * sd[None, :]
+        else:
+            for k0 in range(0, I, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < I
+                a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
+                a = cast(a, WDT)
+                w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
+                            mask=km[:, None] & nm[None, :], other=0.0)
+                acc = mma(a, w, acc)
         tl.store(y_ptr + p[:, None] * sy_p + n[None, :], acc, mask=qm[:, None] & nm[None, :])
 
 
@@ -223,7 +269,13 @@ def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gat
         raise ValueError(f"weights must be w_gate/w_up [E, I, D], w_down [E, D, I] with D={h.shape[1]}; got "
                          f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
     if not (w_gate.dtype == w_up.dtype == w_down.dtype):
-        raise TypeError("w_gate, w_up, w_down must share one dtype")
+        raise TypeError("w_gate, w_up, w_down must share one dtype (all float of one dtype, or all FP8Weight)")
+    fp8 = [isinstance(w, FP8Weight) for w in (w_gate, w_up, w_down)]
+    if any(fp8) and not all(fp8):
+        raise TypeError("w_gate, w_up, w_down: cannot mix FP8Weight and float weights")
+    if all(fp8) and len({w.block_k for w in (w_gate, w_up, w_down)}) != 1:
+        raise ValueError(f"w_gate, w_up, w_down must share one block_k, got "
+                         f"{[w.block_k for w in (w_gate, w_up, w_down)]}")
     if shared_expert is None:
         if shared_gate is not None:
             raise ValueError("shared_gate without shared_expert")
@@ -235,6 +287,24 @@ def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gat
         if shared_gate is not None and (shared_gate.dim() != 1 or shared_gate.shape[0] != h.shape[0]):
             raise ValueError(f"shared_gate must be [B={h.shape[0]}], got {tuple(shared_gate.shape)}")
     return E, I, D
+
+
+def _act_dtype(h, w_gate, act_dtype):
+    """What h and silu(g)·u are rounded to: the weight dtype for float weights (another ``act_dtype``
+    is an error), ``act_dtype`` or h's dtype for FP8 weights."""
+    if isinstance(w_gate, FP8Weight):
+        adt = h.dtype if act_dtype is None else act_dtype
+        tl_dtype(adt)   # fp32 / bf16 / fp16, else TypeError
+        return adt
+    if act_dtype is not None and act_dtype != w_gate.dtype:
+        raise ValueError(f"moe_experts: act_dtype={act_dtype} is for FP8 weights; {w_gate.dtype} weights "
+                         f"round the activations to their own dtype")
+    return w_gate.dtype
+
+
+def _unit_k(w: FP8Weight) -> FP8Weight:
+    """The grouped kernels take any expert and row strides, but a unit stride along K."""
+    return w if w.data.stride(-1) == 1 and w.scale.stride(-1) == 1 else w.contiguous()
 
 
 def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int] = None):
@@ -268,10 +338,20 @@ class MoEConfig:
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
 
-    def tiles(self, N: int, K: int):
-        """(BN, BK) for an [N, K] weight: from the weight shape only."""
-        return (max(16, min(self.tile_n, triton.next_power_of_2(N))),
-                max(16, min(self.tile_k, triton.next_power_of_2(K))))
+    def tiles(self, N: int, K: int, scale_bk: int = 0):
+        """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
+        block, which BK must divide: BK halves until it does)."""
+        bk = max(16, min(self.tile_k, triton.next_power_of_2(K)))
+        while scale_bk and bk > 16 and scale_bk % bk:
+            bk //= 2
+        if scale_bk and scale_bk % bk:
+            raise ValueError(f"moe_experts: no K tile >= 16 divides the FP8 weights' block_k={scale_bk}")
+        return max(16, min(self.tile_n, triton.next_power_of_2(N))), bk
+
+
+def k_step(K: int, BK: int, scale_bk: int) -> int:
+    """Columns per K-loop step of an FP8 grouped kernel: one scale block, min(scale_bk, K rounded up to BK)."""
+    return min(scale_bk, triton.cdiv(K, BK) * BK)
 
 
 _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
@@ -283,13 +363,17 @@ def _unknown_kernel(kernel: str):
 
 MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
-                "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
-    gpu_rule=lambda kernel: _unknown_kernel(kernel), interp_rule=lambda kernel: _INTERP_CONFIG,
-    source="bench/results/2026-11-29-h200-moe-tiles.md")
-"""Keyed on the grouped kernel ("gate_up", "down"); the tiles follow from the weight shape
-(:meth:`MoEConfig.tiles`). Chosen by ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per
-kernel at the three families' expert shapes, N = 1 and 16): the best summed time; 4-15 % faster
-than 64/64 tiles."""
+                "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
+                ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
+                ("down", "fp8"): MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
+    gpu_rule=lambda kernel, fmt=None: _unknown_kernel(kernel),
+    interp_rule=lambda kernel, fmt=None: _INTERP_CONFIG,
+    source="bench/results/2026-11-29-h200-moe-tiles.md (float weights); FP8: the bf16 tiles, not swept")
+"""Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
+weights; the tiles follow from the weight shape (:meth:`MoEConfig.tiles`). Chosen by
+``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three families' expert
+shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. The FP8 entries copy
+the bf16 ones (their 128-column K tile is one scale block) until a sweep says otherwise."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +407,7 @@ def moe_experts(
     shared_expert: Optional[int] = None,
     shared_gate: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    act_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts for B rows, each with its k (expert id, weight) pairs.
 
@@ -330,8 +415,17 @@ def moe_experts(
     w_down [E, D, I]. ``shared_expert`` (an expert index) adds rank k to every row, weighted by
     sigmoid(``shared_gate`` fp32 [B]) or by 1 (k may then be 0). Returns fp32 [B, D] (``out`` if
     given). See the module docstring.
+
+    The three weights are float tensors of one dtype (h and silu(g)·u rounded to it; ``act_dtype``
+    must be None or that dtype) or three :class:`~ds4t.kernels.weights.FP8Weight` of one block_k
+    (data [E, I, D] / [E, D, I], scales [E, I, cdiv(D, bk)] / [E, D, cdiv(I, bk)]; W8A16): h and
+    silu(g)·u are rounded to A = ``act_dtype`` or h's dtype (never to fp8), each fp8 tile is
+    converted exactly to A, and per K block j: ``acc += scale[e, n, j] * dot_j`` (the block's dot
+    in fp32 from zero), as :func:`ds4t.kernels.linear.linear` does.
     """
     E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate)
+    fp8 = isinstance(w_gate, FP8Weight)
+    adt = _act_dtype(h, w_gate, act_dtype)
     B, k = ids.shape
     KT = k + (shared_expert is not None)
     SHARED = -1 if shared_expert is None else int(shared_expert)
@@ -346,7 +440,11 @@ def moe_experts(
         h = h.contiguous()
     ids = ids if ids.stride(1) == 1 or k <= 1 else ids.contiguous()
     weights = weights if weights.stride(1) == 1 or k <= 1 else weights.contiguous()
-    if w_gate.stride() != w_up.stride():
+    if fp8:
+        w_gate, w_up, w_down = (_unit_k(w) for w in (w_gate, w_up, w_down))
+        if w_gate.data.stride() != w_up.data.stride() or w_gate.scale.stride() != w_up.scale.stride():
+            w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    elif w_gate.stride() != w_up.stride():
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     sg = gate.stride(0)
     path = variant("moe_experts")
@@ -354,14 +452,17 @@ def moe_experts(
         # imported here: the twin uses this module's jit helpers (_pair_expert, _pair_weight)
         from ds4t.kernels.interp import moe_rows
 
-        if moe_rows.launch(h, ids, weights, gate, w_gate, w_up, w_down, SHARED, GATED, out):
+        if moe_rows.launch(h, ids, weights, gate, w_gate, w_up, w_down, SHARED, GATED, out, adt):
             return out
     P = B * KT
     # 1. group pairs by expert on the device (pairs of an expert in pair order)
     order, bounds = group_pairs(ids, E, shared_expert)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     y = torch.empty((P, D), dtype=torch.float32, device=dev)
-    WDT = tl_dtype(w_gate.dtype)
+    WDT = tl_dtype(adt)
+    fmt = ("fp8",) if fp8 else ()
+    sbk = w_gate.block_k if fp8 else 0
+    wg_t, wu_t, wd_t = (w.data for w in (w_gate, w_up, w_down)) if fp8 else (w_gate, w_up, w_down)
     # Programs run over slots of chosen experts. Variant "gpu": min(E, P) slots, each finding its
     # expert from ``bounds`` on the device (no host sync, so the step can be captured in a CUDA
     # graph). Variant "host_list" (and "interp" where its tiles do not fit; tensors are on the host
@@ -375,23 +476,29 @@ def moe_experts(
         n_slots = int(experts.shape[0])
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
-    cfg = MOE_CONFIGS("gate_up")
-    BN, BK = cfg.tiles(I, D)
+    cfg = MOE_CONFIGS("gate_up", *fmt)
+    BN, BK = cfg.tiles(I, D, sbk)
     kw = launch_kwargs(cfg)
+    if fp8:
+        kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
+                  SBK=sbk, KSTEP=k_step(D, BK, sbk))
     _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts,
-        w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         act, act.stride(0),
         D, I, KT, E,
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
     # 3. down
-    cfg = MOE_CONFIGS("down")
-    BN, BK = cfg.tiles(D, I)
+    cfg = MOE_CONFIGS("down", *fmt)
+    BN, BK = cfg.tiles(D, I, sbk)
     kw = launch_kwargs(cfg)
+    if fp8:
+        kw.update(sd_ptr=w_down.scale, ss_e=w_down.scale.stride(0), ss_n=w_down.scale.stride(1),
+                  SBK=sbk, KSTEP=k_step(I, BK, sbk))
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts,
-        w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(0),
         D, I, E,
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
@@ -409,9 +516,12 @@ def moe_experts(
 # ----------------------------------------------------------------------------- reference
 
 
-def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None, shared_gate=None, out=None):
-    """Plain-torch :func:`moe_experts` (same rounding points, rank-ordered sum)."""
-    wdt = w_gate.dtype
+def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None, shared_gate=None, out=None,
+                    act_dtype=None):
+    """Plain-torch :func:`moe_experts` (same rounding points, rank-ordered sum); FP8 weights are
+    dequantized (``as_float``: fp8 * scale in fp32) and the activations rounded to A as there."""
+    wdt = _act_dtype(h, w_gate, act_dtype)
+    w_gate, w_up, w_down = (as_float(w, torch.float32) for w in (w_gate, w_up, w_down))
     if shared_expert is not None:
         B = ids.shape[0]
         ids = torch.cat([ids.long(), torch.full((B, 1), shared_expert, dtype=torch.long, device=ids.device)], 1)
@@ -438,6 +548,8 @@ def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None
 # ----------------------------------------------------------------------------- self-check
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+TOL_FP8 = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+"""FP8 weights, keyed on the activation dtype."""
 
 
 @register_check
@@ -463,6 +575,16 @@ def _check(device) -> List[CheckResult]:
                    iters=1 if INTERPRET else 10)
         results.append(CheckResult(f"moe_experts {str(dt).split('.')[-1]}", f"B={B} E={E} k={k} D={D} I={I}",
                                    err, TOL[dt], inv, ms, note="max_err relative to max |ref|"))
+    # FP8 weights (W8A16, 128x128 blocks; D, I not multiples of 128), fp32 activations
+    wg, wu, wd = (quantize(torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device)
+                  for shape in ((E, I, D), (E, I, D), (E, D, I)))
+    o = moe_experts(h, ids, wts, wg, wu, wd)
+    ref = moe_experts_ref(h, ids, wts, wg, wu, wd)
+    err = ((o - ref).abs().max() / ref.abs().max()).item()
+    inv = all(torch.equal(moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], wg, wu, wd)[0], o[i]) for i in (0, 1, 5))
+    ms = timer(lambda: moe_experts(h, ids, wts, wg, wu, wd), warmup=0 if INTERPRET else 3, iters=1 if INTERPRET else 10)
+    results.append(CheckResult("moe_experts fp8 x float32", f"B={B} E={E} k={k} D={D} I={I}", err, TOL_FP8[torch.float32],
+                               inv, ms, note="max_err relative to max |ref|; FP8 weights, 128x128 blocks"))
     return results
 
 

@@ -1,6 +1,7 @@
 """ds4t.kernels.linear: against the reference, batch invariance, and a negative control."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -104,7 +105,7 @@ def test_rejects_bad_shapes(device):
 
 
 def test_config_never_sees_the_batch():
-    assert list(inspect.signature(linear_config).parameters) == ["K", "N", "w_dtype", "x_dtype"]
+    assert list(inspect.signature(linear_config).parameters) == ["K", "N", "w_dtype", "x_dtype", "w_block_k"]
     for (K, N, _), cfg in L._GPU_TABLE.items():
         assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_n >= 16
         assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k >= 16
@@ -112,6 +113,9 @@ def test_config_never_sees_the_batch():
     for K, N in [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936), (200, 333), (7, 5)]:
         cfg = L._gpu_heuristic(K, N, 2)
         assert cfg.block_k >= 16 and cfg.block_n >= 16 and cfg.split >= 1
+        cfg = L._gpu_fp8_heuristic(K, N, 128)
+        assert cfg.block_k >= 16 and cfg.block_n >= 16 and cfg.split >= 1 and 128 % cfg.block_k == 0
+        assert cfg.k_per_split(K, 128) % min(128, cfg.k_step(K, 128)) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,3 +291,182 @@ def _device():
     from ds4t.backend import default_device
 
     return default_device()
+
+
+# ----------------------------------------------------------------------------- FP8 weights (W8A16)
+
+FP8_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
+"""Max |kernel - ref| / max |ref| by activation dtype: the kernel sums scale * (x . fp8) per K block,
+the reference x . (fp8 * scale); both round in fp32 (fp32 x times fp8 is not exact), in other orders."""
+FP8_SHAPES = [(5, 200, 576), (1, 300, 333), (17, 96, 48)]   # (B, K, N): K, N not multiples of 128
+
+
+def _fp8_data(B, K, N, xdt=torch.float32, device="cpu", seed=0, block=(128, 128), bias=True):
+    from ds4t.kernels.weights import quantize
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, K, generator=g).to(xdt).to(device)
+    # rows of different magnitudes: the per-row block scales differ
+    w = torch.randn(N, K, generator=g) / K ** 0.5 * (1 + torch.rand(N, 1, generator=g) * 4)
+    b = (torch.randn(N, generator=g) * 0.5 + 0.1).to(device) if bias else None
+    return x, quantize(w, block).to(device), b
+
+
+def _rel_err(y, ref):
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("adt", DTYPES, ids=str)
+@pytest.mark.parametrize("B,K,N", FP8_SHAPES)
+def test_fp8_matches_reference(device, adt, B, K, N):
+    x, w, b = _fp8_data(B, K, N, adt, device=device, seed=B + K)
+    out = poisoned((B, N), device=device)
+    y = linear(x, w, b, out=out)          # activation dtype = x's own dtype
+    assert y is out and not torch.isnan(y).any()
+    assert _rel_err(y, linear_ref(x, w, b)) <= FP8_TOL[adt]
+
+
+def test_fp8_fp32_activations_are_not_rounded(device):
+    """fp32 x stays fp32 (never rounded to bf16 or fp8): the result is the dequantized product to
+    fp32 accuracy; ``act_dtype=bf16`` rounds x first and the difference shows."""
+    x, w, _ = _fp8_data(4, 200, 70, device=device, seed=7, bias=False)
+    exact = (x.double() @ w.dequantize().double().t())
+    y = linear(x, w)
+    assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 2e-6
+    yb = linear(x, w, act_dtype=torch.bfloat16)
+    assert _rel_err(yb, linear_ref(x, w, act_dtype=torch.bfloat16)) <= FP8_TOL[torch.bfloat16]
+    assert torch.equal(yb, linear(x.bfloat16(), w))   # rounding inside == a bf16 x
+    assert ((yb.double() - exact).abs().max() / exact.abs().max()).item() > 1e-4
+
+
+@pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_gpu_paths_match_reference(device, cfg, adt):
+    """The GPU's code paths with FP8 weights: split-K on scale-block boundaries (K = 300: three
+    blocks, the last ragged; split 2 runs a block past K), swapped operands, 2 and 4 row sub-tiles,
+    BLOCK_K of 16..128 inside 128-column scale blocks (and 64-column blocks where BLOCK_K allows)."""
+    x, w, b = _fp8_data(19, 300, 333, adt, device=device, seed=3)
+    out = poisoned((19, 333), device=device)
+    with use_variants({"linear": GPU}):
+        linear(x, w, b, out=out, config=cfg)
+    assert _rel_err(out, linear_ref(x, w, b)) <= FP8_TOL[adt]
+    if cfg.block_k <= 64:
+        x, w, b = _fp8_data(19, 300, 333, adt, device=device, seed=4, block=(128, 64))
+        with use_variants({"linear": GPU}):
+            y = linear(x, w, b, config=cfg)
+        assert _rel_err(y, linear_ref(x, w, b)) <= FP8_TOL[adt]
+
+
+def test_fp8_block_k_must_divide_the_scale_block(device):
+    x, w, _ = _fp8_data(2, 200, 40, device=device, block=(128, 64), bias=False)
+    with pytest.raises(ValueError, match="must divide"):
+        linear(x, w, config=LinearConfig(block_n=32, block_k=128, split=1))
+    y = linear(x, w)   # its own config picks a BLOCK_K that divides 64
+    assert linear_config(200, 40, w.dtype, x.dtype, 64).block_k <= 64
+    assert _rel_err(y, linear_ref(x, w)) <= FP8_TOL[torch.float32]
+
+
+def test_fp8_bad_act_dtype(device):
+    x, w, _ = _data(2, 64, 40, torch.bfloat16, device=device, bias=False)
+    with pytest.raises(ValueError, match="act_dtype"):
+        linear(x, w, act_dtype=torch.float32)
+    assert torch.equal(linear(x, w, act_dtype=torch.bfloat16), linear(x, w))
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant_cfg", [None, PATH_CONFIGS[0], PATH_CONFIGS[4]],
+                         ids=["own-config", "split3-swap", "split2-msub2"])
+def test_fp8_launch_size_changes_no_bit(device, adt, variant_cfg):
+    """The prefill property: 64 rows computed in launches of 64, 17 (+13) and 1 rows are bitwise equal."""
+    x, w, b = _fp8_data(64, 300, 200, device=device, seed=11)
+    ctx = use_variants({"linear": GPU}) if variant_cfg is not None else contextlib.nullcontext()
+    with ctx:
+        def run(rows):
+            return linear(rows, w, b, config=variant_cfg, act_dtype=adt)
+
+        whole = run(x)
+        by17 = torch.cat([run(x[i:i + 17]) for i in range(0, 64, 17)])
+        alone = range(64) if variant_cfg is None else [0, 15, 16, 17, 40, 63]   # the GPU variant: fewer (slow here)
+        by1 = {i: run(x[i:i + 1]) for i in alone}
+    assert torch.equal(whole, by17)
+    assert all(torch.equal(whole[i:i + 1], y) for i, y in by1.items())
+
+
+_FP8_POOL = {}
+
+
+def _fp8_pool(shape, block):
+    key = (shape, block)
+    if key not in _FP8_POOL:
+        from ds4t.kernels.weights import quantize
+
+        K, N = shape
+        g = torch.Generator(device="cpu").manual_seed(sum(shape))
+        x = torch.randn(POOL, K, generator=g).to(default_device())
+        w = quantize(torch.randn(N, K, generator=g) / K ** 0.5, block).to(default_device())
+        b = torch.randn(N, generator=g).to(default_device())
+        _FP8_POOL[key] = (x, w, b)
+    return _FP8_POOL[key]
+
+
+@settings(PROPERTY, max_examples=12)
+@given(batch=batches(), adt=st.sampled_from([torch.float32, torch.bfloat16]),
+       shape=st.sampled_from([(200, 333), (300, 64)]), block=st.sampled_from([(128, 128), (128, 64)]),
+       cfg=st.sampled_from([None, PATH_CONFIGS[0], PATH_CONFIGS[4], PATH_CONFIGS[5]]))
+def test_fp8_rows_invariant(batch, adt, shape, block, cfg):
+    x, w, b = _fp8_pool(shape, block)
+    if cfg is not None and block[1] % cfg.block_k:
+        cfg = None
+    rows, i = batch
+    with use_variants({"linear": GPU}) if cfg is not None else contextlib.nullcontext():
+        assert_rows_invariant(lambda idx: linear(x[idx].contiguous(), w, b, config=cfg, act_dtype=adt), rows, i)
+
+
+@pytest.mark.parametrize("B,G,K,N", [(5, 4, 200, 96), (1, 3, 48, 17)])
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_linear_heads_is_the_per_head_loop_bitwise(device, B, G, K, N, adt):
+    from ds4t.kernels.weights import quantize
+
+    g = torch.Generator(device="cpu").manual_seed(B + G + K)
+    wide = torch.randn(B, G * K + 7, generator=g).to(device)
+    x = wide[:, : G * K].view(B, G, K)
+    w = quantize(torch.randn(G, N, K, generator=g) / K ** 0.5).to(device)
+    assert w.scale.shape == (G, N, (K + 127) // 128)
+    buf = poisoned((B, G, N + 5), device=device)
+    got = L.linear_heads(x, w, out=buf[:, :, :N], act_dtype=adt)
+    assert not torch.isnan(got).any() and torch.isnan(buf[:, :, N:]).all()
+    loop = torch.stack([linear(x[:, h], w[h], act_dtype=adt) for h in range(G)], dim=1)
+    assert torch.equal(got, loop)
+    assert _rel_err(got, L.linear_heads_ref(x, w, act_dtype=adt)) <= FP8_TOL[adt]
+
+
+def test_fp8_linear_heads_split_k_loop(device, monkeypatch):
+    from ds4t.kernels.weights import quantize
+
+    split = LinearConfig(block_n=32, block_k=32, split=2, swap=True)
+    monkeypatch.setattr(L, "linear_config", lambda *a, **k: split)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(5, 3, 300, generator=g).to(device)
+    w = quantize(torch.randn(3, 40, 300, generator=g) / 300 ** 0.5).to(device)
+    loop = torch.stack([linear(x[:, h], w[h], config=split) for h in range(3)], dim=1)
+    got = L.linear_heads(x, w)
+    assert torch.equal(got, loop)
+    assert _rel_err(got, L.linear_heads_ref(x, w)) <= FP8_TOL[torch.float32]
+
+
+_HW8 = None
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.permutations(range(33)).flatmap(
+    lambda p: st.integers(1, 33).flatmap(lambda n: st.tuples(st.just(p[:n]), st.integers(0, n - 1)))))
+def test_fp8_linear_heads_rows_invariant(case):
+    from ds4t.kernels.weights import quantize
+
+    global _HW8
+    if _HW8 is None:
+        _HW8 = quantize(torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(6)) / 40 ** 0.5)
+    rows, i = case
+    dev = torch.device(_device())
+    x, w = _HX.to(dev), _HW8.to(dev)
+    assert_rows_invariant(lambda rs: L.linear_heads(x[list(rs)], w), rows, i)

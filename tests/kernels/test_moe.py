@@ -287,3 +287,156 @@ def test_moe_row_invariant_with_duplicates_of_itself():
     full = moe_experts(_H[rows], _IDS[rows], _W[rows], wg, wu, wd)
     alone = moe_experts(_H[0:1], _IDS[0:1], _W[0:1], wg, wu, wd)
     assert all(torch.equal(full[j], alone[0]) for j in range(20))
+
+
+# ----------------------------------------------------------------------------- FP8 weights (W8A16)
+
+# relative to max |ref|, by activation dtype (the reference dequantizes, fp8 * scale in fp32)
+FP8_TOL = {torch.float32: 1e-5, torch.bfloat16: TOL[torch.bfloat16], torch.float16: TOL[torch.float16]}
+
+
+def _fp8_weights(E, I, D, seed, block_k=128):
+    from ds4t.kernels.weights import quantize
+
+    wg, wu, wd = _weights(E, I, D, torch.float32, seed)
+    # experts and rows of different magnitudes: the block scales differ
+    g = gen(seed + 100)
+    wg = wg * (1 + 3 * torch.rand(E, I, 1, generator=g))
+    wd = wd * (1 + 3 * torch.rand(E, 1, 1, generator=g))
+    return tuple(quantize(w, (128, block_k)) for w in (wg, wu, wd))
+
+
+@pytest.mark.parametrize("adt", DTYPES, ids=str)
+@pytest.mark.parametrize("B,E,k,D,I,bk", [
+    (5, 8, 2, 48, 40, 128),
+    (3, 10, 3, 300, 260, 128),   # D, I over several scale blocks, the last ragged
+    (7, 6, 2, 200, 136, 64),     # 64-column scale blocks
+])
+def test_fp8_moe_vs_ref(path, adt, B, E, k, D, I, bk):
+    wg, wu, wd = _fp8_weights(E, I, D, seed=B + E, block_k=bk)
+    ids, w = _routing(B, E - 1, k, seed=D)
+    h = torch.randn(B, D, generator=gen(1)).to(adt)      # activation dtype = h's own
+    out = poisoned((B, D))
+    res = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=out)
+    assert res is out and not torch.isnan(res).any()
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1)
+    assert ((res - ref).abs().max() / ref.abs().max()).item() <= FP8_TOL[adt]
+
+
+def test_fp8_moe_fp32_close_to_fp64():
+    E, I, D, B, k = 8, 40, 200, 6, 2
+    wg, wu, wd = _fp8_weights(E, I, D, 5)
+    ids, w = _routing(B, E, k, 6)
+    h = torch.randn(B, D, generator=gen(7))
+    fg, fu, fd = (x.data.double() * x.scale.double().repeat_interleave(128, -1)[..., :x.shape[-1]]
+                  for x in (wg, wu, wd))
+    ref = torch.zeros(B, D, dtype=torch.float64, device=h.device)
+    for b in range(B):
+        for j in range(k):
+            e = int(ids[b, j])
+            x = h[b].double()
+            a = torch.nn.functional.silu(fg[e] @ x) * (fu[e] @ x)
+            ref[b] += w[b, j].double() * (fd[e] @ a)
+    res = moe_experts(h, ids, w, wg, wu, wd)
+    assert ((res.double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
+    # act_dtype=bf16 rounds h and silu(g)*u (visibly), and matches its reference
+    resb = moe_experts(h, ids, w, wg, wu, wd, act_dtype=torch.bfloat16)
+    refb = moe_experts_ref(h, ids, w, wg, wu, wd, act_dtype=torch.bfloat16)
+    assert ((resb - refb).abs().max() / refb.abs().max()).item() <= FP8_TOL[torch.bfloat16]
+    assert (resb.double() - ref).abs().max() > 1e-4
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B,E,k,D,I,bk,tiles", [(1, 9, 3, 64, 32, 128, None), (8, 9, 3, 300, 260, 128, None),
+                                                (6, 7, 2, 200, 136, 64, None), (6, 7, 2, 200, 136, 64, 32)])
+def test_fp8_rows_path_equals_grouped_kernels(monkeypatch, adt, B, E, k, D, I, bk, tiles):
+    """The interpreter's one-launch path does the grouped kernels' FP8 arithmetic in their order (and
+    the device-found expert slots equal the host list): the same bits. With 32-column K tiles a scale
+    block holds several sub-tiles, and the grouped kernels run whole masked sub-tiles past D / I that
+    the rows path skips (adding +0 to a block sum changes no bit)."""
+    from ds4t.kernels.interp import moe_rows
+
+    if tiles is not None:
+        small = M.MoEConfig(tile_n=tiles, tile_k=tiles)
+        monkeypatch.setattr(M, "_INTERP_CONFIG", small)
+        monkeypatch.setattr(moe_rows, "_INTERP_CONFIG", small)
+    wg, wu, wd = _fp8_weights(E, I, D, seed=7, block_k=bk)
+    ids, w = _routing(B, E - 1, k, seed=8)
+    h = torch.randn(B, D, generator=gen(9))
+    gate = torch.randn(B, generator=gen(10))
+    got = {}
+    for v in (INTERP, GPU, HOST_LIST):
+        with use_variants({"moe_experts": v}):
+            got[v] = moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, act_dtype=adt,
+                                 out=poisoned((B, D)))
+    assert not torch.isnan(got[GPU]).any()
+    assert torch.equal(got[INTERP], got[GPU]) and torch.equal(got[GPU], got[HOST_LIST])
+
+
+def test_fp8_fused_gate_up_views(path):
+    """HF's fused gate_up [E, 2I, D] quantized as one tensor, split into row views (as the loader
+    does): the same bits as contiguous copies."""
+    from ds4t.kernels.weights import quantize
+
+    E, I, D, B, k = 6, 40, 200, 5, 2
+    g = gen(31)
+    gu = quantize(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
+    wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    wg, wu = gu[:, :I], gu[:, I:]
+    assert not wg.data.is_contiguous()
+    ids, w = _routing(B, E, k, 32)
+    h = torch.randn(B, D, generator=g)
+    views = moe_experts(h, ids, w, wg, wu, wd)
+    copies = moe_experts(h, ids, w, wg.contiguous(), wu.contiguous(), wd)
+    assert torch.equal(views, copies)
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd)
+    assert ((views - ref).abs().max() / ref.abs().max()).item() <= FP8_TOL[torch.float32]
+
+
+def test_fp8_bad_weights():
+    from ds4t.kernels.weights import quantize
+
+    wg, wu, wd = _fp8_weights(4, 40, 48, 1)
+    fg, fu, fd = _weights(4, 40, 48, torch.float32, 1)
+    h, ids, w = torch.randn(2, 48, generator=gen(2)), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
+    h, ids, w = h, ids.to(h.device), w.to(h.device)
+    with pytest.raises(TypeError):
+        moe_experts(h, ids, w, wg, fu, wd)
+    with pytest.raises(ValueError, match="block_k"):
+        moe_experts(h, ids, w, wg, wu, quantize(wd.dequantize(), (128, 64)))
+    with pytest.raises(ValueError, match="act_dtype"):
+        moe_experts(h, ids, w, fg, fu, fd, act_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_launch_size_changes_no_bit(path, adt):
+    """The prefill property: 64 rows computed in launches of 64, 17 (+13) and 1 rows are bitwise equal."""
+    E, I, D, k = 8, 40, 200, 2
+    wg, wu, wd = _fp8_weights(E, I, D, 41)
+    ids, w = _routing(64, 4, k, seed=42)     # 4 hot experts: up to ~32 pairs share one (two M tiles)
+    h = torch.randn(64, D, generator=gen(43))
+
+    def run(a, b):
+        return moe_experts(h[a:b], ids[a:b], w[a:b], wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
+
+    whole = run(0, 64)
+    assert torch.equal(whole, torch.cat([run(i, i + 17) for i in range(0, 64, 17)]))
+    assert all(torch.equal(whole[i:i + 1], run(i, i + 1)) for i in (0, 5, 16, 17, 31, 63))
+
+
+with torch.device(default_device()):
+    _FP8_WEIGHTS = _fp8_weights(_E, _I, _D, 24)
+
+
+@settings(max_examples=10, deadline=None)
+@given(_rows(), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_fp8_moe_rows_invariant(case, adt, rows_path):
+    rows, i = case
+    wg, wu, wd = _FP8_WEIGHTS
+
+    def run(rs):
+        return moe_experts(_H[rs], _IDS[rs], _W[rs], wg, wu, wd, act_dtype=adt, out=poisoned((len(rs), _D)))
+
+    with launcher_path(M, rows_path):
+        assert_rows_invariant(run, rows, i)

@@ -13,7 +13,8 @@ import triton.language as tl
 
 from ds4t.backend import cast, tl_dtype
 from ds4t.backend import silu as _silu
-from ds4t.kernels.moe import _INTERP_CONFIG, _pair_expert, _pair_weight
+from ds4t.kernels.moe import _INTERP_CONFIG, _pair_expert, _pair_weight, k_step
+from ds4t.kernels.weights import FP8Weight
 
 
 @triton.jit
@@ -25,6 +26,8 @@ def _moe_rows_kernel(
     D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr,
     WDT: tl.constexpr, ROWS: tl.constexpr,
     KP: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+    sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, sd_ptr=None, sds_e=0, sds_n=0,
+    SBK: tl.constexpr = 0, KSTEP_D: tl.constexpr = 0, KSTEP_I: tl.constexpr = 0,
 ):
     """Interpreter path: gate/up, down and the rank combine of ROWS rows in one program.
 
@@ -36,6 +39,10 @@ def _moe_rows_kernel(
     combine sums w_j * y_j over the ranks in rank order. Rows never mix: a row's result does not
     depend on the other rows of the program (tests/kernels/test_moe.py checks it bitwise, and
     against the grouped kernels).
+
+    FP8 weights (SBK > 0): the grouped kernels' scale blocks too. Over D (gate/up) and over I (down)
+    the BK / BI chunks of one scale block (KSTEP_D / KSTEP_I columns) are summed from zero, then
+    the block's sum times its per-row scale is added to the accumulator (first block: 0 + s * sum).
     """
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r64 = tl.minimum(r, B - 1).to(tl.int64)  # rows past B load row B-1 (in bounds) and store nothing
@@ -52,41 +59,127 @@ def _moe_rows_kernel(
     d_ptrs = (e4 * sd_e + (ii * sd_k)[None, None, :, None]) + (dd * sd_n)[None, None, None, :]   # [ROWS, KP, BI, BD]
     h_row = h_ptr + r2 * sh_b                                            # [ROWS, 1]
     EVEN: tl.constexpr = (D % BK == 0) and (I % BI == 0) and (D == BD)
-    for i0 in tl.static_range(0, I, BI):
-        for k0 in tl.static_range(0, D, BK):
-            if D % BK == 0:
-                a = tl.load(h_row + (k0 + kk)[None, :])
-            else:
-                a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
-            a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
-            off = k0 * sw_k + i0 * sw_n
+    if SBK > 0:
+        _fp8_rows(h_row, e[:, :, None], wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, wd_ptr, d_ptrs, sd_k,
+                  sg_ptr, su_ptr, ss_e, ss_n, sd_ptr, sds_e, sds_n, wj, out_ptr, so_b, r, r2, B,
+                  D, I, WDT, BI, BK, BD, SBK, KSTEP_D, KSTEP_I, EVEN)
+    else:
+        for i0 in tl.static_range(0, I, BI):
+            for k0 in tl.static_range(0, D, BK):
+                if D % BK == 0:
+                    a = tl.load(h_row + (k0 + kk)[None, :])
+                else:
+                    a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
+                a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
+                off = k0 * sw_k + i0 * sw_n
+                if EVEN:
+                    wg = tl.load(wg_ptr + off + g_ptrs)
+                    wu = tl.load(wu_ptr + off + g_ptrs)
+                else:
+                    wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
+                    wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
+                    wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
+                pg = tl.sum(a * wg.to(tl.float32), axis=2)                    # [ROWS, KP, BI]
+                pu = tl.sum(a * wu.to(tl.float32), axis=2)
+                if k0 == 0:  # 0 + first chunk, as the grouped kernel's zero-initialised accumulator
+                    acc_g = 0.0 + pg
+                    acc_u = 0.0 + pu
+                else:
+                    acc_g = acc_g + pg
+                    acc_u = acc_u + pu
+            act = cast(_silu(acc_g) * acc_u, WDT).to(tl.float32)[:, :, :, None]   # [ROWS, KP, BI, 1]
             if EVEN:
-                wg = tl.load(wg_ptr + off + g_ptrs)
-                wu = tl.load(wu_ptr + off + g_ptrs)
+                wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs)
             else:
-                wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
-                wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
-                wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
-            pg = tl.sum(a * wg.to(tl.float32), axis=2)                    # [ROWS, KP, BI]
-            pu = tl.sum(a * wu.to(tl.float32), axis=2)
-            if k0 == 0:  # 0 + first chunk, as the grouped kernel's zero-initialised accumulator
-                acc_g = 0.0 + pg
-                acc_u = 0.0 + pu
+                wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs,
+                             mask=((i0 + ii) < I)[None, None, :, None] & (dd < D)[None, None, None, :], other=0.0)
+            pd = tl.sum(act * wd.to(tl.float32), axis=2)                      # [ROWS, KP, BD]
+            if i0 == 0:
+                y = 0.0 + pd
             else:
-                acc_g = acc_g + pg
-                acc_u = acc_u + pu
+                y = y + pd
+        # rank combine: (w0*y0 + w1*y1) + w2*y2 ..., a sum over the rank axis in rank order
+        out = tl.sum(wj[:, :, None] * y, axis=1)
+        rm = (r < B)[:, None]
+        if D == BD:
+            tl.store(out_ptr + r2 * so_b + dd[None, :], out, mask=rm)
+        else:
+            tl.store(out_ptr + r2 * so_b + dd[None, :], out, mask=rm & (dd < D)[None, :])
+
+
+@triton.jit
+def _fp8_rows(h_row, e3, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, wd_ptr, d_ptrs, sd_k,
+              sg_ptr, su_ptr, ss_e, ss_n, sd_ptr, sds_e, sds_n, wj, out_ptr, so_b, r, r2, B,
+              D: tl.constexpr, I: tl.constexpr, WDT: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
+              BD: tl.constexpr, SBK: tl.constexpr, KSTEP_D: tl.constexpr, KSTEP_I: tl.constexpr,
+              EVEN: tl.constexpr):
+    """:func:`_moe_rows_kernel` with FP8 weights (fp8 tiles, fp32 per-row block scales)."""
+    kk = tl.arange(0, BK)
+    ii = tl.arange(0, BI)
+    dd = tl.arange(0, BD)
+    for i0 in tl.static_range(0, I, BI):
+        # gate / up for I columns i0 .. i0 + BI: scale blocks over D, BK chunks inside each
+        s_gu = e3 * ss_e + ((i0 + ii) * ss_n)[None, None, :]                     # [ROWS, KP, BI]
+        for kb in tl.static_range(0, D, KSTEP_D):
+            for ks in tl.static_range(0, KSTEP_D, BK):
+                if kb + ks < D:
+                    k0 = kb + ks
+                    if D % BK == 0:
+                        a = tl.load(h_row + (k0 + kk)[None, :])
+                    else:
+                        a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
+                    a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
+                    off = k0 * sw_k + i0 * sw_n
+                    if EVEN:
+                        wg = tl.load(wg_ptr + off + g_ptrs)
+                        wu = tl.load(wu_ptr + off + g_ptrs)
+                    else:
+                        wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
+                        wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
+                        wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
+                    pg = tl.sum(a * wg.to(tl.float32), axis=2)                # [ROWS, KP, BI]
+                    pu = tl.sum(a * wu.to(tl.float32), axis=2)
+                    if ks == 0:   # a block's dot starts from zero, as the grouped kernel's
+                        bg = 0.0 + pg
+                        bu = 0.0 + pu
+                    else:
+                        bg = bg + pg
+                        bu = bu + pu
+            if I % BI == 0:
+                sg = tl.load(sg_ptr + s_gu + kb // SBK)
+                su = tl.load(su_ptr + s_gu + kb // SBK)
+            else:
+                smask = ((i0 + ii) < I)[None, None, :]
+                sg = tl.load(sg_ptr + s_gu + kb // SBK, mask=smask, other=0.0)
+                su = tl.load(su_ptr + s_gu + kb // SBK, mask=smask, other=0.0)
+            if kb == 0:
+                acc_g = 0.0 + bg * sg
+                acc_u = 0.0 + bu * su
+            else:
+                acc_g = acc_g + bg * sg
+                acc_u = acc_u + bu * su
         act = cast(_silu(acc_g) * acc_u, WDT).to(tl.float32)[:, :, :, None]   # [ROWS, KP, BI, 1]
+        # down: this I chunk is one BI (= the down kernel's BK) chunk of a KSTEP_I scale block
         if EVEN:
             wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs)
         else:
             wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs,
                          mask=((i0 + ii) < I)[None, None, :, None] & (dd < D)[None, None, None, :], other=0.0)
-        pd = tl.sum(act * wd.to(tl.float32), axis=2)                      # [ROWS, KP, BD]
-        if i0 == 0:
-            y = 0.0 + pd
+        pd = tl.sum(act * wd.to(tl.float32), axis=2)                          # [ROWS, KP, BD]
+        if i0 % KSTEP_I == 0:
+            bd = 0.0 + pd
         else:
-            y = y + pd
-    # rank combine: (w0*y0 + w1*y1) + w2*y2 ..., a sum over the rank axis in rank order
+            bd = bd + pd
+        if (i0 + BI) % KSTEP_I == 0 or i0 + BI >= I:   # the block ends here
+            s_d = e3 * sds_e + (dd * sds_n)[None, None, :] + i0 // SBK
+            if D == BD:
+                sd = tl.load(sd_ptr + s_d)
+            else:
+                sd = tl.load(sd_ptr + s_d, mask=(dd < D)[None, None, :], other=0.0)
+            if i0 < KSTEP_I:
+                y = 0.0 + bd * sd
+            else:
+                y = y + bd * sd
     out = tl.sum(wj[:, :, None] * y, axis=1)
     rm = (r < B)[:, None]
     if D == BD:
@@ -98,13 +191,15 @@ def _moe_rows_kernel(
 _MAX_TILE = 1 << 20  # elements of one interpreter tile (triton's TRITON_MAX_TENSOR_NUMEL)
 
 
-def rows_config(B: int, k: int, D: int, I: int):
+def rows_config(B: int, k: int, D: int, I: int, scale_bk: int = 0):
     """(ROWS, BI, BK, BD) of the interpreter path, or None when its tiles would not fit. BI, BK, BD
-    come from the weight shapes only. ROWS (rows per program, the M tile) grows with B up to 16:
+    come from the weight shapes only (and the FP8 scale block). ROWS (rows per program, the M tile) grows with B up to 16:
     a row's arithmetic never depends on the M tile (no reduction runs across rows, and each sum
     over K runs in the same order for every row), while the interpreter's gathers cost per element,
     so a lone decode row should not pay for 15 padding rows."""
-    BI, BK = _INTERP_CONFIG.tiles(I, D)   # the grouped gate/up kernel's tiles in the interpreter
+    # the grouped kernels' K tiles in the interpreter: gate/up's over D, down's over I (the I chunk)
+    BK = _INTERP_CONFIG.tiles(I, D, scale_bk)[1]
+    BI = _INTERP_CONFIG.tiles(D, I, scale_bk)[1]
     BD = triton.next_power_of_2(D)
     KP = triton.next_power_of_2(k)
     rows = min(16, triton.next_power_of_2(B))
@@ -115,23 +210,32 @@ def rows_config(B: int, k: int, D: int, I: int):
     return rows, KP, BI, BK, BD
 
 
-def launch(h, ids, weights, gate, w_gate, w_up, w_down, shared: int, gated: bool, out) -> bool:
+def launch(h, ids, weights, gate, w_gate, w_up, w_down, shared: int, gated: bool, out, act_dtype=None) -> bool:
     """:func:`ds4t.kernels.moe.moe_experts` on checked arguments (``shared`` = -1 without a shared
-    expert; ``gate`` any valid pointer when not ``gated``); False, launching nothing, when its tiles
-    would not fit."""
+    expert; ``gate`` any valid pointer when not ``gated``; ``act_dtype``: the activation dtype, needed
+    for FP8 weights); False, launching nothing, when its tiles would not fit."""
     B, k = ids.shape
     KT = k + (shared >= 0)
     D, I = h.shape[1], w_gate.shape[1]
-    cfg = rows_config(B, KT, D, I)
+    fp8 = isinstance(w_gate, FP8Weight)
+    sbk = w_gate.block_k if fp8 else 0
+    cfg = rows_config(B, KT, D, I, sbk)
     if cfg is None:
         return False
     ROWS, KP, BI, BK, BD = cfg
+    extra = {}
+    if fp8:
+        extra = dict(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
+                     sd_ptr=w_down.scale, sds_e=w_down.scale.stride(0), sds_n=w_down.scale.stride(1),
+                     SBK=sbk, KSTEP_D=k_step(D, BK, sbk), KSTEP_I=k_step(I, BI, sbk))
+        w_gate, w_up, w_down = w_gate.data, w_up.data, w_down.data
+    wdt = act_dtype if fp8 else w_gate.dtype
     _moe_rows_kernel[(triton.cdiv(B, ROWS),)](
         h, h.stride(0), ids, ids.stride(0), weights, weights.stride(0), gate, gate.stride(0), shared,
         w_gate, w_up, w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
         out, out.stride(0), B,
-        D=D, I=I, KTOP=k, KT=KT, GATED=gated, WDT=tl_dtype(w_gate.dtype), ROWS=ROWS, KP=KP, BI=BI, BK=BK,
-        BD=BD,
+        D=D, I=I, KTOP=k, KT=KT, GATED=gated, WDT=tl_dtype(wdt), ROWS=ROWS, KP=KP, BI=BI, BK=BK,
+        BD=BD, **extra,
     )
     return True
