@@ -522,9 +522,10 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
 
 def _act_dtype(name: str, x: torch.Tensor, weight: Weight, act_dtype: Optional[torch.dtype]) -> torch.dtype:
     """The dtype x is rounded to before the product: the weight's dtype for a float weight (passing
-    any other ``act_dtype`` is an error), ``act_dtype`` or x's own dtype for an FP8 weight."""
+    any other ``act_dtype`` is an error), ``act_dtype``, else the FP8 weight's own ``act_dtype`` (the model dtype,
+    set at load), else x's own dtype."""
     if isinstance(weight, FP8Weight):
-        adt = x.dtype if act_dtype is None else act_dtype
+        adt = act_dtype or weight.act_dtype or x.dtype
         tl_dtype(adt)   # fp32 / bf16 / fp16, else TypeError
         return adt
     if act_dtype is not None and act_dtype != weight.dtype:

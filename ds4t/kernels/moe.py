@@ -291,9 +291,10 @@ def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gat
 
 def _act_dtype(h, w_gate, act_dtype):
     """What h and silu(g)·u are rounded to: the weight dtype for float weights (another ``act_dtype``
-    is an error), ``act_dtype`` or h's dtype for FP8 weights."""
+    is an error), ``act_dtype``, else the FP8 weights' ``act_dtype``
+    (the model dtype, set at load), else h's dtype."""
     if isinstance(w_gate, FP8Weight):
-        adt = h.dtype if act_dtype is None else act_dtype
+        adt = act_dtype or w_gate.act_dtype or h.dtype
         tl_dtype(adt)   # fp32 / bf16 / fp16, else TypeError
         return adt
     if act_dtype is not None and act_dtype != w_gate.dtype:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -35,6 +35,9 @@ class FP8Weight:
     data: torch.Tensor
     scale: torch.Tensor
     block_k: int
+    act_dtype: Optional[torch.dtype] = None
+    """What activations are rounded to before the product (the model's dtype, set at load; None: the
+    activations' own dtype). fp8 converts exactly to any of fp32 / bf16 / fp16."""
 
     def __post_init__(self):
         d, s = self.data, self.scale
@@ -73,14 +76,17 @@ class FP8Weight:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
 
     def contiguous(self) -> "FP8Weight":
-        return FP8Weight(self.data.contiguous(), self.scale.contiguous(), self.block_k)
+        return dataclasses.replace(self, data=self.data.contiguous(), scale=self.scale.contiguous())
 
     def to(self, device) -> "FP8Weight":
-        return FP8Weight(self.data.to(device), self.scale.to(device), self.block_k)
+        return dataclasses.replace(self, data=self.data.to(device), scale=self.scale.to(device))
+
+    def with_act_dtype(self, dtype: Optional[torch.dtype]) -> "FP8Weight":
+        return dataclasses.replace(self, act_dtype=dtype)
 
     def __getitem__(self, idx) -> "FP8Weight":
         """Rows (or leading-dim entries) selected by ``idx``; the K axis is never indexed."""
-        return FP8Weight(self.data[idx], self.scale[idx], self.block_k)
+        return dataclasses.replace(self, data=self.data[idx], scale=self.scale[idx])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real weight ``data * scale`` (computed in fp32, then cast to ``dtype``)."""
@@ -122,6 +128,11 @@ def quantize(w: torch.Tensor, block: Tuple[int, int] = (128, 128)) -> FP8Weight:
     return from_block_scales(data.contiguous(), scale_inv, block)
 
 
+def _same(what: str, parts: Sequence[FP8Weight]) -> None:
+    if len({p.act_dtype for p in parts}) != 1:
+        raise ValueError(f"{what}: parts have different act_dtype {[p.act_dtype for p in parts]}")
+
+
 def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     """Concatenate weights along ``dim`` (rows of [N, K], or experts of [E, N, K]; never K): plain
     tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k)."""
@@ -134,8 +145,9 @@ def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
         raise ValueError("cat: FP8 weights cannot be joined along K (their scales run along K in blocks)")
     if len({p.block_k for p in parts}) != 1:
         raise ValueError(f"cat: parts have different block_k {[p.block_k for p in parts]}")
-    return FP8Weight(torch.cat([p.data for p in parts], dim=dim).contiguous(),
-                     torch.cat([p.scale for p in parts], dim=dim).contiguous(), parts[0].block_k)
+    _same("cat", parts)
+    return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous(),
+                               scale=torch.cat([p.scale for p in parts], dim=dim).contiguous())
 
 
 def stack(parts: Sequence[Weight]) -> Weight:
@@ -146,8 +158,9 @@ def stack(parts: Sequence[Weight]) -> Weight:
         raise TypeError("stack: cannot mix FP8 and float weights")
     if len({p.block_k for p in parts}) != 1:
         raise ValueError(f"stack: parts have different block_k {[p.block_k for p in parts]}")
-    return FP8Weight(torch.stack([p.data for p in parts]).contiguous(),
-                     torch.stack([p.scale for p in parts]).contiguous(), parts[0].block_k)
+    _same("stack", parts)
+    return dataclasses.replace(parts[0], data=torch.stack([p.data for p in parts]).contiguous(),
+                               scale=torch.stack([p.scale for p in parts]).contiguous())
 
 
 def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:

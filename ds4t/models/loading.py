@@ -99,7 +99,7 @@ class WeightReader:
             t = self.source.get(name, self.expected[name], dtype or self.dtype, self.device)
             q = self.quantize
             if q is not None and dtype is None and is_quantized_linear(name) and not q.keeps_float(name):
-                t = quantize(t, q.block)
+                t = quantize(t, q.block).with_act_dtype(self.dtype)
         self.bar.update(1)
         return t
 
@@ -115,7 +115,7 @@ class WeightReader:
                 floats = [self(n) for n in names]
             finally:
                 self.quantize = q
-            return quantize(torch.stack(floats), q.block)
+            return quantize(torch.stack(floats), q.block).with_act_dtype(self.dtype)
         return stack([self(n) for n in names])
 
     def _read_fp8(self, name: str) -> FP8Weight:
@@ -123,7 +123,7 @@ class WeightReader:
         scale_name = name + SCALE_SUFFIX
         scale = self.source.get(scale_name, None, torch.float32, self.device)
         try:
-            return from_block_scales(data, scale, self.fp8.block)
+            return from_block_scales(data, scale, self.fp8.block).with_act_dtype(self.dtype)
         except ValueError as e:
             raise CheckpointError(f"{self.source.origin}: {scale_name!r}: {e}") from None
 
