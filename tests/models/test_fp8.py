@@ -168,15 +168,17 @@ def test_fp8_prefill_chunks_are_bitwise_equal_and_equal_token_by_token(name):
 
 def test_bf16_activations_within_the_bf16_bound(qwen_float, tmp_path):
     """FP8 weights with bf16 activations (the model dtype, rounded at each linear's input) against HF in
-    fp32 on the dequantized weights: within the bound the bf16 float path is held to (5e-2 of the logit
-    scale for the prompt; tests/models/test_qwen.py::test_bf16_within_stated_bound)."""
+    fp32 on the dequantized weights, held to the bound of the bf16 float path
+    (tests/models/test_qwen.py::test_bf16_within_stated_bound): within HF-bf16's own error on the same
+    weights. (On this fp32-initialised checkpoint bf16 rounding costs more than the 5e-2 cap of that
+    test's bf16 checkpoint: ds4t's float path in bf16 is at 0.17 here, HF-bf16 at 0.15-0.18.)"""
     path, tensors = _fp8_dir(qwen_float, tmp_path / "fp8")
     write_dequantized_checkpoint(tensors, str(qwen_float), str(tmp_path / "deq"), BLOCK)
     hf = transformers.Qwen3NextForCausalLM.from_pretrained(str(tmp_path / "deq"), dtype=torch.float32).eval()
     prompt = [int(t) for t in torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(2))]
     want, _, _ = hf_prefill_and_decode(hf, prompt, 1)
+    hf_bf16 = hf.to(torch.bfloat16)(input_ids=torch.tensor([prompt])).logits[0].float()
     model = ds4t.load(path, dtype="bf16")
     assert model.layers[0].mixer.w_in.act_dtype == torch.bfloat16
-    s = model.new_session(max_ctx=64)
-    err = rel_err(s.prefill(prompt, all_logits=True), want)
-    assert 1e-4 < err < 5e-2, err   # bf16 rounding is visible, and bounded
+    err = rel_err(model.new_session(max_ctx=64).prefill(prompt, all_logits=True), want)
+    assert 1e-4 < err <= rel_err(hf_bf16, want), err   # bf16 rounding is visible, and within HF-bf16's
