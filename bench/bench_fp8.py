@@ -42,7 +42,7 @@ def kernel_rows(bw: float, log):
     g = torch.Generator(device=dev).manual_seed(0)
     for K, N in ((7168, 18432), (4096, 28672), (2048, 151936)):
         w = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5
-        q = quantize(w)
+        q = quantize(w).with_act_dtype(torch.bfloat16)
         for B in (1, 4, 16):
             x = torch.randn(B, K, device=dev, generator=g, dtype=torch.bfloat16)
             for fmt, weight, nbytes in (("bf16", w, w.numel() * 2), ("fp8", q, q.nbytes)):
@@ -54,7 +54,7 @@ def kernel_rows(bw: float, log):
     wg = torch.randn(E, I, D, device=dev, generator=g, dtype=torch.bfloat16) * D ** -0.5
     wu = torch.randn(E, I, D, device=dev, generator=g, dtype=torch.bfloat16) * D ** -0.5
     wd = torch.randn(E, D, I, device=dev, generator=g, dtype=torch.bfloat16) * I ** -0.5
-    qg, qu, qd = quantize(wg), quantize(wu), quantize(wd)
+    qg, qu, qd = (quantize(t).with_act_dtype(torch.bfloat16) for t in (wg, wu, wd))
     for B in (1, 4, 16):
         h = torch.randn(B, D, device=dev, generator=g, dtype=torch.float32)
         ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(B)]).to(torch.int32)
@@ -72,6 +72,20 @@ def kernel_rows(bw: float, log):
         log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.3f} | "
             f"{r['gbs']:.0f} | {r['pct']:.0f}% |")
     return rows
+
+
+def median_ms(fn, iters: int, warmup: int, device) -> float:
+    """CUDA events on a GPU (bench_decode's timer); wall clock elsewhere (a CPU smoke run of this script)."""
+    if torch.device(device).type == "cuda":
+        return _median_ms(fn, iters, warmup)
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
 
 
 def synthetic_sessions(model, n: int, ctx: int, extra: int, seed: int):
@@ -101,7 +115,7 @@ def time_native(model, n: int, ctx: int, iters: int) -> float:
         assert all(p == "native" for p in res.paths)
 
     try:
-        return _median_ms(step, iters, 3)
+        return median_ms(step, iters, 3, model.device)
     finally:
         for s in sessions:
             s.close()
@@ -110,13 +124,14 @@ def time_native(model, n: int, ctx: int, iters: int) -> float:
 def bench_model(spec: str, args, bw: float, log, out_rows):
     name, _, q = spec.partition(":")
     log(f"\n# {spec}\n")
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
+    cuda = torch.device(args.device).type == "cuda"
+    free0 = torch.cuda.mem_get_info()[0] if cuda else 0
     t0 = time.time()
-    model = ds4t.load(name, device="cuda", quantize=q or None)
-    torch.cuda.synchronize()
+    model = ds4t.load(name, device=args.device, quantize=q or None)
+    if cuda:
+        torch.cuda.synchronize()
     load_s = time.time() - t0
-    used = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
+    used = (free0 - torch.cuda.mem_get_info()[0]) / 2**30 if cuda else float("nan")
     log(f"loaded in {load_s:.0f} s: {model!r}")
     log(f"weights + scales {model.weight_bytes() / 1e9:.2f} GB; GPU memory taken by the load {used:.1f} GiB")
     from ds4t.serve.planner import plan
@@ -125,7 +140,7 @@ def bench_model(spec: str, args, bw: float, log, out_rows):
     log("\n```\n" + p.format() + "\n```\n")
     ea = argparse.Namespace(exact_rounds=1, exact_sessions=args.exact_sessions, exact_steps=4)
     log("## Exactness on the GPU\n")
-    ok = exactness(model, ea, log, [None])
+    ok = exactness(model, ea, log, [None]) if cuda else True
     log(f"\n## Decode step at {args.ctx} tokens of context (CUDA graphs, median of {args.iters})\n")
     log("| N | native ms | floor ms | floor / native | tok/s |")
     log("|---|---|---|---|---|")
@@ -137,7 +152,8 @@ def bench_model(spec: str, args, bw: float, log, out_rows):
         out_rows.append(row)
         log(f"| {n} | {ms:.2f} | {floor:.2f} | {100 * floor / ms:.0f}% ({ms / floor:.2f}x) | {row['tok_s']:.0f} |")
     del model
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return ok
 
 
@@ -150,6 +166,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--exact-sessions", type=int, default=8)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -159,8 +176,9 @@ def main() -> int:
         print(s, flush=True)
         lines.append(s)
 
-    bw = copy_bandwidth("cuda")
-    log(f"# ds4t block-FP8 on {torch.cuda.get_device_name()}\ncommit {args.commit}; torch {torch.__version__}; "
+    cuda = torch.device(args.device).type == "cuda"
+    bw = copy_bandwidth("cuda") if cuda else 20e9
+    log(f"# ds4t block-FP8 on {torch.cuda.get_device_name() if cuda else 'cpu (smoke run)'}\ncommit {args.commit}; torch {torch.__version__}; "
         f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)\ncommand: python bench/bench_fp8.py {' '.join(sys.argv[1:])}\n")
     krows, mrows, ok = [], [], True
     if args.kernels:
