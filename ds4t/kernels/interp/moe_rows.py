@@ -66,21 +66,7 @@ def _moe_rows_kernel(
     else:
         for i0 in tl.static_range(0, I, BI):
             for k0 in tl.static_range(0, D, BK):
-                if D % BK == 0:
-                    a = tl.load(h_row + (k0 + kk)[None, :])
-                else:
-                    a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
-                a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
-                off = k0 * sw_k + i0 * sw_n
-                if EVEN:
-                    wg = tl.load(wg_ptr + off + g_ptrs)
-                    wu = tl.load(wu_ptr + off + g_ptrs)
-                else:
-                    wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
-                    wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
-                    wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
-                pg = tl.sum(a * wg.to(tl.float32), axis=2)                    # [ROWS, KP, BI]
-                pu = tl.sum(a * wu.to(tl.float32), axis=2)
+                pg, pu = _gate_up_chunk(h_row, k0, i0, kk, ii, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, D, I, WDT, BK, EVEN)
                 if k0 == 0:  # 0 + first chunk, as the grouped kernel's zero-initialised accumulator
                     acc_g = 0.0 + pg
                     acc_u = 0.0 + pu
@@ -88,12 +74,7 @@ def _moe_rows_kernel(
                     acc_g = acc_g + pg
                     acc_u = acc_u + pu
             act = cast(_silu(acc_g) * acc_u, WDT).to(tl.float32)[:, :, :, None]   # [ROWS, KP, BI, 1]
-            if EVEN:
-                wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs)
-            else:
-                wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs,
-                             mask=((i0 + ii) < I)[None, None, :, None] & (dd < D)[None, None, None, :], other=0.0)
-            pd = tl.sum(act * wd.to(tl.float32), axis=2)                      # [ROWS, KP, BD]
+            pd = _down_chunk(act, i0, ii, dd, wd_ptr, d_ptrs, sd_k, D, I, EVEN)
             if i0 == 0:
                 y = 0.0 + pd
             else:
@@ -105,6 +86,38 @@ def _moe_rows_kernel(
             tl.store(out_ptr + r2 * so_b + dd[None, :], out, mask=rm)
         else:
             tl.store(out_ptr + r2 * so_b + dd[None, :], out, mask=rm & (dd < D)[None, :])
+
+
+@triton.jit
+def _gate_up_chunk(h_row, k0, i0, kk, ii, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n,
+                   D: tl.constexpr, I: tl.constexpr, WDT: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    """One BK chunk of h (rounded to WDT) times the gate and up weight tiles of columns i0 .. i0 + BI:
+    (pg, pu) [ROWS, KP, BI] fp32, summed over the chunk. Float and fp8 weights alike (fp8 -> fp32 exact)."""
+    if D % BK == 0:
+        a = tl.load(h_row + (k0 + kk)[None, :])
+    else:
+        a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
+    a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
+    off = k0 * sw_k + i0 * sw_n
+    if EVEN:
+        wg = tl.load(wg_ptr + off + g_ptrs)
+        wu = tl.load(wu_ptr + off + g_ptrs)
+    else:
+        wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
+        wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
+        wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
+    return tl.sum(a * wg.to(tl.float32), axis=2), tl.sum(a * wu.to(tl.float32), axis=2)
+
+
+@triton.jit
+def _down_chunk(act, i0, ii, dd, wd_ptr, d_ptrs, sd_k, D: tl.constexpr, I: tl.constexpr, EVEN: tl.constexpr):
+    """act [ROWS, KP, BI, 1] times the down weight tile of I columns i0 .. i0 + BI: [ROWS, KP, BD] fp32."""
+    if EVEN:
+        wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs)
+    else:
+        wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs,
+                     mask=((i0 + ii) < I)[None, None, :, None] & (dd < D)[None, None, None, :], other=0.0)
+    return tl.sum(act * wd.to(tl.float32), axis=2)
 
 
 @triton.jit
@@ -123,22 +136,8 @@ def _fp8_rows(h_row, e3, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, wd_ptr, d_ptrs, sd_
         for kb in tl.static_range(0, D, KSTEP_D):
             for ks in tl.static_range(0, KSTEP_D, BK):
                 if kb + ks < D:
-                    k0 = kb + ks
-                    if D % BK == 0:
-                        a = tl.load(h_row + (k0 + kk)[None, :])
-                    else:
-                        a = tl.load(h_row + (k0 + kk)[None, :], mask=((k0 + kk) < D)[None, :], other=0.0)
-                    a = cast(a.to(tl.float32), WDT).to(tl.float32)[:, None, :, None]   # [ROWS, 1, BK, 1]
-                    off = k0 * sw_k + i0 * sw_n
-                    if EVEN:
-                        wg = tl.load(wg_ptr + off + g_ptrs)
-                        wu = tl.load(wu_ptr + off + g_ptrs)
-                    else:
-                        wmask = ((k0 + kk) < D)[None, None, :, None] & ((i0 + ii) < I)[None, None, None, :]
-                        wg = tl.load(wg_ptr + off + g_ptrs, mask=wmask, other=0.0)
-                        wu = tl.load(wu_ptr + off + g_ptrs, mask=wmask, other=0.0)
-                    pg = tl.sum(a * wg.to(tl.float32), axis=2)                # [ROWS, KP, BI]
-                    pu = tl.sum(a * wu.to(tl.float32), axis=2)
+                    pg, pu = _gate_up_chunk(h_row, kb + ks, i0, kk, ii, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n,
+                                            D, I, WDT, BK, EVEN)
                     if ks == 0:   # a block's dot starts from zero, as the grouped kernel's
                         bg = 0.0 + pg
                         bu = 0.0 + pu
@@ -160,12 +159,7 @@ def _fp8_rows(h_row, e3, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, wd_ptr, d_ptrs, sd_
                 acc_u = acc_u + bu * su
         act = cast(_silu(acc_g) * acc_u, WDT).to(tl.float32)[:, :, :, None]   # [ROWS, KP, BI, 1]
         # down: this I chunk is one BI (= the down kernel's BK) chunk of a KSTEP_I scale block
-        if EVEN:
-            wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs)
-        else:
-            wd = tl.load(wd_ptr + i0 * sd_k + d_ptrs,
-                         mask=((i0 + ii) < I)[None, None, :, None] & (dd < D)[None, None, None, :], other=0.0)
-        pd = tl.sum(act * wd.to(tl.float32), axis=2)                          # [ROWS, KP, BD]
+        pd = _down_chunk(act, i0, ii, dd, wd_ptr, d_ptrs, sd_k, D, I, EVEN)
         if i0 % KSTEP_I == 0:
             bd = 0.0 + pd
         else:
