@@ -43,7 +43,7 @@ import triton.language as tl
 from ds4t.backend import cast, mma, tl_dtype, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
-from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, as_float, quantize
+from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, activation_dtype, as_float, quantize
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
 
@@ -520,20 +520,6 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
     return out
 
 
-def _act_dtype(name: str, x: torch.Tensor, weight: Weight, act_dtype: Optional[torch.dtype]) -> torch.dtype:
-    """The dtype x is rounded to before the product: the weight's dtype for a float weight (passing
-    any other ``act_dtype`` is an error), ``act_dtype``, else the FP8 weight's own ``act_dtype`` (the model dtype,
-    set at load), else x's own dtype."""
-    if isinstance(weight, FP8Weight):
-        adt = act_dtype or weight.act_dtype or x.dtype
-        tl_dtype(adt)   # fp32 / bf16 / fp16, else TypeError
-        return adt
-    if act_dtype is not None and act_dtype != weight.dtype:
-        raise ValueError(f"{name}: act_dtype={act_dtype} is for FP8 weights; a {weight.dtype} weight rounds "
-                         f"x to its own dtype")
-    return weight.dtype
-
-
 def _check_args(x, weight, bias, out):
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"linear: x must be [B, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -576,7 +562,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
     BLOCK_K must divide ``weight.block_k``).
     """
     _check_args(x, weight, bias, out)
-    adt = _act_dtype("linear", x, weight, act_dtype)
+    adt = activation_dtype("linear", x, weight, act_dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if isinstance(weight, FP8Weight):
@@ -602,7 +588,7 @@ def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = N
                act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-torch reference: fp32 ``round_to(A)(x) @ W^T (+ bias)``; an FP8 weight is dequantized
     (``as_float``: fp8 * scale in fp32) and A is as in :func:`linear`."""
-    adt = _act_dtype("linear_ref", x, weight, act_dtype)
+    adt = activation_dtype("linear_ref", x, weight, act_dtype)
     xr = x.to(adt).float()
     y = xr @ as_float(weight, torch.float32).t()
     if bias is not None:
@@ -625,7 +611,7 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
     if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
         raise ValueError(f"linear_heads: x must be [B, G, K] and weight [G, N, K], got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)}")
-    adt = _act_dtype("linear_heads", x, weight, act_dtype)
+    adt = activation_dtype("linear_heads", x, weight, act_dtype)
     B, G, K = x.shape
     N = weight.shape[1]
     if x.stride(2) != 1:
@@ -666,7 +652,7 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
 
 def linear_heads_ref(x: torch.Tensor, weight: Weight, *, act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-torch reference: fp32 ``[B, G, N]``, head g = ``linear_ref(x[:, g], weight[g])``."""
-    adt = _act_dtype("linear_heads_ref", x, weight, act_dtype)
+    adt = activation_dtype("linear_heads_ref", x, weight, act_dtype)
     return torch.einsum("bgk,gnk->bgn", x.to(adt).float(), as_float(weight, torch.float32))
 
 

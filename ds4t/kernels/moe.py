@@ -49,7 +49,7 @@ from ds4t.backend import INTERPRET, cast, mma, sigmoid, timer, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
-from ds4t.kernels.weights import FP8Weight, as_float, quantize
+from ds4t.kernels.weights import FP8Weight, activation_dtype, as_float, quantize
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
 
@@ -289,20 +289,6 @@ def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gat
     return E, I, D
 
 
-def _act_dtype(h, w_gate, act_dtype):
-    """What h and silu(g)·u are rounded to: the weight dtype for float weights (another ``act_dtype``
-    is an error), ``act_dtype``, else the FP8 weights' ``act_dtype``
-    (the model dtype, set at load), else h's dtype."""
-    if isinstance(w_gate, FP8Weight):
-        adt = act_dtype or w_gate.act_dtype or h.dtype
-        tl_dtype(adt)   # fp32 / bf16 / fp16, else TypeError
-        return adt
-    if act_dtype is not None and act_dtype != w_gate.dtype:
-        raise ValueError(f"moe_experts: act_dtype={act_dtype} is for FP8 weights; {w_gate.dtype} weights "
-                         f"round the activations to their own dtype")
-    return w_gate.dtype
-
-
 def _unit_k(w: FP8Weight) -> FP8Weight:
     """The grouped kernels take any expert and row strides, but a unit stride along K."""
     return w if w.data.stride(-1) == 1 and w.scale.stride(-1) == 1 else w.contiguous()
@@ -426,7 +412,7 @@ def moe_experts(
     """
     E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate)
     fp8 = isinstance(w_gate, FP8Weight)
-    adt = _act_dtype(h, w_gate, act_dtype)
+    adt = activation_dtype("moe_experts", h, w_gate, act_dtype)
     B, k = ids.shape
     KT = k + (shared_expert is not None)
     SHARED = -1 if shared_expert is None else int(shared_expert)
@@ -521,7 +507,7 @@ def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None
                     act_dtype=None):
     """Plain-torch :func:`moe_experts` (same rounding points, rank-ordered sum); FP8 weights are
     dequantized (``as_float``: fp8 * scale in fp32) and the activations rounded to A as there."""
-    wdt = _act_dtype(h, w_gate, act_dtype)
+    wdt = activation_dtype("moe_experts", h, w_gate, act_dtype)
     w_gate, w_up, w_down = (as_float(w, torch.float32) for w in (w_gate, w_up, w_down))
     if shared_expert is not None:
         B = ids.shape[0]

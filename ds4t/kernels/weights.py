@@ -163,6 +163,21 @@ def stack(parts: Sequence[Weight]) -> Weight:
                                scale=torch.stack([p.scale for p in parts]).contiguous())
 
 
+def activation_dtype(what: str, x: torch.Tensor, weight: Weight, act_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """What a kernel rounds its activations ``x`` to before the product with ``weight``: a float weight's
+    own dtype (any other ``act_dtype`` is an error: ``what`` names the op); for an FP8 weight
+    ``act_dtype``, else the weight's ``act_dtype`` (the model dtype, set at load), else x's dtype."""
+    if isinstance(weight, FP8Weight):
+        adt = act_dtype or weight.act_dtype or x.dtype
+        if adt not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{what}: activations must be fp32, bf16 or fp16 for an FP8 weight, got {adt}")
+        return adt
+    if act_dtype is not None and act_dtype != weight.dtype:
+        raise ValueError(f"{what}: act_dtype={act_dtype} is for FP8 weights; a {weight.dtype} weight rounds "
+                         f"the activations to its own dtype")
+    return weight.dtype
+
+
 def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """A float tensor of ``w`` (dequantized if FP8): for the few weights a model must rearrange beyond
     rows at load (DeepSeek's absorbed ``kv_b``), and for references."""
