@@ -15,21 +15,23 @@ from ds4t.models.tokenizer import preset_tokenizer
 
 def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
     """model_type -> (model class, config parser, expected_tensors, preset_init)."""
-    from ds4t.models import deepseek, glm, qwen
+    from ds4t.models import deepseek, glm, llama, qwen
 
     return {
         "qwen3_next": (qwen.QwenModel, qwen.QwenConfig.from_dict, qwen.expected_tensors, qwen.preset_init),
         "deepseek_v3": (deepseek.DeepseekModel, deepseek.DeepseekConfig.from_dict, deepseek.expected_tensors,
                         deepseek.preset_init),
         "glm4_moe": (glm.GlmModel, glm.GlmConfig.from_dict, glm.expected_tensors, glm.preset_init),
+        "llama": (llama.LlamaModel, llama.LlamaConfig.from_dict, llama.expected_tensors, llama.preset_init),
+        "qwen3": (llama.Qwen3Model, llama.LlamaConfig.from_dict, llama.expected_tensors, llama.preset_init),
     }
 
 
 def _preset_configs() -> Dict[str, dict]:
-    from ds4t.models import deepseek, glm, qwen
+    from ds4t.models import deepseek, glm, llama, qwen
 
     out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l", "qwen3-next-80b-fp8")}
-    for mod in (deepseek, glm):
+    for mod in (deepseek, glm, llama):
         for n in mod.PRESETS:
             out[n] = mod.preset_config(n)
     return out
