@@ -64,7 +64,7 @@ OTHER_DEVICE = "cpu" if torch.cuda.is_available() else "cuda"
     (["demo", "--sessions", "0"], "--sessions: expected a positive integer, got 0"),
     (["exactness", "--steps", "-1"], "--steps: expected a positive integer, got -1"),
     (["exactness", "--sessions", "two"], "--sessions: expected a positive integer, got 'two'"),
-    (["demo", "--model", "tiny-nothing"], "'tiny-nothing' is neither a checkpoint directory nor a preset"),
+    (["demo", "--model", "tiny-nothing"], "'tiny-nothing' is neither a checkpoint directory, a .gguf file nor a preset"),
     (["demo", "--opt", "native_window=20"], "qwen3_next models take no option 'native_window'"),
     (["exactness", "--model", "tiny-glm", "--opt", "native_window=0"], "native_window must be a positive int"),
     (["demo", "--dtype", "fp8"], "unsupported dtype 'fp8'"),

@@ -8,6 +8,7 @@ import torch
 
 from ds4t.backend import default_device
 from ds4t.models.checkpoint import CheckpointError, TensorSource, parse_dtype, read_config
+from ds4t.models.gguf import is_gguf
 from ds4t.models.loading import PresetSource
 from ds4t.models.quant import parse_quantization, quantize_option
 from ds4t.models.tokenizer import preset_tokenizer
@@ -53,9 +54,12 @@ def preset_source(name: str, seed: int = 0):
 
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
          quantize: Optional[str] = None, **options):
-    """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
+    """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
+    writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
+    :mod:`ds4t.models.gguf`: architectures llama and qwen3, quantized types dequantized at load,
+    tokenizer and chat template from its metadata) or a preset name.
 
-    ``model.tokenizer``: the checkpoint's tokenizer.json, or for a preset a byte-level tokenizer
+    ``model.tokenizer``: the checkpoint's tokenizer.json (GGUF: built from its metadata), or for a preset a byte-level tokenizer
     (token id = UTF-8 byte, :mod:`ds4t.models.tokenizer`); None when there is neither.
 
     device: "cuda" when a GPU is present, else "cpu" (default). dtype: torch dtype or name
@@ -69,6 +73,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype)
+    text_meta = None   # GGUF: chat template and special tokens from its metadata (ds4t.text reads them)
     families = _families()
     configs = _preset_configs()
     if path_or_preset in configs:
@@ -96,9 +101,18 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(tok_path)
+    elif is_gguf(path_or_preset):
+        from ds4t.models.gguf import open_gguf
+
+        path = str(path_or_preset)
+        cfg, source, tokenizer, text_meta = open_gguf(path)
+        model_cls = families[cfg["model_type"]][0]
+        name = os.path.abspath(path)
+        if dtype is None:
+            dtype = source.default_dtype()
     else:
         raise CheckpointError(
-            f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
+            f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
     source.fp8 = parse_quantization(cfg)
     source.quantize = quantize_option(quantize, cfg)
     if path_or_preset in configs and source.fp8 is not None:
@@ -109,4 +123,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
             raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
     model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
     model.tokenizer = tokenizer
+    if text_meta is not None:
+        model.text_meta = text_meta
+    if hasattr(source, "log_dequantized"):
+        source.log_dequantized(dtype)
     return model

@@ -183,7 +183,7 @@ def test_unsupported_model_type(ckpt):
 
 def test_neither_dir_nor_preset(tmp_path):
     bogus = str(tmp_path / "no-such-model")
-    with pytest.raises(ds4t.CheckpointError, match="neither a checkpoint directory nor a preset"):
+    with pytest.raises(ds4t.CheckpointError, match="neither a checkpoint directory, a .gguf file nor a preset"):
         ds4t.load(bogus)
     with pytest.raises(ds4t.CheckpointError, match="'tiny-mamba' is neither"):
         ds4t.load("tiny-mamba")
