@@ -139,3 +139,16 @@ def test_exactness_fails_when_an_applicable_control_is_not_caught(capsys, monkey
                       capsys)
     assert "NOT CAUGHT" in out and "exact: yes" in out
     assert rc == 1
+
+
+def test_demo_of_a_gguf_prints_text(tmp_path, capsys):
+    """A checkpoint with a tokenizer (here a tiny GGUF) gets chat prompts and its text printed."""
+    pytest.importorskip("transformers")
+    from tests.models.gguf_files import write_gguf
+    from tests.models.test_gguf import tiny_llama
+
+    write_gguf(tiny_llama(), tmp_path / "m.gguf")
+    assert main(["demo", "--model", str(tmp_path / "m.gguf"), "--sessions", "3", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "chat prompts through the checkpoint's tokenizer" in out and "bit-exact: yes" in out
+    assert "'What is the capital of France?' -> " in out and "'What is 12 times 12?' -> " in out

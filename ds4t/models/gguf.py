@@ -154,6 +154,7 @@ class GGUFSource(TensorSource):
         for i in range(num_layers):
             for key, hf in _LAYER_TENSORS:
                 names[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]].format(bid=i)] = hf.format(i=i)
+        self._gguf_name = {f"{hf}.{sfx}": f"{g}.{sfx}" for g, hf in names.items() for sfx in ("weight", "bias")}
         for r in readers:
             for t in r.tensors:
                 base, dot, suffix = t.name.rpartition(".")
@@ -170,6 +171,11 @@ class GGUFSource(TensorSource):
 
     def keys(self):
         return list(self._gguf_tensors)
+
+    def describe(self, name: str) -> str:
+        """``name`` (an HF name) as an error message shows it: the GGUF tensor name first."""
+        g = self._gguf_name.get(name)
+        return f"{g!r} ({name})" if g else repr(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self._gguf_tensors

@@ -159,7 +159,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ds4t.CheckpointError, match=r"architecture 'mamba' is not supported \(supported: \['llama', 'qwen3'\]\)"):
         ds4t.load(str(tmp_path / "arch.gguf"))
     _rewrite(src, tmp_path / "miss.gguf", drop=("blk.1.ffn_up.weight",))
-    with pytest.raises(ds4t.CheckpointError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+    with pytest.raises(ds4t.CheckpointError, match=r"missing tensor 'blk.1.ffn_up.weight' \(model.layers.1.mlp.up_proj.weight\)"):
         ds4t.load(str(tmp_path / "miss.gguf"))
     _rewrite(src, tmp_path / "extra.gguf", rename={"blk.1.ffn_up.weight": "blk.1.ffn_up_exps.weight"})
     with pytest.raises(ds4t.CheckpointError, match="tensor 'blk.1.ffn_up_exps.weight' has no place in a llama model"):
