@@ -20,13 +20,13 @@ from typing import Dict
 
 import torch
 
+from ds4t.kernels import weights
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import DenseMLP, GQAShape, Layer, gqa_attention, preset_init_plain, swiglu
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader
-from ds4t.kernels import weights
 
 PRESETS = ("tiny-llama",)
 
