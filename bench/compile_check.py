@@ -12,7 +12,7 @@ A launch that does not compile is reported with its error, and the exit status i
 Block sizes are the interpreter's (its launchers pick their own configs), so this proves the
 GPU frontend accepts each kernel's code paths, not that the GPU's exact configs compile.
 
-Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek] [--checks] [--no-fp8]
+Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama] [--checks] [--no-fp8]
 (FP8-weight launches of linear, linear_heads and moe_experts are recorded unless --no-fp8.)
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def compile_all(records: list, arch: int) -> list:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", default="tiny-qwen,tiny-glm,tiny-deepseek")
+    ap.add_argument("--presets", default="tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama")
     ap.add_argument("--checks", action="store_true", help="also every registered kernel self-check")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")

@@ -148,8 +148,25 @@ def _prompts(n: int, vocab: int, seed: int = 0):
     return [[rng.randrange(vocab) for _ in range(rng.randint(4, 24))] for _ in range(n)]
 
 
+DEMO_QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+                  "Write a haiku about the sea.", "Why is the sky blue?", "Give me a synonym for happy.",
+                  "What do bees make?", "How many legs does a spider have?")
+"""Chat prompts of ``ds4t demo`` for a checkpoint with a tokenizer (session i asks question i mod 8)."""
+
+
+def _text_prompts(model, n: int):
+    """(questions, token ids) of n chat prompts rendered with the checkpoint's chat template."""
+    from ds4t.text import TextCodec
+
+    codec = TextCodec.for_model(model)
+    qs = [DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)] for i in range(n)]
+    ids = [codec.encode(codec.chat_prompt([{"role": "user", "content": q}]), add_special_tokens=False) for q in qs]
+    return codec, qs, ids
+
+
 def cmd_demo(args) -> int:
-    """N sessions, greedy decode, ordered then native; tok/s, speed-up, and a bit-exactness check."""
+    """N sessions, greedy decode, ordered then native; tok/s, speed-up, and a bit-exactness check.
+    A checkpoint with a tokenizer (not a preset) gets chat prompts and its generated text printed."""
     import time
 
     import torch
@@ -158,19 +175,26 @@ def cmd_demo(args) -> int:
     from ds4t.backend import device_name
 
     model = _load(args)
+    text = args.model not in ds4t.presets() and model.tokenizer is not None
     print(f"ds4t demo: {args.model} ({model.family}, {model.dtype}) on {device_name()}; "
-          f"{args.sessions} sessions x {args.steps} greedy steps")
-    prompts = _prompts(args.sessions, model.vocab_size)
+          f"{args.sessions} sessions x {args.steps} greedy steps"
+          + ("; chat prompts through the checkpoint's tokenizer and chat template" if text else ""))
+    if text:
+        codec, questions, prompts = _text_prompts(model, args.sessions)
+    else:
+        prompts = _prompts(args.sessions, model.vocab_size)
+    max_ctx = max(64, max(len(p) for p in prompts)) + args.steps
     # Prefill once; the native run starts from copies of the same states (state_dict / load).
-    first = [model.new_session(max_ctx=64 + args.steps) for _ in prompts]
-    first_tok = [int(s.prefill(p).argmax()) for s, p in zip(first, prompts)]
+    first = [model.new_session(max_ctx=max_ctx) for _ in prompts]
+    pre = ds4t.eval_batch([ds4t.DecodeItem(s, p) for s, p in zip(first, prompts)], mode="auto")   # one call
+    first_tok = [int(t) for t in pre.logits.argmax(dim=1).tolist()]
     snapshots = [(s.state_dict(), s.pos, list(s.tokens)) for s in first]
     runs = {}
     for mode in ("ordered", "native"):
         if mode == "ordered":
             sessions = first
         else:
-            sessions = [model.new_session(max_ctx=64 + args.steps) for _ in prompts]
+            sessions = [model.new_session(max_ctx=max_ctx) for _ in prompts]
             for s, (state, pos, toks_) in zip(sessions, snapshots):
                 s.load_state_dict(state, pos, toks_)
         toks = list(first_tok)
@@ -188,7 +212,7 @@ def cmd_demo(args) -> int:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         bar.close()
-        runs[mode] = (torch.stack(rows), dt, res.paths, [s.tokens[-args.steps:] for s in sessions])
+        runs[mode] = (torch.stack(rows), dt, res.paths, [s.tokens[len(p):] for s, p in zip(sessions, prompts)])
         for s in sessions:
             s.close()
     n_tok = args.sessions * args.steps
@@ -200,6 +224,13 @@ def cmd_demo(args) -> int:
     ]))
     print(f"native paths: {sorted(set(paths))}")
     print(f"speed-up (native vs ordered): {to / tn:.2f}x")
+    if text:
+        print("generated text (greedy; the native run, equal to the ordered one when bit-exact):")
+        stops = set(codec.eos_ids)
+        for i, (q, toks) in enumerate(zip(questions, txt_n)):
+            gen = toks + [int(ln[-1][i].argmax())]   # every token fed, then the last step's choice
+            cut = next((k for k, t in enumerate(gen) if t in stops), len(gen))
+            print(f"  {q!r} -> {codec.decode(gen[:cut])!r}")
     print(f"bit-exact: {'yes' if exact else 'NO'} ({lo.numel()} float32 logits compared)")
     return 0 if exact else 1
 
@@ -314,7 +345,7 @@ def main(argv=None) -> int:
     sub.add_parser("support", help="print the support matrix: model x native path x condition")
 
     def model_args(sp, default="tiny-qwen"):
-        sp.add_argument("--model", default=default, help="preset name or HF checkpoint directory")
+        sp.add_argument("--model", default=default, help="preset name, HF checkpoint directory or .gguf file")
         sp.add_argument("--device", default=None, choices=["cuda", "cpu"],
                         help="where the model lives; must be where the kernels run (cuda when a GPU is present)")
         sp.add_argument("--dtype", default=None,

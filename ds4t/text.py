@@ -1,4 +1,5 @@
-"""Text <-> token ids (``ds4t.generate``, the server): the checkpoint's tokenizer.json, or bytes for the presets.
+"""Text <-> token ids (``ds4t.generate``, the server): the checkpoint's tokenizer.json (or a GGUF's
+tokenizer, chat template and EOS ids, ``model.text_meta``), or bytes for the presets.
 
 ``TextCodec.for_model(model)``: ``model.tokenizer`` (a ``tokenizers.Tokenizer``) when the
 checkpoint has one; otherwise byte-level (token id = byte value, vocab >= 256; ids >= 256 render
@@ -34,7 +35,10 @@ class TextCodec:
         tok = getattr(model, "tokenizer", None)
         template, special, eos = None, {}, []
         path = str(getattr(model, "name", ""))
-        if os.path.isdir(path):
+        meta = getattr(model, "text_meta", None)   # GGUF: from the file's tokenizer.* metadata
+        if meta is not None:
+            template, special, eos = meta.chat_template, dict(meta.special), list(meta.eos_ids)
+        elif os.path.isdir(path):
             tc = _read_json(os.path.join(path, "tokenizer_config.json"))
             template = tc.get("chat_template") if isinstance(tc.get("chat_template"), str) else None
             for k in ("bos_token", "eos_token"):

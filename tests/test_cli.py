@@ -64,7 +64,7 @@ OTHER_DEVICE = "cpu" if torch.cuda.is_available() else "cuda"
     (["demo", "--sessions", "0"], "--sessions: expected a positive integer, got 0"),
     (["exactness", "--steps", "-1"], "--steps: expected a positive integer, got -1"),
     (["exactness", "--sessions", "two"], "--sessions: expected a positive integer, got 'two'"),
-    (["demo", "--model", "tiny-nothing"], "'tiny-nothing' is neither a checkpoint directory nor a preset"),
+    (["demo", "--model", "tiny-nothing"], "'tiny-nothing' is neither a checkpoint directory, a .gguf file nor a preset"),
     (["demo", "--opt", "native_window=20"], "qwen3_next models take no option 'native_window'"),
     (["exactness", "--model", "tiny-glm", "--opt", "native_window=0"], "native_window must be a positive int"),
     (["demo", "--dtype", "fp8"], "unsupported dtype 'fp8'"),
@@ -139,3 +139,16 @@ def test_exactness_fails_when_an_applicable_control_is_not_caught(capsys, monkey
                       capsys)
     assert "NOT CAUGHT" in out and "exact: yes" in out
     assert rc == 1
+
+
+def test_demo_of_a_gguf_prints_text(tmp_path, capsys):
+    """A checkpoint with a tokenizer (here a tiny GGUF) gets chat prompts and its text printed."""
+    pytest.importorskip("transformers")
+    from tests.models.gguf_files import write_gguf
+    from tests.models.test_gguf import tiny_llama
+
+    write_gguf(tiny_llama(), tmp_path / "m.gguf")
+    assert main(["demo", "--model", str(tmp_path / "m.gguf"), "--sessions", "3", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "chat prompts through the checkpoint's tokenizer" in out and "bit-exact: yes" in out
+    assert "'What is the capital of France?' -> " in out and "'What is 12 times 12?' -> " in out

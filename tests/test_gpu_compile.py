@@ -1,4 +1,4 @@
-"""Every kernel the three model families launch compiles for an sm_90 GPU (bench/compile_check.py),
+"""Every kernel the model families launch compiles for an sm_90 GPU (bench/compile_check.py),
 checked here without a GPU; its negative control must fail to compile."""
 import json
 import os

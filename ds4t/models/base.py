@@ -151,6 +151,7 @@ class Model:
     device: torch.device
     dtype: torch.dtype
     tokenizer = None
+    text_meta = None   # GGUF checkpoints: chat template, special tokens, EOS ids (ds4t.models.gguf.TextMeta)
 
     def __init__(self):
         self.pool = StatePool(self.state_specs(), self.device)

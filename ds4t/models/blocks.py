@@ -1,7 +1,7 @@
 """Pieces every family composes: the layer weight types (a layer = a mixer + an FFN; the FFN a
 dense SwiGLU MLP or routed MoE with shared experts), their compute, RoPE tables.
 
-Each is written once here and used by qwen.py, deepseek.py and glm.py.
+Each is written once here and used by qwen.py, deepseek.py, glm.py and llama.py.
 """
 from __future__ import annotations
 
@@ -177,6 +177,103 @@ def yarn_inv_freq(rotary_dim: int, p: dict, max_position: int):
     extra_factor = 1 - ramp
     inv_freq = inv_inter * (1 - extra_factor) + inv_extra * extra_factor
     return inv_freq, float(attention_factor)
+
+
+# ----------------------------------------------------------------------------------------------
+# GQA attention with RoPE (GLM-4.5, llama, Qwen3 dense)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class GQAAttentionWeights:
+    """A grouped-query attention layer's weights. Matrices in the model dtype, the rest fp32."""
+
+    w_qkv: Weight             # [(H + 2KV)·hd, D]: rows [q | k | v]
+    b_qkv: Optional[torch.Tensor]   # [(H + 2KV)·hd]; with q/k/v bias only
+    q_norm: Optional[torch.Tensor]  # [hd], plain RMSNorm gain; with q/k norm only
+    k_norm: Optional[torch.Tensor]  # [hd]; with q/k norm only
+    w_o: Weight               # [D, H·hd]
+    b_o: Optional[torch.Tensor] = None   # [D]; with o_proj bias only (llama's attention_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class GQAShape:
+    """What GQA attention needs to know about a config: heads, kv heads, head dim, rotary dims (the
+    first ``rotary_dim`` of each head, rotate-half pairs), which optional tensors a layer has, and
+    the q/k-norm epsilon."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    eps: float
+
+    def expected(self, t: dict, prefix: str) -> None:
+        """Add one layer's attention tensors (HF names under ``prefix`` = "model.layers.{i}.self_attn.") to ``t``."""
+        D, H, KV, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        t[prefix + "q_proj.weight"] = (H * hd, D)
+        t[prefix + "k_proj.weight"] = (KV * hd, D)
+        t[prefix + "v_proj.weight"] = (KV * hd, D)
+        if self.qkv_bias:
+            t[prefix + "q_proj.bias"], t[prefix + "k_proj.bias"], t[prefix + "v_proj.bias"] = \
+                (H * hd,), (KV * hd,), (KV * hd,)
+        t[prefix + "o_proj.weight"] = (D, H * hd)
+        if self.o_bias:
+            t[prefix + "o_proj.bias"] = (D,)
+        if self.qk_norm:
+            t[prefix + "q_norm.weight"] = (hd,)
+            t[prefix + "k_norm.weight"] = (hd,)
+
+    def load(self, get, prefix: str) -> GQAAttentionWeights:
+        """One layer's weights through a WeightReader ``get``: q/k/v fused into one matrix (and one bias)."""
+        f32 = torch.float32
+        b_qkv = q_norm = k_norm = b_o = None
+        if self.qkv_bias:
+            b_qkv = torch.cat([get(prefix + "q_proj.bias", f32), get(prefix + "k_proj.bias", f32),
+                               get(prefix + "v_proj.bias", f32)])
+        if self.o_bias:
+            b_o = get(prefix + "o_proj.bias", f32)
+        if self.qk_norm:
+            q_norm, k_norm = get(prefix + "q_norm.weight", f32), get(prefix + "k_norm.weight", f32)
+        w_qkv = weights.cat([get(prefix + "q_proj.weight"), get(prefix + "k_proj.weight"),
+                             get(prefix + "v_proj.weight")])
+        return GQAAttentionWeights(w_qkv=w_qkv, b_qkv=b_qkv, q_norm=q_norm, k_norm=k_norm,
+                                   w_o=get(prefix + "o_proj.weight"), b_o=b_o)
+
+    def state_specs(self, num_layers: int, dtype: torch.dtype) -> dict:
+        """Per-session KV caches ``layers.{i}.k`` / ``layers.{i}.v`` [CTX, kv_heads, head_dim]."""
+        from ds4t.models.base import CTX, StateSpec
+
+        s = {}
+        for i in range(num_layers):
+            s[f"layers.{i}.k"] = StateSpec((CTX, self.num_kv_heads, self.head_dim), dtype)
+            s[f"layers.{i}.v"] = StateSpec((CTX, self.num_kv_heads, self.head_dim), dtype)
+        return s
+
+
+def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq: torch.Tensor,
+                  kc: torch.Tensor, vc: torch.Tensor, batch) -> torch.Tensor:
+    """One GQA attention layer on rows x fp32 [R, D]: fused q/k/v (+ bias), optional per-head q/k
+    RMSNorm (plain x̂·w), rotate-half RoPE on the first ``a.rotary_dim`` dims of q and k in one
+    launch, the rows' k/v written into the caches ``kc`` / ``vc`` at their slots and positions,
+    split-KV decode attention (scale hd^-1/2), o_proj (+ bias)."""
+    R, H, KV, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
+    qkv = fused_linear(x, w.w_qkv, w.b_qkv)
+    if a.qk_norm:
+        qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
+        q = qkv[:, :H * hd].reshape(R * H, hd)
+        k = qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd)
+        qk[:, :H] = ops.rms_norm(q, w.q_norm, a.eps).view(R, H, hd)
+        qk[:, H:] = ops.rms_norm(k, w.k_norm, a.eps).view(R, KV, hd)
+    else:
+        qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
+    qk = ops.rope(qk, batch.positions, inv_freq, rotary_dim=a.rotary_dim)   # q and k in one launch
+    v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
+    ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
+    o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
+    return fused_linear(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 
 # ----------------------------------------------------------------------------------------------

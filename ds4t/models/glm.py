@@ -27,11 +27,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ds4t.kernels import ops, weights
-from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
-from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import Layer, SigmoidMoEConfig, ffn, fused_linear, preset_init_plain
+from ds4t.models.base import NativeRule, StateSpec, StepBatch
+from ds4t.models.blocks import (GQAAttentionWeights, GQAShape, Layer, SigmoidMoEConfig, ffn, gqa_attention,
+                                preset_init_plain)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
@@ -64,6 +63,11 @@ class GlmConfig:
     tie_embeddings: bool
     ffn: SigmoidMoEConfig
 
+    @property
+    def attn(self) -> GQAShape:
+        return GQAShape(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim,
+                        qkv_bias=self.attention_bias, o_bias=False, qk_norm=self.use_qk_norm, eps=self.eps)
+
     @classmethod
     def from_dict(cls, c: dict) -> "GlmConfig":
         n = require(c, "num_hidden_layers", int)
@@ -89,33 +93,16 @@ class GlmConfig:
 
 def expected_tensors(c: GlmConfig) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
-    D, H, KV, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     t = stack_tensors(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        a = p + "self_attn."
-        t[a + "q_proj.weight"] = (H * hd, D)
-        t[a + "k_proj.weight"] = (KV * hd, D)
-        t[a + "v_proj.weight"] = (KV * hd, D)
-        if c.attention_bias:
-            t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"] = (H * hd,), (KV * hd,), (KV * hd,)
-        t[a + "o_proj.weight"] = (D, H * hd)
-        if c.use_qk_norm:
-            t[a + "q_norm.weight"] = (hd,)
-            t[a + "k_norm.weight"] = (hd,)
-        c.ffn.expected(t, p + "mlp.", D, i)
+        c.attn.expected(t, p + "self_attn.")
+        c.ffn.expected(t, p + "mlp.", c.hidden_size, i)
     return t
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class GlmAttentionWeights:
-    """A GQA attention layer's weights. Matrices in the model dtype, the rest fp32."""
-
-    w_qkv: Weight             # [(H + 2KV)·hd, D]: rows [q | k | v]
-    b_qkv: Optional[torch.Tensor]   # [(H + 2KV)·hd]; with attention_bias only
-    q_norm: Optional[torch.Tensor]  # [hd], plain RMSNorm gain; with use_qk_norm only
-    k_norm: Optional[torch.Tensor]  # [hd]; with use_qk_norm only
-    w_o: Weight               # [D, H·hd] (o_proj has no bias)
+GlmAttentionWeights = GQAAttentionWeights
+"""GLM's attention weights: the shared GQA layout (o_proj without bias)."""
 
 
 class GlmModel(DecoderModel):
@@ -129,21 +116,10 @@ class GlmModel(DecoderModel):
         mtp = mtp_layer_prefixes(source, c.num_layers)
         get = WeightReader(source, expected_tensors(c), self.device, dtype,
                            ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
-        f32 = torch.float32
         self._load_stack(get)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            a = p + "self_attn."
-            b_qkv = q_norm = k_norm = None
-            if c.attention_bias:
-                b_qkv = torch.cat([get(a + "q_proj.bias", f32), get(a + "k_proj.bias", f32),
-                                   get(a + "v_proj.bias", f32)])
-            if c.use_qk_norm:
-                q_norm, k_norm = get(a + "q_norm.weight", f32), get(a + "k_norm.weight", f32)
-            mixer = GlmAttentionWeights(
-                w_qkv=weights.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
-                b_qkv=b_qkv, q_norm=q_norm, k_norm=k_norm, w_o=get(a + "o_proj.weight"))
-            self.layers.append(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
+            self.layers.append(Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i)))
         get.finish()
         warn_mtp_skipped(get, mtp)
         self.router_cfg = c.ffn.router
@@ -179,32 +155,13 @@ class GlmModel(DecoderModel):
 
     # -- state -------------------------------------------------------------------------------
     def state_specs(self) -> Dict[str, StateSpec]:
-        c, s = self.cfg, {}
-        for i in range(c.num_layers):
-            s[f"layers.{i}.k"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
-            s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
-        return s
-
+        return self.cfg.attn.state_specs(self.cfg.num_layers, self.dtype)
 
     # -- compute -----------------------------------------------------------------------------
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        c, w = self.cfg, self.layers[i].mixer
-        R, H, KV, hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = fused_linear(x, w.w_qkv, w.b_qkv)
-        if c.use_qk_norm:
-            qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
-            q = qkv[:, :H * hd].reshape(R * H, hd)
-            k = qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd)
-            qk[:, :H] = ops.rms_norm(q, w.q_norm, c.eps).view(R, H, hd)
-            qk[:, H:] = ops.rms_norm(k, w.k_norm, c.eps).view(R, KV, hd)
-        else:
-            qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
-        qk = ops.rope(qk, batch.positions, self.inv_freq, rotary_dim=c.rotary_dim)   # q and k in one launch
-        v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
-        kc, vc = self.pool.tensors[f"layers.{i}.k"], self.pool.tensors[f"layers.{i}.v"]
-        ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
-        o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
-        return fused_linear(o.reshape(R, H * hd), w.w_o)
+        pool = self.pool.tensors
+        return gqa_attention(x, self.layers[i].mixer, self.cfg.attn, self.inv_freq,
+                             pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch)
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return ffn(self.layers[i].ffn, x, self.router_cfg)

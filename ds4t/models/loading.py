@@ -47,7 +47,8 @@ class WeightReader:
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             what = "scale of float8 tensor" if missing[0].endswith(SCALE_SUFFIX) else "tensor"
-            raise CheckpointError(f"{source.origin}: missing {what} {missing[0]!r}{more}")
+            label = getattr(source, "describe", repr)(missing[0])   # a GGUF names its own tensor first
+            raise CheckpointError(f"{source.origin}: missing {what} {label}{more}")
         self.ignored = sorted(k for k in source.keys() if k not in self.expected and k.startswith(tuple(ignore_prefixes)))
         unknown = sorted(k for k in source.keys() if k not in self.expected and not k.startswith(tuple(ignore_prefixes)))
         if unknown:

@@ -8,6 +8,7 @@ import torch
 
 from ds4t.backend import default_device
 from ds4t.models.checkpoint import CheckpointError, TensorSource, parse_dtype, read_config
+from ds4t.models.gguf import is_gguf
 from ds4t.models.loading import PresetSource
 from ds4t.models.quant import parse_quantization, quantize_option
 from ds4t.models.tokenizer import preset_tokenizer
@@ -15,21 +16,23 @@ from ds4t.models.tokenizer import preset_tokenizer
 
 def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
     """model_type -> (model class, config parser, expected_tensors, preset_init)."""
-    from ds4t.models import deepseek, glm, qwen
+    from ds4t.models import deepseek, glm, llama, qwen
 
     return {
         "qwen3_next": (qwen.QwenModel, qwen.QwenConfig.from_dict, qwen.expected_tensors, qwen.preset_init),
         "deepseek_v3": (deepseek.DeepseekModel, deepseek.DeepseekConfig.from_dict, deepseek.expected_tensors,
                         deepseek.preset_init),
         "glm4_moe": (glm.GlmModel, glm.GlmConfig.from_dict, glm.expected_tensors, glm.preset_init),
+        "llama": (llama.LlamaModel, llama.LlamaConfig.from_dict, llama.expected_tensors, llama.preset_init),
+        "qwen3": (llama.Qwen3Model, llama.LlamaConfig.from_dict, llama.expected_tensors, llama.preset_init),
     }
 
 
 def _preset_configs() -> Dict[str, dict]:
-    from ds4t.models import deepseek, glm, qwen
+    from ds4t.models import deepseek, glm, llama, qwen
 
     out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l", "qwen3-next-80b-fp8")}
-    for mod in (deepseek, glm):
+    for mod in (deepseek, glm, llama):
         for n in mod.PRESETS:
             out[n] = mod.preset_config(n)
     return out
@@ -51,9 +54,12 @@ def preset_source(name: str, seed: int = 0):
 
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
          quantize: Optional[str] = None, **options):
-    """Load a model: an HF checkpoint directory (config.json + safetensors) or a preset name.
+    """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
+    writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
+    :mod:`ds4t.models.gguf`: architectures llama and qwen3, quantized types dequantized at load,
+    tokenizer and chat template from its metadata) or a preset name.
 
-    ``model.tokenizer``: the checkpoint's tokenizer.json, or for a preset a byte-level tokenizer
+    ``model.tokenizer``: the checkpoint's tokenizer.json (GGUF: built from its metadata), or for a preset a byte-level tokenizer
     (token id = UTF-8 byte, :mod:`ds4t.models.tokenizer`); None when there is neither.
 
     device: "cuda" when a GPU is present, else "cpu" (default). dtype: torch dtype or name
@@ -67,6 +73,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype)
+    text_meta = None   # GGUF: chat template and special tokens from its metadata (ds4t.text reads them)
     families = _families()
     configs = _preset_configs()
     if path_or_preset in configs:
@@ -94,9 +101,18 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(tok_path)
+    elif is_gguf(path_or_preset):
+        from ds4t.models.gguf import open_gguf
+
+        path = str(path_or_preset)
+        cfg, source, tokenizer, text_meta = open_gguf(path)
+        model_cls = families[cfg["model_type"]][0]
+        name = os.path.abspath(path)
+        if dtype is None:
+            dtype = source.default_dtype()
     else:
         raise CheckpointError(
-            f"{path_or_preset!r} is neither a checkpoint directory nor a preset (presets: {presets()})")
+            f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
     source.fp8 = parse_quantization(cfg)
     source.quantize = quantize_option(quantize, cfg)
     if path_or_preset in configs and source.fp8 is not None:
@@ -107,4 +123,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
             raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
     model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
     model.tokenizer = tokenizer
+    if text_meta is not None:
+        model.text_meta = text_meta
+    if hasattr(source, "log_dequantized"):
+        source.log_dequantized(dtype)
     return model

@@ -20,7 +20,7 @@ import torch
 
 import ds4t  # noqa: F401  (selects the kernel backend before triton is imported)
 
-TINY_PRESETS = ("tiny-qwen", "tiny-deepseek", "tiny-glm")   # fp32, CPU-sized: one per model family
+TINY_PRESETS = ("tiny-qwen", "tiny-deepseek", "tiny-glm", "tiny-llama")   # fp32, CPU-sized: one per model family
 HYPOTHESIS_PROFILE = "ds4t"
 
 

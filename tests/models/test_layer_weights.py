@@ -9,11 +9,13 @@ import torch
 import ds4t
 from ds4t.models.blocks import DenseMLP, Layer, MoEWeights
 from ds4t.models.deepseek import MLAWeights
+from ds4t.models.blocks import GQAAttentionWeights
 from ds4t.models.glm import GlmAttentionWeights
 from ds4t.models.qwen import GatedAttentionWeights, GatedDeltaNetWeights
 
 MIXERS = {"tiny-qwen": (GatedDeltaNetWeights, GatedAttentionWeights), "tiny-glm": (GlmAttentionWeights,),
-          "tiny-deepseek": (MLAWeights,)}
+          "tiny-deepseek": (MLAWeights,), "tiny-llama": (GQAAttentionWeights,)}
+FFNS = {"tiny-qwen": {MoEWeights}, "tiny-llama": {DenseMLP}}   # the others: {DenseMLP, MoEWeights}
 
 
 def held_tensors(obj):
@@ -47,7 +49,7 @@ def test_parameters_list_every_layer_tensor_once(name):
         assert re.fullmatch(r"embed|lm_head|final_norm|layers\.\d+\.(input_norm|post_norm|mixer\.\w+|ffn\.\w+)", k), k
     # The kinds each tiny preset holds (tiny-qwen has no dense MLP layer; tests/models/test_qwen.py covers one).
     assert {type(layer.mixer) for layer in m.layers} == set(MIXERS[name])
-    assert {type(layer.ffn) for layer in m.layers} == ({MoEWeights} if name == "tiny-qwen" else {DenseMLP, MoEWeights})
+    assert {type(layer.ffn) for layer in m.layers} == FFNS.get(name, {DenseMLP, MoEWeights})
 
 
 def test_routed_only_shares_the_tensors():

@@ -176,17 +176,17 @@ def test_config_missing_field(ckpt, field):
 
 
 def test_unsupported_model_type(ckpt):
-    _edit_config(ckpt, lambda c: c.update(model_type="llama"))
-    with pytest.raises(ds4t.CheckpointError, match="model_type 'llama' is not supported"):
+    _edit_config(ckpt, lambda c: c.update(model_type="gpt_neox"))
+    with pytest.raises(ds4t.CheckpointError, match=r"model_type 'gpt_neox' is not supported \(supported: .*'llama'"):
         ds4t.load(ckpt)
 
 
 def test_neither_dir_nor_preset(tmp_path):
     bogus = str(tmp_path / "no-such-model")
-    with pytest.raises(ds4t.CheckpointError, match="neither a checkpoint directory nor a preset"):
+    with pytest.raises(ds4t.CheckpointError, match="neither a checkpoint directory, a .gguf file nor a preset"):
         ds4t.load(bogus)
-    with pytest.raises(ds4t.CheckpointError, match="'tiny-llama' is neither"):
-        ds4t.load("tiny-llama")
+    with pytest.raises(ds4t.CheckpointError, match="'tiny-mamba' is neither"):
+        ds4t.load("tiny-mamba")
 
 
 def test_index_names_missing_shard(ckpts, tmp_path):

