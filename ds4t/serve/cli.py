@@ -150,8 +150,9 @@ def build(args, model=None):
              memory_limit=args.memory_limit)
     if not p.fits or args.plan_only:
         return None, p
-    model_id = args.served_model_name or (args.model if not os.path.isdir(args.model)
-                                          else os.path.basename(os.path.abspath(args.model)))
+    # a preset by its name; a checkpoint directory or a .gguf file by its base name (not the whole path)
+    model_id = args.served_model_name or (os.path.basename(os.path.abspath(args.model))
+                                          if os.path.exists(args.model) else args.model)
     try:
         server = Server(model, slots=args.batched_session, max_ctx=max_ctx, model_id=model_id, coalesce_us=coalesce,
                         prefill_chunk=args.prefill_chunk, prefill_chunk_idle=args.prefill_chunk_idle,

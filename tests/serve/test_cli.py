@@ -236,3 +236,15 @@ def test_sigterm_drains_then_ends_open_streams_with_an_error_and_done():
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"  # finished in the drain
     assert long[-1] == "[DONE]" and "error" in long[-2] and "shutting down" in long[-2]["error"]["message"]
     assert refused[0] == 503 and rc == 0
+
+
+def test_a_checkpoint_file_is_served_under_its_base_name(model, tmp_path):
+    f = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    f.write_bytes(b"")  # only the name matters here: the model is passed in
+    server, _ = cli.build(args_for("--model", str(f)), model=model)
+    try:
+        assert server.model_id == "SmolLM2-135M-Instruct.Q4_1.gguf" and str(f) in server.aliases
+    finally:
+        server.pool.close()
+        if server.store is not None:
+            server.store.close()
