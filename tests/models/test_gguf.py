@@ -172,3 +172,15 @@ def test_errors_name_the_problem(tmp_path):
         ds4t.load(str(tmp_path / "bad.gguf"))
     with pytest.raises(ds4t.CheckpointError, match="no such GGUF file"):
         ds4t.load(str(tmp_path / "absent.gguf"))
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 100])
+def test_a_truncated_file_is_a_clear_error(tmp_path, keep):
+    """A download cut short: a clear CheckpointError naming the file, never a model with missing weights."""
+    src = tmp_path / "m.gguf"
+    write_gguf(tiny_llama(), src, types={"matrix": "Q8_0"}, tokenizer=False)
+    data = src.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)] if keep < 1 else data[:keep])
+    with pytest.raises(ds4t.CheckpointError, match=r"cut\.gguf: not a readable GGUF file"):
+        ds4t.load(str(cut))
