@@ -276,6 +276,20 @@ def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq
     return fused_linear(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 
+class GQAMixer:
+    """The token mixer of a family whose every layer is GQA attention (``cfg.attn``: :class:`GQAShape`;
+    ``layers[i].mixer``: :class:`GQAAttentionWeights`): its KV-cache state and :func:`gqa_attention`
+    over it. Mixed in before DecoderModel (GLM-4.5, llama, Qwen3 dense)."""
+
+    def state_specs(self):
+        return self.cfg.attn.state_specs(self.cfg.num_layers, self.dtype)
+
+    def mixer(self, i: int, x: torch.Tensor, batch) -> torch.Tensor:
+        pool = self.pool.tensors
+        return gqa_attention(x, self.layers[i].mixer, self.cfg.attn, self.inv_freq,
+                             pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch)
+
+
 # ----------------------------------------------------------------------------------------------
 # The DeepSeek-V3 / GLM-4.5 feed-forward layout (shared by deepseek.py and glm.py)
 # ----------------------------------------------------------------------------------------------

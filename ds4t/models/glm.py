@@ -28,8 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ds4t.kernels.rope import default_inv_freq
-from ds4t.models.base import NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (GQAAttentionWeights, GQAShape, Layer, SigmoidMoEConfig, ffn, gqa_attention,
+from ds4t.models.base import NativeRule, StepBatch
+from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, SigmoidMoEConfig, ffn,
                                 preset_init_plain)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
@@ -105,7 +105,7 @@ GlmAttentionWeights = GQAAttentionWeights
 """GLM's attention weights: the shared GQA layout (o_proj without bias)."""
 
 
-class GlmModel(DecoderModel):
+class GlmModel(GQAMixer, DecoderModel):
     family = "glm4_moe"
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "glm4_moe", progress=None,
@@ -153,16 +153,7 @@ class GlmModel(DecoderModel):
         cap = self._native_window
         return [None if pos + n <= cap else f"visible window {pos + n} > native capacity {cap}" for pos, n in rows]
 
-    # -- state -------------------------------------------------------------------------------
-    def state_specs(self) -> Dict[str, StateSpec]:
-        return self.cfg.attn.state_specs(self.cfg.num_layers, self.dtype)
-
-    # -- compute -----------------------------------------------------------------------------
-    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        pool = self.pool.tensors
-        return gqa_attention(x, self.layers[i].mixer, self.cfg.attn, self.inv_freq,
-                             pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch)
-
+    # -- compute (state_specs and mixer: GQAMixer) -----------------------------------------
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         return ffn(self.layers[i].ffn, x, self.router_cfg)
 

@@ -22,8 +22,8 @@ import torch
 
 from ds4t.kernels import weights
 from ds4t.kernels.rope import default_inv_freq
-from ds4t.models.base import NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import DenseMLP, GQAShape, Layer, gqa_attention, preset_init_plain, swiglu
+from ds4t.models.base import NativeRule, StepBatch
+from ds4t.models.blocks import DenseMLP, GQAMixer, GQAShape, Layer, preset_init_plain, swiglu
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader
@@ -128,7 +128,7 @@ def expected_tensors(c: LlamaConfig) -> Dict[str, tuple]:
     return t
 
 
-class LlamaModel(DecoderModel):
+class LlamaModel(GQAMixer, DecoderModel):
     family = "llama"
 
     native_rules = (NativeRule(
@@ -148,14 +148,6 @@ class LlamaModel(DecoderModel):
         get.finish()
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope).to(self.device)
         super().__init__()
-
-    def state_specs(self) -> Dict[str, StateSpec]:
-        return self.cfg.attn.state_specs(self.cfg.num_layers, self.dtype)
-
-    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        pool = self.pool.tensors
-        return gqa_attention(x, self.layers[i].mixer, self.cfg.attn, self.inv_freq,
-                             pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch)
 
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         w = self.layers[i].ffn

@@ -145,27 +145,10 @@ def test_fp8_native_equals_ordered_with_the_negative_control(name):
 
 @pytest.mark.parametrize("name", ["tiny-qwen", "tiny-glm", "tiny-deepseek"])
 def test_fp8_prefill_chunks_are_bitwise_equal_and_equal_token_by_token(name):
-    model = ds4t.load(name, quantize="fp8")
+    from ds4t.testing import assert_prefill_chunk_invariant
+
     prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))]
-    ref = model.new_session(64)
-    whole = ref.prefill(prompt, all_logits=True)
-    state = ref.state_dict()
-    for chunk in (1, 17, 64):
-        s = model.new_session(64)
-        parts = [s.prefill(prompt[i:i + chunk], all_logits=True) for i in range(0, len(prompt), chunk)]
-        assert torch.equal(torch.cat(parts), whole), chunk
-        st = s.state_dict()
-        assert all(torch.equal(st[k], state[k]) for k in state), chunk
-        s.close()
-    # token by token inside a batch with another session decoding
-    other = model.new_session(64)
-    other.prefill([3, 4, 5])
-    s = model.new_session(64)
-    rows = []
-    for t in prompt:
-        res = ds4t.eval_batch([ds4t.DecodeItem(s, t), ds4t.DecodeItem(other, 7)])
-        rows.append(res.logits[0])
-    assert torch.equal(torch.stack(rows), whole)
+    assert_prefill_chunk_invariant(ds4t.load(name, quantize="fp8"), prompt)
 
 
 def test_bf16_activations_within_the_bf16_bound(qwen_float, tmp_path):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ds4t
+from ds4t.testing import assert_prefill_chunk_invariant
 from tests.models.hf_oracle import check_against_hf, save_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -63,24 +64,5 @@ def test_config_errors_are_clear():
 def test_prefill_chunks_are_bitwise_equal_and_equal_token_by_token():
     """A prompt's logits and KV are bitwise the same for prefill chunks of 1, 17 and 64 tokens, and
     for the prompt fed one token per step inside a batch beside another decoding session."""
-    model = ds4t.load("tiny-llama")
     prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))]
-    ref = model.new_session(64)
-    whole = ref.prefill(prompt, all_logits=True)
-    state = ref.state_dict()
-    for chunk in (1, 17, 64):
-        s = model.new_session(64)
-        parts = [s.prefill(prompt[i:i + chunk], all_logits=True) for i in range(0, len(prompt), chunk)]
-        assert torch.equal(torch.cat(parts), whole), chunk
-        st = s.state_dict()
-        assert st.keys() == state.keys() and all(torch.equal(st[k], state[k]) for k in state), chunk
-        s.close()
-    other = model.new_session(64)
-    other.prefill([3, 4, 5])
-    s = model.new_session(64)
-    rows = []
-    for t in prompt:
-        res = ds4t.eval_batch([ds4t.DecodeItem(s, t), ds4t.DecodeItem(other, 7)], mode="native")
-        assert res.paths == ["native", "native"]
-        rows.append(res.logits[0])
-    assert torch.equal(torch.stack(rows), whole)
+    assert_prefill_chunk_invariant(ds4t.load("tiny-llama"), prompt)

@@ -109,3 +109,17 @@ def test_assert_native_exact_refuses_a_scenario_without_native_batches(ds4t_mode
 def test_assert_native_exact_needs_a_batch():
     with pytest.raises(ValueError, match="sessions >= 2"):
         assert_native_exact(ds4t.load("tiny-qwen"), sessions=1)
+
+
+def test_assert_prefill_chunk_invariant_holds_and_can_fail():
+    """Holds for a preset; fails (negative control) when the linear kernel's sum order depends on
+    how many rows a launch has -- as a chunk size chosen split-K would."""
+    import ds4t
+    from ds4t.exactness.harness import plant
+    from ds4t.testing import assert_prefill_chunk_invariant
+
+    model = ds4t.load("tiny-qwen")
+    prompt = [5, 17, 99, 3, 250, 8, 41, 7, 66, 12]
+    assert_prefill_chunk_invariant(model, prompt, chunks=(1, 4))
+    with plant("batch-dependent"), pytest.raises(AssertionError, match="logits differ from the whole prompt"):
+        assert_prefill_chunk_invariant(model, prompt, chunks=(1, 4))
