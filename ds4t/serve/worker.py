@@ -542,21 +542,26 @@ class DecodeWorker:
             self.pool.release(r.slot)
             r.slot = None
 
+    # Ending a request (slot released, then its last event) happens under the lock as one step: drain()
+    # reads ``active`` under it, so once a request has left ``active`` its client has its last event
+    # (seen on the H200: drain returned between the two). The lock is re-entrant (housekeeping holds it).
     def _finish(self, r: Request, reason: str) -> None:
-        self._release(r)
-        r.state = "done"
-        r.finish_reason = reason
-        self.metrics.inc("requests_total", status="cancelled" if reason == "cancelled" else "ok")
-        r.emit({"type": "done", "finish_reason": reason, "usage": r.usage(), "text": r.text,
-                "token_ids": list(r.generated), "reused_tokens": r.reused,
-                "restored_from_disk": r.restored_from_disk})
+        with self._cond:
+            self._release(r)
+            r.state = "done"
+            r.finish_reason = reason
+            self.metrics.inc("requests_total", status="cancelled" if reason == "cancelled" else "ok")
+            r.emit({"type": "done", "finish_reason": reason, "usage": r.usage(), "text": r.text,
+                    "token_ids": list(r.generated), "reused_tokens": r.reused,
+                    "restored_from_disk": r.restored_from_disk})
 
     def _fail(self, r: Request, status: int, message: str, state_ok: bool) -> None:
-        self._release(r, state_ok=state_ok)
-        r.state = "done"
-        r.finish_reason = "error"
-        self.metrics.inc("requests_total", status="error")
-        r.emit({"type": "error", "status": status, "message": message})
+        with self._cond:
+            self._release(r, state_ok=state_ok)
+            r.state = "done"
+            r.finish_reason = "error"
+            self.metrics.inc("requests_total", status="error")
+            r.emit({"type": "error", "status": status, "message": message})
 
     def _shutdown(self) -> None:
         with self._cond:

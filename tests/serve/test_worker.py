@@ -286,3 +286,21 @@ def test_drain_timeout_then_stop_fails_what_is_left(model, worker, monkeypatch):
     w.stop()
     wait_all([sa])
     assert sa.final["type"] == "error" and sa.final["status"] == 503 and len(sa.tokens) < 60
+
+
+def test_drain_returns_only_after_the_last_event_is_delivered(model, worker):
+    """A slow client callback on the final event: drain() must not report the request finished before
+    its client has that event (the order once seen on the H200, where steps take ~1 ms)."""
+    import time
+
+    class SlowDone(Sink):
+        def __call__(self, ev):
+            if ev["type"] in ("done", "error"):
+                time.sleep(0.5)
+            super().__call__(ev)
+
+    w = worker(1)
+    sink = SlowDone()
+    w.submit(Request([1, 2, 3], GenParams(max_tokens=2), sink))
+    assert w.drain(timeout=300)
+    assert sink.done.is_set() and sink.final["type"] == "done"
