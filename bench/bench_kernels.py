@@ -209,29 +209,32 @@ def candidates(K, N, fp8=False):
 
 
 def fp8_candidates(K, N):
-    """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries."""
+    """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries; both fp8
+    conversion routes (``cvt_via_f32``; same bits). Swapped operands only: every bf16 sweep winner was."""
     bk_scale = FP8_BLOCK[1]
     out = []
-    for swap in (True, False):
-        for bn in (32, 64, 128, 256):
-            for bk in (64, 128):
-                for split in (1, 2, 4, 8):
-                    if split > 1 and (K % (split * bk_scale) or K // split < 4 * bk_scale):
+    for bn in (32, 64, 128, 256):
+        for bk in (64, 128):
+            for split in (1, 2, 4, 8):
+                if split > 1 and (K % (split * bk_scale) or K // split < 4 * bk_scale):
+                    continue
+                ctas = cdiv(N, bn) * split
+                if ctas < 64 or (split > 1 and ctas > 1200):
+                    continue
+                for stages in (3, 4):
+                    if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
                         continue
-                    ctas = cdiv(N, bn) * split
-                    if ctas < 64 or (split > 1 and ctas > 1200):
-                        continue
-                    for stages in (3, 4, 5):
-                        if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
-                            continue
-                        out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=4,
-                                                num_stages=stages, swap=swap))
+                    for warps in ((4, 8) if bn >= 128 else (4,)):
+                        for via in (False, True):
+                            out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
+                                                    num_stages=stages, swap=True, cvt_via_f32=via))
     return out
 
 
 def cfg_str(c):
     return (f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
-            + (f"/m{c.m_sub}" if c.m_sub != 1 else "") + (f"/ev{c.evict}" if c.evict != 1 else ""))
+            + (f"/m{c.m_sub}" if c.m_sub != 1 else "") + (f"/ev{c.evict}" if c.evict != 1 else "")
+            + ("/cvt32" if getattr(c, "cvt_via_f32", False) else ""))
 
 
 # Variants of each shape's table config timed beside it (--variants). Run 2 (2026-11-29) tried

@@ -2,7 +2,10 @@
 three families' expert shapes, for decode batches of 1 and 16 rows. Prints, per kernel config, the
 step time of ``moe_experts`` and the fraction of the copy bandwidth its weight bytes allow.
 
-    python bench/moe_tiles.py [--out DIR]
+    python bench/moe_tiles.py [--out DIR] [--fp8]
+
+``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
+(kernel, "fp8"), K tiles that divide the scale block, both fp8 conversion routes (cvt_via_f32).
 
 Each config is also checked: the output equals the current default's within the bf16 tolerance,
 and row 0 computed alone equals row 0 in the batch, bitwise.
@@ -48,7 +51,10 @@ def _time(fn, iters=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
+    fp8 = args.fp8
+    from ds4t.kernels.weights import quantize
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     src = torch.empty(1 << 28, device=dev).normal_()
@@ -71,13 +77,16 @@ def main():
         wg = (torch.randn(Et, I, D, device=dev, generator=g) * 0.02).bfloat16()
         wu = (torch.randn(Et, I, D, device=dev, generator=g) * 0.02).bfloat16()
         wd = (torch.randn(Et, D, I, device=dev, generator=g) * 0.02).bfloat16()
+        if fp8:
+            wg, wu, wd = (quantize(w_.float(), (128, 128)) for w_ in (wg, wu, wd))
         for n in (1, 16):
             h = torch.randn(n, D, device=dev, generator=g)
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)]).int()
             w = torch.rand(n, k, device=dev, generator=g)
             used = len(set(ids.flatten().tolist())) + 1
-            nbytes = used * 3 * I * D * 2
-            run = lambda: M.moe_experts(h, ids, w, wg, wu, wd, shared_expert=E)  # noqa: E731
+            nbytes = used * 3 * I * D * (1 + 4 / 128 if fp8 else 2)
+            adt = torch.bfloat16 if fp8 else None
+            run = lambda: M.moe_experts(h, ids, w, wg, wu, wd, shared_expert=E, act_dtype=adt)  # noqa: E731
             M.MOE_CONFIGS.gpu.update(default)
             ref = run()
             base_ms = _time(run)
@@ -85,27 +94,32 @@ def main():
                   f"({nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW)", flush=True)
             for kernel in ("gate_up", "down"):
                 best = None
-                for tn, tk, st in itertools.product(TILES_N, TILES_K, STAGES):
+                key_ = (kernel, "fp8") if fp8 else kernel
+                grid = (itertools.product(TILES_N[:3], (64, 128), STAGES, (False, True)) if fp8 else
+                        itertools.product(TILES_N, TILES_K, STAGES, (False,)))
+                for tn, tk, st, via in grid:
                     M.MOE_CONFIGS.gpu.update(default)
-                    M.MOE_CONFIGS.gpu[kernel] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=4, num_stages=st)
+                    M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=4, num_stages=st,
+                                                          cvt_via_f32=via)
                     try:
                         out = run()
                         ok = bool(((out - ref).abs().max() / ref.abs().max()).item() < 2e-2)
-                        inv = bool(torch.equal(M.moe_experts(h[:1], ids[:1], w[:1], wg, wu, wd, shared_expert=E)[0],
+                        inv = bool(torch.equal(M.moe_experts(h[:1], ids[:1], w[:1], wg, wu, wd, shared_expert=E, act_dtype=adt)[0],
                                                out[0]))
                         ms = _time(run)
                     except Exception as e:  # a config that does not compile (shared memory)
                         rows.append(dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
-                                         status=f"{type(e).__name__}"))
+                                         via=via, status=f"{type(e).__name__}"))
                         continue
-                    r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, us=ms * 1e3,
+                    r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, via=via, us=ms * 1e3,
                              ok=ok, inv=inv, status="ok", default_us=base_ms * 1e3)
                     rows.append(r)
                     if ok and inv and (best is None or ms < best[0]):
-                        best = (ms, tn, tk, st)
+                        best = (ms, tn, tk, st, via)
                 if best:
-                    print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} stages={best[3]}: "
-                          f"{best[0] * 1e3:.1f} us", flush=True)
+                    print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} stages={best[3]} via_f32={best[4]}: "
+                          f"{best[0] * 1e3:.1f} us ({nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW over "
+                          f"both kernels' bytes)", flush=True)
             with open(os.path.join(args.out, "moe_tiles.json"), "w") as f:
                 json.dump(rows, f)
         del wg, wu, wd
@@ -117,11 +131,11 @@ def main():
         tot = {}
         for r in rows:
             if r["kernel"] == kernel and r["status"] == "ok" and r["ok"] and r["inv"]:
-                key = (r["tile_n"], r["tile_k"], r["stages"])
+                key = (r["tile_n"], r["tile_k"], r["stages"], r["via"])
                 tot.setdefault(key, []).append(r["us"])
         full = {k_: sum(v) for k_, v in tot.items() if len(v) == 2 * len(SHAPES)}
         for key, us in sorted(full.items(), key=lambda t: t[1])[:6]:
-            print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]}: {us:8.1f}")
+            print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} via_f32={key[3]}: {us:8.1f}")
 
 
 if __name__ == "__main__":

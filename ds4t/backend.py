@@ -97,6 +97,26 @@ def cast(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def fp8_to(w, dtype: tl.constexpr, VIA_F32: tl.constexpr):
+    """Convert an fp8 (e4m3) tile to ``dtype``: exact whichever way, so VIA_F32 never changes a bit.
+
+    VIA_F32 (bf16 targets): fp8 -> fp32 -> bf16. Direct ``.to(bf16)`` compiles on Hopper to an
+    fp8x2 -> f16x2 unpack plus one F2F.BF16.F16 per element, which runs on the quarter-rate
+    conversion pipe and caps an FP8 decode linear well below copy bandwidth; the fp32 route is
+    HADD2.F32 (FMA pipe) plus one packed F2FP per two elements (SASS counted with cuobjdump,
+    Triton 3.9, sm_90). Which is faster is measured per weight shape (bench/bench_kernels.py --fp8).
+    """
+    if VIA_F32:
+        if dtype == tl.float32:
+            out = w.to(tl.float32)
+        else:
+            out = cast(w.to(tl.float32), dtype)
+    else:
+        out = w.to(dtype)
+    return out
+
+
+@triton.jit
 def sigmoid(x):
     """1 / (1 + exp(-x)), the one sigmoid of every kernel (router scores, GDN beta, the shared-expert
     gate, gated norms and gated attention): a value computed by two kernels must get the same bits,

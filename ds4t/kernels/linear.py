@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, mma, tl_dtype, timer
+from ds4t.backend import cast, fp8_to, mma, tl_dtype, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, activation_dtype, as_float, quantize
@@ -151,6 +151,7 @@ def _linear_kernel(
     CLAMP_ROWS: tl.constexpr = False,
     HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
+    CVT_VIA_F32: tl.constexpr = False,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -248,7 +249,7 @@ def _linear_kernel(
                         wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
                     else:
                         wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-                wt = wt.to(W_DTYPE)   # fp8 -> activation dtype: exact
+                wt = fp8_to(wt, W_DTYPE, CVT_VIA_F32)   # fp8 -> activation dtype: exact
                 if CLAMP_ROWS:
                     p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False)
                 else:
@@ -336,6 +337,8 @@ class LinearConfig:
     swap: bool = False  # compute (w @ x^T)^T
     m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
+    cvt_via_f32: bool = False  # FP8 weights: convert fp8 -> fp32 -> activation dtype (exact either way;
+                               # speed only: ds4t.backend.fp8_to)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
         """Columns per K-loop step: BLOCK_K, or for FP8 one scale block (min(scale_bk, K rounded up
@@ -489,7 +492,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
     has_bias = bias is not None
     b_arg = bias if has_bias else w  # unused pointer when HAS_BIAS is False
     w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
-    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep)
+    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, CVT_VIA_F32=cfg.cvt_via_f32)
     if B == 0:
         return out
     if split == 1:
@@ -637,7 +640,8 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
         return out
     if B == 0 or G == 0:
         return out
-    extra = {} if not fp8 else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=cfg.k_step(K, sbk), SS_H=scale.stride(0))
+    extra = {} if not fp8 else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=cfg.k_step(K, sbk), SS_H=scale.stride(0),
+                                     CVT_VIA_F32=cfg.cvt_via_f32)
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), G)
     _linear_kernel[grid](
         x, w, w, out, B, x.stride(0), w.stride(1), 0, out.stride(0),

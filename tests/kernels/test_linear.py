@@ -470,3 +470,19 @@ def test_fp8_linear_heads_rows_invariant(case):
     dev = torch.device(_device())
     x, w = _HX.to(dev), _HW8.to(dev)
     assert_rows_invariant(lambda rs: L.linear_heads(x[list(rs)], w), rows, i)
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_conversion_route_changes_no_bit(device, adt):
+    """fp8 -> fp32 -> A (cvt_via_f32, a speed choice on the GPU) gives the bits of fp8 -> A: both exact.
+    Also on the GPU when these tests run there (tests/kernels/devices.py)."""
+    import dataclasses
+
+    x, w, b = _fp8_data(20, 300, 200, device=device, seed=5)
+    base = LinearConfig(block_n=64, block_k=64, split=2, num_warps=4, num_stages=1, swap=True)
+    via = dataclasses.replace(base, cvt_via_f32=True)
+    with use_variants({"linear": GPU}):
+        y0 = linear(x, w, b, config=base, act_dtype=adt, out=poisoned((20, 200)))
+        y1 = linear(x, w, b, config=via, act_dtype=adt, out=poisoned((20, 200)))
+    assert not torch.isnan(y1).any()
+    assert torch.equal(y0, y1)

@@ -440,3 +440,19 @@ def test_fp8_moe_rows_invariant(case, adt, rows_path):
 
     with launcher_path(M, rows_path):
         assert_rows_invariant(run, rows, i)
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_conversion_route_changes_no_bit(adt):
+    """The grouped kernels' fp8 -> fp32 -> A route (cvt_via_f32) gives the bits of fp8 -> A."""
+    E, I, D, k = 6, 40, 200, 2
+    wg, wu, wd = _fp8_weights(E, I, D, 51)
+    ids, w = _routing(9, E - 1, k, seed=52)
+    h = torch.randn(9, D, generator=gen(53))
+    got = []
+    for via in (False, True):
+        cfg = M.MoEConfig(tile_n=32, tile_k=64, cvt_via_f32=via)
+        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, fmt=None: cfg):
+            got.append(moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt, out=poisoned((9, D))))
+    assert not torch.isnan(got[1]).any()
+    assert torch.equal(got[0], got[1])
