@@ -210,7 +210,8 @@ def candidates(K, N, fp8=False):
 
 def fp8_candidates(K, N):
     """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries; both fp8
-    conversion routes (``cvt_via_f32``; same bits). Swapped operands only: every bf16 sweep winner was."""
+    conversion routes (``fp8_route``: ds4t.backend.FP8_ROUTES; "direct" only at BLOCK_K 64: it lost
+    everywhere in the first sweep, 2026-11-30). Swapped operands only: every bf16 sweep winner was."""
     bk_scale = FP8_BLOCK[1]
     out = []
     for bn in (32, 64, 128, 256):
@@ -225,16 +226,16 @@ def fp8_candidates(K, N):
                     if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
                         continue
                     for warps in ((4, 8) if bn >= 128 else (4,)):
-                        for via in (False, True):
+                        for route in ("f32", "tf32") if bk == 128 else ("direct", "f32", "tf32"):
                             out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
-                                                    num_stages=stages, swap=True, cvt_via_f32=via))
+                                                    num_stages=stages, swap=True, fp8_route=route))
     return out
 
 
 def cfg_str(c):
     return (f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
             + (f"/m{c.m_sub}" if c.m_sub != 1 else "") + (f"/ev{c.evict}" if c.evict != 1 else "")
-            + ("/cvt32" if getattr(c, "cvt_via_f32", False) else ""))
+            + (f"/{c.fp8_route}" if c.fp8_route != "direct" else ""))
 
 
 # Variants of each shape's table config timed beside it (--variants). Run 2 (2026-11-29) tried

@@ -5,7 +5,7 @@ step time of ``moe_experts`` and the fraction of the copy bandwidth its weight b
     python bench/moe_tiles.py [--out DIR] [--fp8]
 
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
-(kernel, "fp8"), K tiles that divide the scale block, both fp8 conversion routes (cvt_via_f32).
+(kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES).
 
 Each config is also checked: the output equals the current default's within the bf16 tolerance,
 and row 0 computed alone equals row 0 in the batch, bitwise.
@@ -95,12 +95,12 @@ def main():
             for kernel in ("gate_up", "down"):
                 best = None
                 key_ = (kernel, "fp8") if fp8 else kernel
-                grid = (itertools.product(TILES_N[:3], (64, 128), STAGES, (False, True)) if fp8 else
-                        itertools.product(TILES_N, TILES_K, STAGES, (False,)))
+                grid = (itertools.product(TILES_N[:3], (64, 128), (3,), ("f32", "tf32")) if fp8 else
+                        itertools.product(TILES_N, TILES_K, STAGES, ("direct",)))
                 for tn, tk, st, via in grid:
                     M.MOE_CONFIGS.gpu.update(default)
                     M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=4, num_stages=st,
-                                                          cvt_via_f32=via)
+                                                          fp8_route=via)
                     try:
                         out = run()
                         ok = bool(((out - ref).abs().max() / ref.abs().max()).item() < 2e-2)
@@ -117,7 +117,7 @@ def main():
                     if ok and inv and (best is None or ms < best[0]):
                         best = (ms, tn, tk, st, via)
                 if best:
-                    print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} stages={best[3]} via_f32={best[4]}: "
+                    print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} stages={best[3]} route={best[4]}: "
                           f"{best[0] * 1e3:.1f} us ({nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW over "
                           f"both kernels' bytes)", flush=True)
             with open(os.path.join(args.out, "moe_tiles.json"), "w") as f:
@@ -135,7 +135,7 @@ def main():
                 tot.setdefault(key, []).append(r["us"])
         full = {k_: sum(v) for k_, v in tot.items() if len(v) == 2 * len(SHAPES)}
         for key, us in sorted(full.items(), key=lambda t: t[1])[:6]:
-            print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} via_f32={key[3]}: {us:8.1f}")
+            print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} route={key[3]}: {us:8.1f}")
 
 
 if __name__ == "__main__":

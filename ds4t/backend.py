@@ -79,6 +79,30 @@ def mma(a, b, acc):
 
 
 @triton.jit
+def round_bf16_in_f32(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, with integer ops (NaN and
+    Inf keep their bits; adding the bias could carry a NaN into Inf): what ``x.to(bf16)`` rounds
+    to on the GPU."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bias = ((bits >> 16) & 1) + 0x7FFF
+    finite = (bits & 0x7F800000) != 0x7F800000
+    bits = tl.where(finite, bits + bias, bits) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_in_f32(x, dtype: tl.constexpr):
+    """fp32 x rounded to ``dtype`` (bf16 / fp16 / fp32), kept in fp32: the activation operand of
+    the FP8 "tf32" route. (Rounding with integer ops instead of the conversion instruction was
+    slower on sm_90: ~11 integer ops per element against one F2F.)"""
+    if dtype == tl.float32:
+        out = x
+    else:
+        out = cast(x, dtype).to(tl.float32)
+    return out
+
+
+@triton.jit
 def cast(x, dtype: tl.constexpr):
     """x.to(dtype), rounding to nearest even for fp32 -> bf16 also in the interpreter.
 
@@ -87,26 +111,32 @@ def cast(x, dtype: tl.constexpr):
     if _INTERPRET_C:
         if dtype == tl.bfloat16:
             if x.dtype == tl.float32:
-                bits = x.to(tl.uint32, bitcast=True)
-                bias = ((bits >> 16) & 1) + 0x7FFF
-                # NaN/Inf keep their bits (adding the bias could carry a NaN into Inf).
-                finite = (bits & 0x7F800000) != 0x7F800000
-                bits = tl.where(finite, bits + bias, bits) & 0xFFFF0000
-                x = bits.to(tl.float32, bitcast=True)
+                x = round_bf16_in_f32(x)
     return x.to(dtype)
 
 
-@triton.jit
-def fp8_to(w, dtype: tl.constexpr, VIA_F32: tl.constexpr):
-    """Convert an fp8 (e4m3) tile to ``dtype``: exact whichever way, so VIA_F32 never changes a bit.
+FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2}
+"""How a kernel turns fp8 weight tiles into MMA operands (a launch constant; every route is exact):
 
-    VIA_F32 (bf16 targets): fp8 -> fp32 -> bf16. Direct ``.to(bf16)`` compiles on Hopper to an
-    fp8x2 -> f16x2 unpack plus one F2F.BF16.F16 per element, which runs on the quarter-rate
-    conversion pipe and caps an FP8 decode linear well below copy bandwidth; the fp32 route is
-    HADD2.F32 (FMA pipe) plus one packed F2FP per two elements (SASS counted with cuobjdump,
-    Triton 3.9, sm_90). Which is faster is measured per weight shape (bench/bench_kernels.py --fp8).
-    """
-    if VIA_F32:
+* ``"direct"``: fp8 -> activation dtype A, A x A tensor-core MMA. On Hopper the fp8 -> bf16 convert
+  compiles to an fp8x2 -> f16x2 unpack plus one F2F.BF16.F16 per element (conversion pipe).
+* ``"f32"``: fp8 -> fp32 -> A (HADD2.F32 + a packed F2FP per two elements), A x A MMA.
+* ``"tf32"`` (A = bf16 or fp16 only): fp8 -> fp32 and x rounded to A then held in fp32, TF32 MMA.
+  Both operands have <= 11 significant bits, so TF32 holds them exactly and every product is exact;
+  no pack back to 16 bits. A different MMA instruction, so its sums may differ in the last bit from
+  the 16-bit routes: like every launch constant it is fixed per weight shape, never per batch.
+
+SASS counted with cuobjdump (Triton 3.9, sm_90); which is fastest is measured per weight shape
+(bench/bench_kernels.py --fp8 --sweep)."""
+
+
+@triton.jit
+def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
+    """An fp8 (e4m3) weight tile as the MMA operand of :data:`FP8_ROUTES` route ROUTE for activation
+    dtype ``dtype`` (route 2: fp32). Exact on every route."""
+    if ROUTE == 2:
+        out = w.to(tl.float32)
+    elif ROUTE == 1:
         if dtype == tl.float32:
             out = w.to(tl.float32)
         else:
@@ -114,6 +144,17 @@ def fp8_to(w, dtype: tl.constexpr, VIA_F32: tl.constexpr):
     else:
         out = w.to(dtype)
     return out
+
+
+@triton.jit
+def mma_tf32_exact(a, b, acc):
+    """acc + a @ b, fp32 tiles whose values are exact in TF32 (<= 11 significant bits, e.g. bf16 /
+    fp16 / fp8 values held in fp32): TF32 tensor cores, every product exact, fp32 accumulation."""
+    if _INTERPRET_C:
+        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    return acc
 
 
 @triton.jit

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, fp8_to, mma, tl_dtype, timer
+from ds4t.backend import FP8_ROUTES, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, tl_dtype, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, activation_dtype, as_float, quantize
@@ -64,10 +64,12 @@ def _clamp_rows(op_name: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
-                  W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, ROW_MASK: tl.constexpr):
+                  W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, ROW_MASK: tl.constexpr,
+                  TF32: tl.constexpr = False):
     """acc += one 16-row x sub-tile times the weight tile (x rounded to the weight dtype).
 
-    ROW_MASK False: the rows are clamped in bounds already (x_ptrs), no mask needed for them."""
+    ROW_MASK False: the rows are clamped in bounds already (x_ptrs), no mask needed for them.
+    TF32 (FP8 route "tf32"): wt is fp32; x is rounded to W_DTYPE, held in fp32, TF32 MMA (exact products)."""
     if EVEN_K:
         if ROW_MASK:
             xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
@@ -79,13 +81,20 @@ def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
         else:
             xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
     # Round the activation to the weight dtype (nearest even), as a bf16 model would.
-    xt = cast(xt.to(tl.float32), W_DTYPE)
-    # mma: tensor cores on the GPU; in the interpreter a broadcast product summed over K (not
-    # np.matmul, whose OpenBLAS row panels make a row's bits depend on its position in the tile).
-    if SWAP:
-        acc = mma(wt, tl.trans(xt), acc)
+    if TF32:
+        xt = round_in_f32(xt.to(tl.float32), W_DTYPE)
+        if SWAP:
+            acc = mma_tf32_exact(wt, tl.trans(xt), acc)
+        else:
+            acc = mma_tf32_exact(xt, wt, acc)
     else:
-        acc = mma(xt, wt, acc)
+        xt = cast(xt.to(tl.float32), W_DTYPE)
+        # mma: tensor cores on the GPU; in the interpreter a broadcast product summed over K (not
+        # np.matmul, whose OpenBLAS row panels make a row's bits depend on its position in the tile).
+        if SWAP:
+            acc = mma(wt, tl.trans(xt), acc)
+        else:
+            acc = mma(xt, wt, acc)
     return acc
 
 
@@ -151,7 +160,7 @@ def _linear_kernel(
     CLAMP_ROWS: tl.constexpr = False,
     HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
-    CVT_VIA_F32: tl.constexpr = False,
+    FP8_ROUTE: tl.constexpr = 0,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -231,6 +240,7 @@ def _linear_kernel(
 
     if SCALE_BK > 0:
         KB: tl.constexpr = (K + SCALE_BK - 1) // SCALE_BK
+        TF32: tl.constexpr = FP8_ROUTE == 2
         if HEADS:
             s_ptr += hid * SS_H
         s_rows = s_ptr + rn_ld * KB                                        # [BN] row starts
@@ -249,16 +259,16 @@ def _linear_kernel(
                         wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
                     else:
                         wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-                wt = fp8_to(wt, W_DTYPE, CVT_VIA_F32)   # fp8 -> activation dtype: exact
+                wt = fp8_to(wt, W_DTYPE, FP8_ROUTE)   # exact (backend.FP8_ROUTES)
                 if CLAMP_ROWS:
-                    p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False)
+                    p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, TF32)
                 else:
-                    p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True)
+                    p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True, TF32)
                 if M_SUB >= 2:
-                    p1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, p1, W_DTYPE, SWAP, EVEN_K, True)
+                    p1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, p1, W_DTYPE, SWAP, EVEN_K, True, TF32)
                 if M_SUB >= 4:
-                    p2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, p2, W_DTYPE, SWAP, EVEN_K, True)
-                    p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True)
+                    p2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, p2, W_DTYPE, SWAP, EVEN_K, True, TF32)
+                    p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True, TF32)
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
             j = (k0 + kb) // SCALE_BK
@@ -337,8 +347,7 @@ class LinearConfig:
     swap: bool = False  # compute (w @ x^T)^T
     m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
-    cvt_via_f32: bool = False  # FP8 weights: convert fp8 -> fp32 -> activation dtype (exact either way;
-                               # speed only: ds4t.backend.fp8_to)
+    fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
         """Columns per K-loop step: BLOCK_K, or for FP8 one scale block (min(scale_bk, K rounded up
@@ -492,7 +501,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
     has_bias = bias is not None
     b_arg = bias if has_bias else w  # unused pointer when HAS_BIAS is False
     w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
-    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, CVT_VIA_F32=cfg.cvt_via_f32)
+    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, FP8_ROUTE=_fp8_route(cfg, act_dtype))
     if B == 0:
         return out
     if split == 1:
@@ -521,6 +530,16 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
         num_warps=sum_cfg.num_warps,
     )
     return out
+
+
+def _fp8_route(cfg: LinearConfig, act_dtype) -> int:
+    route = FP8_ROUTES.get(cfg.fp8_route)
+    if route is None:
+        raise ValueError(f"linear: fp8_route must be one of {sorted(FP8_ROUTES)}, got {cfg.fp8_route!r}")
+    if route == FP8_ROUTES["tf32"] and act_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"linear: fp8_route 'tf32' needs bf16 or fp16 activations (TF32 would round fp32 "
+                         f"ones), got {act_dtype}")
+    return route
 
 
 def _check_args(x, weight, bias, out):
@@ -641,7 +660,7 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
     if B == 0 or G == 0:
         return out
     extra = {} if not fp8 else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=cfg.k_step(K, sbk), SS_H=scale.stride(0),
-                                     CVT_VIA_F32=cfg.cvt_via_f32)
+                                     FP8_ROUTE=_fp8_route(cfg, adt))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), G)
     _linear_kernel[grid](
         x, w, w, out, B, x.stride(0), w.stride(1), 0, out.stride(0),

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, cast, fp8_to, mma, sigmoid, timer, tl_dtype
+from ds4t.backend import (FP8_ROUTES, INTERPRET, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, sigmoid,
+                          timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -140,7 +141,7 @@ def _moe_gate_up_kernel(
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
-    CVT_VIA_F32: tl.constexpr = False,
+    FP8_ROUTE: tl.constexpr = 0,
 ):
     """FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
@@ -167,13 +168,18 @@ def _moe_gate_up_kernel(
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < D
                     a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-                    a = cast(a.to(tl.float32), WDT)
                     woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
                     wmask = km[:, None] & nm[None, :]
-                    wg = fp8_to(tl.load(wg_ptr + woff, mask=wmask, other=0.0), WDT, CVT_VIA_F32)   # exact
-                    wu = fp8_to(tl.load(wu_ptr + woff, mask=wmask, other=0.0), WDT, CVT_VIA_F32)
-                    pg = mma(a, wg, pg)
-                    pu = mma(a, wu, pu)
+                    wg = fp8_to(tl.load(wg_ptr + woff, mask=wmask, other=0.0), WDT, FP8_ROUTE)   # exact
+                    wu = fp8_to(tl.load(wu_ptr + woff, mask=wmask, other=0.0), WDT, FP8_ROUTE)
+                    if FP8_ROUTE == 2:
+                        a = round_in_f32(a.to(tl.float32), WDT)
+                        pg = mma_tf32_exact(a, wg, pg)
+                        pu = mma_tf32_exact(a, wu, pu)
+                    else:
+                        a = cast(a.to(tl.float32), WDT)
+                        pg = mma(a, wg, pg)
+                        pu = mma(a, wu, pu)
                 j = kb // SBK
                 sg = tl.load(sg_ptr + s_row + j, mask=nm, other=0.0)
                 su = tl.load(su_ptr + s_row + j, mask=nm, other=0.0)
@@ -204,7 +210,7 @@ def _moe_down_kernel(
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
-    CVT_VIA_F32: tl.constexpr = False,
+    FP8_ROUTE: tl.constexpr = 0,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]."""
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
@@ -226,10 +232,12 @@ def _moe_down_kernel(
                     km = kk < I
                     a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :],
                                 other=0.0)
-                    a = cast(a, WDT)
                     w = fp8_to(tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
-                                       mask=km[:, None] & nm[None, :], other=0.0), WDT, CVT_VIA_F32)
-                    pd = mma(a, w, pd)
+                                       mask=km[:, None] & nm[None, :], other=0.0), WDT, FP8_ROUTE)
+                    if FP8_ROUTE == 2:
+                        pd = mma_tf32_exact(round_in_f32(a, WDT), w, pd)
+                    else:
+                        pd = mma(cast(a, WDT), w, pd)
                 sd = tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0)
                 acc = acc + pd * sd[None, :]
         else:
@@ -296,6 +304,15 @@ def _unit_k(w: FP8Weight) -> FP8Weight:
     return w if w.data.stride(-1) == 1 and w.scale.stride(-1) == 1 else w.contiguous()
 
 
+def _fp8_route(cfg: MoEConfig, act_dtype) -> int:
+    route = FP8_ROUTES.get(cfg.fp8_route)
+    if route is None:
+        raise ValueError(f"moe_experts: fp8_route must be one of {sorted(FP8_ROUTES)}, got {cfg.fp8_route!r}")
+    if route == FP8_ROUTES["tf32"] and act_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_experts: fp8_route 'tf32' needs bf16 or fp16 activations, got {act_dtype}")
+    return route
+
+
 def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int] = None):
     """The (row, rank) pairs grouped by expert, on the device, in one launch.
 
@@ -326,7 +343,7 @@ class MoEConfig:
     tile_k: int
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
-    cvt_via_f32: bool = False   # FP8 weights: fp8 -> fp32 -> activation dtype (same values; speed: backend.fp8_to)
+    fp8_route: str = "direct"   # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -471,7 +488,7 @@ def moe_experts(
     kw = launch_kwargs(cfg)
     if fp8:
         kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
-                  SBK=sbk, KSTEP=k_step(D, BK, sbk), CVT_VIA_F32=cfg.cvt_via_f32)
+                  SBK=sbk, KSTEP=k_step(D, BK, sbk), FP8_ROUTE=_fp8_route(cfg, adt))
     _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
@@ -485,7 +502,7 @@ def moe_experts(
     kw = launch_kwargs(cfg)
     if fp8:
         kw.update(sd_ptr=w_down.scale, ss_e=w_down.scale.stride(0), ss_n=w_down.scale.stride(1),
-                  SBK=sbk, KSTEP=k_step(I, BK, sbk), CVT_VIA_F32=cfg.cvt_via_f32)
+                  SBK=sbk, KSTEP=k_step(I, BK, sbk), FP8_ROUTE=_fp8_route(cfg, adt))
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),

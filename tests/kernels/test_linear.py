@@ -473,16 +473,28 @@ def test_fp8_linear_heads_rows_invariant(case):
 
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
-def test_fp8_conversion_route_changes_no_bit(device, adt):
-    """fp8 -> fp32 -> A (cvt_via_f32, a speed choice on the GPU) gives the bits of fp8 -> A: both exact.
-    Also on the GPU when these tests run there (tests/kernels/devices.py)."""
+def test_fp8_routes(device, adt):
+    """fp8 -> fp32 -> A (route "f32") gives the bits of fp8 -> A ("direct"): both exact conversions, the
+    same MMA. Route "tf32" (bf16 activations only) is another MMA instruction: on the GPU its sums may
+    differ in the last bit (in the interpreter too: numpy sums the same products in an order that
+    follows the operands' memory layout), so it must match the reference and stay batch-invariant.
+    fp32 activations refuse "tf32" (TF32 would round them)."""
     import dataclasses
 
     x, w, b = _fp8_data(20, 300, 200, device=device, seed=5)
     base = LinearConfig(block_n=64, block_k=64, split=2, num_warps=4, num_stages=1, swap=True)
-    via = dataclasses.replace(base, cvt_via_f32=True)
     with use_variants({"linear": GPU}):
-        y0 = linear(x, w, b, config=base, act_dtype=adt, out=poisoned((20, 200)))
-        y1 = linear(x, w, b, config=via, act_dtype=adt, out=poisoned((20, 200)))
-    assert not torch.isnan(y1).any()
-    assert torch.equal(y0, y1)
+        def run(route, rows=x):
+            return linear(rows, w, b, config=dataclasses.replace(base, fp8_route=route), act_dtype=adt,
+                          out=poisoned((rows.shape[0], 200)))
+
+        y0, y1 = run("direct"), run("f32")
+        assert not torch.isnan(y1).any() and torch.equal(y0, y1)
+        if adt == torch.float32:
+            with pytest.raises(ValueError, match="tf32"):
+                run("tf32")
+            return
+        y2 = run("tf32")
+        assert all(torch.equal(y2[i:i + 1], run("tf32", x[i:i + 1])) for i in (0, 7, 19))
+    ref = linear_ref(x, w, b, act_dtype=adt)
+    assert ((y2 - ref).abs().max() / ref.abs().max()).item() < 1e-5

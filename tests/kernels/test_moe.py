@@ -443,16 +443,27 @@ def test_fp8_moe_rows_invariant(case, adt, rows_path):
 
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
-def test_fp8_conversion_route_changes_no_bit(adt):
-    """The grouped kernels' fp8 -> fp32 -> A route (cvt_via_f32) gives the bits of fp8 -> A."""
+def test_fp8_routes(adt):
+    """The grouped kernels' fp8 routes (ds4t.backend.FP8_ROUTES): "f32" gives the bits of "direct";
+    "tf32" (bf16 activations) matches the reference and is row-invariant; fp32 activations refuse it."""
     E, I, D, k = 6, 40, 200, 2
     wg, wu, wd = _fp8_weights(E, I, D, 51)
     ids, w = _routing(9, E - 1, k, seed=52)
     h = torch.randn(9, D, generator=gen(53))
-    got = []
-    for via in (False, True):
-        cfg = M.MoEConfig(tile_n=32, tile_k=64, cvt_via_f32=via)
+
+    def run(route, rows=slice(None)):
+        cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route)
         with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, fmt=None: cfg):
-            got.append(moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt, out=poisoned((9, D))))
-    assert not torch.isnan(got[1]).any()
-    assert torch.equal(got[0], got[1])
+            return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
+                               out=poisoned((h[rows].shape[0], D)))
+
+    y0, y1 = run("direct"), run("f32")
+    assert not torch.isnan(y1).any() and torch.equal(y0, y1)
+    if adt == torch.float32:
+        with pytest.raises(ValueError, match="tf32"):
+            run("tf32")
+        return
+    y2 = run("tf32")
+    assert all(torch.equal(y2[i:i + 1], run("tf32", slice(i, i + 1))) for i in (0, 4, 8))
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
+    assert ((y2 - ref).abs().max() / ref.abs().max()).item() <= FP8_TOL[adt]
