@@ -211,21 +211,22 @@ def candidates(K, N, fp8=False):
 def fp8_candidates(K, N):
     """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries; swapped
     operands (every bf16 sweep winner was). Routes (ds4t.backend.FP8_ROUTES): "f32" only -- in the
-    first two sweeps (2026-11-30) "direct" lost everywhere by ~30 % and "tf32" by ~10 %."""
+    first two sweeps (2026-11-30) "direct" lost everywhere by ~30 % and "tf32" by ~10 %. Warps 1-2:
+    the third sweep's top configs all had 2 warps (of 2-8), 16-row tiles lost by ~2x.""" 
     bk_scale = FP8_BLOCK[1]
     out = []
-    for bn in (16, 32, 64, 128):
+    for bn in (32, 64, 128):
         for bk in (64, 128):
-            for split in (1, 2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
                 if split > 1 and (K % (split * bk_scale) or K // split < 4 * bk_scale):
                     continue
                 ctas = cdiv(N, bn) * split
-                if ctas < 64 or (split > 1 and ctas > 2400):
+                if ctas < 64 or (split > 1 and ctas > 4800):
                     continue
-                for stages in (2, 3, 4):
+                for stages in (2, 3):
                     if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
                         continue
-                    for warps in ((2, 4) if bn <= 64 else (4, 8)):
+                    for warps in (1, 2):
                         out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
                                                 num_stages=stages, swap=True, fp8_route="f32"))
     return out
