@@ -382,6 +382,29 @@ _GPU_TABLE: dict = {
     (2048, 12288, torch.bfloat16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=4, num_stages=4, swap=True),
     (2048, 151936, torch.bfloat16): LinearConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3, swap=True),
 }
+# FP8 weights (128-column scale blocks, bf16 activations, x fp32), keyed on (K, N, float8_e4m3fn,
+# block_k, activation dtype): the best of 48-168 configs per shape (bench/bench_kernels.py --fp8
+# --sweep, four rounds; bench/results/2026-11-30-h200-fp8-kernels.md). Copy bandwidth ~4.2 TB/s;
+# bytes = fp8 + scales. What won: the "f32" route (ds4t.backend.FP8_ROUTES), 2 warps, 32-64-row tiles.
+#   K x N          B=1 TB/s  B=16 TB/s   (cuBLAS on the dequantized bf16 weight, B=1 / B=16)
+#   7168 x 18432     2.83      2.90       3.72 / 3.72
+#   18432 x 7168     3.10      3.02       3.86 / 3.69
+#   16384 x 7168     3.06      2.97       3.85 / 3.60
+#   1536 x 24576     2.62      2.74       3.48 / 3.56
+#   2048 x 12288     2.06      2.16       3.27 / 3.19
+_FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)
+_GPU_TABLE.update({
+    (7168, 18432, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=2, num_warps=2, num_stages=3, swap=True,
+                                            fp8_route="f32"),
+    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=64, block_k=128, split=8, num_warps=2, num_stages=2, swap=True,
+                                            fp8_route="f32"),
+    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=64, block_k=128, split=8, num_warps=2, num_stages=2, swap=True,
+                                            fp8_route="f32"),
+    (1536, 24576, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=2, num_stages=3, swap=True,
+                                            fp8_route="f32"),
+    (2048, 12288, *_FP8_BF16): LinearConfig(block_n=64, block_k=64, split=2, num_warps=2, num_stages=3, swap=True,
+                                            fp8_route="f32"),
+})
 
 
 def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
@@ -410,18 +433,18 @@ def _fp8_block_k(K: int, scale_bk: int, cap: int) -> int:
 
 
 def _gpu_fp8_heuristic(K: int, N: int, scale_bk: int) -> LinearConfig:
-    """FP8 weights (not swept yet): the bf16 rule's 16 KB weight tiles, i.e. 128 fp8 columns (one
-    scale block) by 128 rows, swapped operands; split K (on scale-block boundaries, by K alone) only
-    while each split keeps >= 16 blocks, then narrower row tiles (down to 32) until >= ~192 programs."""
+    """FP8 weights, shapes not in the table: what the sweep's winners share -- one scale block of
+    columns per step (BLOCK_K 128), 32-row weight tiles, 2 warps, the "f32" conversion route -- and
+    enough programs: split K (on scale-block boundaries, by K alone) while there are fewer than ~512
+    programs and each split keeps >= 8 scale blocks."""
     block_k = _fp8_block_k(K, scale_bk, 128)
-    block_n = max(16, min(128, triton.next_power_of_2(N)))
+    block_n = max(16, min(32, triton.next_power_of_2(N)))
     k_blocks = triton.cdiv(K, max(block_k, scale_bk))
     split = 1
-    while triton.cdiv(N, block_n) * split < 192 and k_blocks >= 32 * split:
+    while triton.cdiv(N, block_n) * split < 512 and k_blocks >= 16 * split:
         split *= 2
-    while triton.cdiv(N, block_n) * split < 192 and block_n > 32:
-        block_n //= 2
-    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
+    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=2, num_stages=3, swap=True,
+                        fp8_route="f32")
 
 
 def _interpret_config(K: int, N: int, scale_bk: int = 0) -> LinearConfig:
@@ -441,7 +464,8 @@ def _gpu_rule(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype
 LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
     "linear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule,
     interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: _interpret_config(K, N, scale_bk),
-    source="bench/results/2026-11-29-h200-kernels.md (float weights); FP8 weights: not swept, heuristic")
+    source="bench/results/2026-11-29-h200-kernels.md (float weights), "
+           "bench/results/2026-11-30-h200-fp8-kernels.md (FP8 weights)")
 """Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
 block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 

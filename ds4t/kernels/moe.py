@@ -371,16 +371,18 @@ def _unknown_kernel(kernel: str):
 MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
                 "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
-                ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
-                ("down", "fp8"): MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3)},
+                ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3, fp8_route="f32"),
+                ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32")},
     gpu_rule=lambda kernel, fmt=None: _unknown_kernel(kernel),
     interp_rule=lambda kernel, fmt=None: _INTERP_CONFIG,
-    source="bench/results/2026-11-29-h200-moe-tiles.md (float weights); FP8: the bf16 tiles, not swept")
+    source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
+           "bench/results/2026-11-30-h200-fp8-kernels.md (FP8 weights)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
 weights; the tiles follow from the weight shape (:meth:`MoEConfig.tiles`). Chosen by
 ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three families' expert
-shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. The FP8 entries copy
-the bf16 ones (their 128-column K tile is one scale block) until a sweep says otherwise."""
+shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. FP8 entries: the best
+summed time of 12 configs per kernel (``bench/moe_tiles.py --fp8``, 2026-11-30): the "f32" route,
+15-30 % faster than the bf16 tiles with direct conversion."""
 
 
 @dataclasses.dataclass(frozen=True)
