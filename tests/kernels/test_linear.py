@@ -106,10 +106,14 @@ def test_rejects_bad_shapes(device):
 
 def test_config_never_sees_the_batch():
     assert list(inspect.signature(linear_config).parameters) == ["K", "N", "w_dtype", "x_dtype", "w_block_k"]
-    for (K, N, _), cfg in L._GPU_TABLE.items():
+    for (K, N, w_dtype, *fp8_key), cfg in L._GPU_TABLE.items():
         assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_n >= 16
         assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k >= 16
         assert cfg.split >= 1 and cfg.m_sub in (1, 2, 4) and cfg.evict in (0, 1, 2)
+        if w_dtype == torch.float8_e4m3fn:   # (K, N, fp8, scale block, activation dtype)
+            scale_bk, adt = fp8_key
+            assert scale_bk % cfg.block_k == 0 and cfg.fp8_route in ("direct", "f32", "tf32")
+            assert L._fp8_route(cfg, adt) >= 0
     for K, N in [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936), (200, 333), (7, 5)]:
         cfg = L._gpu_heuristic(K, N, 2)
         assert cfg.block_k >= 16 and cfg.block_n >= 16 and cfg.split >= 1
