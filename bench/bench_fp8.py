@@ -36,40 +36,50 @@ from ds4t.kernels.weights import quantize  # noqa: E402
 
 
 def kernel_rows(bw: float, log):
-    """FP8 vs bf16 linear and MoE at real shapes: ms, GB/s, % of copy bandwidth."""
+    """FP8 vs bf16 linear and MoE at real shapes: ms, GB/s, % of copy bandwidth. Timed as decode runs
+    them (bench_kernels.time_calls: CUDA graphs of back-to-back calls, rotating over weight copies /
+    expert sets beyond the L2); activations fp32 as the models pass them (rounded to bf16 in-kernel)."""
+    from bench.bench_kernels import ROTATE_BYTES, time_calls
+
     rows = []
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     for K, N in ((7168, 18432), (4096, 28672), (2048, 151936)):
-        w = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5
-        q = quantize(w).with_act_dtype(torch.bfloat16)
+        n_rot = max(2, math.ceil(ROTATE_BYTES / (N * K)))
+        ws = [torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5 for _ in range(n_rot)]
+        qs = [quantize(w.float()).with_act_dtype(torch.bfloat16) for w in ws]
         for B in (1, 4, 16):
-            x = torch.randn(B, K, device=dev, generator=g, dtype=torch.bfloat16)
-            for fmt, weight, nbytes in (("bf16", w, w.numel() * 2), ("fp8", q, q.nbytes)):
-                ms = _median_ms(lambda: L.linear(x, weight), 20, 5)
+            x = torch.randn(B, K, device=dev, generator=g)
+            out = torch.empty(B, N, device=dev)
+            for fmt, pool, nbytes in (("bf16", ws, ws[0].numel() * 2), ("fp8", qs, qs[0].nbytes)):
+                ms, _ = time_calls([lambda w=w: L.linear(x, w, out=out) for w in pool])
                 rows.append(dict(kernel="linear", fmt=fmt, shape=f"K={K} N={N}", B=B, mb=nbytes / 1e6, ms=ms,
                                  gbs=nbytes / ms / 1e6, pct=100 * nbytes / ms / 1e-3 / bw))
-        del w, q
+        del ws, qs
     E, I, D, k = 512, 512, 2048, 10
     wg = torch.randn(E, I, D, device=dev, generator=g, dtype=torch.bfloat16) * D ** -0.5
     wu = torch.randn(E, I, D, device=dev, generator=g, dtype=torch.bfloat16) * D ** -0.5
     wd = torch.randn(E, D, I, device=dev, generator=g, dtype=torch.bfloat16) * I ** -0.5
-    qg, qu, qd = (quantize(t).with_act_dtype(torch.bfloat16) for t in (wg, wu, wd))
+    qg, qu, qd = (quantize(t.float()).with_act_dtype(torch.bfloat16) for t in (wg, wu, wd))
     for B in (1, 4, 16):
         h = torch.randn(B, D, device=dev, generator=g, dtype=torch.float32)
-        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(B)]).to(torch.int32)
+        # 4 routings, consecutive k-slices of one permutation (disjoint while 4 * B * k <= E): the
+        # rotation leaves the L2 at B = 1 and 4
+        perm = torch.randperm(E, device=dev, generator=g)
+        idss = [torch.stack([perm[(r * B + b) * k % (E - k + 1):][:k] for b in range(B)]).to(torch.int32)
+                for r in range(4)]
         wts = torch.softmax(torch.randn(B, k, device=dev, generator=g), -1)
-        touched = len(set(ids.flatten().tolist()))
+        touched = sum(len(set(ids.flatten().tolist())) for ids in idss) / len(idss)
         for fmt, ws in (("bf16", (wg, wu, wd)), ("fp8", (qg, qu, qd))):
             per_expert = sum((t.nbytes if hasattr(t, "block_k") else t.numel() * 2) for t in ws) / E
             nbytes = per_expert * touched
-            ms = _median_ms(lambda: M.moe_experts(h, ids, wts, *ws), 20, 5)
-            rows.append(dict(kernel="moe_experts", fmt=fmt, shape=f"E={E} I={I} D={D} top{k} ({touched} experts)",
+            ms, _ = time_calls([lambda ids=ids: M.moe_experts(h, ids, wts, *ws) for ids in idss])
+            rows.append(dict(kernel="moe_experts", fmt=fmt, shape=f"E={E} I={I} D={D} top{k} ({touched:.0f} experts)",
                              B=B, mb=nbytes / 1e6, ms=ms, gbs=nbytes / ms / 1e6, pct=100 * nbytes / ms / 1e-3 / bw))
     log("| kernel | weights | shape | B | MB read | ms | GB/s | % of copy BW |")
     log("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.3f} | "
+        log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.4f} | "
             f"{r['gbs']:.0f} | {r['pct']:.0f}% |")
     return rows
 

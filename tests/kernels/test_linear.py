@@ -490,7 +490,7 @@ def test_fp8_routes(device, adt):
     with use_variants({"linear": GPU}):
         def run(route, rows=x):
             return linear(rows, w, b, config=dataclasses.replace(base, fp8_route=route), act_dtype=adt,
-                          out=poisoned((rows.shape[0], 200)))
+                          out=poisoned((rows.shape[0], 200), device=device))
 
         y0, y1 = run("direct"), run("f32")
         assert not torch.isnan(y1).any() and torch.equal(y0, y1)
