@@ -13,12 +13,30 @@ import torch
 
 @dataclasses.dataclass
 class Segment:
-    """Consecutive tokens of one session inside a step batch (1 token for a decode step)."""
+    """Consecutive tokens of one session inside a step batch (1 token for a decode step).
+
+    keep: the model keeps the per-token states of this segment (a speculative verify chunk) so the
+    session can be rolled back to any prefix of it (:meth:`ds4t.models.base.Model.rollback`)."""
 
     slot: int
     start_row: int
     n: int
     start_pos: int
+    keep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentSpec:
+    """One session's tokens in a step, with what the caller wants back: logits of the last token
+    (``all_logits=False``) or of every token, the final-norm hidden of every token (``hidden``, for
+    an MTP head), and per-token states kept for a rollback (``keep``)."""
+
+    slot: int
+    ids: Sequence[int]
+    start: int
+    all_logits: bool = False
+    hidden: bool = False
+    keep: bool = False
 
 
 @dataclasses.dataclass
@@ -38,52 +56,62 @@ class StepBatch:
     segments: List[Segment]
     all_single: bool  # every segment is one token (a pure decode batch)
     single_rows: torch.Tensor  # int64 [S]: rows of the one-token segments (decode rows of a mixed batch)
+    hidden_rows: Optional[torch.Tensor] = None  # int64 [H]: rows whose final hidden the model returns
+    hidden: Optional[torch.Tensor] = None       # set by the model: fp32 [H, D] for hidden_rows
 
     @property
     def rows(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
-    def host_meta(segments: Sequence[Tuple[int, Sequence[int], int]], all_logits: bool = False):
-        """The metadata of a step on the host: (meta int64 [3R + O + S], R, O, segments).
+    def host_meta(segments: Sequence, all_logits: bool = False):
+        """The metadata of a step on the host: (meta int64 [3R + O + S + H], R, O, segments, H).
 
-        segments: (slot, token ids, start position) per session, in item order. ``meta`` holds
-        tokens, positions, slots, out_rows and single_rows back to back, so one host->device
+        segments, in item order: (slot, token ids, start position) tuples (logits of the last token,
+        or of every token with ``all_logits``) or :class:`SegmentSpec`. ``meta`` holds tokens,
+        positions, slots, out_rows, single_rows and hidden_rows back to back, so one host->device
         copy carries all of it (see :meth:`from_meta`).
         """
-        toks, pos, slots, out_rows, segs = [], [], [], [], []
-        for slot, ids, start in segments:
+        toks, pos, slots, out_rows, hidden, segs = [], [], [], [], [], []
+        for sp in segments:
+            if not isinstance(sp, SegmentSpec):
+                sp = SegmentSpec(*sp, all_logits=all_logits)
+            ids, start = sp.ids, sp.start
             r0 = len(toks)
             toks += list(ids)
             pos += range(start, start + len(ids))
-            slots += [slot] * len(ids)
-            segs.append(Segment(slot, r0, len(ids), start))
-            out_rows += list(range(r0, r0 + len(ids))) if all_logits else [r0 + len(ids) - 1]
+            slots += [sp.slot] * len(ids)
+            segs.append(Segment(sp.slot, r0, len(ids), start, keep=sp.keep))
+            out_rows += list(range(r0, r0 + len(ids))) if sp.all_logits else [r0 + len(ids) - 1]
+            if sp.hidden:
+                hidden += range(r0, r0 + len(ids))
         singles = [sg.start_row for sg in segs if sg.n == 1]
-        meta = torch.tensor(toks + pos + slots + out_rows + singles, dtype=torch.int64)
-        return meta, len(toks), len(out_rows), segs
+        meta = torch.tensor(toks + pos + slots + out_rows + singles + hidden, dtype=torch.int64)
+        return meta, len(toks), len(out_rows), segs, len(hidden)
 
     @classmethod
-    def from_meta(cls, meta: torch.Tensor, n: int, o: int, segs: List[Segment]) -> "StepBatch":
+    def from_meta(cls, meta: torch.Tensor, n: int, o: int, segs: List[Segment], h: int = 0) -> "StepBatch":
         """A batch whose tensors are views of / computed from ``meta`` on the device (no host
         sync, so a CUDA graph can capture it with ``meta`` as its input buffer)."""
         positions = meta[n:2 * n].to(torch.int32)
+        s = sum(1 for sg in segs if sg.n == 1)
         return cls(
             tokens=meta[:n],
             positions=positions,
             slots=meta[2 * n:3 * n].to(torch.int32),
             lengths=positions + 1,
             out_rows=meta[3 * n:3 * n + o],
-            single_rows=meta[3 * n + o:],
+            single_rows=meta[3 * n + o:3 * n + o + s],
             segments=segs,
-            all_single=all(s.n == 1 for s in segs),
+            all_single=all(sg.n == 1 for sg in segs),
+            hidden_rows=meta[3 * n + o + s:] if h else None,
         )
 
     @classmethod
-    def build(cls, segments: Sequence[Tuple[int, Sequence[int], int]], device, all_logits: bool = False) -> "StepBatch":
-        """segments: (slot, token ids, start position) per session, in item order."""
-        meta, n, o, segs = cls.host_meta(segments, all_logits)
-        return cls.from_meta(to_device(meta, device), n, o, segs)
+    def build(cls, segments: Sequence, device, all_logits: bool = False) -> "StepBatch":
+        """segments: (slot, token ids, start position) tuples or :class:`SegmentSpec`, in item order."""
+        meta, n, o, segs, h = cls.host_meta(segments, all_logits)
+        return cls.from_meta(to_device(meta, device), n, o, segs, h)
 
 
 def to_device(t: torch.Tensor, device, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -99,7 +99,7 @@ class StepGraphs:
         model = self.model
         if model.pool.generation != self._generation:
             self.clear()
-        meta, n, o, segs = StepBatch.host_meta(segments)
+        meta, n, o, segs, _ = StepBatch.host_meta(segments)
         key = model.graph_key(n)
         if key is None or key in self.failed or n > max_rows():
             self.stats.eager += 1

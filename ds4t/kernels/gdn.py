@@ -110,10 +110,12 @@ def _gdn_kernel(
     T, Hv, Dk, Dv, G, scale,
     PREFILL: tl.constexpr,
     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
+    states_ptr=None, sst_t=0, KEEP: tl.constexpr = False,
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
     # Prefill: program (0, head block, Dv tile), T tokens of one session; state_ptr points at
-    # the session's slot.
+    # the session's slot. KEEP: the state after token t also goes to states[t] (same layout as a
+    # slot, token stride sst_t), so the session can be rolled back to any prefix of the chunk.
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -145,6 +147,9 @@ def _gdn_kernel(
                                         a_ptr, sa_h, b_ptr, sb_h)
             S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
             tl.store(out_ptr + o_off, o, mask=o_m)
+            if KEEP:
+                tl.store(states_ptr + s_off, S, mask=s_m)
+                states_ptr += sst_t
             q_ptr += sq_r
             k_ptr += sk_r
             v_ptr += sv_r
@@ -179,7 +184,7 @@ def _check_args(q, k, v, a, b, A_log, dt_bias, state):
     return R, Hk, Hv, Dk, Dv
 
 
-def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None):
+def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None, states_out=None):
     R, Hk, Hv, Dk, Dv = _check_args(q, k, v, a, b, A_log, dt_bias, state)
     if gated_norm is not None:
         z, norm_w, _ = gated_norm
@@ -197,6 +202,14 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out
     grid = (1 if prefill else R, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
+    keep = {}
+    if states_out is not None:
+        if tuple(states_out.shape) != (R, Hv, Dk, Dv) or states_out.dtype != torch.float32:
+            raise ValueError(f"states_out must be float32 {(R, Hv, Dk, Dv)}, got {states_out.dtype} "
+                             f"{tuple(states_out.shape)}")
+        if tuple(states_out.stride()[1:]) != tuple(state.stride()[1:]):
+            raise ValueError("states_out must have the state's per-slot layout (contiguous)")
+        keep = dict(states_ptr=states_out, sst_t=states_out.stride(0), KEEP=True)
     _gdn_kernel[grid](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
         a, *a.stride(), b, *b.stride(),
@@ -206,7 +219,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         out, *out.stride(),
         R, Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **keep,
     )
     if gated_norm is not None:
         z, norm_w, eps = gated_norm
@@ -231,14 +244,17 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, *, out: Optional[tor
     return _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill=False, gated_norm=gn)
 
 
-def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slot: int, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slot: int, *, out: Optional[torch.Tensor] = None,
+                states_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """T consecutive tokens of one session, from ``state[slot]``, leaving the final state there.
 
     q, k [T, Hk, Dk], v [T, Hv, Dv], a, b [T, Hv]. Returns o fp32 [T, Hv, Dv]; equal to T
-    successive :func:`gdn_decode` steps (bitwise in the interpreter).
+    successive :func:`gdn_decode` steps (bitwise in the interpreter). ``states_out`` fp32
+    [T, Hv, Dk, Dv] (contiguous): also receives the state after each token (a speculative verify
+    chunk keeps them to roll the session back to any prefix without recomputing).
     """
     st = state[int(slot)].unsqueeze(0)   # [1, Hv, Dk, Dv] view of the slot, updated in place
-    return _launch(q, k, v, a, b, A_log, dt_bias, st, st, out, prefill=True)
+    return _launch(q, k, v, a, b, A_log, dt_bias, st, st, out, prefill=True, states_out=states_out)
 
 
 # ----------------------------------------------------------------------------- references
@@ -269,7 +285,7 @@ def gdn_decode_ref(q, k, v, a, b, A_log, dt_bias, state, slots, *, out=None):
     return o
 
 
-def gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, state, slot, *, out=None):
+def gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, state, slot, *, out=None, states_out=None):
     """Plain-torch :func:`gdn_prefill`: T successive :func:`gdn_decode_ref` steps."""
     slots = torch.tensor([slot], dtype=torch.int32, device=q.device)
     T, Hv, Dv = v.shape
@@ -277,6 +293,8 @@ def gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, state, slot, *, out=None):
     for t in range(T):
         o[t] = gdn_decode_ref(q[t : t + 1], k[t : t + 1], v[t : t + 1], a[t : t + 1], b[t : t + 1],
                               A_log, dt_bias, state, slots)[0]
+        if states_out is not None:
+            states_out[t] = state[int(slot)]
     if out is not None:
         out.copy_(o)
         return out

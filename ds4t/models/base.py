@@ -169,6 +169,12 @@ class Model:
         """Logits fp32 [len(batch.out_rows), vocab] for one step batch; updates the slots' state."""
         raise NotImplementedError
 
+    def rollback(self, slot: int, consumed: int) -> None:
+        """Keep only the first ``consumed`` tokens of the slot's last verify chunk (a step segment run
+        with ``keep``; the caller moves the session's position). State addressed by position (KV and
+        latent caches) needs nothing: entries past the position are never read and get overwritten.
+        Families with recurrent state restore it here (Qwen3-Next)."""
+
     # -- native-path eligibility (data, see NativeRule) --------------------------------------
     native_rules: Tuple[NativeRule, ...] = (NativeRule("native", "always", "-"),)
 

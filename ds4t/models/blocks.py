@@ -282,7 +282,8 @@ class GQAMixer:
     over it. Mixed in before DecoderModel (GLM-4.5, llama, Qwen3 dense)."""
 
     def state_specs(self):
-        return self.cfg.attn.state_specs(self.cfg.num_layers, self.dtype)
+        # + the MTP module's layer (index num_layers) when loaded
+        return self.cfg.attn.state_specs(self.cfg.num_layers + (getattr(self, "mtp", None) is not None), self.dtype)
 
     def mixer(self, i: int, x: torch.Tensor, batch) -> torch.Tensor:
         pool = self.pool.tensors

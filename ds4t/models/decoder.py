@@ -7,13 +7,14 @@ A family supplies ``mixer(i, x, batch)`` (attention / Gated DeltaNet / MLA for l
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
 from ds4t.models.blocks import Layer
+from ds4t.models.mtp import MTPWeights
 
 
 def stack_tensors(c) -> Dict[str, tuple]:
@@ -39,9 +40,10 @@ class DecoderModel(Model):
     final_norm: torch.Tensor
     input_norms: List[torch.Tensor]
     post_norms: List[torch.Tensor]
-    layers: List[Layer]
+    layers: List[Layer]   # the decoder layers, then the MTP module's layer (index num_layers) when loaded
     eps: float
     num_layers: int
+    mtp: Optional[MTPWeights] = None   # the multi-token-prediction head (ds4t.models.mtp), when the checkpoint has one
 
     def _init_stack(self, c, name: str, device, dtype: torch.dtype) -> None:
         """Identity fields every family sets from its config ``c``."""
@@ -69,6 +71,9 @@ class DecoderModel(Model):
         raise NotImplementedError
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Logits fp32 [len(out_rows), vocab]. With ``batch.hidden_rows`` set, ``batch.hidden`` gets the
+        final-norm output (the LM head's input) of those rows, fp32 [len(hidden_rows), D]: what an MTP
+        head reads."""
         zc = self.zero_centered_norms
         h = ops.embedding(batch.tokens, self.embed)
         x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc)
@@ -79,9 +84,39 @@ class DecoderModel(Model):
             out = self.ffn(i, x, batch)
             nxt = self.input_norms[i + 1] if i + 1 < self.num_layers else self.final_norm
             x, res = ops.add_rms_norm(out, res, nxt, self.eps, zero_centered=zc)
+        if batch.hidden_rows is not None:
+            batch.hidden = x.index_select(0, batch.hidden_rows)
         if batch.out_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.out_rows)
         return ops.linear(x, self.lm_head)
+
+    def mtp_forward(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head on a step batch: row r pairs ``hidden[r]`` (fp32 [R, D]: the main model's
+        final-norm output at position p, or this head's previous ``batch.hidden``) with
+        ``batch.tokens[r]`` (the token at p + 1), runs at position p in the MTP layer's own cache,
+        and predicts the token at p + 2. Returns logits fp32 [len(out_rows), vocab]; ``batch.hidden``
+        gets every row's hidden to chain from (:attr:`MTPWeights.chain_normed` says which)."""
+        m = self.mtp
+        if m is None:
+            raise ValueError(f"model {self.name!r} has no MTP head (the checkpoint holds no MTP weights)")
+        zc, eps, L = self.zero_centered_norms, self.eps, self.num_layers
+        e = ops.rms_norm(ops.embedding(batch.tokens, m.embed), m.enorm, eps, zero_centered=zc)
+        hh = ops.rms_norm(hidden, m.hnorm, eps, zero_centered=zc)
+        res = ops.linear(torch.cat([e, hh], dim=1), m.eh_proj)
+        x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc)
+        out = self.mixer(L, x, batch)
+        x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc)
+        out = self.ffn(L, x, batch)
+        x, res = ops.add_rms_norm(out, res, m.final_norm, eps, zero_centered=zc)
+        batch.hidden = x if m.chain_normed else res
+        if batch.out_rows.shape[0] != x.shape[0]:
+            x = x.index_select(0, batch.out_rows)
+        return ops.linear(x, m.head)
+
+    @property
+    def mtp_state_prefix(self) -> Optional[str]:
+        """The pool state names of the MTP layer (``layers.{num_layers}.``), None without MTP."""
+        return f"layers.{self.num_layers}." if self.mtp is not None else None
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         """Every weight tensor once, by the first name that holds it: the shared stack, then each
@@ -91,6 +126,10 @@ class DecoderModel(Model):
         for i in range(self.num_layers):
             named += [(f"layers.{i}.input_norm", self.input_norms[i]), (f"layers.{i}.post_norm", self.post_norms[i])]
             named += named_tensors(self.layers[i], f"layers.{i}")
+        if self.mtp is not None:   # listed as "mtp.*": a plain decode step never reads them
+            L = self.num_layers
+            named += [("mtp.input_norm", self.input_norms[L]), ("mtp.post_norm", self.post_norms[L])]
+            named += named_tensors(self.layers[L], "mtp.layer") + named_tensors(self.mtp, "mtp")
         p, seen = {}, set()
         for name, t in named:
             if id(t) not in seen:

@@ -54,6 +54,7 @@ from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_li
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
+from ds4t.models.mtp import MTPNames, load_mtp, mtp_layers, mtp_tensors
 
 PRESETS = ("tiny-deepseek", "deepseek-v3-4l")
 
@@ -81,6 +82,7 @@ class DeepseekConfig:
     max_position: int
     tie_embeddings: bool
     ffn: SigmoidMoEConfig
+    mtp_layers: int = 0   # num_nextn_predict_layers (ds4t.models.mtp: the first is loaded)
 
     @property
     def qk_head_dim(self) -> int:
@@ -124,33 +126,42 @@ class DeepseekConfig:
             attention_bias=bool(c.get("attention_bias", False)), rope_interleave=bool(c.get("rope_interleave", True)),
             rope=rp, max_position=max_pos, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             ffn=SigmoidMoEConfig.from_dict(c, n, _FFN_DEFAULTS),
+            mtp_layers=mtp_layers(c, "num_nextn_predict_layers"),
         )
 
 
-def expected_tensors(c: DeepseekConfig) -> Dict[str, tuple]:
-    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
-    D, H = c.hidden_size, c.num_heads
+def expected_tensors(c: DeepseekConfig, mtp: Optional[bool] = None, source=None) -> Dict[str, tuple]:
+    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout); with
+    ``mtp`` (default: the config declares num_nextn_predict_layers) the MTP layer too."""
     t = stack_tensors(c)
     for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        if c.q_lora_rank:
-            t[a + "q_a_proj.weight"] = (c.q_lora_rank, D)
-            if c.attention_bias:
-                t[a + "q_a_proj.bias"] = (c.q_lora_rank,)
-            t[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
-            t[a + "q_b_proj.weight"] = (H * c.qk_head_dim, c.q_lora_rank)
-        else:
-            t[a + "q_proj.weight"] = (H * c.qk_head_dim, D)
-        t[a + "kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, D)
-        t[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
-        t[a + "kv_b_proj.weight"] = (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        t[a + "o_proj.weight"] = (D, H * c.v_head_dim)
-        if c.attention_bias:
-            t[a + "kv_a_proj_with_mqa.bias"] = (c.kv_lora_rank + c.qk_rope_head_dim,)
-            t[a + "o_proj.bias"] = (D,)
-        c.ffn.expected(t, p + "mlp.", D, i)
+        _layer_tensors(c, t, f"model.layers.{i}.", i)
+    if c.mtp_layers if mtp is None else mtp:
+        t.update(mtp_tensors(MTPNames.nextn(c.num_layers), c.hidden_size, c.vocab_size,
+                             lambda t_, p: _layer_tensors(c, t_, p, c.num_layers), source))
     return t
+
+
+def _layer_tensors(c: DeepseekConfig, t: Dict[str, tuple], p: str, i: int) -> None:
+    """Layer i's attention and MLP tensors under prefix ``p`` (i == num_layers: the MTP layer)."""
+    D, H = c.hidden_size, c.num_heads
+    a = p + "self_attn."
+    if c.q_lora_rank:
+        t[a + "q_a_proj.weight"] = (c.q_lora_rank, D)
+        if c.attention_bias:
+            t[a + "q_a_proj.bias"] = (c.q_lora_rank,)
+        t[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+        t[a + "q_b_proj.weight"] = (H * c.qk_head_dim, c.q_lora_rank)
+    else:
+        t[a + "q_proj.weight"] = (H * c.qk_head_dim, D)
+    t[a + "kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, D)
+    t[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+    t[a + "kv_b_proj.weight"] = (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+    t[a + "o_proj.weight"] = (D, H * c.v_head_dim)
+    if c.attention_bias:
+        t[a + "kv_a_proj_with_mqa.bias"] = (c.kv_lora_rank + c.qk_rope_head_dim,)
+        t[a + "o_proj.bias"] = (D,)
+    c.ffn.expected(t, p + "mlp.", D, i)
 
 
 def _q_rows(c: DeepseekConfig) -> torch.Tensor:
@@ -197,42 +208,22 @@ class DeepseekModel(DecoderModel):
         c = DeepseekConfig.from_dict(cfg)
         self.native_path = native_path
         self._init_stack(c, name, device, dtype)
-        mtp = mtp_layer_prefixes(source, c.num_layers)
-        get = WeightReader(source, expected_tensors(c), self.device, dtype,
-                           ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
-        f32 = torch.float32
-        H, dn, dr, dv, R = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        names = MTPNames.nextn(c.num_layers)
+        with_mtp = c.mtp_layers > 0 and names.present(source)
+        skipped = tuple(p for p in mtp_layer_prefixes(source, c.num_layers)
+                        if not (with_mtp and p == names.layer_prefix))
+        get = WeightReader(source, expected_tensors(c, mtp=with_mtp, source=source), self.device, dtype,
+                           ignore_prefixes=skipped + c.ffn.unused_prefixes(c.num_layers + with_mtp),
+                           progress=progress)
         self._load_stack(get)
-        q_rows = _q_rows(c).to(self.device)
         for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            kv_a = get(a + "kv_a_proj_with_mqa.weight")
-            kv_a_b = get(a + "kv_a_proj_with_mqa.bias", f32) if c.attention_bias else None
-            b_a = q_a_norm = w_qb = None
-            if c.q_lora_rank:
-                w_a = weights.cat([get(a + "q_a_proj.weight"), kv_a])
-                if c.attention_bias:
-                    b_a = torch.cat([get(a + "q_a_proj.bias", f32), kv_a_b])
-                q_a_norm = get(a + "q_a_layernorm.weight", f32)
-                w_qb = get(a + "q_b_proj.weight")[q_rows].contiguous()
-            else:
-                w_a = weights.cat([get(a + "q_proj.weight")[q_rows], kv_a])
-                if c.attention_bias:
-                    b_a = torch.cat([torch.zeros(c.q_width, dtype=f32, device=self.device), kv_a_b])
-            kv_a_norm = get(a + "kv_a_layernorm.weight", f32)
-            # Absorbed MLA splits kv_b per head and transposes its K half: a rearrangement along K that
-            # block scales cannot follow, so an FP8 kv_b is dequantized here (the one tensor that is).
-            kv_b = weights.as_float(get(a + "kv_b_proj.weight"), self.dtype).view(H, dn + dv, R)
-            mixer = MLAWeights(
-                w_a=w_a, b_a=b_a, q_a_norm=q_a_norm, w_qb=w_qb, kv_a_norm=kv_a_norm,
-                w_uk_t=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv=kv_b[:, dn:, :].contiguous(),
-                w_o=get(a + "o_proj.weight"), b_o=get(a + "o_proj.bias", f32) if c.attention_bias else None)
-            self.layers.append(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
+            self.layers.append(self._load_layer(get, f"model.layers.{i}.", i))
+        if with_mtp:
+            load_mtp(self, get, names, lambda p: self._load_layer(get, p, c.num_layers))
         get.finish()
-        warn_mtp_skipped(get, mtp)
+        warn_mtp_skipped(get, skipped)
         self.router_cfg = c.ffn.router
-        rp = c.rope
+        rp, dr = c.rope, c.qk_rope_head_dim
         self.softmax_scale = c.qk_head_dim ** -0.5
         if rp["rope_type"] == "yarn":
             inv_freq, self.rope_scale = yarn_inv_freq(dr, rp, c.max_position)
@@ -243,6 +234,35 @@ class DeepseekModel(DecoderModel):
             inv_freq, self.rope_scale = default_inv_freq(dr, float(rp["rope_theta"])), 1.0
         self.inv_freq = inv_freq.to(self.device)
         super().__init__()
+
+    def _load_layer(self, get, p: str, i: int) -> Layer:
+        """Layer i's weights under checkpoint prefix ``p`` (i == num_layers: the MTP layer)."""
+        c, f32 = self.cfg, torch.float32
+        H, dn, dr, dv, R = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        q_rows = _q_rows(c).to(self.device)
+        a = p + "self_attn."
+        kv_a = get(a + "kv_a_proj_with_mqa.weight")
+        kv_a_b = get(a + "kv_a_proj_with_mqa.bias", f32) if c.attention_bias else None
+        b_a = q_a_norm = w_qb = None
+        if c.q_lora_rank:
+            w_a = weights.cat([get(a + "q_a_proj.weight"), kv_a])
+            if c.attention_bias:
+                b_a = torch.cat([get(a + "q_a_proj.bias", f32), kv_a_b])
+            q_a_norm = get(a + "q_a_layernorm.weight", f32)
+            w_qb = get(a + "q_b_proj.weight")[q_rows].contiguous()
+        else:
+            w_a = weights.cat([get(a + "q_proj.weight")[q_rows], kv_a])
+            if c.attention_bias:
+                b_a = torch.cat([torch.zeros(c.q_width, dtype=f32, device=self.device), kv_a_b])
+        kv_a_norm = get(a + "kv_a_layernorm.weight", f32)
+        # Absorbed MLA splits kv_b per head and transposes its K half: a rearrangement along K that
+        # block scales cannot follow, so an FP8 kv_b is dequantized here (the one tensor that is).
+        kv_b = weights.as_float(get(a + "kv_b_proj.weight"), self.dtype).view(H, dn + dv, R)
+        mixer = MLAWeights(
+            w_a=w_a, b_a=b_a, q_a_norm=q_a_norm, w_qb=w_qb, kv_a_norm=kv_a_norm,
+            w_uk_t=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv=kv_b[:, dn:, :].contiguous(),
+            w_o=get(a + "o_proj.weight"), b_o=get(a + "o_proj.bias", f32) if c.attention_bias else None)
+        return Layer(mixer, c.ffn.load(get, p + "mlp.", i))
 
     # -- native path selection (data) --------------------------------------------------------
     @property
@@ -274,7 +294,7 @@ class DeepseekModel(DecoderModel):
     def state_specs(self) -> Dict[str, StateSpec]:
         c = self.cfg
         return {f"layers.{i}.latent": StateSpec((CTX, c.kv_lora_rank + c.qk_rope_head_dim), self.dtype)
-                for i in range(c.num_layers)}
+                for i in range(c.num_layers + (self.mtp is not None))}
 
 
     # -- compute -----------------------------------------------------------------------------
@@ -355,7 +375,8 @@ def preset_config(name: str) -> dict:
             v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
             topk_method="noaux_tc", rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+            num_nextn_predict_layers=1)
     if name == "deepseek-v3-4l":
         # DeepSeek-V3 (671B) layer dimensions, 4 layers (1 dense + 3 MoE), YaRN as in V3's config.json.
         return dict(

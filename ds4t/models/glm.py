@@ -34,6 +34,7 @@ from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, 
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
+from ds4t.models.mtp import MTPNames, load_mtp, mtp_layers, mtp_tensors
 
 PRESETS = ("tiny-glm", "glm-4.5-4l")
 
@@ -62,6 +63,7 @@ class GlmConfig:
     max_position: int
     tie_embeddings: bool
     ffn: SigmoidMoEConfig
+    mtp_layers: int = 0   # num_nextn_predict_layers (ds4t.models.mtp: the first is loaded)
 
     @property
     def attn(self) -> GQAShape:
@@ -88,16 +90,25 @@ class GlmConfig:
             use_qk_norm=bool(c.get("use_qk_norm", False)), max_position=c.get("max_position_embeddings", 131072),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             ffn=SigmoidMoEConfig.from_dict(c, n, _FFN_DEFAULTS),
+            mtp_layers=mtp_layers(c, "num_nextn_predict_layers"),
         )
 
 
-def expected_tensors(c: GlmConfig) -> Dict[str, tuple]:
-    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
+def _layer_tensors(c: GlmConfig, t: Dict[str, tuple], p: str, i: int) -> None:
+    """Layer i's attention and MLP tensors under prefix ``p`` (i == num_layers: the MTP layer)."""
+    c.attn.expected(t, p + "self_attn.")
+    c.ffn.expected(t, p + "mlp.", c.hidden_size, i)
+
+
+def expected_tensors(c: GlmConfig, mtp: Optional[bool] = None, source=None) -> Dict[str, tuple]:
+    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout); with
+    ``mtp`` (default: the config declares num_nextn_predict_layers) the MTP layer too."""
     t = stack_tensors(c)
     for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        c.attn.expected(t, p + "self_attn.")
-        c.ffn.expected(t, p + "mlp.", c.hidden_size, i)
+        _layer_tensors(c, t, f"model.layers.{i}.", i)
+    if c.mtp_layers if mtp is None else mtp:
+        t.update(mtp_tensors(MTPNames.nextn(c.num_layers), c.hidden_size, c.vocab_size,
+                             lambda t_, p: _layer_tensors(c, t_, p, c.num_layers), source))
     return t
 
 
@@ -113,15 +124,24 @@ class GlmModel(GQAMixer, DecoderModel):
         c = GlmConfig.from_dict(cfg)
         self.native_window = native_window
         self._init_stack(c, name, device, dtype)
-        mtp = mtp_layer_prefixes(source, c.num_layers)
-        get = WeightReader(source, expected_tensors(c), self.device, dtype,
-                           ignore_prefixes=mtp + c.ffn.unused_prefixes(c.num_layers), progress=progress)
+        names = MTPNames.nextn(c.num_layers)
+        with_mtp = c.mtp_layers > 0 and names.present(source)
+        skipped = tuple(p for p in mtp_layer_prefixes(source, c.num_layers)
+                        if not (with_mtp and p == names.layer_prefix))
+        get = WeightReader(source, expected_tensors(c, mtp=with_mtp, source=source), self.device, dtype,
+                           ignore_prefixes=skipped + c.ffn.unused_prefixes(c.num_layers + with_mtp),
+                           progress=progress)
         self._load_stack(get)
+
+        def load_layer(p: str, i: int) -> Layer:
+            return Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i))
+
         for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i)))
+            self.layers.append(load_layer(f"model.layers.{i}.", i))
+        if with_mtp:
+            load_mtp(self, get, names, lambda p: load_layer(p, c.num_layers))
         get.finish()
-        warn_mtp_skipped(get, mtp)
+        warn_mtp_skipped(get, skipped)
         self.router_cfg = c.ffn.router
         self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
         super().__init__()
@@ -168,6 +188,7 @@ def preset_config(name: str) -> dict:
             use_qk_norm=True, max_position_embeddings=4096, n_routed_experts=8, n_shared_experts=1,
             num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1, routed_scaling_factor=1.0,
             norm_topk_prob=True, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+            num_nextn_predict_layers=1,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     if name == "glm-4.5-4l":
         # GLM-4.5 (355B-A32B) layer dimensions, 4 layers (1 dense + 3 MoE).

@@ -186,6 +186,6 @@ def warn_mtp_skipped(reader: "WeightReader", prefixes: Tuple[str, ...]) -> None:
     """One warning per load naming the MTP layers whose tensors were recognised and not used."""
     skipped = [k for k in reader.ignored if k.startswith(tuple(prefixes))] if prefixes else []
     if skipped:
-        layers = ", ".join(p.split(".")[2] for p in prefixes)
+        layers = ", ".join(p.rstrip(".") for p in prefixes)
         warnings.warn(f"{reader.source.origin}: skipped {len(skipped)} multi-token-prediction (MTP) "
-                      f"tensor(s) of layer(s) {layers}: ds4t does not use MTP", stacklevel=3)
+                      f"tensor(s) of {layers}: the config declares no MTP module", stacklevel=3)

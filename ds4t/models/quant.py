@@ -27,7 +27,7 @@ FP8_STORED = "F8_E4M3"   # safetensors' name of float8_e4m3fn
 # The linear layers of the decoder (attention / Gated DeltaNet projections, dense MLPs, experts): every
 # weight whose module name ends in ``proj`` (q_proj, kv_a_proj_with_mqa, in_proj_qkvz, out_proj, gate_proj,
 # ...). Router gates, shared-expert gates, norms, conv1d, embeddings and the LM head stay unquantized.
-_LINEAR = re.compile(r"^model\.layers\.\d+\..*proj(_[a-z]+)*\.weight$")
+_LINEAR = re.compile(r"^(model|mtp)\.layers\.\d+\..*proj(_[a-z]+)*\.weight$")
 
 
 @dataclasses.dataclass(frozen=True)

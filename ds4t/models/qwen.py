@@ -22,7 +22,8 @@ from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, 
                                fused_linear, stack_experts)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.loading import WeightReader
+from ds4t.models.loading import WeightReader, warn_mtp_skipped
+from ds4t.models.mtp import MTPNames, load_mtp, mtp_layers, mtp_tensors
 
 
 @dataclasses.dataclass
@@ -55,6 +56,15 @@ class QwenConfig:
     sparse_layers: List[bool]
     max_position: int
     tie_embeddings: bool
+    mtp_layers: int = 0   # mtp_num_hidden_layers (ds4t.models.mtp: the first is loaded)
+
+    def kind(self, i: int) -> str:
+        """Layer i's mixer; i == num_layers is the MTP module's layer (gated attention)."""
+        return self.layer_types[i] if i < self.num_layers else "full_attention"
+
+    def sparse(self, i: int) -> bool:
+        """Layer i holds experts; the MTP module's layer does whenever the model has experts."""
+        return self.sparse_layers[i] if i < self.num_layers else self.num_experts > 0
 
     @classmethod
     def from_dict(cls, c: dict) -> "QwenConfig":
@@ -88,6 +98,7 @@ class QwenConfig:
             shared_intermediate_size=c.get("shared_expert_intermediate_size", 0) or 0,
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), sparse_layers=sparse,
             max_position=c.get("max_position_embeddings", 4096), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            mtp_layers=mtp_layers(c, "mtp_num_hidden_layers"),
         )
 
     @property
@@ -95,54 +106,62 @@ class QwenConfig:
         return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
 
 
-def expected_tensors(c: QwenConfig) -> Dict[str, tuple]:
-    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout)."""
-    D = c.hidden_size
+def expected_tensors(c: QwenConfig, mtp: Optional[bool] = None, source=None) -> Dict[str, tuple]:
+    """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout); with
+    ``mtp`` (default: the config declares an MTP module) the ``mtp.*`` module too."""
     t = stack_tensors(c)
     for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        if c.layer_types[i] == "linear_attention":
-            a = p + "linear_attn."
-            hk, hv, dk, dv = c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
-            t[a + "in_proj_qkvz.weight"] = (2 * hk * dk + 2 * hv * dv, D)
-            t[a + "in_proj_ba.weight"] = (2 * hv, D)
-            t[a + "conv1d.weight"] = (c.conv_dim, 1, c.conv_kernel)
-            t[a + "A_log"] = (hv,)
-            t[a + "dt_bias"] = (hv,)
-            t[a + "norm.weight"] = (dv,)
-            t[a + "out_proj.weight"] = (D, hv * dv)
-        else:
-            a = p + "self_attn."
-            H, KV, hd = c.num_heads, c.num_kv_heads, c.head_dim
-            t[a + "q_proj.weight"] = (2 * H * hd, D)
-            t[a + "k_proj.weight"] = (KV * hd, D)
-            t[a + "v_proj.weight"] = (KV * hd, D)
-            t[a + "o_proj.weight"] = (D, H * hd)
-            if c.attention_bias:
-                t[a + "q_proj.bias"], t[a + "k_proj.bias"] = (2 * H * hd,), (KV * hd,)
-                t[a + "v_proj.bias"], t[a + "o_proj.bias"] = (KV * hd,), (D,)
-            t[a + "q_norm.weight"] = (hd,)
-            t[a + "k_norm.weight"] = (hd,)
-        m = p + "mlp."
-        if c.sparse_layers[i]:
-            E, I = c.num_experts, c.moe_intermediate_size
-            t[m + "gate.weight"] = (E, D)
-            for e in range(E):
-                t[m + f"experts.{e}.gate_proj.weight"] = (I, D)
-                t[m + f"experts.{e}.up_proj.weight"] = (I, D)
-                t[m + f"experts.{e}.down_proj.weight"] = (D, I)
-            if c.shared_intermediate_size:
-                Is = c.shared_intermediate_size
-                t[m + "shared_expert.gate_proj.weight"] = (Is, D)
-                t[m + "shared_expert.up_proj.weight"] = (Is, D)
-                t[m + "shared_expert.down_proj.weight"] = (D, Is)
-                t[m + "shared_expert_gate.weight"] = (1, D)
-        else:
-            I = c.intermediate_size
-            t[m + "gate_proj.weight"] = (I, D)
-            t[m + "up_proj.weight"] = (I, D)
-            t[m + "down_proj.weight"] = (D, I)
+        _layer_tensors(c, t, f"model.layers.{i}.", i)
+    if c.mtp_layers if mtp is None else mtp:
+        t.update(mtp_tensors(MTPNames.qwen3_next(), c.hidden_size, c.vocab_size,
+                             lambda t_, p: _layer_tensors(c, t_, p, c.num_layers), source))
     return t
+
+
+def _layer_tensors(c: QwenConfig, t: Dict[str, tuple], p: str, i: int) -> None:
+    """Layer i's mixer and MLP tensors under prefix ``p`` (i == num_layers: the MTP layer)."""
+    D = c.hidden_size
+    if c.kind(i) == "linear_attention":
+        a = p + "linear_attn."
+        hk, hv, dk, dv = c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
+        t[a + "in_proj_qkvz.weight"] = (2 * hk * dk + 2 * hv * dv, D)
+        t[a + "in_proj_ba.weight"] = (2 * hv, D)
+        t[a + "conv1d.weight"] = (c.conv_dim, 1, c.conv_kernel)
+        t[a + "A_log"] = (hv,)
+        t[a + "dt_bias"] = (hv,)
+        t[a + "norm.weight"] = (dv,)
+        t[a + "out_proj.weight"] = (D, hv * dv)
+    else:
+        a = p + "self_attn."
+        H, KV, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        t[a + "q_proj.weight"] = (2 * H * hd, D)
+        t[a + "k_proj.weight"] = (KV * hd, D)
+        t[a + "v_proj.weight"] = (KV * hd, D)
+        t[a + "o_proj.weight"] = (D, H * hd)
+        if c.attention_bias:
+            t[a + "q_proj.bias"], t[a + "k_proj.bias"] = (2 * H * hd,), (KV * hd,)
+            t[a + "v_proj.bias"], t[a + "o_proj.bias"] = (KV * hd,), (D,)
+        t[a + "q_norm.weight"] = (hd,)
+        t[a + "k_norm.weight"] = (hd,)
+    m = p + "mlp."
+    if c.sparse(i):
+        E, I = c.num_experts, c.moe_intermediate_size
+        t[m + "gate.weight"] = (E, D)
+        for e in range(E):
+            t[m + f"experts.{e}.gate_proj.weight"] = (I, D)
+            t[m + f"experts.{e}.up_proj.weight"] = (I, D)
+            t[m + f"experts.{e}.down_proj.weight"] = (D, I)
+        if c.shared_intermediate_size:
+            Is = c.shared_intermediate_size
+            t[m + "shared_expert.gate_proj.weight"] = (Is, D)
+            t[m + "shared_expert.up_proj.weight"] = (Is, D)
+            t[m + "shared_expert.down_proj.weight"] = (D, Is)
+            t[m + "shared_expert_gate.weight"] = (1, D)
+    else:
+        I = c.intermediate_size
+        t[m + "gate_proj.weight"] = (I, D)
+        t[m + "up_proj.weight"] = (I, D)
+        t[m + "down_proj.weight"] = (D, I)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -201,61 +220,72 @@ class QwenModel(DecoderModel):
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
         c = QwenConfig.from_dict(cfg)
         self._init_stack(c, name, device, dtype)
-        get = WeightReader(source, expected_tensors(c), self.device, dtype, ignore_prefixes=("mtp.",), progress=progress)
-        f32 = torch.float32
+        names = MTPNames.qwen3_next()
+        with_mtp = c.mtp_layers > 0 and names.present(source)
+        expected = expected_tensors(c, mtp=with_mtp, source=source)
+        get = WeightReader(source, expected, self.device, dtype, ignore_prefixes=() if with_mtp else ("mtp.",),
+                           progress=progress)
         self._load_stack(get)
-        qkvz_order, ba_order = _gdn_row_order(c)
-        qg_order = _q_gate_order(c)
         for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            if c.layer_types[i] == "linear_attention":
-                a = p + "linear_attn."
-                qkvz = get(a + "in_proj_qkvz.weight")[qkvz_order.to(self.device)]
-                ba = get(a + "in_proj_ba.weight")[ba_order.to(self.device)]
-                mixer = GatedDeltaNetWeights(
-                    w_in=weights.cat([qkvz, ba]),
-                    conv_w=get(a + "conv1d.weight", f32).squeeze(1).contiguous(),
-                    A_log=get(a + "A_log", f32), dt_bias=get(a + "dt_bias", f32),
-                    norm_w=get(a + "norm.weight", f32), w_out=get(a + "out_proj.weight"))
-            else:
-                a = p + "self_attn."
-                q = get(a + "q_proj.weight")[qg_order.to(self.device)]
-                b_qkv = b_o = None
-                if c.attention_bias:
-                    qb = get(a + "q_proj.bias", f32)[qg_order.to(self.device)]
-                    b_qkv = torch.cat([qb, get(a + "k_proj.bias", f32), get(a + "v_proj.bias", f32)])
-                    b_o = get(a + "o_proj.bias", f32)
-                mixer = GatedAttentionWeights(
-                    w_qkv=weights.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
-                    b_qkv=b_qkv, q_norm=get(a + "q_norm.weight", f32), k_norm=get(a + "k_norm.weight", f32),
-                    w_o=get(a + "o_proj.weight"), b_o=b_o)
-            m = p + "mlp."
-            if c.sparse_layers[i]:
-                wg, wu, wd = stack_experts(get, m + "experts", c.num_experts)
-                router_w = get(m + "gate.weight")
-                moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd)
-                if c.shared_intermediate_size:
-                    moe_w.router = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
-                    moe_w.shared_gate_up = weights.cat(
-                        [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")])
-                    moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
-                    moe_w.shared_gated = True
-                mlp = fuse_shared_expert(moe_w)
-            else:
-                mlp = DenseMLP(weights.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
-                               get(m + "down_proj.weight"))
-            self.layers.append(Layer(mixer, mlp))
+            self.layers.append(self._load_layer(get, f"model.layers.{i}.", i))
+        if with_mtp:
+            load_mtp(self, get, names, lambda p: self._load_layer(get, p, c.num_layers))
         get.finish()
+        warn_mtp_skipped(get, ("mtp.",))
         self.router_cfg = RouterConfig("softmax", c.num_experts, c.top_k, c.norm_topk_prob)
         self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
+        self._kept = {}   # (layer, slot) -> (conv history, chunk inputs, per-token states): see rollback
         super().__init__()
+
+    def _load_layer(self, get, p: str, i: int) -> Layer:
+        """Layer i's weights under checkpoint prefix ``p`` (i == num_layers: the MTP layer)."""
+        c, f32 = self.cfg, torch.float32
+        qkvz_order, ba_order = _gdn_row_order(c)
+        qg_order = _q_gate_order(c)
+        if c.kind(i) == "linear_attention":
+            a = p + "linear_attn."
+            qkvz = get(a + "in_proj_qkvz.weight")[qkvz_order.to(self.device)]
+            ba = get(a + "in_proj_ba.weight")[ba_order.to(self.device)]
+            mixer = GatedDeltaNetWeights(
+                w_in=weights.cat([qkvz, ba]),
+                conv_w=get(a + "conv1d.weight", f32).squeeze(1).contiguous(),
+                A_log=get(a + "A_log", f32), dt_bias=get(a + "dt_bias", f32),
+                norm_w=get(a + "norm.weight", f32), w_out=get(a + "out_proj.weight"))
+        else:
+            a = p + "self_attn."
+            q = get(a + "q_proj.weight")[qg_order.to(self.device)]
+            b_qkv = b_o = None
+            if c.attention_bias:
+                qb = get(a + "q_proj.bias", f32)[qg_order.to(self.device)]
+                b_qkv = torch.cat([qb, get(a + "k_proj.bias", f32), get(a + "v_proj.bias", f32)])
+                b_o = get(a + "o_proj.bias", f32)
+            mixer = GatedAttentionWeights(
+                w_qkv=weights.cat([q, get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
+                b_qkv=b_qkv, q_norm=get(a + "q_norm.weight", f32), k_norm=get(a + "k_norm.weight", f32),
+                w_o=get(a + "o_proj.weight"), b_o=b_o)
+        m = p + "mlp."
+        if c.sparse(i):
+            wg, wu, wd = stack_experts(get, m + "experts", c.num_experts)
+            router_w = get(m + "gate.weight")
+            moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd)
+            if c.shared_intermediate_size:
+                moe_w.router = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
+                moe_w.shared_gate_up = weights.cat(
+                    [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")])
+                moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
+                moe_w.shared_gated = True
+            mlp = fuse_shared_expert(moe_w)
+        else:
+            mlp = DenseMLP(weights.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
+                           get(m + "down_proj.weight"))
+        return Layer(mixer, mlp)
 
     # -- state -------------------------------------------------------------------------------
     def state_specs(self) -> Dict[str, StateSpec]:
         c, f32 = self.cfg, torch.float32
         s = {}
-        for i, kind in enumerate(c.layer_types):
-            if kind == "linear_attention":
+        for i in range(c.num_layers + (self.mtp is not None)):
+            if c.kind(i) == "linear_attention":
                 s[f"layers.{i}.conv"] = StateSpec((c.conv_dim, c.conv_kernel - 1), f32)
                 s[f"layers.{i}.recurrent"] = StateSpec((c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f32)
             else:
@@ -264,9 +294,24 @@ class QwenModel(DecoderModel):
         return s
 
 
+    def rollback(self, slot: int, consumed: int) -> None:
+        """Keep the first ``consumed`` tokens of the slot's last verify chunk (a segment run with
+        ``keep``): each Gated DeltaNet layer's recurrent state becomes the one the kernel stored after
+        token ``consumed - 1``, and its conv history the last W-1 inputs of the history before the
+        chunk followed by the chunk's first ``consumed`` inputs. No recomputation: the bits are those
+        the chunk produced, which equal token-by-token decoding (prefill chunk invariance)."""
+        W1 = self.cfg.conv_kernel - 1
+        for (i, s) in [key for key in self._kept if key[1] == slot]:
+            hist, inputs, states = self._kept.pop((i, s))
+            if not 1 <= consumed <= inputs.shape[0]:
+                raise ValueError(f"rollback: consumed {consumed} outside [1, {inputs.shape[0]}]")
+            self.pool.tensors[f"layers.{i}.recurrent"][slot].copy_(states[consumed - 1])
+            seq = torch.cat([hist, inputs[:consumed].t()], dim=1)
+            self.pool.tensors[f"layers.{i}.conv"][slot].copy_(seq[:, seq.shape[1] - W1:])
+
     # -- compute -----------------------------------------------------------------------------
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        if self.cfg.layer_types[i] == "linear_attention":
+        if self.cfg.kind(i) == "linear_attention":
             return self._gated_deltanet(i, x, batch)
         return self._gated_attention(i, x, batch)
 
@@ -326,9 +371,15 @@ class QwenModel(DecoderModel):
             if s.n == 1:
                 continue
             rows = slice(s.start_row, s.start_row + s.n)
+            kept = None
+            if s.keep:   # a verify chunk: keep what a rollback to any prefix of it needs
+                kept = (conv_state[s.slot].clone(), mixed[rows].float().clone(),
+                        torch.empty((s.n, hv, dk, dv), dtype=torch.float32, device=x.device))
+                self._kept[(i, s.slot)] = kept
             m1 = ops.conv1d_prefill(mixed[rows], conv_state, w.conv_w, s.slot)
             q, k, v = split(m1)
-            o[rows] = ops.gdn_prefill(q, k, v, a[rows], b[rows], w.A_log, w.dt_bias, rec, s.slot)
+            o[rows] = ops.gdn_prefill(q, k, v, a[rows], b[rows], w.A_log, w.dt_bias, rec, s.slot,
+                                      states_out=None if kept is None else kept[2])
         y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps)
         return fused_linear(y.view(R, hv * dv), w.w_out)
 
@@ -345,7 +396,7 @@ def preset_config(name: str) -> dict:
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
             decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-            tie_word_embeddings=False)
+            tie_word_embeddings=False, mtp_num_hidden_layers=1)
     if name == "qwen3-next-80b-4l":
         # Qwen3-Next-80B-A3B layer dimensions, 4 layers (3 Gated DeltaNet + 1 gated attention).
         return dict(
@@ -357,7 +408,7 @@ def preset_config(name: str) -> dict:
             shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
             max_position_embeddings=262144, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-            tie_word_embeddings=False)
+            tie_word_embeddings=False, mtp_num_hidden_layers=1)
     if name == "qwen3-next-80b-fp8":
         # Qwen3-Next-80B-A3B at full depth (48 layers: 12 x [3 Gated DeltaNet + 1 gated attention]) in
         # block-FP8 as the official -FP8 release stores it: random weights drawn on the device and
