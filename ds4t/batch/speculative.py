@@ -163,6 +163,14 @@ def prefill(items: Sequence[DecodeItem], mode: str = "auto") -> torch.Tensor:
     return torch.stack([lg[-1] for lg, _, _ in res])
 
 
+def _accepted(chosen: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many drafts equal the model's own choices, from the first (the longest agreeing prefix)."""
+    a = 0
+    while a < len(drafts) and chosen[a] == drafts[a]:
+        a += 1
+    return a
+
+
 def _check(items: Sequence[SpecItem]):
     if not isinstance(items, (list, tuple)) or not items:
         raise BatchError("spec_step: empty batch")
@@ -190,7 +198,10 @@ def _check(items: Sequence[SpecItem]):
             raise BatchError(f"item {i}: model {model.name!r} has no MTP head to draft with; pass drafts", item=i)
         if it.max_tokens is not None and (not is_int(it.max_tokens) or it.max_tokens < 1):
             raise BatchError(f"item {i}: max_tokens must be an int >= 1, got {it.max_tokens!r}", item=i)
-        sampling.check_params(it.temperature, it.top_k, it.top_p, model.vocab_size, f"item {i}: ")
+        try:
+            sampling.check_params(it.temperature, it.top_k, it.top_p, model.vocab_size, f"item {i}: ")
+        except ValueError as e:
+            raise BatchError(str(e), item=i) from None
         s._check_usable(f"item {i}", 1)
     return model
 
@@ -282,9 +293,7 @@ def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode:
         lg, hidden, path = res[i]
         ch = chosen[c0:c0 + lg.shape[0]]
         c0 += lg.shape[0]
-        a = 0
-        while a < len(d) and ch[a] == d[a]:
-            a += 1
+        a = _accepted(ch, d)
         emit = ch[:a + 1]
         for j, t in enumerate(emit):
             if t in it.stop or (it.max_tokens is not None and j + 1 >= it.max_tokens):

@@ -249,3 +249,26 @@ def test_rows_path_equals_one_row_kernel(Hk, Hv, Dk, Dv):
         with launcher_path(GD, rows):
             res[rows] = gdn_decode(q, k, v, a, b, A_log, dt_bias, st, slots), st
     assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+
+
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES)
+def test_prefill_keeps_every_token_state(device, Hk, Hv, Dk, Dv):
+    """``states_out[t]`` is bitwise the state a prefill of the first t + 1 tokens leaves (what a
+    speculative rollback restores), and keeping them changes neither the output nor the final state."""
+    T = 5
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=3)
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.float32, device)
+    st, st_plain = state0.clone(), state0.clone()
+    kept = poisoned((T, Hv, Dk, Dv), device=device)
+    out = gdn_prefill(q, k, v, a, b, A_log, dt_bias, st, 4, states_out=kept)
+    assert torch.equal(out, gdn_prefill(q, k, v, a, b, A_log, dt_bias, st_plain, 4))
+    assert torch.equal(st, st_plain) and torch.equal(kept[-1], st[4])
+    for t in range(T):
+        prefix = state0.clone()
+        gdn_prefill(q[:t + 1], k[:t + 1], v[:t + 1], a[:t + 1], b[:t + 1], A_log, dt_bias, prefix, 4)
+        assert torch.equal(kept[t], prefix[4]), t
+    ref_kept = torch.empty_like(kept)
+    gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, state0.clone(), 4, states_out=ref_kept)
+    torch.testing.assert_close(kept, ref_kept, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="states_out"):
+        gdn_prefill(q, k, v, a, b, A_log, dt_bias, st, 4, states_out=kept[:2])
