@@ -48,6 +48,7 @@ def int_at_least(lo: int):
 
 
 _positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _key_value(text: str):
@@ -232,12 +233,61 @@ def cmd_demo(args) -> int:
             cut = next((k for k, t in enumerate(gen) if t in stops), len(gen))
             print(f"  {q!r} -> {codec.decode(gen[:cut])!r}")
     print(f"bit-exact: {'yes' if exact else 'NO'} ({lo.numel()} float32 logits compared)")
+    if args.mtp:
+        emitted = [[first_tok[i]] + [int(t) for t in ln[:, i].argmax(dim=1).tolist()] for i in range(len(prompts))]
+        exact = _demo_mtp(args, model, prompts, max_ctx, emitted, tn) and exact
     return 0 if exact else 1
 
 
+def _demo_mtp(args, model, prompts, max_ctx, native_tokens, native_s) -> bool:
+    """The demo's speculative run: MTP drafts (k = args.mtp), one verify call per step for all
+    sessions; acceptance, calls, tok/s against the native run, and the tokens compared."""
+    import time
+
+    import torch
+
+    from ds4t.batch import speculative as spec
+
+    sessions = [model.new_session(max_ctx=max_ctx) for _ in prompts]
+    try:
+        first = spec.prefill([spec.DecodeItem(s, p) for s, p in zip(sessions, prompts)])
+        out = [[int(t)] for t in first.argmax(dim=1).tolist()]
+        want = args.steps + 1
+        drafted = accepted = calls = 0
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while any(len(o) < want for o in out):
+            live = [i for i, o in enumerate(out) if len(o) < want]
+            res, _ = spec.spec_step([spec.SpecItem(sessions[i], out[i][-1], k=args.mtp, max_tokens=want - len(out[i]))
+                                     for i in live])
+            calls += 1
+            for i, r in zip(live, res):
+                out[i] += r.tokens
+                drafted += r.drafted
+                accepted += r.accepted
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    finally:
+        for s in sessions:
+            s.close()
+    same = out == native_tokens
+    n_tok = len(prompts) * args.steps
+    print(f"speculative (MTP, k = {args.mtp}): {calls} verify calls for {args.steps} steps, "
+          f"{accepted}/{drafted} drafts accepted ({100 * accepted / max(drafted, 1):.0f} %), "
+          f"{n_tok / dt:.1f} tok/s, {native_s / dt:.2f}x the native run (random weights rarely draft right)")
+    print(f"speculative tokens equal to the native run: {'yes' if same else 'NO'}")
+    return same
+
+
 def cmd_exactness(args) -> int:
-    """Random session mixes: native against ordered, bitwise; then the negative control."""
+    """Random session mixes: native against ordered, bitwise; then the negative control.
+    With --mtp K: speculative decoding against plain decoding instead."""
     import random
+
+    if args.mtp:
+        return _exactness_mtp(args)
 
     from ds4t.backend import device_name
     from ds4t.exactness.controls import KINDS, run_controls
@@ -281,6 +331,39 @@ def cmd_exactness(args) -> int:
     print("exact: yes" if total.ok else f"exact: NO ({total.mismatches} mismatches, "
           f"{total.native_missing} rows not native)")
     return 0 if total.ok and all(c.ok for c in controls) else 1
+
+
+def _exactness_mtp(args) -> int:
+    from ds4t.backend import device_name
+    from ds4t.exactness.speculative import has_recurrent_rollback, plant, run_speculative
+
+    model = _load(args)
+    print(f"ds4t exactness --mtp {args.mtp}: {args.model} ({model.family}, {model.dtype}) on {device_name()}; "
+          f"speculative decoding against plain decoding"
+          + ("" if getattr(model, "mtp", None) is not None else " (no MTP head: replayed drafts only)"))
+    rows, ok = [], True
+    for r in range(args.rounds):
+        rep = run_speculative(model, k=args.mtp, sessions=args.sessions, new_tokens=args.steps, seed=args.seed + r,
+                              max_ctx=args.max_prompt + args.steps + args.mtp + 16)
+        ok = ok and rep.ok
+        rows.append([r, rep.sessions, rep.calls, rep.emitted, f"{rep.accepted}/{rep.drafted}", rep.mismatches,
+                     rep.first_mismatch or "-"])
+    print(_table(["round", "sessions", "verify calls", "tokens", "drafts accepted", "mismatches",
+                  "first mismatch"], rows))
+    controls_ok = True
+    if args.negative_control:
+        kinds = ["accept-one-more"] + (["skip-rollback"] if has_recurrent_rollback(model) else [])
+        crow = []
+        for kind in kinds:
+            with plant(kind, model):
+                rep = run_speculative(model, k=max(args.mtp, 2), sessions=min(args.sessions, 4),
+                                      new_tokens=min(args.steps, 8), seed=args.seed)
+            crow.append([kind, rep.mismatches, "caught" if rep.mismatches else "NOT CAUGHT"])
+            controls_ok = controls_ok and rep.mismatches > 0
+        print("negative control (planted deviations):")
+        print(_table(["planted", "mismatches", "verdict"], crow))
+    print("exact: yes" if ok else "exact: NO")
+    return 0 if ok and controls_ok else 1
 
 
 def cmd_diagnose(args) -> int:
@@ -358,6 +441,9 @@ def main(argv=None) -> int:
     model_args(d)
     d.add_argument("--sessions", type=_positive_int, default=8, help="resident sessions, decoded together")
     d.add_argument("--steps", type=_positive_int, default=32, help="greedy decode steps per session")
+    d.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
+                   help="also decode speculatively with K drafts per step from the model's MTP head: "
+                        "acceptance, speed-up, and the tokens checked against the native run")
 
     e = sub.add_parser("exactness", parents=[user], help="native vs ordered, bitwise, on random session mixes")
     model_args(e)
@@ -371,6 +457,9 @@ def main(argv=None) -> int:
     e.add_argument("--seed", type=int, default=0, help="seed of the random scenarios")
     e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="skip the planted-deviation runs")
+    e.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
+                   help="check speculative decoding instead: K drafts per step (the MTP head's, and replayed "
+                        "ones with planted errors) against plain decoding -- tokens, logits, state -- bitwise")
     g = sub.add_parser("diagnose", parents=[user],
                        help="one native step vs ordered, op call by op call: the first op whose rows differ")
     model_args(g)

@@ -18,6 +18,8 @@ import torch
 
 from ds4t import sampling
 from ds4t.batch.engine import MODES, DecodeItem, eval_batch
+from ds4t.batch.speculative import SpecItem, spec_step
+from ds4t.batch.speculative import prefill as spec_prefill
 from ds4t.batch.session import as_token_list, is_int
 
 Prompt = Union[str, Sequence[int], np.ndarray, torch.Tensor]
@@ -31,6 +33,9 @@ class Generation:
     tokens: List[int]         # generated ids, a stop token included as the last one
     text: Optional[str]       # the generated ids as text without the stop token; None without a tokenizer
     finish_reason: str        # "stop": a stop token was sampled; "length": max_new_tokens or the context limit
+    drafted: int = 0          # with mtp: draft tokens verified
+    accepted: int = 0         # with mtp: drafts equal to the model's own choice
+    calls: int = 0            # forward calls after the prefill that advanced this prompt
 
 
 def _codec(model):
@@ -65,7 +70,7 @@ def _prompt_ids(model, codec, prompts) -> List[List[int]]:
 def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequence[int]] = 16,
              temperature=0.0, top_p=1.0, top_k=0, seed=None,
              stop_token_ids: Optional[Sequence[int]] = None, mode: str = "auto",
-             prefill_chunk: int = 256) -> List[Generation]:
+             prefill_chunk: int = 256, mtp: int = 0) -> List[Generation]:
     """Generate up to ``max_new_tokens`` tokens for each prompt; returns one :class:`Generation` per prompt.
 
     prompts: a list of texts (encoded with ``model.tokenizer``) and/or token ids (list of ints,
@@ -76,6 +81,9 @@ def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequen
     fresh random seed per prompt, not reproducible). stop_token_ids: generation of a prompt ends
     after one of them is sampled; None: the checkpoint's EOS ids (none for presets), ``()``: never
     stop early. mode: ``eval_batch``'s mode ("auto" runs natively where the model allows).
+    mtp: speculative decoding with k = ``mtp`` drafts per step from the model's MTP head
+    (:mod:`ds4t.batch.speculative`): the same tokens as without it, bit for bit, in fewer calls
+    when drafts are accepted; each Generation reports drafted / accepted / calls.
 
     A prompt's tokens do not depend on the other prompts. Every session opened is closed on
     return, also on error. Invalid arguments raise ValueError naming the prompt before any work.
@@ -84,6 +92,10 @@ def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequen
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    if not is_int(mtp) or mtp < 0:
+        raise ValueError(f"mtp must be an int >= 0, got {mtp!r}")
+    if mtp and getattr(model, "mtp", None) is None:
+        raise ValueError(f"mtp={mtp}: model {model.name!r} has no MTP head (its checkpoint holds no MTP weights)")
     codec = _codec(model)
     ids = _prompt_ids(model, codec, prompts)
     n = len(ids)
@@ -108,27 +120,36 @@ def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequen
         for p, b in zip(ids, budgets):
             # the last sampled token is never fed back: a prompt needs len(p) + b - 1 positions
             sessions.append(model.new_session(max_ctx=min(len(p) + int(b) - 1, model.max_position)))
-        logits = _prefill(sessions, ids, prefill_chunk, mode)
+        logits = _prefill(sessions, ids, prefill_chunk, mode, spec_history=bool(mtp))
         out = [Generation(p, [], None, "") for p in ids]
-        active = list(range(n))
+        toks = sampling.sample(logits, temperature=temps, top_k=tks, top_p=tps, seed=seeds,
+                               position=[s.pos for s in sessions]).tolist()
+        active = []
+        for i, t in enumerate(toks):
+            if _emit(out[i], [t], stops, budgets[i], sessions[i]):
+                active.append(i)
         while active:
-            toks = sampling.sample(logits, temperature=[temps[i] for i in active], top_k=[tks[i] for i in active],
-                                   top_p=[tps[i] for i in active], seed=[seeds[i] for i in active],
-                                   position=[sessions[i].pos for i in active]).tolist()
+            if mtp:
+                items = [SpecItem(sessions[i], out[i].tokens[-1], k=mtp, temperature=temps[i], top_k=tks[i],
+                                  top_p=tps[i], seed=seeds[i], stop=frozenset(stops),
+                                  max_tokens=budgets[i] - len(out[i].tokens)) for i in active]
+                results, _ = spec_step(items, mode=mode)
+                new = [r.tokens for r in results]
+                for i, r in zip(active, results):
+                    out[i].drafted += r.drafted
+                    out[i].accepted += r.accepted
+            else:
+                logits = eval_batch([DecodeItem(sessions[i], out[i].tokens[-1]) for i in active], mode=mode).logits
+                new = [[t] for t in sampling.sample(
+                    logits, temperature=[temps[i] for i in active], top_k=[tks[i] for i in active],
+                    top_p=[tps[i] for i in active], seed=[seeds[i] for i in active],
+                    position=[sessions[i].pos for i in active]).tolist()]
             keep = []
-            for j, (i, t) in enumerate(zip(active, toks)):
-                g, s = out[i], sessions[i]
-                g.tokens.append(t)
-                if t in stops:
-                    g.finish_reason = "stop"
-                elif len(g.tokens) >= budgets[i] or s.pos >= s.max_ctx:
-                    g.finish_reason = "length"
-                else:
-                    keep.append(j)
-            if not keep:
-                break
-            active, toks = [active[j] for j in keep], [toks[j] for j in keep]
-            logits = eval_batch([DecodeItem(sessions[i], t) for i, t in zip(active, toks)], mode=mode).logits
+            for i, t in zip(active, new):
+                out[i].calls += 1
+                if _emit(out[i], t, stops, budgets[i], sessions[i]):
+                    keep.append(i)
+            active = keep
     finally:
         for s in sessions:
             s.close()
@@ -139,18 +160,32 @@ def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequen
     return out
 
 
-def _prefill(sessions, ids: List[List[int]], chunk: int, mode: str) -> torch.Tensor:
+def _emit(g: Generation, toks: List[int], stops, budget: int, s) -> bool:
+    """Append a step's tokens; False when the prompt is done (a stop token, its budget or the context)."""
+    g.tokens += toks
+    if g.tokens[-1] in stops:
+        g.finish_reason = "stop"
+    elif len(g.tokens) >= budget or s.pos >= s.max_ctx:
+        g.finish_reason = "length"
+    else:
+        return True
+    return False
+
+
+def _prefill(sessions, ids: List[List[int]], chunk: int, mode: str, spec_history: bool = False) -> torch.Tensor:
     """Feed every prompt, ``chunk`` tokens of each per ``eval_batch`` call; logits fp32 [N, vocab] of
-    each prompt's last position."""
+    each prompt's last position. ``spec_history``: through :func:`ds4t.batch.speculative.prefill`,
+    which keeps the hiddens an MTP head drafts from."""
     last: List[Optional[torch.Tensor]] = [None] * len(ids)
     start = 0
     while True:
         rows = [i for i, p in enumerate(ids) if start < len(p)]
         if not rows:
             break
-        res = eval_batch([DecodeItem(sessions[i], ids[i][start:start + chunk]) for i in rows], mode=mode)
+        items = [DecodeItem(sessions[i], ids[i][start:start + chunk]) for i in rows]
+        logits = spec_prefill(items, mode=mode) if spec_history else eval_batch(items, mode=mode).logits
         for j, i in enumerate(rows):
             if start + chunk >= len(ids[i]):
-                last[i] = res.logits[j]
+                last[i] = logits[j]
         start += chunk
     return torch.stack(last)

@@ -146,3 +146,25 @@ def test_rows_past_a_native_window_run_ordered_with_the_same_tokens():
     prompts = [[3, 4], [9, 8, 7, 6, 5]]
     out = ds4t.generate(glm, prompts, max_new_tokens=3, mode="auto")
     assert [g.tokens for g in out] == [greedy_loop(glm, p, 3) for p in prompts]
+
+
+def test_mtp_generates_the_same_tokens():
+    """generate(mtp=k) is speculative decoding: the same tokens as plain generation, bit for bit
+    (greedy and seeded sampling, a stop token), with its drafts counted."""
+    m = ds4t.load("tiny-glm")
+    prompts = [[1, 2, 3], [7] * 5, [200, 100]]
+    kw = dict(max_new_tokens=[6, 9, 4], temperature=[0.0, 0.9, 0.5], seed=[1, 2, 3])
+    plain = ds4t.generate(m, prompts, **kw)
+    for k in (1, 3):
+        fast = ds4t.generate(m, prompts, mtp=k, **kw)
+        assert [g.tokens for g in fast] == [g.tokens for g in plain]
+        assert [g.finish_reason for g in fast] == [g.finish_reason for g in plain]
+        assert sum(g.drafted for g in fast) > 0
+    stop = plain[1].tokens[3]
+    a = ds4t.generate(m, prompts, stop_token_ids=[stop], **kw)
+    b = ds4t.generate(m, prompts, stop_token_ids=[stop], mtp=2, **kw)
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+    with pytest.raises(ValueError, match="no MTP head"):
+        ds4t.generate(ds4t.load("tiny-llama"), [[1]], mtp=2)
+    with pytest.raises(ValueError, match="mtp must be"):
+        ds4t.generate(m, [[1]], mtp=-1)

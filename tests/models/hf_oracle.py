@@ -1,6 +1,7 @@
 """Build tiny random HF checkpoints in a temp dir and run HF transformers as the oracle."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ds4t
@@ -77,3 +78,36 @@ def check_against_hf(model, hf, prompt, steps, tol):
     assert err_p < tol, f"prefill rel err {err_p:.2e}"
     assert err_d < tol, f"{steps} decode steps: rel err {err_d:.2e}"
     return err_p, err_d
+
+
+def check_mtp_loading(tmp_path, family_module, ref_logits):
+    """A checkpoint's MTP module: a partial one is a CheckpointError naming the missing tensor; with
+    the config declaring none its tensors are skipped with one warning; a whole one loads into
+    ``model.mtp`` without changing the main model's logits. ``tmp_path`` holds a saved checkpoint."""
+    import json
+    import warnings
+
+    from safetensors.torch import save_file
+
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    c = family_module.DeepseekConfig.from_dict(cfg) if hasattr(family_module, "DeepseekConfig") else \
+        family_module.GlmConfig.from_dict(cfg)
+    names = set(family_module.expected_tensors(c, mtp=True)) - set(family_module.expected_tensors(c, mtp=False))
+    shapes = family_module.expected_tensors(c, mtp=True)
+    g = torch.Generator().manual_seed(0)
+    full = {n: (torch.ones(shapes[n]) if len(shapes[n]) == 1 else 0.1 * torch.randn(shapes[n], generator=g))
+            for n in sorted(names)}
+    eh = next(n for n in names if n.endswith("eh_proj.weight"))
+    save_file({eh: full[eh]}, str(tmp_path / "model-mtp.safetensors"))
+    with pytest.raises(ds4t.CheckpointError, match="missing tensor 'model.layers"):
+        ds4t.load(str(tmp_path), dtype="fp32")
+    save_file(full, str(tmp_path / "model-mtp.safetensors"))
+    model = ds4t.load(str(tmp_path), dtype="fp32")
+    assert model.mtp is not None and model.mtp_state_prefix == f"layers.{c.num_layers}."
+    assert torch.equal(model.new_session(16).prefill([1, 2, 3]), ref_logits)
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        model = ds4t.load(str(tmp_path), dtype="fp32")
+    assert len([x for x in w if "multi-token-prediction" in str(x.message)]) == 1 and model.mtp is None
+    assert torch.equal(model.new_session(16).prefill([1, 2, 3]), ref_logits)

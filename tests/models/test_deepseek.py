@@ -8,7 +8,7 @@ import torch
 import ds4t
 from ds4t.backend import default_device
 from ds4t.kernels import router as router_mod
-from tests.models.hf_oracle import bias_tweak, check_against_hf, rel_err, save_tiny
+from tests.models.hf_oracle import bias_tweak, check_against_hf, check_mtp_loading, rel_err, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,31 +114,14 @@ def test_bf16_within_stated_bound(tmp_path):
     check_against_hf(model, hf.float(), list(range(5, 17)), 32, 5e-2)
 
 
-def test_mtp_layers_skipped_with_one_warning(tmp_path):
-    from safetensors.torch import save_file
+def test_mtp_module_loading(tmp_path):
+    from ds4t.models import deepseek
 
-    cfg = ds_config(num_hidden_layers=2)
-    save_tiny(transformers.DeepseekV3ForCausalLM, cfg, tmp_path, seed=6)
+    save_tiny(transformers.DeepseekV3ForCausalLM, ds_config(num_hidden_layers=2), tmp_path, seed=6)
     ref = ds4t.load(str(tmp_path), dtype="fp32").new_session(16).prefill([1, 2, 3])
-    g = torch.Generator().manual_seed(0)
-    save_file({"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=g),
-               "model.layers.2.enorm.weight": torch.randn(64, generator=g),
-               "model.layers.2.self_attn.kv_b_proj.weight": torch.randn(128, 16, generator=g)},
-              str(tmp_path / "model-mtp.safetensors"))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        model = ds4t.load(str(tmp_path), dtype="fp32")
-    mtp = [x for x in w if "multi-token-prediction" in str(x.message)]
-    assert len(mtp) == 1 and "3 multi-token-prediction" in str(mtp[0].message) and "layer(s) 2" in str(mtp[0].message)
-    assert torch.equal(model.new_session(16).prefill([1, 2, 3]), ref)
+    check_mtp_loading(tmp_path, deepseek, ref)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_type 'linear'"),
-    (dict(n_routed_experts=6, n_group=4), "n_routed_experts 6 is not a positive multiple of n_group 4"),
-    (dict(topk_group=3), "topk_group 3 outside"),
-    (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
-])
 def test_config_errors_are_clear(bad, match):
     from ds4t.models.deepseek import DeepseekConfig
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ds4t
-from tests.models.hf_oracle import bias_tweak, check_against_hf, save_tiny
+from tests.models.hf_oracle import bias_tweak, check_against_hf, check_mtp_loading, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,17 +54,12 @@ def test_bf16_within_stated_bound(tmp_path):
     check_against_hf(model, hf.float(), list(range(5, 17)), 16, 5e-2)
 
 
-def test_mtp_layers_skipped_with_one_warning(tmp_path):
-    from safetensors.torch import save_file
+def test_mtp_module_loading(tmp_path):
+    from ds4t.models import glm
 
     save_tiny(transformers.Glm4MoeForCausalLM, glm_config(num_hidden_layers=2), tmp_path, seed=6)
     ref = ds4t.load(str(tmp_path), dtype="fp32").new_session(16).prefill([1, 2, 3])
-    save_file({"model.layers.2.eh_proj.weight": torch.randn(64, 128)}, str(tmp_path / "model-mtp.safetensors"))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        model = ds4t.load(str(tmp_path), dtype="fp32")
-    assert len([x for x in w if "multi-token-prediction" in str(x.message)]) == 1
-    assert torch.equal(model.new_session(16).prefill([1, 2, 3]), ref)
+    check_mtp_loading(tmp_path, glm, ref)
 
 
 def test_config_errors_are_clear():
