@@ -69,7 +69,9 @@ def step_floor_bytes(model, n: int, ctx: int) -> dict:
     shared expert when it is stacked as expert E), and every session's state: the visible KV /
     latent cache read and one entry written, recurrent and conv states read and written.
     """
-    params = model.parameters()
+    # a plain decode step never reads the MTP head (parameters "mtp.*", state under mtp_state_prefix)
+    params = {k: v for k, v in model.parameters().items() if not k.startswith("mtp.")}
+    mtp_state = getattr(model, "mtp_state_prefix", None) or "\0"
     rc = getattr(model, "router_cfg", None)
     E = rc.num_experts if rc else 0
     dense = routed = 0.0
@@ -85,6 +87,8 @@ def step_floor_bytes(model, n: int, ctx: int) -> dict:
             dense += b
     state = 0
     for name, spec in model.pool.specs.items():
+        if name.startswith(mtp_state):
+            continue
         per = torch.Size(spec.concrete(1)).numel() * spec.dtype.itemsize
         state += n * per * ((ctx + 1) if spec.has_ctx else 2)
     return {"dense": dense, "routed": routed, "state": state, "total": dense + routed + state}
