@@ -228,7 +228,7 @@ class DeepseekModel(DecoderModel):
                 w_a=w_a, b_a=b_a, q_a_norm=q_a_norm, w_qb=w_qb, kv_a_norm=kv_a_norm,
                 w_uk_t=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv=kv_b[:, dn:, :].contiguous(),
                 w_o=get(a + "o_proj.weight"), b_o=get(a + "o_proj.bias", f32) if c.attention_bias else None)
-            self.layers.append(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
+            self._add_layer(Layer(mixer, c.ffn.load(get, p + "mlp.", i)))
         get.finish()
         warn_mtp_skipped(get, mtp)
         self.router_cfg = c.ffn.router

@@ -119,7 +119,7 @@ class GlmModel(GQAMixer, DecoderModel):
         self._load_stack(get)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i)))
+            self._add_layer(Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i)))
         get.finish()
         warn_mtp_skipped(get, mtp)
         self.router_cfg = c.ffn.router

@@ -244,7 +244,7 @@ class QwenModel(DecoderModel):
             else:
                 mlp = DenseMLP(weights.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
                                get(m + "down_proj.weight"))
-            self.layers.append(Layer(mixer, mlp))
+            self._add_layer(Layer(mixer, mlp))
         get.finish()
         self.router_cfg = RouterConfig("softmax", c.num_experts, c.top_k, c.norm_topk_prob)
         self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
