@@ -33,9 +33,9 @@ def _worker(rank: int, size: int, port: int, jobs, results) -> None:
             job = jobs.get()
             if job is None:
                 break
-            fn, args = job
+            fn, args, kwargs = job
             try:
-                results.put((rank, True, fn(*args)))
+                results.put((rank, True, fn(*args, **kwargs)))
             except BaseException:  # noqa: BLE001 - sent back to the caller
                 results.put((rank, False, traceback.format_exc()))
     finally:
@@ -58,10 +58,11 @@ class RankPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn: Callable, *args) -> List[Any]:
-        """``fn(*args)`` on every rank; [result of rank 0, ..., rank K-1]. RankError if any rank raised."""
+    def run(self, fn: Callable, *args, **kwargs) -> List[Any]:
+        """``fn(*args, **kwargs)`` on every rank; [result of rank 0, ..., rank K-1]. RankError if any rank
+        raised."""
         for q in self.jobs:
-            q.put((fn, args))
+            q.put((fn, args, kwargs))
         out: List[Any] = [None] * self.size
         errors = []
         for _ in range(self.size):
