@@ -83,3 +83,31 @@ def test_experts_split_across_ranks(ranks):
     assert p0["layers.1.ffn.shared_gate_up"] == (32, 64)     # the shared expert split: 2 x 16 rows
     assert p0["embed"] == (128, 64) and p0["lm_head"] == (128, 64)   # vocabulary rows
     assert p0.keys() == p1.keys()
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen_dir(tmp_path_factory):
+    """tiny-qwen as an HF checkpoint directory whose quantization_config has 16 x 16 blocks, so that
+    ``quantize="fp8"`` gives FP8 weights a tp = 2 shard can cut on block boundaries."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ds4t.models.registry import preset_source
+
+    cfg, src = preset_source("tiny-qwen")
+    d = tmp_path_factory.mktemp("fp8-qwen")
+    save_file({k: src.get(k) for k in src.keys()}, str(d / "model.safetensors"))
+    cfg = dict(cfg, dtype="float32", quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                          "activation_scheme": "dynamic", "weight_block_size": [16, 16]})
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_fp8_weights_under_tp2(ranks, fp8_qwen_dir):
+    r0, r1 = ranks.run(jobs.tp_logits, fp8_qwen_dir, PROMPT, 2, quantize="fp8")
+    assert torch.equal(r0, r1)
+    ref = jobs.reference_logits(ds4t.load(fp8_qwen_dir, quantize="fp8"), PROMPT, 2)
+    assert ((r0 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    p = ranks.run(jobs.tp_parameters, fp8_qwen_dir, quantize="fp8")[0]
+    assert p["layers.0.mixer.w_out.data"] == (64, 32) and p["layers.0.mixer.w_out.scale"] == (64, 2)   # 16-col blocks
