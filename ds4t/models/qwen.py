@@ -358,6 +358,12 @@ def preset_config(name: str) -> dict:
             max_position_embeddings=262144, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
             tie_word_embeddings=False)
+    if name == "qwen3-next-80b":
+        # Qwen3-Next-80B-A3B at full depth in bf16 (~160 GB): more than one H200 holds; for tensor parallel
+        # (ds4t.load("qwen3-next-80b", tp=2): ~80 GB per GPU).
+        cfg = preset_config("qwen3-next-80b-4l")
+        cfg.update(num_hidden_layers=48, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12)
+        return cfg
     if name == "qwen3-next-80b-fp8":
         # Qwen3-Next-80B-A3B at full depth (48 layers: 12 x [3 Gated DeltaNet + 1 gated attention]) in
         # block-FP8 as the official -FP8 release stores it: random weights drawn on the device and

@@ -31,7 +31,8 @@ def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
 def _preset_configs() -> Dict[str, dict]:
     from ds4t.models import deepseek, glm, llama, qwen
 
-    out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l", "qwen3-next-80b-fp8")}
+    out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l", "qwen3-next-80b-fp8",
+                                                         "qwen3-next-80b")}
     for mod in (deepseek, glm, llama):
         for n in mod.PRESETS:
             out[n] = mod.preset_config(n)
