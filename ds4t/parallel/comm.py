@@ -89,10 +89,14 @@ def library_all_reduce(comm: Collectives, partial: torch.Tensor) -> torch.Tensor
 
 @contextlib.contextmanager
 def override_reduction(fn: Reduction):
-    """Use ``fn(comm, partial)`` for every partial-sum reduction in this process inside the block."""
+    """Use ``fn(comm, partial)`` for every partial-sum reduction in this process inside the block. CUDA
+    graphs are suspended meanwhile: a step captured before would replay the reduction it was captured with."""
+    from ds4t.batch.graphs import suspended
+
     _override.append(fn)
     try:
-        yield
+        with suspended():
+            yield
     finally:
         _override.remove(fn)
 
