@@ -136,8 +136,10 @@ def _load(args):
     if args.device is not None and args.device != kernel_device:
         raise UsageError(f"--device {args.device}: ds4t's kernels run on {kernel_device} on this machine"
                          + (" (no CUDA GPU found)" if kernel_device == "cpu" else ""))
+    tp = getattr(args, "tp", 1)
     try:
-        return ds4t.load(args.model, device=args.device, dtype=args.dtype, **dict(args.opt))
+        return ds4t.load(args.model, device=args.device, dtype=args.dtype, **dict(args.opt),
+                         **({"tp": tp} if tp > 1 else {}))
     except (ds4t.CheckpointError, TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -290,16 +292,20 @@ def cmd_exactness(args) -> int:
         return _exactness_mtp(args)
 
     from ds4t.backend import device_name
-    from ds4t.exactness.controls import KINDS, run_controls
+    from ds4t.exactness.controls import kinds_for, run_controls
     from ds4t.exactness.harness import Report, random_scenario, run_scenario
 
     model = _load(args)
-    print(f"ds4t exactness: {args.model} ({model.family}, {model.dtype}) on {device_name()}")
+    tp = getattr(model, "tp", None)
+    print(f"ds4t exactness: {args.model} ({model.family}, {model.dtype}) on {device_name()}"
+          + (f"; tensor parallel over {tp.size} ranks ({tp.backend}), rank 0 shown, exit code the worst rank's"
+             if tp is not None else ""))
+    kinds = kinds_for(model)
     rng = random.Random(args.seed)
     total = Report()
     rows = []
     control_steps = min(args.steps, 3)
-    bar = _progress(args, args.rounds * args.steps + args.negative_control * len(KINDS) * control_steps,
+    bar = _progress(args, args.rounds * args.steps + args.negative_control * len(kinds) * control_steps,
                     "exactness")
     for r in range(args.rounds):
         sc = random_scenario(rng, model.vocab_size, args.sessions, args.steps, max_prompt=args.max_prompt,
@@ -312,7 +318,7 @@ def cmd_exactness(args) -> int:
     if args.negative_control:
         sc = random_scenario(random.Random(args.seed + 1), model.vocab_size, max(2, min(args.sessions, 4)),
                              control_steps, max_prompt=8, max_ctx=64)
-        for kind in KINDS:   # one at a time, so the bar moves
+        for kind in kinds:   # one at a time, so the bar moves
             controls += run_controls(model, sc, mode=args.mode, kinds=(kind,))
             bar.update(control_steps)
     bar.close()
@@ -377,6 +383,24 @@ def cmd_diagnose(args) -> int:
     return 0 if d.first is None and d.logits_equal else 1
 
 
+def _on_ranks(run, args) -> int:
+    """``run(args)`` on every rank of ``--tp`` (ds4t.parallel.launch: spawned here, or torchrun's); the
+    worst exit code. Rank 0 prints; the others' output is dropped."""
+    from ds4t.parallel.launch import run_spmd
+
+    return run_spmd(_rank_main, args.tp, run.__name__, args)
+
+
+def _rank_main(name: str, args) -> int:
+    """One rank of ``_on_ranks`` (module level: spawned ranks import it by name)."""
+    import_user_modules(getattr(args, "imports", []))
+    try:
+        return globals()[name](args)
+    except UsageError as err:
+        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def import_user_modules(names) -> None:
     """``--import MODULE``: import each module (e.g. one calling ``ds4t.kernels.override``) before
     the command runs; the current directory is importable, as for ``python -m``."""
@@ -437,6 +461,12 @@ def main(argv=None) -> int:
                         help="model load option, e.g. native_path=ds4 (DeepSeek) or native_window=20 (GLM)")
         progress_arg(sp)
 
+    def tp_arg(sp):
+        sp.add_argument("--tp", type=_positive_int, default=1,
+                        help="tensor + expert parallel over this many ranks: starts them itself (one per GPU, "
+                             "nccl; gloo processes on the CPU), or joins those torchrun started; every rank "
+                             "runs the command on its shard and the exit code is the worst rank's")
+
     d = sub.add_parser("demo", parents=[user], help="batched vs ordered decode on a tiny model, with a bit-exactness check")
     model_args(d)
     d.add_argument("--sessions", type=_positive_int, default=8, help="resident sessions, decoded together")
@@ -444,6 +474,7 @@ def main(argv=None) -> int:
     d.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
                    help="also decode speculatively with K drafts per step from the model's MTP head: "
                         "acceptance, speed-up, and the tokens checked against the native run")
+    tp_arg(d)
 
     e = sub.add_parser("exactness", parents=[user], help="native vs ordered, bitwise, on random session mixes")
     model_args(e)
@@ -460,6 +491,7 @@ def main(argv=None) -> int:
     e.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
                    help="check speculative decoding instead: K drafts per step (the MTP head's, and replayed "
                         "ones with planted errors) against plain decoding -- tokens, logits, state -- bitwise")
+    tp_arg(e)
     g = sub.add_parser("diagnose", parents=[user],
                        help="one native step vs ordered, op call by op call: the first op whose rows differ")
     model_args(g)
@@ -474,6 +506,8 @@ def main(argv=None) -> int:
            "support": cmd_support, "serve": serve_cli.run}[args.cmd]
     try:
         import_user_modules(getattr(args, "imports", []))
+        if getattr(args, "tp", 1) > 1 and args.cmd != "serve":   # serve starts its ranks itself
+            return _on_ranks(run, args)
         return run(args)
     except UsageError as err:
         print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)

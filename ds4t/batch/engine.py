@@ -36,15 +36,22 @@ class BatchResult:
     elapsed_s: float = 0.0
 
 
-def run_segments(model, work: Sequence[Tuple[Session, List[int]]], all_logits: bool = False) -> torch.Tensor:
-    """One model.forward over (session, tokens) pairs; advances each session. A whole decode
-    batch on a GPU replays its captured CUDA graph (ds4t.batch.graphs)."""
-    segments = [(s.slot, toks, s.pos) for s, toks in work]
-    runner = graphs_for(model) if not all_logits and all(len(t) == 1 for _, t in work) else None
+def run_step(model, segments: Sequence[Tuple[int, List[int], int]], all_logits: bool = False) -> torch.Tensor:
+    """One model.forward over (slot, tokens, start position) segments, sessions aside: a whole decode
+    batch on a GPU replays its captured CUDA graph (ds4t.batch.graphs). A model with a ``step_hook``
+    (tensor parallel serving: ds4t.parallel.mirror) hears of the step first."""
+    hook = getattr(model, "step_hook", None)
+    if hook is not None:
+        hook(segments, all_logits)
+    runner = graphs_for(model) if not all_logits and all(len(t) == 1 for _, t, _ in segments) else None
     if runner is not None:
-        logits = runner.step(segments)
-    else:
-        logits = model.forward(StepBatch.build(segments, model.device, all_logits=all_logits))
+        return runner.step(segments)
+    return model.forward(StepBatch.build(segments, model.device, all_logits=all_logits))
+
+
+def run_segments(model, work: Sequence[Tuple[Session, List[int]]], all_logits: bool = False) -> torch.Tensor:
+    """:func:`run_step` over (session, tokens) pairs; advances each session."""
+    logits = run_step(model, [(s.slot, toks, s.pos) for s, toks in work], all_logits)
     for s, toks in work:
         s.pos += len(toks)
         s.tokens.extend(toks)

@@ -5,7 +5,8 @@ the (row, rank) pairs that chose it.
     e = expert[b, j]
 
 Shapes: h [B, D] (fp32; bf16/fp16 upcast), ids [B, k] int32/int64 in [0, E) (from
-:mod:`ds4t.kernels.router`; every pair must name a valid expert, none is skipped),
+:mod:`ds4t.kernels.router`), or -1: that pair is skipped and contributes exactly 0 whatever its weight
+(expert parallelism: a rank holds some of the experts, ``ds4t.parallel``),
 weights [B, k] fp32, w_gate / w_up [E, I, D], w_down [E, D, I] (fp32, bf16 or fp16, all one dtype;
 HF's fused ``gate_up_proj`` [E, 2I, D] splits into ``[:, :I]`` and ``[:, I:]`` views, which work as is).
 Ranks 0..k-1 are the routed pairs (ids, weights). With ``shared_expert=s`` every row has one more
@@ -101,7 +102,7 @@ def _moe_group_kernel(
         tl.store(order_ptr + at, p, mask=hit > 0)
         pos += tl.sum(hit, axis=0)
     if e == tl.num_programs(0) - 1:
-        tl.store(bounds_ptr + e + 1, P)
+        tl.store(bounds_ptr + e + 1, pos)   # pairs with a valid expert: skipped ones (-1) are never listed
 
 
 @triton.jit
@@ -254,9 +255,11 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_combine_kernel(
-    y_ptr, sy_p, w_ptr, sw_b, gate_ptr, sg_b, out_ptr, so_b, B, D,
+    y_ptr, sy_p, w_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED, out_ptr, so_b, B, D,
     KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
 ):
+    """out[b] = sum over ranks j in order of w[b, j] * y[b, j]; a skipped pair (expert -1) adds 0 and its
+    y row, never written, is not read."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
     rm = r < B
@@ -265,8 +268,9 @@ def _moe_combine_kernel(
     acc = tl.zeros([ROWS, BD], dtype=tl.float32)
     for j in tl.static_range(KT):
         wj = _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, r64, j, rm, KTOP, GATED)
-        yj = tl.load(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], mask=m2, other=0.0)
-        acc = acc + wj[:, None] * yj
+        ok = _pair_expert(ids_ptr, si_b, r64, j, rm, KTOP, SHARED) >= 0
+        yj = tl.load(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], mask=m2 & ok[:, None], other=0.0)
+        acc = acc + tl.where(ok, wj, 0.0)[:, None] * yj
     tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
 
 
@@ -420,7 +424,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed SwiGLU experts for B rows, each with its k (expert id, weight) pairs.
 
-    h [B, D], ids [B, k] int32/int64 in [0, E), weights [B, k] fp32, w_gate/w_up [E, I, D],
+    h [B, D], ids [B, k] int32/int64 in [0, E) or -1 (the pair is skipped: it adds exactly 0),
+    weights [B, k] fp32, w_gate/w_up [E, I, D],
     w_down [E, D, I]. ``shared_expert`` (an expert index) adds rank k to every row, weighted by
     sigmoid(``shared_gate`` fp32 [B]) or by 1 (k may then be 0). Returns fp32 [B, D] (``out`` if
     given). See the module docstring.
@@ -516,7 +521,7 @@ def moe_experts(
     cfg = MOE_COMBINE_CONFIGS(D)
     ROWS, BD = cfg.rows, cfg.block_d
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
-        y, y.stride(0), weights, weights.stride(0), gate, sg, out, out.stride(0), B, D,
+        y, y.stride(0), weights, weights.stride(0), gate, sg, ids, ids.stride(0), SHARED, out, out.stride(0), B, D,
         KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD,
     )
     return out
@@ -542,12 +547,13 @@ def moe_experts_ref(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None
     res = torch.zeros((B, w_gate.shape[2]), dtype=torch.float32, device=h.device)
     idx = ids.long()
     for j in range(k):
-        e = idx[:, j]
+        ok = idx[:, j] >= 0   # -1: a skipped pair (an expert another rank holds) adds 0
+        e = idx[:, j].clamp(min=0)
         g = torch.einsum("bd,bid->bi", x, w_gate[e].float())
         u = torch.einsum("bd,bid->bi", x, w_up[e].float())
         a = (F.silu(g) * u).to(wdt).float()
         yj = torch.einsum("bi,bdi->bd", a, w_down[e].float())
-        res = res + weights[:, j].float()[:, None] * yj
+        res = res + torch.where(ok[:, None], weights[:, j].float()[:, None] * yj, 0.0)
     if out is not None:
         out.copy_(res)
         return out

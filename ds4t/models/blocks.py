@@ -53,6 +53,9 @@ class MoEWeights:
     shared_gated: bool = False                       # sigmoid(router row E) scales the shared expert
     correction_bias: Optional[torch.Tensor] = None  # [E] fp32, sigmoid routers only
     shared_index: Optional[int] = None  # set by fuse_shared_expert: the shared expert is expert E
+    expert_range: Optional[Tuple[int, int]] = None
+    """Expert parallel (:mod:`ds4t.parallel`): this rank holds routed experts [lo, hi) of the router's E,
+    stacked as local experts 0 .. hi - lo; None: all E."""
 
     def routed_only(self) -> "MoEWeights":
         """The routed experts alone, for a caller that runs the shared expert itself: the same
@@ -121,6 +124,8 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
             scores, w.correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.renormalize, rc.scaling)
     else:
         raise ValueError(f"unknown router kind {rc.kind!r}")
+    if w.expert_range is not None:
+        ids = local_expert_ids(ids, *w.expert_range)
     # A fused shared expert is the kernel's extra last rank (weight sigmoid(its router row), or 1).
     out = ops.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index,
                           shared_gate=logits[:, e] if w.shared_index is not None and w.shared_gated else None)
@@ -131,6 +136,13 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
             shared = ops.sigmoid_mul(shared, gate)
         out = ops.add(out, shared)
     return out
+
+
+def local_expert_ids(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Router choices ids [R, k] (global expert ids) as ids of the experts [lo, hi) this rank holds
+    (``id - lo``), and -1 for the others, which the expert kernel skips (they add exactly 0 here; the
+    rank holding them adds them). Same dtype, no host sync."""
+    return torch.where((ids >= lo) & (ids < hi), ids - lo, torch.full_like(ids, -1))
 
 
 def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down_proj")):

@@ -33,6 +33,10 @@ def stack_tensors(c) -> Dict[str, tuple]:
 
 class DecoderModel(Model):
     zero_centered_norms: bool = False  # Qwen3-Next: x̂·(1+w)
+    tp = None
+    """Tensor parallel (``ds4t.load(..., tp=K)``): a :class:`ds4t.parallel.runtime.TensorParallel`; this
+    rank then holds its shard of every layer (heads, MLP columns, experts, vocabulary rows), the mixer
+    and FFN outputs are partial sums reduced batch-invariantly, and the logits are gathered whole."""
 
     # set by the family
     embed: torch.Tensor
@@ -56,13 +60,30 @@ class DecoderModel(Model):
         """Embedding, LM head (or the tied embedding), final norm and every layer's two norms
         (norms in fp32) through the family's WeightReader ``get``."""
         f32 = torch.float32
+        self.tp = getattr(get.source, "tp", None)   # load(tp=K) puts it on the source
+        if self.tp is not None:
+            self.tp.check_config(self.cfg)          # a tp the heads cannot take fails before any read
         self.embed = get("model.embed_tokens.weight")
         self.lm_head = self.embed if self.cfg.tie_embeddings else get("lm_head.weight")
+        if self.tp is not None:
+            self.embed, self.lm_head = self.tp.shard_vocab(self.embed, self.lm_head)
         self.final_norm = get("model.norm.weight", f32)
         self.input_norms = [get(f"model.layers.{i}.input_layernorm.weight", f32) for i in range(self.num_layers)]
         self.post_norms = [get(f"model.layers.{i}.post_attention_layernorm.weight", f32)
                            for i in range(self.num_layers)]
         self.layers = []
+
+    def _add_layer(self, layer: Layer) -> None:
+        """Append layer i's weights, or under tensor parallel this rank's shard of them (as each layer
+        loads, so a rank never holds more than its shard plus one full layer)."""
+        if self.tp is not None:
+            layer = self.tp.shard_layer(layer, self.cfg, len(self.layers))
+        self.layers.append(layer)
+
+    def __init__(self):
+        if self.tp is not None:   # the mixers and the state specs see this rank's heads
+            self.cfg = self.tp.local_config(self.cfg)
+        super().__init__()
 
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -74,21 +95,26 @@ class DecoderModel(Model):
         """Logits fp32 [len(out_rows), vocab]. With ``batch.hidden_rows`` set, ``batch.hidden`` gets the
         final-norm output (the LM head's input) of those rows, fp32 [len(hidden_rows), D]: what an MTP
         head reads."""
-        zc = self.zero_centered_norms
-        h = ops.embedding(batch.tokens, self.embed)
+        zc, tp = self.zero_centered_norms, self.tp
+        h = ops.embedding(batch.tokens, self.embed) if tp is None else tp.embedding(batch.tokens, self.embed)
         x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc)
         res = h
         for i in range(self.num_layers):
             out = self.mixer(i, x, batch)
+            if tp is not None:
+                out = tp.reduce(out)
             x, res = ops.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc)
             out = self.ffn(i, x, batch)
+            if tp is not None:
+                out = tp.reduce(out)
             nxt = self.input_norms[i + 1] if i + 1 < self.num_layers else self.final_norm
             x, res = ops.add_rms_norm(out, res, nxt, self.eps, zero_centered=zc)
         if batch.hidden_rows is not None:
             batch.hidden = x.index_select(0, batch.hidden_rows)
         if batch.out_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.out_rows)
-        return ops.linear(x, self.lm_head)
+        logits = ops.linear(x, self.lm_head)
+        return logits if tp is None else tp.logits(logits, self.vocab_size)
 
     def mtp_forward(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head on a step batch: row r pairs ``hidden[r]`` (fp32 [R, D]: the main model's
@@ -98,7 +124,8 @@ class DecoderModel(Model):
         gets every row's hidden to chain from (:attr:`MTPWeights.chain_normed` says which)."""
         m = self.mtp
         if m is None:
-            raise ValueError(f"model {self.name!r} has no MTP head (the checkpoint holds no MTP weights)")
+            raise ValueError(f"model {self.name!r} has no MTP head (the checkpoint holds no MTP weights, or "
+                             "it was loaded with tp > 1, which does not load MTP heads yet)")
         zc, eps, L = self.zero_centered_norms, self.eps, self.num_layers
         e = ops.rms_norm(ops.embedding(batch.tokens, m.embed), m.enorm, eps, zero_centered=zc)
         hh = ops.rms_norm(hidden, m.hnorm, eps, zero_centered=zc)

@@ -209,7 +209,7 @@ class DeepseekModel(DecoderModel):
         self.native_path = native_path
         self._init_stack(c, name, device, dtype)
         names = MTPNames.nextn(c.num_layers)
-        with_mtp = c.mtp_layers > 0 and names.present(source)
+        with_mtp = names.wanted(source, c.mtp_layers)
         skipped = tuple(p for p in mtp_layer_prefixes(source, c.num_layers)
                         if not (with_mtp and p == names.layer_prefix))
         get = WeightReader(source, expected_tensors(c, mtp=with_mtp, source=source), self.device, dtype,
@@ -217,7 +217,7 @@ class DeepseekModel(DecoderModel):
                            progress=progress)
         self._load_stack(get)
         for i in range(c.num_layers):
-            self.layers.append(self._load_layer(get, f"model.layers.{i}.", i))
+            self._add_layer(self._load_layer(get, f"model.layers.{i}.", i))
         if with_mtp:
             load_mtp(self, get, names, lambda p: self._load_layer(get, p, c.num_layers))
         get.finish()

@@ -125,7 +125,7 @@ class GlmModel(GQAMixer, DecoderModel):
         self.native_window = native_window
         self._init_stack(c, name, device, dtype)
         names = MTPNames.nextn(c.num_layers)
-        with_mtp = c.mtp_layers > 0 and names.present(source)
+        with_mtp = names.wanted(source, c.mtp_layers)
         skipped = tuple(p for p in mtp_layer_prefixes(source, c.num_layers)
                         if not (with_mtp and p == names.layer_prefix))
         get = WeightReader(source, expected_tensors(c, mtp=with_mtp, source=source), self.device, dtype,
@@ -137,7 +137,7 @@ class GlmModel(GQAMixer, DecoderModel):
             return Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i))
 
         for i in range(c.num_layers):
-            self.layers.append(load_layer(f"model.layers.{i}.", i))
+            self._add_layer(load_layer(f"model.layers.{i}.", i))
         if with_mtp:
             load_mtp(self, get, names, lambda p: load_layer(p, c.num_layers))
         get.finish()

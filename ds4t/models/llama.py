@@ -144,7 +144,7 @@ class LlamaModel(GQAMixer, DecoderModel):
             p = f"model.layers.{i}."
             mlp = DenseMLP(weights.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                            get(p + "mlp.down_proj.weight"))
-            self.layers.append(Layer(c.attn.load(get, p + "self_attn."), mlp))
+            self._add_layer(Layer(c.attn.load(get, p + "self_attn."), mlp))
         get.finish()
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope).to(self.device)
         super().__init__()

@@ -73,6 +73,12 @@ class MTPNames:
         """The checkpoint holds this MTP head (its ``eh_proj``; a partial head fails the load later)."""
         return self.eh_proj in source
 
+    def wanted(self, source, declared: int) -> bool:
+        """Load the head: the config declares one, the checkpoint holds it, and the load is not
+        tensor-parallel (MTP heads are not sharded yet: under ``tp`` their tensors are skipped with a
+        warning and speculative decoding needs given drafts)."""
+        return declared > 0 and self.present(source) and getattr(source, "tp", None) is None
+
     def tensors(self, D: int, V: int, source=None) -> Dict[str, tuple]:
         """Names and shapes of the head besides its decoder layer; the optional own head / embedding
         only where ``source`` holds them (presets: never)."""

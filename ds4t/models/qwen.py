@@ -221,13 +221,13 @@ class QwenModel(DecoderModel):
         c = QwenConfig.from_dict(cfg)
         self._init_stack(c, name, device, dtype)
         names = MTPNames.qwen3_next()
-        with_mtp = c.mtp_layers > 0 and names.present(source)
+        with_mtp = names.wanted(source, c.mtp_layers)
         expected = expected_tensors(c, mtp=with_mtp, source=source)
         get = WeightReader(source, expected, self.device, dtype, ignore_prefixes=() if with_mtp else ("mtp.",),
                            progress=progress)
         self._load_stack(get)
         for i in range(c.num_layers):
-            self.layers.append(self._load_layer(get, f"model.layers.{i}.", i))
+            self._add_layer(self._load_layer(get, f"model.layers.{i}.", i))
         if with_mtp:
             load_mtp(self, get, names, lambda p: self._load_layer(get, p, c.num_layers))
         get.finish()
@@ -409,6 +409,12 @@ def preset_config(name: str) -> dict:
             max_position_embeddings=262144, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
             tie_word_embeddings=False, mtp_num_hidden_layers=1)
+    if name == "qwen3-next-80b":
+        # Qwen3-Next-80B-A3B at full depth in bf16 (~160 GB): more than one H200 holds; for tensor parallel
+        # (ds4t.load("qwen3-next-80b", tp=2): ~80 GB per GPU).
+        cfg = preset_config("qwen3-next-80b-4l")
+        cfg.update(num_hidden_layers=48, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12)
+        return cfg
     if name == "qwen3-next-80b-fp8":
         # Qwen3-Next-80B-A3B at full depth (48 layers: 12 x [3 Gated DeltaNet + 1 gated attention]) in
         # block-FP8 as the official -FP8 release stores it: random weights drawn on the device and

@@ -31,7 +31,8 @@ def _families() -> Dict[str, Tuple[type, Callable, Callable, Callable]]:
 def _preset_configs() -> Dict[str, dict]:
     from ds4t.models import deepseek, glm, llama, qwen
 
-    out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l", "qwen3-next-80b-fp8")}
+    out = {n: qwen.preset_config(n) for n in ("tiny-qwen", "qwen3-next-80b-4l", "qwen3-next-80b-fp8",
+                                                         "qwen3-next-80b")}
     for mod in (deepseek, glm, llama):
         for n in mod.PRESETS:
             out[n] = mod.preset_config(n)
@@ -53,7 +54,7 @@ def preset_source(name: str, seed: int = 0):
 
 
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
-         quantize: Optional[str] = None, **options):
+         quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
     writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
     :mod:`ds4t.models.gguf`: architectures llama and qwen3, quantized types dequantized at load,
@@ -70,8 +71,17 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
     weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``).
     A preset whose config carries a quantization_config (``qwen3-next-80b-fp8``) is quantized at load.
+    tp: tensor + expert parallel over the ranks of the initialised torch.distributed group ``tp_group``
+    (default: the world, which must have ``tp`` ranks): this rank loads its shard (:mod:`ds4t.parallel`;
+    ``device`` "cuda" is this rank's current CUDA device). Every rank must then run the same calls.
     """
     device = torch.device(device) if device is not None else default_device()
+    tp_runtime = None
+    if tp is not None:
+        from ds4t.parallel.runtime import TensorParallel
+
+        tp_runtime = TensorParallel.create(tp, tp_group, device)
+        device = tp_runtime.device
     dtype = parse_dtype(dtype)
     text_meta = None   # GGUF: chat template and special tokens from its metadata (ds4t.text reads them)
     families = _families()
@@ -113,6 +123,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
+    source.tp = tp_runtime
     source.fp8 = parse_quantization(cfg)
     source.quantize = quantize_option(quantize, cfg)
     if path_or_preset in configs and source.fp8 is not None:

@@ -127,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eval_batch mode: auto (native where the model allows) or ordered (each session "
                         "alone, for comparison)")
     p.add_argument("--plan-only", action="store_true", help="print the memory plan and exit (0: fits, 2: does not)")
+    p.add_argument("--tp", type=pos, default=1, metavar="K",
+                   help="tensor + expert parallel over K ranks (started here, one per GPU; or torchrun's): rank 0 "
+                        "serves HTTP, the others replay its steps on their shards; the memory plan is per rank")
 
 
 def build(args, model=None):
@@ -167,13 +170,46 @@ def build(args, model=None):
 
 
 def run(args) -> int:
+    if getattr(args, "tp", 1) > 1:
+        if args.kv_cache_dir:
+            raise SystemExit("ds4t serve: --kv-cache-dir is not supported with --tp yet (a rank's saved state "
+                             "is its shard only)")
+        from ds4t.parallel.launch import run_spmd
+
+        return run_spmd(serve_rank, args.tp, args)
+    return _serve(args)
+
+
+def serve_rank(args) -> int:
+    """One rank of ``ds4t serve --tp K``: rank 0 serves (:class:`ds4t.parallel.mirror.Leader`), the
+    others follow its steps."""
+    import torch.distributed as dist
+
+    import ds4t
+    from ds4t.parallel.mirror import Leader, follow
+
+    try:
+        model = ds4t.load(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    except (ds4t.CheckpointError, ValueError, KeyError, OSError) as e:
+        raise SystemExit(f"ds4t serve: cannot load {args.model!r} with --tp {args.tp}: {e}") from None
+    ctrl = dist.new_group(backend="gloo")   # the step list travels as CPU objects
+    if dist.get_rank() != 0:
+        return follow(model, ctrl)
+    leader = Leader(model, ctrl)
+    try:
+        return _serve(args, model)
+    finally:
+        leader.stop()
+
+
+def _serve(args, model=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
     from ds4t.backend import device_name
 
     print(f"ds4t serve: loading {args.model} ...", flush=True)
-    server, p = build(args)
+    server, p = build(args, model)
     print(p.format(), flush=True)
     if server is None:
         if not p.fits:

@@ -148,6 +148,30 @@ def test_moe_bad_shapes():
         moe_experts(h, ids[:, :0], w[:, :0], wg, wu, wd)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_skipped_pairs_add_exactly_zero(path, shared):
+    """Expert parallel: ids -1 (experts another rank holds) are skipped whatever their weight; the
+    row equals the same row with only its valid ranks, and rows with no valid rank are 0 (or the
+    shared expert alone). The output is poisoned, y of a skipped pair is never written."""
+    E, I, D, B = 6, 40, 48, 5
+    wg, wu, wd = _weights(E, I, D, torch.float32, 11)
+    h = torch.randn(B, D, generator=gen(12))
+    ids = torch.tensor([[2, -1, 4], [-1, -1, -1], [5, 0, -1], [-1, 3, 3], [1, 2, 3]], dtype=torch.int32)
+    w = torch.rand(B, 3, generator=gen(13)) + 0.5       # weights on skipped pairs are ignored
+    kw = dict(shared_expert=E - 1) if shared else {}
+    res = moe_experts(h, ids, w, wg, wu, wd, out=poisoned((B, D)), **kw)
+    zeroed = torch.where(ids >= 0, w, torch.zeros_like(w))
+    same = moe_experts(h, ids.clamp(min=0), zeroed, wg, wu, wd, **kw)   # the valid pairs, the rest weight 0
+    assert torch.equal(res, same)
+    if not shared:
+        assert torch.equal(res[1], torch.zeros(D))
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, **kw)
+    torch.testing.assert_close(res, ref, rtol=2e-6, atol=2e-6)
+    for b in range(B):   # row invariance holds with skipped pairs
+        assert torch.equal(res[b], moe_experts(h[b:b + 1], ids[b:b + 1], w[b:b + 1], wg, wu, wd, **kw)[0])
+
+
+
 # ----------------------------------------------------------------------------- shared expert rank
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -52,8 +52,10 @@ def _moe_rows_kernel(
     dd = tl.arange(0, BD)
     r2 = r64[:, None]
     live = (j < KT) & (r2 >= 0)                                          # [ROWS, KP]
-    e = tl.maximum(_pair_expert(ids_ptr, si_b, r2, j, live, KTOP, SHARED), 0).to(tl.int64)
+    e_raw = _pair_expert(ids_ptr, si_b, r2, j, live, KTOP, SHARED)
+    e = tl.maximum(e_raw, 0).to(tl.int64)
     wj = _pair_weight(wts_ptr, swt_b, gate_ptr, sg_b, r2, j, live, KTOP, GATED)
+    wj = tl.where(e_raw >= 0, wj, 0.0)   # a skipped pair (expert -1) computes expert 0 and adds 0 * y
     e4 = e[:, :, None, None]
     g_ptrs = (e4 * sw_e + (kk * sw_k)[None, None, :, None]) + (ii * sw_n)[None, None, None, :]   # [ROWS, KP, BK, BI]
     d_ptrs = (e4 * sd_e + (ii * sd_k)[None, None, :, None]) + (dd * sd_n)[None, None, None, :]   # [ROWS, KP, BI, BD]

@@ -1,0 +1,296 @@
+"""Tensor + expert parallel on two GPUs of one host, in one call (issue 16): exactness, TP = 1 against
+TP = 2 decode steps with the time in collectives apart, and Qwen3-Next-80B-A3B at full depth in bf16.
+
+Launch (NVLink multicast off, one process per GPU):
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tp.py --out $OUT
+
+For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers in bf16, ~80 GB per GPU):
+  1. exactness under TP = 2 on the GPUs: the harness (native vs ordered, torch.equal on every row's
+     logits and every state tensor of this rank's shard) on a random session mix with prompts fed as
+     chunks, its negative controls (1-ulp, batch-dependent linear, size-dependent reduction), and CUDA
+     graph replay == eager (graphs captured per rank, the collectives inside them); every rank's
+     verdict, all must pass; every rank ends with the same logits;
+  2. TP = 2 against TP = 1 (4-layer presets; TP = 1 runs on rank 0 alone): max relative logit error on
+     a prompt and greedy steps (another sum order: close, not equal);
+  3. decode step at N = 1, 16, 64 (``--ns``) sessions at ``--ctx`` tokens of synthetic context: TP = 2
+     with CUDA graphs, TP = 2 eager with the time in collectives (CUDA events around each all-gather +
+     sum), and TP = 1 with graphs; against the bytes floor per GPU (this rank's weights once, the
+     distinct local experts N tokens touch, its state shard) over the measured copy bandwidth.
+
+A time budget (``--budget-s``, default 420) skips what is left once spent (rank 0 decides, all follow).
+Full results in ``$OUT/tp.md`` and ``$OUT/tp.jsonl``; the short table is printed last.
+CPU smoke run of the script (gloo, tiny presets, wall clock):
+    torchrun --nproc-per-node 2 bench/bench_tp.py --device cpu --models tiny-qwen --ns 1,2 --ctx 8 --iters 2
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ds4t  # noqa: E402
+from bench.bench_decode import copy_bandwidth, graph_exactness, step_floor_bytes  # noqa: E402
+from bench.bench_fp8 import median_ms, synthetic_sessions, time_native  # noqa: E402
+from ds4t.exactness.controls import kinds_for, run_controls  # noqa: E402
+from ds4t.exactness.harness import random_scenario, run_scenario  # noqa: E402
+from ds4t.testing.parallel import reference_logits  # noqa: E402
+
+DEFAULT_MODELS = "qwen3-next-80b-4l,qwen3-next-80b,glm-4.5-4l,deepseek-v3-4l"
+PROMPT = [(7 * i + 3) % 256 for i in range(32)]
+
+
+class Run:
+    """This rank's place, the log (rank 0 writes), the budget and the agreement between ranks."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.cuda = args.device == "cuda"
+        self.t0 = time.time()
+        self.lines, self.rows = [], []
+
+    def log(self, s: str = "") -> None:
+        if self.rank == 0:
+            print(s, flush=True)
+            self.lines.append(s)
+
+    def _tensor(self, v: float) -> torch.Tensor:
+        return torch.tensor([float(v)], device="cuda" if self.cuda else "cpu")
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (decisions that steer collectives must be the same)."""
+        t = self._tensor(flag)
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    def all_ok(self, ok: bool) -> bool:
+        t = self._tensor(ok)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)   # 0/1 flags: any order gives the same answer
+        return bool(t.item())
+
+    def time_left(self) -> bool:
+        return self.agree(time.time() - self.t0 < self.args.budget_s)
+
+    def sync(self, m=None) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def tp_floor_bytes(model, n: int, ctx: int) -> float:
+    """Bytes one native decode step of n sessions must move on this rank: its weights once (the local
+    routed experts: the expected number N tokens touch, E_local (1 - (1 - k/E)^N) under uniform top-k
+    routing), its share of the looked-up embedding rows, its state shard read and written."""
+    rc = getattr(model, "router_cfg", None)
+    E, k = (rc.num_experts, rc.top_k) if rc else (0, 0)
+    total = 0.0
+    for name, t in model.parameters().items():
+        b = t.numel() * t.element_size()
+        leaf = name.split(".")   # layers.{i}.ffn.w_gate (an FP8 stack: .data / .scale)
+        if name == "embed" and "lm_head" in model.parameters():
+            total += n / model.tp.size * t.shape[1] * t.element_size()
+        elif E and len(leaf) >= 4 and leaf[2] == "ffn" and leaf[3] in ("w_gate", "w_up", "w_down"):
+            total += b * (1 - (1 - k / E) ** n)   # each local expert is touched with this probability
+        else:
+            total += b
+    for spec in model.pool.specs.values():
+        per = torch.Size(spec.concrete(1)).numel() * spec.dtype.itemsize
+        total += n * per * ((ctx + 1) if spec.has_ctx else 2)
+    return total
+
+
+def eager_with_collectives(model, n: int, ctx: int, iters: int, run: Run):
+    """(median eager step ms, collective ms per step, collective calls per step) of n sessions."""
+    model.cuda_graphs = False
+    timer = model.tp.time_collectives()
+    sessions, toks = synthetic_sessions(model, n, ctx, iters + 16, seed=n)
+
+    def step():
+        ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode="native")
+
+    try:
+        for _ in range(2):
+            step()
+        run.sync()
+        timer.reset()
+        ms = median_ms(step, iters, 0, model.device)
+        coll = timer.ms() / iters
+        calls = timer.calls / iters
+    finally:
+        model.tp.comm.timer = None
+        model.cuda_graphs = True
+        for s in sessions:
+            s.close()
+    return ms, coll, calls
+
+
+def exactness_tp(model, run: Run) -> bool:
+    a = run.args
+    rng = random.Random(1)
+    sc = random_scenario(rng, model.vocab_size, a.exact_sessions, a.exact_steps, max_prompt=64,
+                         max_ctx=64 + a.exact_steps + 8)
+    rep = run_scenario(model, sc, mode="native")
+    csc = random_scenario(random.Random(7), model.vocab_size, 4, 2, max_prompt=16, max_ctx=40)
+    controls = run_controls(model, csc, mode="native", kinds=kinds_for(model))
+    graphs = graph_exactness(model) if run.cuda else True
+    ok_here = rep.ok and graphs and all(c.caught for c in controls)
+    ok = run.all_ok(ok_here)
+    run.log("| check | rows | states | mismatches | paths |")
+    run.log("|---|---|---|---|---|")
+    run.log(f"| harness native vs ordered (rank 0's shard) | {rep.rows} | {rep.states} | {rep.mismatches} | {rep.paths} |")
+    run.log(f"| CUDA graph replay == eager (per rank) | - | - | {0 if graphs else 'DIFFER'} | native |")
+    for c in controls:
+        run.log(f"| control: {c.kind} | {c.report.rows} | {c.report.states} | {c.report.mismatches} | {c.verdict} |")
+    run.log(f"\nexactness under TP={run.size}, all ranks: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def bench_preset(name: str, run: Run, bw: float) -> bool:
+    a = run.args
+    run.log(f"\n## {name}\n")
+    meta = ds4t.load(name, device="meta")
+    full_bytes = meta.weight_bytes()
+    del meta
+    cap = torch.cuda.get_device_properties(0).total_memory if run.cuda else float("inf")
+    tp1 = run.agree(full_bytes < 0.8 * cap and not a.no_tp1)
+    free0 = torch.cuda.mem_get_info()[0] if run.cuda else 0
+    t = time.time()
+    m = ds4t.load(name, device=a.device, tp=run.size)
+    run.sync()
+    load_s = time.time() - t
+    used = (free0 - torch.cuda.mem_get_info()[0]) / 2**30 if run.cuda else float("nan")
+    run.log(f"TP={run.size} loaded in {load_s:.0f} s: {m!r}")
+    run.log(f"weights {full_bytes / 1e9:.1f} GB in all; this rank's shard {m.weight_bytes() / 1e9:.1f} GB "
+            f"(GPU memory taken by the load {used:.1f} GiB)\n")
+    ok = exactness_tp(m, run)
+    logits2 = reference_logits(m, PROMPT, 4)
+    same = run.all_ok(bool(torch.equal(logits2, _from_rank0(logits2, run))))
+    run.log(f"every rank ends with the same logits: {'yes' if same else 'NO'}")
+    ok &= same
+    results = {}
+    run.log(f"\n### Decode step, TP={run.size}, {a.ctx} tokens of context (median of {a.iters})\n")
+    run.log("| N | graphs ms | eager ms | collectives ms (eager) | calls/step | floor/GPU ms | floor / graphs | tok/s |")
+    run.log("|---|---|---|---|---|---|---|---|")
+    for n in a.ns:
+        if not run.time_left():
+            run.log(f"| {n} | skipped: time budget | | | | | | |")
+            continue
+        g_ms = time_native(m, n, a.ctx, a.iters)
+        e_ms, c_ms, calls = eager_with_collectives(m, n, a.ctx, a.iters, run)
+        floor = tp_floor_bytes(m, n, a.ctx) / bw * 1e3
+        results[n] = dict(model=name, n=n, ctx=a.ctx, tp=run.size, graphs_ms=g_ms, eager_ms=e_ms, coll_ms=c_ms,
+                          coll_calls=calls, floor_ms=floor, load_s=load_s, exact=ok)
+        run.log(f"| {n} | {g_ms:.2f} | {e_ms:.2f} | {c_ms:.2f} ({100 * c_ms / e_ms:.0f}%) | {calls:.0f} | "
+                f"{floor:.3f} | {100 * floor / g_ms:.0f}% | {n / g_ms * 1e3:.0f} |")
+    del m
+    gc.collect()
+    if run.cuda:
+        torch.cuda.empty_cache()
+    dist.barrier()
+    if tp1 and run.time_left():
+        run.log(f"\n### TP=1 on rank 0 (same weights)\n")
+        if run.rank == 0:
+            m1 = ds4t.load(name, device=a.device)
+            logits1 = reference_logits(m1, PROMPT, 4)
+            err = ((logits2 - logits1).abs().max() / logits1.abs().max()).item()
+            run.log(f"TP=2 vs TP=1 logits ({len(PROMPT)}-token prompt + 4 greedy steps): max relative error "
+                    f"{err:.2e}; bitwise equal: {torch.equal(logits1, logits2)} (another sum order: not expected)")
+            run.log("\n| N | TP=1 graphs ms | TP=1 floor ms | TP=2 graphs ms | speed-up |")
+            run.log("|---|---|---|---|---|")
+            for n in a.ns:
+                if time.time() - run.t0 > a.budget_s or n not in results:
+                    continue
+                ms1 = time_native(m1, n, a.ctx, a.iters)
+                f1 = step_floor_bytes(m1, n, a.ctx)["total"] / bw * 1e3
+                r = results[n]
+                r.update(tp1_ms=ms1, tp1_floor_ms=f1, tp1_rel_err=err)
+                run.log(f"| {n} | {ms1:.2f} | {f1:.3f} | {r['graphs_ms']:.2f} | {ms1 / r['graphs_ms']:.2f}x |")
+            del m1
+            gc.collect()
+            if run.cuda:
+                torch.cuda.empty_cache()
+        dist.barrier()
+    elif not tp1:
+        run.log(f"\nTP=1 not run: {full_bytes / 1e9:.0f} GB of weights do not fit one device (or --no-tp1)")
+    run.rows += list(results.values())
+    return ok
+
+
+def _from_rank0(t: torch.Tensor, run: Run) -> torch.Tensor:
+    x = t.to("cuda" if run.cuda else "cpu").contiguous()
+    dist.broadcast(x, src=0)
+    return x.cpu()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=DEFAULT_MODELS)
+    ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--exact-sessions", type=int, default=6)
+    ap.add_argument("--exact-steps", type=int, default=4)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip what is left after this many seconds")
+    ap.add_argument("--no-tp1", action="store_true", help="skip the TP=1 comparison")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    run = Run(args)
+    if run.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+    bw = copy_bandwidth("cuda") if cuda else 20e9
+    dev = torch.cuda.get_device_name() if cuda else "cpu (smoke run)"
+    run.log(f"# ds4t tensor + expert parallel: TP={run.size} on {run.size}x {dev}\n")
+    run.log(f"commit {args.commit}; torch {torch.__version__}; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}; "
+            f"copy bandwidth {bw / 1e12:.2f} TB/s (rank 0, read + write)")
+    run.log(f"command: NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node {run.size} bench/bench_tp.py {' '.join(sys.argv[1:])}")
+    run.log("collectives: all-gather of fp32 partial sums, summed in rank order on every rank (ds4t.parallel.comm)")
+    ok = True
+    for name in [m for m in args.models.split(",") if m]:
+        if not run.time_left():
+            run.log(f"\n## {name}: skipped (time budget of {args.budget_s:.0f} s spent)")
+            continue
+        try:
+            ok &= bench_preset(name, run, bw)
+        except Exception:   # noqa: BLE001 - a broken preset is a failed section, the others still run
+            run.log(f"\n{name}: FAILED on rank 0:\n```\n{traceback.format_exc()}```")
+            ok = False
+    ok = run.all_ok(ok)
+    run.log("\n## Summary\n")
+    run.log("| model | N | TP=2 ms | collectives ms | floor/GPU ms | TP=1 ms | TP=2 vs TP=1 rel err |")
+    run.log("|---|---|---|---|---|---|---|")
+    for r in run.rows:
+        tp1 = f"{r['tp1_ms']:.2f}" if "tp1_ms" in r else "-"
+        err = f"{r['tp1_rel_err']:.1e}" if "tp1_rel_err" in r else "-"
+        run.log(f"| {r['model']} | {r['n']} | {r['graphs_ms']:.2f} | {r['coll_ms']:.2f} | {r['floor_ms']:.3f} | "
+                f"{tp1} | {err} |")
+    run.log(f"\nexactness under TP={run.size} (all ranks): {'PASS' if ok else 'FAIL'}; "
+            f"total {time.time() - run.t0:.0f} s")
+    if run.rank == 0:
+        with open(os.path.join(args.out, "tp.md"), "w") as f:
+            f.write("\n".join(run.lines) + "\n")
+        with open(os.path.join(args.out, "tp.jsonl"), "w") as f:
+            for r in run.rows:
+                f.write(json.dumps(r) + "\n")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""``ds4t serve --tp 2``: rank 0 serves HTTP, rank 1 replays its steps; greedy text equals the one-rank
+model's; SIGTERM drains and exits 0 (followers ignore SIGINT/SIGTERM, so a signal to the whole process
+group cannot take them away first: rank 0's stop releases them)."""
+import json
+import os
+import signal
+import urllib.request
+
+import ds4t
+from ds4t.serve.cli import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _greedy_tp1(prompt: bytes, n: int) -> list:
+    m = ds4t.load("tiny-llama")
+    s = m.new_session(64)
+    logits, out = s.prefill(list(prompt)), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = ds4t.eval_batch([ds4t.DecodeItem(s, out[-1])]).logits[0]
+    return out
+
+
+def test_serve_tp2_answers_like_tp1_and_stops_cleanly():
+    p, url, _ = spawn(["--model", "tiny-llama", "--tp", "2", "--batched-session", "2", "--port", "0"], env=ENV,
+                      program=("-m", "ds4t", "serve"), timeout=240)
+    try:
+        body = json.dumps({"model": "tiny-llama", "prompt": [104, 105, 33], "max_tokens": 4, "temperature": 0,
+                           "logprobs": None}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            ans = json.loads(r.read())
+        assert ans["usage"]["completion_tokens"] == 4
+        want = bytes(_greedy_tp1(bytes([104, 105, 33]), 4)).decode("utf-8", errors="replace")
+        assert ans["choices"][0]["text"] == want
+    finally:
+        p.send_signal(signal.SIGTERM)   # rank 0 drains, then releases rank 1
+        code = p.wait(timeout=120)
+    assert code == 0
+
+
+def test_serve_tp_refuses_kv_cache_dir(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ds4t", "serve", "--tp", "2", "--kv-cache-dir", str(tmp_path / "kv")],
+                       env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--kv-cache-dir is not supported with --tp" in r.stderr

@@ -1,0 +1,113 @@
+"""Tensor + expert parallel on two gloo ranks, every family's tiny preset: TP = 2 agrees with TP = 1
+within fp tolerance (another summation order), every native path equals the ordered fallback bitwise
+under TP = 2 (with the harness's negative controls), prefill chunk sizes stay bitwise equal, the
+reduction is batch-invariant, and a planted batch-dependent reduction is caught."""
+import pytest
+import torch
+
+import ds4t
+from ds4t.testing import TINY_PRESETS
+from ds4t.testing import parallel as jobs
+
+PROMPT = [3, 17, 250, 9, 41, 128, 77]
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tp2_agrees_with_tp1(ranks, preset):
+    r0, r1 = ranks.run(jobs.tp_logits, preset, PROMPT, 3)
+    assert torch.equal(r0, r1), "every rank must end with the same logits (the reduction is done alike)"
+    ref = jobs.reference_logits(ds4t.load(preset), PROMPT, 3)
+    assert r0.shape == ref.shape
+    err = ((r0 - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, f"{preset}: TP=2 vs TP=1 relative error {err:.2e}"
+    assert not torch.equal(r0, ref) or preset == "tiny-llama", "another sum order: TP=1 bits are not expected"
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_native_equals_ordered_under_tp2(ranks, preset):
+    for rep in ranks.run(jobs.tp_native_exact, preset, 3, 3, 0):
+        assert rep["paths"].get("native") and rep["native_batches"] > 0, rep
+
+
+def test_auto_mode_with_fallback_rows_under_tp2(ranks):
+    """GLM rows past the native window run ordered inside the same call (mode auto), under TP."""
+    for rep in ranks.run(jobs.tp_native_exact, "tiny-glm", 4, 3, 2, "auto", native_window=6):
+        assert rep["paths"].get("ordered") and rep["paths"].get("native"), rep
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_prefill_chunks_bitwise_under_tp2(ranks, preset):
+    assert ranks.run(jobs.tp_chunk_invariant, preset, PROMPT * 2, (1, 5, 64)) == [True, True]
+
+
+def test_reduction_is_batch_invariant_and_the_same_on_every_rank(ranks):
+    r0, r1 = ranks.run(jobs.tp_reduce_rows, 9, 200)
+    assert torch.equal(r0["whole"], r0["alone"]), "a row's sum depends on the rows beside it"
+    assert torch.equal(r0["whole"], r1["whole"])
+    assert torch.equal(r0["whole"], r0["partial"] + r1["partial"]), "rank order: p0 + p1"
+
+
+def test_planted_size_dependent_reduction_is_caught(ranks):
+    """Negative control: a reduction whose numerics change with the message size is caught."""
+    for rep in ranks.run(jobs.tp_planted_reduction, "tiny-qwen", "size-dependent"):
+        assert rep["native_batches"] > 0 and rep["mismatches"] > 0, rep
+
+
+def test_reverse_order_changes_no_bit_at_tp2(ranks):
+    """Two addends commute exactly: a size-dependent order cannot show at tp = 2 (the control is not
+    applicable there; ds4t.parallel.controls.applicable says so)."""
+    from ds4t.parallel.controls import applicable
+
+    assert not applicable("reverse-order", 2) and applicable("reverse-order", 3)
+    for rep in ranks.run(jobs.tp_planted_reduction, "tiny-qwen", "reverse-order"):
+        assert rep["native_batches"] > 0 and rep["mismatches"] == 0, rep
+
+
+@pytest.mark.parametrize("preset,name,shard", [
+    ("tiny-qwen", "layers.1.k", (1, 16)),             # gated attention: 2 kv heads -> 1 per rank (+ CTX axis)
+    ("tiny-qwen", "layers.0.recurrent", (2, 16, 16)),  # Gated DeltaNet: 4 value heads -> 2
+    ("tiny-qwen", "layers.0.conv", (64, 3)),           # conv channels [q | k | v]: 128 -> 64
+    ("tiny-glm", "layers.0.v", (1, 16)),
+    ("tiny-llama", "layers.1.k", (1, 16)),
+    ("tiny-deepseek", "layers.0.latent", (24,)),       # MLA's latent cache is shared by all heads: whole
+])
+def test_session_state_is_sharded_with_its_heads(ranks, preset, name, shard):
+    for shapes in ranks.run(jobs.tp_state_shapes, preset):
+        got = shapes[name]
+        assert got[len(got) - len(shard):] == shard, (name, got)
+
+
+def test_experts_split_across_ranks(ranks):
+    p0, p1 = ranks.run(jobs.tp_parameters, "tiny-deepseek")
+    assert p0["layers.1.ffn.w_gate"] == (4, 32, 64)          # 8 routed experts -> 4 per rank
+    assert p0["layers.1.ffn.shared_gate_up"] == (32, 64)     # the shared expert split: 2 x 16 rows
+    assert p0["embed"] == (128, 64) and p0["lm_head"] == (128, 64)   # vocabulary rows
+    assert p0.keys() == p1.keys()
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen_dir(tmp_path_factory):
+    """tiny-qwen as an HF checkpoint directory whose quantization_config has 16 x 16 blocks, so that
+    ``quantize="fp8"`` gives FP8 weights a tp = 2 shard can cut on block boundaries."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ds4t.models.registry import preset_source
+
+    cfg, src = preset_source("tiny-qwen")
+    d = tmp_path_factory.mktemp("fp8-qwen")
+    save_file({k: src.get(k) for k in src.keys()}, str(d / "model.safetensors"))
+    cfg = dict(cfg, dtype="float32", quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                          "activation_scheme": "dynamic", "weight_block_size": [16, 16]})
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_fp8_weights_under_tp2(ranks, fp8_qwen_dir):
+    r0, r1 = ranks.run(jobs.tp_logits, fp8_qwen_dir, PROMPT, 2, quantize="fp8")
+    assert torch.equal(r0, r1)
+    ref = jobs.reference_logits(ds4t.load(fp8_qwen_dir, quantize="fp8"), PROMPT, 2)
+    assert ((r0 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    p = ranks.run(jobs.tp_parameters, fp8_qwen_dir, quantize="fp8")[0]
+    assert p["layers.0.mixer.w_out.data"] == (64, 32) and p["layers.0.mixer.w_out.scale"] == (64, 2)   # 16-col blocks
