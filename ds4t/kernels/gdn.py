@@ -96,7 +96,7 @@ def _load_token(
     return q, k, v, a, b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "sst_t", "keep"])   # one binary for every T and with / without keep
 def _gdn_kernel(
     q_ptr, sq_r, sq_h, sq_d,
     k_ptr, sk_r, sk_h, sk_d,
@@ -110,12 +110,14 @@ def _gdn_kernel(
     T, Hv, Dk, Dv, G, scale,
     PREFILL: tl.constexpr,
     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
-    states_ptr=None, sst_t=0, KEEP: tl.constexpr = False,
+    states_ptr, sst_t, keep,
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
     # Prefill: program (0, head block, Dv tile), T tokens of one session; state_ptr points at
-    # the session's slot. KEEP: the state after token t also goes to states[t] (same layout as a
-    # slot, token stride sst_t), so the session can be rolled back to any prefix of the chunk.
+    # the session's slot. keep != 0: the state after token t also goes to states[t] (same layout as a
+    # slot, token stride sst_t), so the session can be rolled back to any prefix of the chunk. keep is
+    # a runtime flag, not a constexpr: with and without it the prefill is ONE compiled kernel, so
+    # keeping the states cannot change how the compiler lays out (and so sums) the step's math.
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -147,9 +149,9 @@ def _gdn_kernel(
                                         a_ptr, sa_h, b_ptr, sb_h)
             S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
             tl.store(out_ptr + o_off, o, mask=o_m)
-            if KEEP:
+            if keep != 0:
                 tl.store(states_ptr + s_off, S, mask=s_m)
-                states_ptr += sst_t
+            states_ptr += sst_t
             q_ptr += sq_r
             k_ptr += sk_r
             v_ptr += sv_r
@@ -202,14 +204,14 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out
     grid = (1 if prefill else R, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
-    keep = {}
+    keep = dict(states_ptr=state, sst_t=0, keep=0)   # unused when keep == 0
     if states_out is not None:
         if tuple(states_out.shape) != (R, Hv, Dk, Dv) or states_out.dtype != torch.float32:
             raise ValueError(f"states_out must be float32 {(R, Hv, Dk, Dv)}, got {states_out.dtype} "
                              f"{tuple(states_out.shape)}")
         if tuple(states_out.stride()[1:]) != tuple(state.stride()[1:]):
             raise ValueError("states_out must have the state's per-slot layout (contiguous)")
-        keep = dict(states_ptr=states_out, sst_t=states_out.stride(0), KEEP=True)
+        keep = dict(states_ptr=states_out, sst_t=states_out.stride(0), keep=1)
     _gdn_kernel[grid](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
         a, *a.stride(), b, *b.stride(),

@@ -41,7 +41,7 @@ def test_mtp_head_is_chunk_invariant():
     session's history reached the head), and its cache lives in the session's slot."""
     m = ds4t.load("tiny-deepseek")
     a, b = m.new_session(32), m.new_session(32)
-    h = torch.randn(5, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(5, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(m.device)
     toks = [3, 1, 4, 1, 5]
     whole = StepBatch.build([SegmentSpec(a.slot, toks, 0, all_logits=True)], m.device)
     lw = m.mtp_forward(whole, h)
