@@ -21,6 +21,7 @@ import triton.language as tl
 from ds4t.backend import silu as _silu
 from ds4t.backend import tl_dtype
 from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
 from ds4t.kernels.qlinear import _q8_group, qdot
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -36,8 +37,6 @@ def _qmoe_gate_up_kernel(
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     wg / wu: uint8 blocks [E, I, D / QK * BPB] (strides sw_e, sw_n bytes, same for both)."""
-    from ds4t.kernels.moe import _program_expert
-
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
@@ -64,8 +63,6 @@ def _qmoe_down_kernel(
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n]."""
-    from ds4t.kernels.moe import _program_expert
-
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < D
