@@ -158,84 +158,99 @@ def dequantize(data: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Quantizing (the converter, tests, load-time quantization). Q8_0 is gguf-py's (bit-exact with ggml's
-# reference); gguf-py has no K-quant quantizer, so Q4_K / Q6_K are made here: plain min/max (Q4_K) and
-# absmax (Q6_K) scales per sub-block, not llama.cpp's error-minimising search. The blocks are valid
-# ggml blocks, every reader decodes them the same way; they are only somewhat less accurate than
-# llama-quantize's.
+# Quantizing (the converter, tests, load-time quantization), in torch on the weight's device. Q8_0 is
+# ggml's reference (bit-exact with gguf-py's ``quants.quantize``); gguf-py has no K-quant quantizer, so
+# Q4_K / Q6_K use plain min/max (Q4_K) and absmax (Q6_K) scales per sub-block, not llama.cpp's
+# error-minimising search: valid ggml blocks that every reader decodes the same way, somewhat less
+# accurate than llama-quantize's.
 # ----------------------------------------------------------------------------------------------
-def _f16(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16)
+def _round_away(x: torch.Tensor) -> torch.Tensor:
+    """ggml's roundf (half away from zero), which torch.round (half to even) is not."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-def _bytes16(x: np.ndarray) -> np.ndarray:
-    """fp16 [n] -> uint8 [n, 2] (little endian, as ggml writes)."""
-    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(-1, 2)
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [n] -> uint8 [n, 2]: the fp16 value, little endian (as ggml writes it)."""
+    return x.to(torch.float16).view(torch.uint8).reshape(-1, 2)
 
 
-def _quantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+def _quantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 32] -> uint8 [n, 34] (ggml's quantize_row_q8_0_ref)."""
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _round_away(b * inv).to(torch.int8).view(torch.uint8)
+    return torch.cat([_f16_bytes(d[:, 0]), q], 1)
+
+
+def _quantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     """float32 [n, 256] -> uint8 [n, 144]."""
-    n = blocks.shape[0]
-    sub = blocks.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(axis=-1), 0.0)                    # min <= 0, as ggml's (w = s q - mn, mn >= 0)
-    hi = sub.max(axis=-1)
-    scale = (hi - lo) / 15.0
-    d = _f16(scale.max(axis=-1) / 63.0).astype(np.float32)
-    dmin = _f16((-lo).max(axis=-1) / 63.0).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 63).astype(np.uint8)
-        m = np.where(dmin[:, None] > 0, np.rint(-lo / dmin[:, None]), 0).clip(0, 63).astype(np.uint8)
-        s = d[:, None] * sc.astype(np.float32)
-        mn = dmin[:, None] * m.astype(np.float32)
-        q = np.where(s[..., None] > 0, np.rint((sub + mn[..., None]) / s[..., None]), 0)
-    q = q.clip(0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
+    n = b.shape[0]
+    sub = b.reshape(n, 8, 32)
+    lo = sub.amin(-1).clamp(max=0.0)                   # min <= 0, as ggml's (w = s q - mn, mn >= 0)
+    scale = (sub.amax(-1) - lo) / 15
+    d = (scale.amax(-1) / 63).half().float()[:, None]
+    dmin = ((-lo).amax(-1) / 63).half().float()[:, None]
+    sc = torch.where(d > 0, _round_away(scale / d), 0.0).clamp(0, 63)
+    m = torch.where(dmin > 0, _round_away(-lo / dmin), 0.0).clamp(0, 63)
+    s, mn = (d * sc)[..., None], (dmin * m)[..., None]
+    q = torch.where(s > 0, _round_away((sub + mn) / s), 0.0).clamp(0, 15).to(torch.uint8).reshape(n, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
-    packed = np.empty((n, 12), dtype=np.uint8)
-    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-    return np.concatenate([_bytes16(d), _bytes16(dmin), packed, qs], axis=1)
+    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    packed = torch.cat([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], 1)
+    return torch.cat([_f16_bytes(d[:, 0]), _f16_bytes(dmin[:, 0]), packed, qs], 1)
 
 
-def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+def _quantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     """float32 [n, 256] -> uint8 [n, 210]."""
-    n = blocks.shape[0]
-    sub = blocks.reshape(n, 16, 16)
-    scale = np.abs(sub).max(axis=-1) / 31.0                    # q - 32 in [-32, 31]
-    d = _f16(scale.max(axis=-1) / 127.0).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 127).astype(np.int8)
-        s = d[:, None] * sc.astype(np.float32)
-        q = np.where(s[..., None] > 0, np.rint(sub / s[..., None]), 0)
-    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)       # [n, half, e]
+    n = b.shape[0]
+    sub = b.reshape(n, 16, 16)
+    scale = sub.abs().amax(-1) / 31                    # q - 32 in [-32, 31]
+    d = (scale.amax(-1) / 127).half().float()[:, None]
+    sc = torch.where(d > 0, _round_away(scale / d), 0.0).clamp(0, 127)
+    s = (d * sc)[..., None]
+    q = (torch.where(s > 0, _round_away(sub / s), 0.0).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 2, 128)
     low, high = q & 15, q >> 4
     ql = (low[:, :, :64] | (low[:, :, 64:] << 4)).reshape(n, 128)
     h4 = high.reshape(n, 2, 4, 32)
     qh = (h4[:, :, 0] | (h4[:, :, 1] << 2) | (h4[:, :, 2] << 4) | (h4[:, :, 3] << 6)).reshape(n, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), _bytes16(d)], axis=1)
+    return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), _f16_bytes(d[:, 0])], 1)
 
 
-def quantize_numpy(w: np.ndarray, qtype: str) -> np.ndarray:
-    """float ``[..., K]`` -> uint8 ``[..., K / QK * BPB]`` blocks of ``qtype`` (K a multiple of its block).
-    Deterministic."""
+_QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_K": _quantize_q4_k, "Q6_K": _quantize_q6_k}
+_CHUNK = 1 << 24   # blocks' elements quantized at a time (bounds the temporaries of big expert stacks)
+
+
+def quantize_blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float ``[..., K]`` -> uint8 ``[..., K / QK * BPB]`` blocks of ``qtype`` (K a multiple of its block),
+    on ``w``'s device. Deterministic."""
     f = block_format(qtype)
-    w = np.ascontiguousarray(w, dtype=np.float32)
     K = w.shape[-1]
     if not fits(qtype, K):
         raise ValueError(f"{qtype}: K={K} is not a multiple of its block ({f.qk})")
-    if qtype == "Q8_0":
-        import gguf
-
-        return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    blocks = w.reshape(-1, f.qk)
-    out = _quantize_q4_k(blocks) if qtype == "Q4_K" else _quantize_q6_k(blocks)
+    blocks = w.detach().reshape(-1, f.qk)
+    step = max(1, _CHUNK // f.qk)
+    out = torch.cat([_QUANTIZERS[qtype](blocks[i:i + step].float()) for i in range(0, blocks.shape[0], step)])
     return out.reshape(*w.shape[:-1], K // f.qk * f.bpb)
+
+
+def quantize_numpy(w: np.ndarray, qtype: str) -> np.ndarray:
+    """:func:`quantize_blocks` of a numpy array (what GGUFWriter takes)."""
+    return quantize_blocks(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), qtype).numpy()
 
 
 def quantize(w: torch.Tensor, qtype: str, act_dtype: Optional[torch.dtype] = None) -> GGUFWeight:
     """A float weight ``[..., N, K]`` as a :class:`GGUFWeight` of ``qtype`` (on ``w``'s device)."""
-    raw = quantize_numpy(w.detach().float().cpu().numpy(), qtype)
-    return GGUFWeight(torch.from_numpy(raw).to(w.device), qtype, int(w.shape[-1]), act_dtype)
+    return GGUFWeight(quantize_blocks(w, qtype), qtype, int(w.shape[-1]), act_dtype)
+
+
+def fallback_type(qtype: str, K: int) -> Optional[str]:
+    """The kernel type a K-column weight can take when ``qtype`` does not fit it (as llama-quantize falls
+    back for rows that are not a multiple of 256): Q4_K / Q6_K -> Q8_0 -> None (keep it float)."""
+    for t in (qtype, "Q8_0"):
+        if fits(t, K):
+            return t
+    return None
 
 
 def same_format(parts: Sequence[GGUFWeight]) -> bool:

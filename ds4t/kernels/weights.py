@@ -159,14 +159,21 @@ def _same(what: str, parts: Sequence[FP8Weight]) -> None:
 
 def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     """Concatenate weights along ``dim`` (rows of [N, K], or experts of [E, N, K]; never K): plain
-    tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k)."""
+    tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k), GGUF
+    weights of one type as blocks; GGUF parts of mixed types (or with float parts) are dequantized and
+    joined in float (check :func:`joinable` first where that would cost too much memory)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts), dim=dim).contiguous()
-    if all(isinstance(p, GGUFWeight) for p in parts):
-        _gguf_joinable("cat", parts)
+    if any(isinstance(p, GGUFWeight) for p in parts):
         if dim % parts[0].dim() == parts[0].dim() - 1:
             raise ValueError("cat: GGUF weights cannot be joined along K (their blocks run along K)")
-        return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous())
+        if all(isinstance(p, GGUFWeight) for p in parts) and same_format(parts):
+            return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous())
+        # GGUF files mix types inside a layer (Q4_K_M: attn_v / ffn_down one step up): a kernel reads one
+        # type per matrix, so a fusion of mixed parts runs in float (the parts' activation dtype).
+        dt = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), None)
+        dt = dt or next((p.act_dtype for p in parts if p.act_dtype is not None), torch.float32)
+        return torch.cat([as_float(p, dt) for p in parts], dim=dim).contiguous()
     if not all(isinstance(p, FP8Weight) for p in parts):
         raise TypeError("cat: cannot mix FP8 and float weights in one fused matrix")
     nd = parts[0].dim()

@@ -84,8 +84,9 @@ def test_weight_type_rows_experts_and_errors():
     assert torch.equal(both.dequantize(), torch.cat([w.dequantize()[0, :2], w.dequantize()[1, 3:]]))
     assert torch.equal(weights.stack([w[1], w[0]]).dequantize(), w.dequantize().flip(0))
     assert weights.joinable([w[0], w[1]]) and not weights.joinable([w[0], quantize(torch.randn(6, 256), "Q6_K")])
-    with pytest.raises(ValueError, match="differ in type"):
-        weights.cat([w[0], quantize(torch.randn(6, 256), "Q6_K")])
+    q6 = quantize(torch.randn(6, 256), "Q6_K", act_dtype=torch.bfloat16)
+    mixed = weights.cat([w[0].with_act_dtype(torch.bfloat16), q6])   # mixed types: joined in float
+    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, torch.cat([w.dequantize()[0], q6.dequantize()]).bfloat16())
     with pytest.raises(ValueError, match="along K"):
         weights.cat([w[0], w[1]], dim=1)
     with pytest.raises(ValueError, match="multiple of 256"):
