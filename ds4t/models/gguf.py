@@ -66,6 +66,8 @@ _LAYER_TENSORS = [
 ]
 _GLOBAL_TENSORS = [("TOKEN_EMBD", "model.embed_tokens"), ("OUTPUT_NORM", "model.norm"), ("OUTPUT", "lm_head")]
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's per-pair RoPE frequency divisors (its converter's form of llama3 scaling)."""
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -161,8 +163,10 @@ class GGUFSource(TensorSource):
         for r in readers:
             for t in r.tensors:
                 base, dot, suffix = t.name.rpartition(".")
+                if t.name == ROPE_FREQS:
+                    continue   # read into the config (hf_config), not a weight
                 if not dot or suffix not in ("weight", "bias") or base not in names:
-                    hint = " (llama3 RoPE frequency factors: not supported yet)" if base == "rope_freqs" else ""
+                    hint = ""
                     raise CheckpointError(f"{path}: tensor {t.name!r} has no place in a {arch} model "
                                           f"of {num_layers} layers{hint}")
                 hf = f"{names[base]}.{suffix}"
@@ -424,6 +428,15 @@ def open_gguf(path: str):
             raise CheckpointError(f"{path}: split.count is {want}, the file name says {len(files)}")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for r in readers for t in r.tensors}
     cfg = hf_config(meta, shapes, path)
+    freqs = [t for r in readers for t in r.tensors if t.name == ROPE_FREQS]
+    if freqs:
+        f = np.asarray(freqs[0].data, dtype=np.float32).reshape(-1)
+        if f.shape[0] * 2 != cfg["head_dim"] or not np.all(np.isfinite(f)) or np.any(f <= 0):
+            raise CheckpointError(f"{path}: {ROPE_FREQS!r} must hold {cfg['head_dim'] // 2} positive factors, "
+                                  f"got {f.shape[0]}")
+        if cfg["rope_parameters"]["rope_type"] != "default":
+            raise CheckpointError(f"{path}: {ROPE_FREQS!r} together with rope.scaling.type is not supported")
+        cfg["rope_parameters"]["freq_factors"] = [float(v) for v in f]
     source = GGUFSource(path, readers, cfg["model_type"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
                         cfg["num_hidden_layers"])
     tokenizer, text = build_tokenizer(meta, path)
