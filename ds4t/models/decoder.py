@@ -92,10 +92,11 @@ class DecoderModel(Model):
             named += [(f"layers.{i}.input_norm", self.input_norms[i]), (f"layers.{i}.post_norm", self.post_norms[i])]
             named += named_tensors(self.layers[i], f"layers.{i}")
         p, seen = {}, set()
-        for name, t in named:
-            if id(t) not in seen:
-                seen.add(id(t))
-                p[name] = t
+        for name, w in named:
+            for name_, t in named_tensors(w, name):   # a quantized weight (GGUF blocks) lists its tensors
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    p[name_] = t
         return p
 
 
