@@ -5,7 +5,6 @@ import dataclasses
 import logging
 
 import pytest
-import torch
 
 import ds4t
 from ds4t.kernels.quant_blocks import GGUFWeight
