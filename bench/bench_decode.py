@@ -77,7 +77,7 @@ def step_floor_bytes(model, n: int, ctx: int) -> dict:
     dense = routed = 0.0
     for name, t in params.items():
         b = t.numel() * t.element_size()
-        if name == "embed" and "lm_head" in params:  # untied: only the n rows looked up
+        if name == "embed" and any(k.split(".")[0] == "lm_head" for k in params):  # untied: only the n rows looked up
             dense += n * t.shape[1] * t.element_size()
         elif E and t.dim() == 3 and t.shape[0] in (E, E + 1):
             per_expert = b / t.shape[0]

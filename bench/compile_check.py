@@ -13,7 +13,8 @@ Block sizes are the interpreter's (its launchers pick their own configs), so thi
 GPU frontend accepts each kernel's code paths, not that the GPU's exact configs compile.
 
 Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama] [--checks] [--no-fp8]
-(FP8-weight launches of linear, linear_heads and moe_experts are recorded unless --no-fp8.)
+(FP8-weight launches of linear, linear_heads and moe_experts, and GGUF-block (Q8_0 / Q4_K / Q6_K) launches of
+linear and moe_experts, are recorded unless --no-fp8.)
 """
 from __future__ import annotations
 
@@ -92,6 +93,38 @@ def record_fp8() -> None:
             M.MOE_CONFIGS.interp_rule = rule
 
 
+def record_gguf() -> None:
+    """Launches with GGUF block weights (Q8_0, Q4_K, Q6_K), which the presets do not load: linear with the
+    interpreter's config, the GPU rule's and split-K; moe_experts with the interpreter's and the GPU's tiles
+    (gate/up and down of different types); fp32 and bf16 activations. Call inside the GPU-variant selection."""
+    import torch
+
+    from ds4t.kernels import linear as L
+    from ds4t.kernels import moe as M
+    from ds4t.kernels import qlinear as Q
+    from ds4t.kernels import qmoe as QM
+    from ds4t.kernels.quant_blocks import quantize
+
+    g = torch.Generator().manual_seed(0)
+    for adt in (torch.float32, torch.bfloat16):
+        for qt in ("Q8_0", "Q4_K", "Q6_K"):
+            K, N = 512, 80
+            x = torch.randn(3, K, generator=g)
+            w = quantize(torch.randn(N, K, generator=g) / K ** 0.5, qt)
+            b = torch.randn(N, generator=g)
+            for cfg in (None, Q._gpu_rule(K, N, qt), Q.QLinearConfig(block_n=32, split=2, group=2)):
+                L.linear(x, w, b, config=cfg, act_dtype=adt)
+        E, I, D = 4, 256, 256
+        for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")):
+            wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, qg) for _ in range(2))
+            wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, qd)
+            ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
+            wts = torch.rand(3, 2, generator=g)
+            with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
+                M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
+            M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
+
+
 def record(presets, checks: bool, fp8: bool = True) -> list:
     """Distinct launches of a decode step, a mixed prefill + decode step, (``fp8``) the FP8-weight
     launches of :func:`record_fp8` and (``checks``) every registered kernel self-check, with the
@@ -131,6 +164,7 @@ def record(presets, checks: bool, fp8: bool = True) -> list:
                 ds4t.eval_batch([ds4t.DecodeItem(a, 8), ds4t.DecodeItem(c, [1, 2, 3, 4])], mode="native")
             if fp8:
                 record_fp8()
+                record_gguf()
             if checks:
                 for check in registry.all_checks():
                     check("cpu")

@@ -431,6 +431,18 @@ def cmd_support(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from ds4t.models import convert
+    from ds4t.models.checkpoint import CheckpointError
+
+    if not args.dst.lower().endswith(".gguf"):
+        raise UsageError(f"{args.dst!r}: the output must be a .gguf file")
+    try:
+        return convert.main(args)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+
 def main(argv=None) -> int:
     import ds4t
 
@@ -498,12 +510,19 @@ def main(argv=None) -> int:
     g.add_argument("--sessions", type=_positive_int, default=8, help="sessions in the native step")
     g.add_argument("--ctx", type=_positive_int, default=64, help="longest random prompt")
     g.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("convert", help="write a GGUF file (as llama.cpp writes it) from a preset or HF checkpoint dir")
+    v.add_argument("src", help="preset name or HF checkpoint directory (llama / qwen3 so far)")
+    v.add_argument("dst", help="the .gguf file to write")
+    v.add_argument("--type", default="F32", type=str.upper, choices=["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K"],
+                   help="type of the matrices (1-D tensors stay F32; rows a type does not fit fall back: "
+                        "K-quants -> Q8_0 -> F16)")
+    v.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     from ds4t.serve import cli as serve_cli
 
     serve_cli.add_parser(sub)
     args = p.parse_args(argv)
     run = {"check": cmd_check, "demo": cmd_demo, "exactness": cmd_exactness, "diagnose": cmd_diagnose,
-           "support": cmd_support, "serve": serve_cli.run}[args.cmd]
+           "support": cmd_support, "serve": serve_cli.run, "convert": cmd_convert}[args.cmd]
     try:
         import_user_modules(getattr(args, "imports", []))
         if getattr(args, "tp", 1) > 1 and args.cmd != "serve":   # serve starts its ranks itself

@@ -80,13 +80,13 @@ def plant(kind: str):
     elif kind == "batch-dependent":
         from ds4t.kernels import override
         from ds4t.kernels.linear import linear as original
-        from ds4t.kernels.weights import FP8Weight
+        from ds4t.kernels.weights import QuantWeight
 
         def batch_dependent(x, weight, bias=None, *, out=None):
             if x.shape[0] == 1 or x.shape[1] < 2:
                 return original(x, weight, bias, out=out)
             h = x.shape[1] // 2
-            if isinstance(weight, FP8Weight):  # block scales cannot be cut along K: its real values
+            if isinstance(weight, QuantWeight):  # FP8 scales / GGUF blocks cannot be cut along K: its real values
                 weight = weight.dequantize(weight.act_dtype or x.dtype)
             y = original(x[:, :h].contiguous(), weight[:, :h].contiguous(), bias)
             y = y + original(x[:, h:].contiguous(), weight[:, h:].contiguous())

@@ -43,6 +43,8 @@ import triton.language as tl
 from ds4t.backend import FP8_ROUTES, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, tl_dtype, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
+from ds4t.kernels import qlinear
+from ds4t.kernels.quant_blocks import GGUFWeight
 from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, activation_dtype, as_float, quantize
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
@@ -601,7 +603,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
     * an :class:`~ds4t.kernels.weights.FP8Weight` [N, K] (weight-only FP8, W8A16):
       A = ``act_dtype`` or x's own dtype (x is never rounded to fp8), and per K block j of
       ``weight.block_k`` columns ``y += scale[n, j] * dot(x[:, block j], fp8[n, block j])`` with the
-      fp8 values converted exactly to A and the block's dot summed in fp32 from zero.
+      fp8 values converted exactly to A and the block's dot summed in fp32 from zero; or
+    * a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` [N, K] (Q8_0 / Q4_K / Q6_K blocks as stored):
+      A as for FP8, and per sub-block j ``y += s[n, j] * dot(x_j, q_j) - mn[n, j] * sum(x_j)``
+      (:mod:`ds4t.kernels.qlinear`; ``config`` then a :class:`~ds4t.kernels.qlinear.QLinearConfig`).
 
     Batch invariant: row i's bits do not depend on B or on the other rows. ``config`` overrides
     :func:`linear_config` (benchmarks only; the override must itself not depend on B; for FP8 its
@@ -611,6 +616,12 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
     adt = activation_dtype("linear", x, weight, act_dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if isinstance(weight, GGUFWeight):
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        if out is None:
+            out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+        return qlinear.launch(x, weight, bias, out, adt, config)
     if isinstance(weight, FP8Weight):
         weight = _contiguous_fp8(weight)
     elif weight.stride(-1) != 1:
@@ -657,6 +668,8 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
     if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
         raise ValueError(f"linear_heads: x must be [B, G, K] and weight [G, N, K], got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)}")
+    if isinstance(weight, GGUFWeight):
+        raise TypeError("linear_heads: GGUF block weights are not supported (per-head weights are dequantized at load)")
     adt = activation_dtype("linear_heads", x, weight, act_dtype)
     B, G, K = x.shape
     N = weight.shape[1]

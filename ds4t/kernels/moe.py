@@ -51,6 +51,7 @@ from ds4t.backend import (FP8_ROUTES, INTERPRET, cast, fp8_to, mma, mma_tf32_exa
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
+from ds4t.kernels.quant_blocks import GGUFWeight
 from ds4t.kernels.weights import FP8Weight, activation_dtype, as_float, quantize
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
@@ -282,7 +283,12 @@ def _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gat
     if h.shape[1] != D or w_up.shape != (E, I, D) or w_down.shape != (E, D, I):
         raise ValueError(f"weights must be w_gate/w_up [E, I, D], w_down [E, D, I] with D={h.shape[1]}; got "
                          f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
-    if not (w_gate.dtype == w_up.dtype == w_down.dtype):
+    gguf = [isinstance(w, GGUFWeight) for w in (w_gate, w_up, w_down)]
+    if any(gguf):
+        from ds4t.kernels import qmoe
+
+        qmoe.check_weights(w_gate, w_up, w_down)
+    elif not (w_gate.dtype == w_up.dtype == w_down.dtype):
         raise TypeError("w_gate, w_up, w_down must share one dtype (all float of one dtype, or all FP8Weight)")
     fp8 = [isinstance(w, FP8Weight) for w in (w_gate, w_up, w_down)]
     if any(fp8) and not all(fp8):
@@ -435,7 +441,10 @@ def moe_experts(
     (data [E, I, D] / [E, D, I], scales [E, I, cdiv(D, bk)] / [E, D, cdiv(I, bk)]; W8A16): h and
     silu(g)·u are rounded to A = ``act_dtype`` or h's dtype (never to fp8), each fp8 tile is
     converted exactly to A, and per K block j: ``acc += scale[e, n, j] * dot_j`` (the block's dot
-    in fp32 from zero), as :func:`ds4t.kernels.linear.linear` does.
+    in fp32 from zero), as :func:`ds4t.kernels.linear.linear` does. Or three
+    :class:`~ds4t.kernels.quant_blocks.GGUFWeight` (Q8_0 / Q4_K / Q6_K blocks; gate and up of one type):
+    A as for FP8, products per sub-block as :func:`ds4t.kernels.qlinear.qdot` defines them
+    (:mod:`ds4t.kernels.qmoe`; every variant runs the grouped kernels).
     """
     E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate)
     fp8 = isinstance(w_gate, FP8Weight)
@@ -454,7 +463,10 @@ def moe_experts(
         h = h.contiguous()
     ids = ids if ids.stride(1) == 1 or k <= 1 else ids.contiguous()
     weights = weights if weights.stride(1) == 1 or k <= 1 else weights.contiguous()
-    if fp8:
+    gguf = isinstance(w_gate, GGUFWeight)
+    if gguf:
+        pass   # qmoe.launch takes the blocks as they are
+    elif fp8:
         w_gate, w_up, w_down = (_unit_k(w) for w in (w_gate, w_up, w_down))
         if w_gate.data.stride() != w_up.data.stride() or w_gate.scale.stride() != w_up.scale.stride():
             w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
@@ -462,7 +474,7 @@ def moe_experts(
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     sg = gate.stride(0)
     path = variant("moe_experts")
-    if path == INTERP:
+    if path == INTERP and not gguf:
         # imported here: the twin uses this module's jit helpers (_pair_expert, _pair_weight)
         from ds4t.kernels.interp import moe_rows
 
@@ -488,6 +500,11 @@ def moe_experts(
     else:
         experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
         n_slots = int(experts.shape[0])
+    if gguf:   # 2. and 3. over GGUF blocks
+        from ds4t.kernels import qmoe
+
+        qmoe.launch(h, order, bounds, experts, n_slots, device_list, w_gate, w_up, w_down, act, y, KT, adt)
+        return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
     cfg = MOE_CONFIGS("gate_up", *fmt)
@@ -517,7 +534,12 @@ def moe_experts(
         D, I, E,
         WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
-    # 4. rank-ordered combine (MOE_COMBINE_CONFIGS)
+    return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
+
+
+def _combine(y, weights, gate, sg, ids, SHARED, out, B: int, D: int, k: int, KT: int, GATED: bool) -> torch.Tensor:
+    """4. the rank-ordered combine of the per-pair outputs y [B * KT, D] into out [B, D]
+    (MOE_COMBINE_CONFIGS); pairs whose expert id is -1 (another rank's, under tensor parallel) add 0."""
     cfg = MOE_COMBINE_CONFIGS(D)
     ROWS, BD = cfg.rows, cfg.block_d
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](

@@ -24,6 +24,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from ds4t.kernels.quant_blocks import GGUFWeight, same_format
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -95,7 +97,10 @@ class FP8Weight:
         return (self.data.float() * s).to(dtype)
 
 
-Weight = Union[torch.Tensor, FP8Weight]
+Weight = Union[torch.Tensor, FP8Weight, GGUFWeight]
+"""A float tensor, block-FP8 (above) or GGUF blocks (:mod:`ds4t.kernels.quant_blocks`)."""
+QuantWeight = (FP8Weight, GGUFWeight)
+"""The weight types whose activations round to ``act_dtype`` (not to the weight's own dtype)."""
 
 
 def from_block_scales(data: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int]) -> FP8Weight:
@@ -128,6 +133,25 @@ def quantize(w: torch.Tensor, block: Tuple[int, int] = (128, 128)) -> FP8Weight:
     return from_block_scales(data.contiguous(), scale_inv, block)
 
 
+def _gguf_joinable(what: str, parts: Sequence[GGUFWeight]) -> None:
+    if not same_format(parts):
+        raise ValueError(f"{what}: GGUF parts differ in type, K or act_dtype "
+                         f"{[(p.qtype, p.k, p.act_dtype) for p in parts]} (check joinable() first)")
+
+
+def joinable(parts: Sequence[Weight]) -> bool:
+    """Can :func:`cat` / :func:`stack` join ``parts`` (one format: float tensors of one dtype, FP8 of one
+    block, GGUF of one type)? GGUF files mix types within a layer (e.g. Q4_K_M keeps some ``attn_v`` and
+    ``ffn_down`` in Q6_K): families fuse such weights only when this holds."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return len({p.dtype for p in parts}) == 1
+    if all(isinstance(p, GGUFWeight) for p in parts):
+        return same_format(parts)
+    if all(isinstance(p, FP8Weight) for p in parts):
+        return len({(p.block_k, p.act_dtype) for p in parts}) == 1
+    return False
+
+
 def _same(what: str, parts: Sequence[FP8Weight]) -> None:
     if len({p.act_dtype for p in parts}) != 1:
         raise ValueError(f"{what}: parts have different act_dtype {[p.act_dtype for p in parts]}")
@@ -135,9 +159,21 @@ def _same(what: str, parts: Sequence[FP8Weight]) -> None:
 
 def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     """Concatenate weights along ``dim`` (rows of [N, K], or experts of [E, N, K]; never K): plain
-    tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k)."""
+    tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k), GGUF
+    weights of one type as blocks; GGUF parts of mixed types (or with float parts) are dequantized and
+    joined in float (check :func:`joinable` first where that would cost too much memory)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts), dim=dim).contiguous()
+    if any(isinstance(p, GGUFWeight) for p in parts):
+        if dim % parts[0].dim() == parts[0].dim() - 1:
+            raise ValueError("cat: GGUF weights cannot be joined along K (their blocks run along K)")
+        if all(isinstance(p, GGUFWeight) for p in parts) and same_format(parts):
+            return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous())
+        # GGUF files mix types inside a layer (Q4_K_M: attn_v / ffn_down one step up): a kernel reads one
+        # type per matrix, so a fusion of mixed parts runs in float (the parts' activation dtype).
+        dt = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), None)
+        dt = dt or next((p.act_dtype for p in parts if p.act_dtype is not None), torch.float32)
+        return torch.cat([as_float(p, dt) for p in parts], dim=dim).contiguous()
     if not all(isinstance(p, FP8Weight) for p in parts):
         raise TypeError("cat: cannot mix FP8 and float weights in one fused matrix")
     nd = parts[0].dim()
@@ -154,6 +190,9 @@ def stack(parts: Sequence[Weight]) -> Weight:
     """Stack weights along a new leading dim (MoE experts): [E, N, K] (and scales [E, N, KB])."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.stack(list(parts)).contiguous()
+    if all(isinstance(p, GGUFWeight) for p in parts):
+        _gguf_joinable("stack", parts)
+        return dataclasses.replace(parts[0], data=torch.stack([p.data for p in parts]).contiguous())
     if not all(isinstance(p, FP8Weight) for p in parts):
         raise TypeError("stack: cannot mix FP8 and float weights")
     if len({p.block_k for p in parts}) != 1:
@@ -167,10 +206,11 @@ def activation_dtype(what: str, x: torch.Tensor, weight: Weight, act_dtype: Opti
     """What a kernel rounds its activations ``x`` to before the product with ``weight``: a float weight's
     own dtype (any other ``act_dtype`` is an error: ``what`` names the op); for an FP8 weight
     ``act_dtype``, else the weight's ``act_dtype`` (the model dtype, set at load), else x's dtype."""
-    if isinstance(weight, FP8Weight):
+    if isinstance(weight, QuantWeight):
         adt = act_dtype or weight.act_dtype or x.dtype
         if adt not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"{what}: activations must be fp32, bf16 or fp16 for an FP8 weight, got {adt}")
+            kind = "an FP8" if isinstance(weight, FP8Weight) else f"a {weight.qtype}"
+            raise TypeError(f"{what}: activations must be fp32, bf16 or fp16 for {kind} weight, got {adt}")
         return adt
     if act_dtype is not None and act_dtype != weight.dtype:
         raise ValueError(f"{what}: act_dtype={act_dtype} is for FP8 weights; a {weight.dtype} weight rounds "
@@ -179,6 +219,6 @@ def activation_dtype(what: str, x: torch.Tensor, weight: Weight, act_dtype: Opti
 
 
 def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """A float tensor of ``w`` (dequantized if FP8): for the few weights a model must rearrange beyond
-    rows at load (DeepSeek's absorbed ``kv_b``), and for references."""
-    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w.to(dtype)
+    """A float tensor of ``w`` (dequantized if FP8 or GGUF blocks): for the few weights a model must
+    rearrange beyond rows at load (DeepSeek's absorbed ``kv_b``), and for references."""
+    return w.dequantize(dtype) if isinstance(w, QuantWeight) else w.to(dtype)

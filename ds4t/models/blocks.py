@@ -89,6 +89,8 @@ def fuse_shared_expert(w: MoEWeights) -> MoEWeights:
     i = w.w_gate.shape[1]
     if w.shared_gate_up.shape[0] != 2 * i:
         return w
+    if not all(weights.joinable([a, b]) for a, b in ((w.w_gate, w.shared_gate_up), (w.w_down, w.shared_down))):
+        return w   # e.g. GGUF experts and shared expert of different types: the shared one runs apart
     e = w.w_gate.shape[0]
     return dataclasses.replace(
         w,

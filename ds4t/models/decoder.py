@@ -158,10 +158,11 @@ class DecoderModel(Model):
             named += [("mtp.input_norm", self.input_norms[L]), ("mtp.post_norm", self.post_norms[L])]
             named += named_tensors(self.layers[L], "mtp.layer") + named_tensors(self.mtp, "mtp")
         p, seen = {}, set()
-        for name, t in named:
-            if id(t) not in seen:
-                seen.add(id(t))
-                p[name] = t
+        for name, w in named:
+            for name_, t in named_tensors(w, name):   # a quantized weight (GGUF blocks) lists its tensors
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    p[name_] = t
         return p
 
 

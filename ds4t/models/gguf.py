@@ -13,10 +13,12 @@ What is read, for the architectures in :data:`ARCHITECTURES` (``llama``; ``qwen3
   permutes the rows of ``attn_q`` and ``attn_k`` of llama models (``LlamaModel.permute``: within each
   head, rotate-half pairs (i, i + hd/2) become interleaved pairs (2i, 2i+1), for its GPT-J style
   RoPE); :func:`unpermute_rows` undoes it, exactly (rows only move). Qwen3 files are not permuted.
-* **Types**: F32, F16 and BF16 are read as stored. Every quantized type gguf-py can dequantize
-  (Q8_0, Q4_0, Q4_1, Q5_*, Q*_K, IQ*) is **dequantized at load** with ``gguf.quants.dequantize``
-  to the model dtype, with one log line (logger ``ds4t.gguf``) naming the types; ds4t has no
-  quantized GGUF kernels yet, so such weights take float memory.
+* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_K and Q6_K linear weights (and LM head)
+  **stay as blocks** (:class:`~ds4t.kernels.quant_blocks.GGUFWeight`, the file's bytes; the decode linear
+  and MoE kernels read them, :mod:`ds4t.kernels.qlinear`). Every other quantized type gguf-py can
+  dequantize (Q4_0, Q4_1, Q5_*, Q2_K, Q3_K, Q5_K, IQ*), and kernel types in tensors that are not linear
+  weights (embeddings), is **dequantized at load** with ``gguf.quants.dequantize`` to the model dtype.
+  One log line (logger ``ds4t.gguf``) says which types were kept and which dequantized.
 * **Tokenizer** from ``tokenizer.ggml.*``: a GPT-2 style byte-level BPE (``tokenizer.ggml.model``
   "gpt2": tokens, merges, token types, the pre-tokenizer split named by ``tokenizer.ggml.pre``) built
   as a ``tokenizers.Tokenizer``; control tokens are special tokens, BOS is added when
@@ -64,6 +66,8 @@ _LAYER_TENSORS = [
 ]
 _GLOBAL_TENSORS = [("TOKEN_EMBD", "model.embed_tokens"), ("OUTPUT_NORM", "model.norm"), ("OUTPUT", "lm_head")]
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's per-pair RoPE frequency divisors (its converter's form of llama3 scaling)."""
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
@@ -146,6 +150,7 @@ class GGUFSource(TensorSource):
         super().__init__(origin=path)
         self.arch = arch
         self.dequantized: Dict[str, int] = collections.Counter()
+        self.kept: Dict[str, int] = collections.Counter()
         self._gguf_tensors: Dict[str, Tuple[object, str]] = {}   # HF name -> (ReaderTensor, gguf name)
         self._permute: Dict[str, int] = {}
         names = {}
@@ -158,8 +163,10 @@ class GGUFSource(TensorSource):
         for r in readers:
             for t in r.tensors:
                 base, dot, suffix = t.name.rpartition(".")
+                if t.name == ROPE_FREQS:
+                    continue   # read into the config (hf_config), not a weight
                 if not dot or suffix not in ("weight", "bias") or base not in names:
-                    hint = " (llama3 RoPE frequency factors: not supported yet)" if base == "rope_freqs" else ""
+                    hint = ""
                     raise CheckpointError(f"{path}: tensor {t.name!r} has no place in a {arch} model "
                                           f"of {num_layers} layers{hint}")
                 hf = f"{names[base]}.{suffix}"
@@ -232,6 +239,32 @@ class GGUFSource(TensorSource):
             out = unpermute_rows(out, self._permute[name])
         return out.to(device=device, dtype=dtype or out.dtype).contiguous()
 
+    def blocks(self, name: str, shape=None, device="cpu"):
+        """``name`` as a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` when it is stored as Q8_0, Q4_K or
+        Q6_K (llama's q/k rows un-permuted: rows move, blocks run along K), else None."""
+        from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight
+
+        if name not in self._gguf_tensors or self.gguf_type(name) not in QTYPES:
+            return None
+        t, gname = self._gguf_tensors[name]
+        logical = self.shape(name)
+        if shape is not None and logical != tuple(shape):
+            raise CheckpointError(f"{self.origin}: tensor {gname!r} ({name}) has shape {logical}, "
+                                  f"the metadata implies {tuple(shape)}")
+        kind = self.gguf_type(name)
+        raw = np.asarray(t.data)
+        try:
+            data = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(*logical[:-1], -1)
+            w = GGUFWeight(data, kind, logical[-1])
+        except (ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{self.origin}: tensor {gname!r} ({kind}) does not hold {logical} in "
+                                  f"{kind} blocks ({e})") from None
+        if name in self._permute:
+            rows = torch.arange(logical[0])[:, None]
+            w = w[unpermute_rows(rows, self._permute[name])[:, 0]]
+        self.kept[kind] += 1
+        return w.to(device).contiguous()
+
     def default_dtype(self) -> torch.dtype:
         """bf16 / fp16 when every matrix is stored so, else fp32 (what dequantized types need)."""
         kinds = {t.tensor_type.name for t, _ in self._gguf_tensors.values() if len(t.shape) == 2}
@@ -242,11 +275,18 @@ class GGUFSource(TensorSource):
         return torch.float32
 
     def log_dequantized(self, dtype: torch.dtype) -> None:
-        """The one log line of a load that dequantized tensors (nothing when none was)."""
+        """The one log line of a load that kept or dequantized quantized tensors (nothing when none was)."""
+        def kinds(c):
+            return ", ".join(f"{k} ({n} tensors)" for k, n in sorted(c.items()))
+
+        parts = []
+        if self.kept:
+            parts.append(f"kept {kinds(self.kept)} as blocks (quantized kernels)")
         if self.dequantized:
-            kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(self.dequantized.items()))
-            log.warning("%s: dequantized %s to %s at load: ds4t has no quantized GGUF kernels yet",
-                        os.path.basename(self.origin), kinds, str(dtype).replace("torch.", ""))
+            parts.append(f"dequantized {kinds(self.dequantized)} to {str(dtype).replace('torch.', '')} at load "
+                         f"(no kernel reads those blocks)")
+        if parts:
+            log.warning("%s: %s", os.path.basename(self.origin), "; ".join(parts))
 
 
 def _get(meta: dict, key: str, kind, path: str, default=None):
@@ -388,6 +428,15 @@ def open_gguf(path: str):
             raise CheckpointError(f"{path}: split.count is {want}, the file name says {len(files)}")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for r in readers for t in r.tensors}
     cfg = hf_config(meta, shapes, path)
+    freqs = [t for r in readers for t in r.tensors if t.name == ROPE_FREQS]
+    if freqs:
+        f = np.asarray(freqs[0].data, dtype=np.float32).reshape(-1)
+        if f.shape[0] * 2 != cfg["head_dim"] or not np.all(np.isfinite(f)) or np.any(f <= 0):
+            raise CheckpointError(f"{path}: {ROPE_FREQS!r} must hold {cfg['head_dim'] // 2} positive factors, "
+                                  f"got {f.shape[0]}")
+        if cfg["rope_parameters"]["rope_type"] != "default":
+            raise CheckpointError(f"{path}: {ROPE_FREQS!r} together with rope.scaling.type is not supported")
+        cfg["rope_parameters"]["freq_factors"] = [float(v) for v in f]
     source = GGUFSource(path, readers, cfg["model_type"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
                         cfg["num_hidden_layers"])
     tokenizer, text = build_tokenizer(meta, path)

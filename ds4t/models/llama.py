@@ -39,7 +39,8 @@ def rope_inv_freq(head_dim: int, p: dict, where: str = "config.json") -> torch.T
     theta = float(p["rope_theta"])
     inv = default_inv_freq(head_dim, theta)
     if kind == "default":
-        return inv
+        ff = p.get("freq_factors")   # a GGUF's rope_freqs (llama.cpp's llama3 scaling): per-pair divisors
+        return inv if ff is None else inv / torch.tensor(ff, dtype=torch.float32)
     if kind not in ROPE_TYPES:
         raise CheckpointError(f"{where}: rope_type {kind!r} is not supported for llama/qwen3 "
                               f"(supported: {list(ROPE_TYPES)})")

@@ -11,9 +11,22 @@ from typing import Dict, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
+from ds4t.kernels import quant_blocks
 from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, from_block_scales, quantize, stack
 from ds4t.models.checkpoint import CheckpointError, TensorSource
-from ds4t.models.quant import SCALE_SUFFIX, FP8Config, is_quantized_linear
+from ds4t.models.quant import SCALE_SUFFIX, BlockQuantConfig, FP8Config, is_quantized_linear
+
+
+def keeps_blocks(name: str) -> bool:
+    """Is ``name`` a weight that runs as GGUF blocks (decoder linears and the LM head), when stored or
+    quantized so? Norms, routers, conv, embeddings stay float."""
+    return is_quantized_linear(name) or name == "lm_head.weight"
+
+
+def _to_blocks(t: torch.Tensor, q: BlockQuantConfig, dtype: torch.dtype):
+    """``t`` as GGUF blocks of ``q.qtype`` (or its fallback type for this K; float when none fits)."""
+    qtype = quant_blocks.fallback_type(q.qtype, t.shape[-1])
+    return t if qtype is None else quant_blocks.quantize(t, qtype, act_dtype=dtype)
 
 
 class WeightReader:
@@ -96,10 +109,15 @@ class WeightReader:
                 raise CheckpointError(f"{self.source.origin}: tensor {name!r} is float8_e4m3fn, but the model "
                                       f"reads it as {dtype} (norms, routers and biases stay unquantized)")
             t = self._read_fp8(name)
+        elif dtype is None and keeps_blocks(name) and (b := self._stored_blocks(name)) is not None:
+            t = b
         else:
             t = self.source.get(name, self.expected[name], dtype or self.dtype, self.device)
             q = self.quantize
-            if q is not None and dtype is None and is_quantized_linear(name) and not q.keeps_float(name):
+            if isinstance(q, BlockQuantConfig):
+                if dtype is None and keeps_blocks(name):
+                    t = _to_blocks(t, q, self.dtype)
+            elif q is not None and dtype is None and is_quantized_linear(name) and not q.keeps_float(name):
                 t = quantize(t, q.block).with_act_dtype(self.dtype)
         self.bar.update(1)
         return t
@@ -109,6 +127,15 @@ class WeightReader:
         quantizes the stacked tensor once (per-block scales are the same as per expert; thousands of
         experts at full depth load in one pass per layer instead of one per expert)."""
         q = self.quantize
+        if isinstance(q, BlockQuantConfig) and all(is_quantized_linear(n) for n in names):
+            self.quantize = None
+            try:
+                floats = [self(n) for n in names]
+            finally:
+                self.quantize = q
+            if all(isinstance(f, torch.Tensor) for f in floats):   # quantize the stack once
+                return _to_blocks(torch.stack(floats), q, self.dtype)
+            return stack(floats)
         if q is not None and all(is_quantized_linear(n) and not q.keeps_float(n) and n not in self.fp8_names
                                  for n in names):
             self.quantize = None
@@ -118,6 +145,12 @@ class WeightReader:
                 self.quantize = q
             return quantize(torch.stack(floats), q.block).with_act_dtype(self.dtype)
         return stack([self(n) for n in names])
+
+    def _stored_blocks(self, name: str):
+        """The source's GGUF blocks of ``name`` (None: not stored as a kernel block type)."""
+        blocks = getattr(self.source, "blocks", None)
+        w = blocks(name, self.expected[name], self.device) if blocks is not None else None
+        return None if w is None else w.with_act_dtype(self.dtype)
 
     def _read_fp8(self, name: str) -> FP8Weight:
         data = self.source.get(name, self.expected[name], None, self.device)

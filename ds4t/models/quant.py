@@ -77,11 +77,28 @@ def parse_quantization(cfg: dict, where: str = "config.json") -> Optional[FP8Con
     return FP8Config(block=(int(block[0]), int(block[1])), not_converted=tuple(skip))
 
 
-def quantize_option(quantize, cfg: dict) -> Optional[FP8Config]:
-    """``load(quantize=...)``: None (as stored) or "fp8" (float weights quantized at load, in the
-    checkpoint's blocks if it names them, else 128 x 128)."""
+@dataclasses.dataclass(frozen=True)
+class BlockQuantConfig:
+    """``load(quantize="q8_0" | "q4_k" | "q6_k")``: the decoder's linear weights (and an untied LM head)
+    quantized to GGUF blocks as they are read (:mod:`ds4t.kernels.quant_blocks`), weight-only; a weight
+    whose K the type does not fit falls back as llama-quantize does (K-quants -> Q8_0 -> float)."""
+    qtype: str
+
+    def keeps_float(self, name: str) -> bool:
+        return False
+
+
+BLOCK_TYPES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+
+
+def quantize_option(quantize, cfg: dict):
+    """``load(quantize=...)``: None (as stored), "fp8" (float weights quantized at load, in the
+    checkpoint's blocks if it names them, else 128 x 128) or a GGUF block type "q8_0" / "q4_k" /
+    "q6_k" (:class:`BlockQuantConfig`)."""
     if quantize is None:
         return None
+    if isinstance(quantize, str) and quantize.lower() in BLOCK_TYPES:
+        return BlockQuantConfig(BLOCK_TYPES[quantize.lower()])
     if quantize != "fp8":
-        raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'fp8', 'q8_0', 'q4_k' or 'q6_k', got {quantize!r}")
     return parse_quantization(cfg) or FP8Config()

@@ -57,7 +57,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
          quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
     writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
-    :mod:`ds4t.models.gguf`: architectures llama and qwen3, quantized types dequantized at load,
+    :mod:`ds4t.models.gguf`: architectures llama and qwen3, Q8_0 / Q4_K / Q6_K linear weights kept as blocks,
+    other quantized types dequantized at load,
     tokenizer and chat template from its metadata) or a preset name.
 
     ``model.tokenizer``: the checkpoint's tokenizer.json (GGUF: built from its metadata), or for a preset a byte-level tokenizer
@@ -69,7 +70,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     options: family-specific model options, passed to the model class, e.g.
     ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe).
     quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
-    weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``).
+    weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``), or
+    "q8_0" / "q4_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
     A preset whose config carries a quantization_config (``qwen3-next-80b-fp8``) is quantized at load.
     tp: tensor + expert parallel over the ranks of the initialised torch.distributed group ``tp_group``
     (default: the world, which must have ``tp`` ranks): this rank loads its shard (:mod:`ds4t.parallel`;

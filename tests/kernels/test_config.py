@@ -27,6 +27,8 @@ EXPECTED = {
     "mla": {"MLA_CONFIGS": "mla_decode", "WRITE_LATENT_CONFIGS": "write_latent"},
     "moe": {"MOE_CONFIGS": "moe", "MOE_COMBINE_CONFIGS": "moe_combine"},
     "norm": {"NORM_CONFIGS": "rms_norm"},
+    "qlinear": {"QLINEAR_CONFIGS": "qlinear"},
+    "qmoe": {"QMOE_CONFIGS": "qmoe"},
     "rope": {"ROPE_CONFIGS": "rope"},
     "router": {"ROUTER_CONFIGS": "router"},
     "sampling": {"SAMPLING_CONFIGS": "sampling"},

@@ -1,0 +1,246 @@
+"""Decode linear over GGUF blocks (Q8_0, Q4_K, Q6_K), read as stored: what :func:`ds4t.kernels.linear.linear`
+launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
+
+Shapes and dtypes
+    x       [B, K]  fp32 / bf16 / fp16, rounded to the activation dtype A inside the kernel
+    weight  GGUFWeight [N, K]: uint8 [N, K / QK * BPB] blocks
+    bias    [N] or None, any float dtype, added in fp32
+    returns [B, N]  fp32
+
+Arithmetic (defined in :mod:`ds4t.kernels.quant_blocks`): per row n and sub-block j of SB columns, in K
+order, ``acc += s[n, j] * (x_j . q_j) - mn[n, j] * sum(x_j)``, each sum in fp32 from zero, the block's
+integers converted exactly to A and the fp32 scales decoded from the block bytes in registers.
+:func:`qdot` is that loop, shared with the MoE kernels (:mod:`ds4t.kernels.qmoe`).
+
+Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
+never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
+sub-block; a split-K count S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
+:func:`ds4t.kernels.linear._splitk_sum_kernel` adds in the order 0..S-1. No atomics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import cast, mma, tl_dtype
+from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.quant_blocks import GGUFWeight, block_format
+
+BLOCK_M = 16
+"""Rows per tile: fixed (tl.dot needs M >= 16 on the GPU)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Block decoding and the sub-block dot (jit helpers, also used by the MoE kernels)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _f16_at(p):
+    """The fp16 at byte pointers ``p`` (little endian, as ggml stores it), as fp32 (exact)."""
+    lo = tl.load(p).to(tl.uint16)
+    hi = tl.load(p + 1).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4k_scale_min(blk, J: tl.constexpr):
+    """Q4_K sub-block J's 6-bit (scale, min) from the 12 packed bytes at ``blk + 4`` (ggml's
+    ``get_scale_min_k4``): uint8 [BN] each."""
+    if J < 4:
+        sc = tl.load(blk + 4 + J) & 63
+        m = tl.load(blk + 8 + J) & 63
+    else:
+        a = tl.load(blk + 8 + J)
+        sc = (a & 15) | ((tl.load(blk + J) >> 6) << 4)
+        m = (a >> 4) | ((tl.load(blk + 4 + J) >> 6) << 4)
+    return sc, m
+
+
+@triton.jit
+def _scaled_dot(acc, q, x_row, k, s, mn, ADT: tl.constexpr, SB: tl.constexpr, HAS_MIN: tl.constexpr):
+    """acc [BN, BM] + s * (q . x) (- mn * sum(x)) over the SB columns k .. k + SB.
+
+    q [BN, SB] small integers (exact in ADT); x_row [BM] pointers to each row's column 0 (rows in
+    bounds); s, mn [BN] fp32. The dot and the sum of x start from zero in fp32."""
+    kk = k + tl.arange(0, SB)
+    xt = tl.load(x_row[None, :] + kk[:, None])                   # [SB, BM]
+    xt = cast(xt.to(tl.float32), ADT)
+    p = mma(q.to(tl.float32).to(ADT), xt, tl.zeros(acc.shape, dtype=tl.float32))   # int -> fp32 -> A: exact
+    if HAS_MIN:
+        sx = tl.sum(xt.to(tl.float32), axis=0)
+        acc = acc + (s[:, None] * p - mn[:, None] * sx[None, :])
+    else:
+        acc = acc + s[:, None] * p
+    return acc
+
+
+@triton.jit
+def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr):
+    """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
+
+    w_row [BN] uint8 pointers to each weight row's first block (rows in bounds); x_row [BM] pointers
+    to each activation row's column 0. FMT: 0 Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K.
+    Sub-blocks run in K order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic."""
+    if FMT == 0:
+        for k in range(k_lo, k_hi, 32 * G):
+            for g in tl.static_range(G):
+                blk = w_row + (k // 32 + g) * 34
+                d = _f16_at(blk)
+                q = tl.load(blk[:, None] + 2 + tl.arange(0, 32)[None, :]).to(tl.int8, bitcast=True)
+                acc = _scaled_dot(acc, q, x_row, k + 32 * g, d, d, ADT, 32, False)
+    elif FMT == 1:
+        for k in range(k_lo, k_hi, 256):
+            blk = w_row + (k // 256) * 144
+            d = _f16_at(blk)
+            dmin = _f16_at(blk + 2)
+            for c in tl.static_range(4):
+                qb = tl.load(blk[:, None] + (16 + 32 * c) + tl.arange(0, 32)[None, :])   # [BN, 32]
+                for h in tl.static_range(2):
+                    sc, m = _q4k_scale_min(blk, 2 * c + h)
+                    q = (qb >> (4 * h)) & 15
+                    acc = _scaled_dot(acc, q, x_row, k + 64 * c + 32 * h, d * sc.to(tl.float32),
+                                      dmin * m.to(tl.float32), ADT, 32, True)
+    else:
+        for k in range(k_lo, k_hi, 256):
+            blk = w_row + (k // 256) * 210
+            d = _f16_at(blk + 208)
+            for t in tl.static_range(16):
+                # sub-block t = elements 16t .. 16t + 15 = half t // 8, offsets e0 .. e0 + 15 in it
+                e0 = (t % 8) * 16
+                ql = tl.load(blk[:, None] + (64 * (t // 8) + e0 % 64) + tl.arange(0, 16)[None, :])
+                qh = tl.load(blk[:, None] + (128 + 32 * (t // 8) + e0 % 32) + tl.arange(0, 16)[None, :])
+                q = ((ql >> (4 * (e0 // 64))) & 15) | (((qh >> (2 * (e0 // 32))) & 3) << 4)
+                sc = tl.load(blk + 192 + t).to(tl.int8, bitcast=True).to(tl.float32)
+                acc = _scaled_dot(acc, q.to(tl.int16) - 32, x_row, k + 16 * t, d * sc, d, ADT, 16, False)
+    return acc
+
+
+@triton.jit(do_not_specialize=["B"])
+def _qlinear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    B, stride_xm, stride_wn, stride_ys, stride_ym,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT). Rows past
+    B and weight rows past N load in-bounds rows (clamped) and are never stored."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_row = x_ptr + tl.minimum(rm, B - 1).to(tl.int64) * stride_xm
+    w_row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
+    k_lo = pid_s * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc = qdot(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_row, x_row, k_lo, k_hi, FMT, ADT, G)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[:, None]
+    y = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+    tl.store(y, acc, mask=(rm < B)[None, :] & (rn < N)[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: a function of (K, N, type, activation dtype) only
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QLinearConfig:
+    block_n: int
+    split: int          # K splits (1: none); splits fall on loop-step boundaries
+    group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def k_step(self, qtype: str) -> int:
+        return 32 * self.group if qtype == "Q8_0" else 256
+
+    def k_per_split(self, K: int, qtype: str) -> int:
+        step = self.k_step(qtype)
+        return triton.cdiv(triton.cdiv(K, self.split), step) * step
+
+
+def _q8_group(K: int, cap: int) -> int:
+    """Q8_0 blocks per loop step: the largest power of two <= cap dividing K / 32."""
+    g = cap
+    while g > 1 and (K // 32) % g:
+        g //= 2
+    return g
+
+
+def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
+    """Not swept yet: 64-row weight tiles, 4 Q8_0 blocks a step; split K (by K alone) while the grid
+    has fewer than ~2 programs per SM of an H200 (264) and each split keeps >= 8 loop steps."""
+    group = _q8_group(K, 4) if qtype == "Q8_0" else 1
+    step = 32 * group if qtype == "Q8_0" else 256
+    block_n = max(16, min(64, triton.next_power_of_2(N)))
+    split = 1
+    while triton.cdiv(N, block_n) * split < 264 and K // step >= 16 * split:
+        split *= 2
+    return QLinearConfig(block_n=block_n, split=split, group=group, num_warps=4, num_stages=3)
+
+
+def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
+    # few, big programs (the interpreter pays per program and per op); mma materialises [BN, SB, 16]
+    group = _q8_group(K, 8) if qtype == "Q8_0" else 1
+    return QLinearConfig(block_n=max(16, min(256, triton.next_power_of_2(N))), split=1, group=group,
+                         num_warps=4, num_stages=1)
+
+
+QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
+    "qlinear", gpu={}, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
+    source="rule: 64-row tiles, split-K to ~264 programs; not swept (bench/bench_gguf.py measures it)")
+"""Keyed on (K, N, GGUF type, activation dtype)."""
+
+
+@functools.lru_cache(maxsize=None)
+def qlinear_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> QLinearConfig:
+    return QLINEAR_CONFIGS(K, N, qtype, act_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher (called by ds4t.kernels.linear.linear)
+# ----------------------------------------------------------------------------------------------
+def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], out: torch.Tensor,
+           act_dtype: torch.dtype, config: Optional[QLinearConfig] = None) -> torch.Tensor:
+    """fp32 ``out [B, N] = x @ W^T (+ bias)`` for checked arguments: x [B, K] with unit K stride, weight
+    rows contiguous, ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
+    (tests and benchmarks; it must not depend on B)."""
+    from ds4t.kernels.linear import SPLITK_SUM_CONFIGS, _splitk_sum_kernel
+
+    B, K = x.shape
+    N = weight.shape[0]
+    w = weight.data
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    cfg = config or qlinear_config(K, N, weight.qtype, act_dtype)
+    kps = cfg.k_per_split(K, weight.qtype)
+    if kps % cfg.k_step(weight.qtype) or (weight.qtype == "Q8_0" and (K // 32) % cfg.group):
+        raise ValueError(f"qlinear: config {cfg} does not tile K={K} of {weight.qtype}")
+    split = triton.cdiv(K, kps)
+    if B == 0:
+        return out
+    fmt = block_format(weight.qtype).code
+    has_bias = bias is not None
+    b_arg = bias if has_bias else out
+    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, **launch_kwargs(cfg))
+    grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
+    if split == 1:
+        _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
+                              HAS_BIAS=has_bias, **consts)
+        return out
+    part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
+    _qlinear_kernel[grid](x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
+                          HAS_BIAS=False, **consts)
+    total = B * N
+    sum_cfg = SPLITK_SUM_CONFIGS(N)
+    block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
+    _splitk_sum_kernel[(triton.cdiv(total, block),)](
+        part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
+        num_warps=sum_cfg.num_warps)
+    return out

@@ -1,0 +1,133 @@
+"""Routed MoE experts over GGUF blocks: the grouped gate/up and down kernels of :mod:`ds4t.kernels.moe`
+with weights read as Q8_0 / Q4_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
+for :class:`~ds4t.kernels.quant_blocks.GGUFWeight` experts).
+
+Weights: w_gate / w_up GGUFWeight [E, I, D] of one type (one loop reads both), w_down GGUFWeight
+[E, D, I] of any kernel type (llama.cpp's mixes often keep ``ffn_down_exps`` one step above gate/up).
+Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
+activations (h, then silu(g)·u) rounded to the activation dtype A first. Grouping, slot-to-expert
+lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
+invariance there (a pair's value depends on its own row, its expert's blocks and launch constants
+that come from shapes and types only).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.backend import silu as _silu
+from ds4t.backend import tl_dtype
+from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
+from ds4t.kernels.qlinear import _q8_group, qdot
+from ds4t.kernels.quant_blocks import GGUFWeight, block_format
+
+
+@triton.jit
+def _qmoe_gate_up_kernel(
+    h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
+    wg_ptr, wu_ptr, sw_e, sw_n,
+    act_ptr, sa_p,
+    D, I, KTOP, E,
+    FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+):
+    """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
+    wg / wu: uint8 blocks [E, I, D / QK * BPB] (strides sw_e, sw_n bytes, same for both)."""
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < I
+    w_off = e.to(tl.int64) * sw_e + tl.minimum(n, I - 1).to(tl.int64) * sw_n
+    for m0 in range(start, end, BM):
+        q = m0 + tl.arange(0, BM)
+        qm = q < end
+        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        x_row = h_ptr + (p // KTOP) * sh_b
+        zero = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G)
+        acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G)
+        act = _silu(acc_g) * acc_u                                        # [BN, BM]
+        tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
+
+
+@triton.jit
+def _qmoe_down_kernel(
+    act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
+    wd_ptr, sw_e, sw_n,
+    y_ptr, sy_p,
+    D, I, E,
+    FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+):
+    """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n]."""
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < D
+    w_row = wd_ptr + e.to(tl.int64) * sw_e + tl.minimum(n, D - 1).to(tl.int64) * sw_n
+    for m0 in range(start, end, BM):
+        q = m0 + tl.arange(0, BM)
+        qm = q < end
+        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G)
+        tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class QMoEConfig:
+    """Launch constants of a grouped GGUF kernel: the N tile cap (tile = max(16, min(cap, next_pow2(N)))),
+    Q8_0 blocks per K step (cap), warps and stages (None: Triton's default)."""
+    tile_n: int
+    q8_group: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def tiles(self, N: int, K: int, qtype: str):
+        """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
+        g = _q8_group(K, self.q8_group) if qtype == "Q8_0" else 1
+        return max(16, min(self.tile_n, triton.next_power_of_2(N))), g
+
+
+QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
+    "qmoe", gpu={},
+    gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+    interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1),
+    source="rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step; not swept "
+           "(bench/bench_gguf.py measures it)")
+"""Keyed on (kernel "gate_up" | "down", GGUF type)."""
+
+
+def check_weights(w_gate, w_up, w_down) -> None:
+    """GGUF experts: gate and up of one type (read in one loop), down any kernel type; all one act_dtype."""
+    if not all(isinstance(w, GGUFWeight) for w in (w_gate, w_up, w_down)):
+        raise TypeError("w_gate, w_up, w_down: cannot mix GGUF block weights with other formats")
+    if w_gate.qtype != w_up.qtype:
+        raise ValueError(f"w_gate and w_up must share one GGUF type, got {w_gate.qtype} and {w_up.qtype}")
+    if len({w.act_dtype for w in (w_gate, w_up, w_down)}) != 1:
+        raise ValueError("w_gate, w_up, w_down must share one act_dtype")
+
+
+def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: GGUFWeight, w_up: GGUFWeight,
+           w_down: GGUFWeight, act, y, KT: int, adt: torch.dtype) -> None:
+    """Steps 2 and 3 of :func:`ds4t.kernels.moe.moe_experts` (gate/up into ``act`` [P, I], down into
+    ``y`` [P, D], both fp32) for GGUF experts, over pairs already grouped (``order``, ``bounds``)."""
+    E, I, D = w_gate.shape
+    wg, wu, wd = (w.data if w.data.stride(-1) == 1 else w.data.contiguous() for w in (w_gate, w_up, w_down))
+    if wg.stride() != wu.stride():
+        wg, wu = wg.contiguous(), wu.contiguous()
+    BE = triton.next_power_of_2(E)
+    ADT = tl_dtype(adt)
+    cfg = QMOE_CONFIGS("gate_up", w_gate.qtype)
+    BN, G = cfg.tiles(I, D, w_gate.qtype)
+    _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
+        h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
+        D, I, KT, E, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg))
+    cfg = QMOE_CONFIGS("down", w_down.qtype)
+    BN, G = cfg.tiles(D, I, w_down.qtype)
+    _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
+        act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
+        D, I, E, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg))

@@ -1,0 +1,249 @@
+"""GGUF blocks kept as stored (ds4t.kernels.quant_blocks) and the kernels that read them (qlinear through
+``linear``, qmoe through ``moe_experts``): against gguf-py's dequantize + torch, bitwise decoding, NaN-poisoned
+outputs, row batch invariance (hypothesis) with a negative control."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from ds4t.backend import INTERPRET
+from ds4t.kernels import weights
+from ds4t.kernels.linear import linear, linear_heads, linear_ref
+from ds4t.kernels.moe import moe_experts, moe_experts_ref
+from ds4t.kernels.registry import use_variants
+from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, qlinear_config
+from ds4t.kernels.quant_blocks import FORMATS, QTYPES, GGUFWeight, dequantize, quantize, quantize_numpy
+from tests.kernels.invariance import assert_rows_invariant, poisoned
+
+DEV = torch.device("cpu" if INTERPRET else "cuda")
+ADTS = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
+"""Max |kernel - ref| / max |ref| by activation dtype. Both sides use the same (exact) dequantized weights
+and the same rounded activations; the kernel sums s * (x . q) - mn * sum(x) per sub-block, the reference
+x . w: fp32 sums in different orders."""
+
+
+def random_blocks(shape, qtype: str, seed: int, exp=(-4, -2)) -> GGUFWeight:
+    """A GGUFWeight [*shape] of random bytes (every bit pattern of quants and packed scales) with finite,
+    moderate fp16 block scales: covers what a quantizer might never emit."""
+    f = FORMATS[qtype]
+    *lead, K = shape
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(lead)) * (K // f.qk)
+    raw = rng.integers(0, 256, size=(n, f.bpb), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 2.0, size=(n, 2)) * 10.0 ** rng.uniform(*exp, size=(n, 1))).astype(np.float16)
+    if qtype == "Q8_0":
+        raw[:, 0:2] = scales[:, :1].view(np.uint8)
+    elif qtype == "Q4_K":
+        raw[:, 0:4] = scales.view(np.uint8).reshape(n, 4)
+    else:
+        raw[:, 208:210] = scales[:, :1].view(np.uint8)
+    data = torch.from_numpy(raw.reshape(*lead, K // f.qk * f.bpb)).to(DEV)
+    return GGUFWeight(data, qtype, K)
+
+
+def _x(B, K, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, K, generator=g).to(dtype).to(DEV)
+
+
+def _rel(y, ref):
+    return ((y - ref).abs().max() / ref.abs().max()).item()
+
+
+# ----------------------------------------------------------------------------- format and quantizers
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantizer_round_trips_through_gguf_py(qtype):
+    """Our blocks, decoded by gguf-py, are the weight up to the format's step (Q8_0: gguf-py's own quantizer)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 512, generator=g)
+    w[1] -= 1.5                                  # an all-negative-ish row (Q4_K's min)
+    w[2, :256] = 0.0                             # an all-zero block
+    q = quantize(w, qtype)
+    back = q.dequantize()
+    step = {"Q8_0": 1 / 127, "Q4_K": 1 / 15 * 1.3, "Q6_K": 1 / 31 * 1.1}[qtype]
+    blocks = w.reshape(3, -1, FORMATS[qtype].sb)
+    span = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True).clamp(max=0)).expand_as(blocks)
+    assert ((back - w).abs().reshape_as(blocks) <= span * step + 1e-3).all()
+    assert torch.equal(back[2, :256], torch.zeros(256))
+    if qtype == "Q8_0":
+        import gguf
+
+        assert np.array_equal(q.data.numpy(), gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_weight_type_rows_experts_and_errors():
+    w = quantize(torch.randn(2, 6, 256), "Q4_K")
+    assert w.shape == (2, 6, 256) and w.data.shape == (2, 6, 144) and w.nbytes == 2 * 6 * 144
+    assert torch.equal(w[1][2:4].dequantize(), w.dequantize()[1, 2:4])
+    both = weights.cat([w[0][:2], w[1][3:]])
+    assert torch.equal(both.dequantize(), torch.cat([w.dequantize()[0, :2], w.dequantize()[1, 3:]]))
+    assert torch.equal(weights.stack([w[1], w[0]]).dequantize(), w.dequantize().flip(0))
+    assert weights.joinable([w[0], w[1]]) and not weights.joinable([w[0], quantize(torch.randn(6, 256), "Q6_K")])
+    q6 = quantize(torch.randn(6, 256), "Q6_K", act_dtype=torch.bfloat16)
+    mixed = weights.cat([w[0].with_act_dtype(torch.bfloat16), q6])   # mixed types: joined in float
+    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, torch.cat([w.dequantize()[0], q6.dequantize()]).bfloat16())
+    with pytest.raises(ValueError, match="along K"):
+        weights.cat([w[0], w[1]], dim=1)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        GGUFWeight(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 100)
+    with pytest.raises(ValueError, match="needs 288 bytes"):
+        GGUFWeight(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 512)
+    with pytest.raises(ValueError, match="not read as blocks"):
+        GGUFWeight(torch.zeros(4, 144, dtype=torch.uint8), "Q5_K", 256)
+    with pytest.raises(ValueError, match="multiple of its block"):
+        quantize_numpy(np.zeros((2, 48), np.float32), "Q8_0")
+    with pytest.raises(TypeError, match="GGUF"):
+        linear_heads(torch.randn(2, 2, 256), weights.stack([w[0][:3], w[0][3:]]))
+
+
+# ----------------------------------------------------------------------------- linear
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_decodes_blocks_bitwise_as_gguf_py(qtype):
+    """x = the identity: row k of the result is column k of the weight, which the kernel must decode to
+    exactly gguf-py's fp32 value (s * q - mn is one rounding; the other terms add exact zeros)."""
+    K = 256
+    w = random_blocks((40, K), qtype, seed=3)
+    y = linear(torch.eye(K, device=DEV), w, out=poisoned((K, 40), device=DEV))
+    assert torch.equal(y.t().cpu(), dequantize(w.data.cpu(), qtype, K))
+
+
+@pytest.mark.parametrize("adt", ADTS, ids=str)
+@pytest.mark.parametrize("qtype,B,K,N", [("Q8_0", 5, 96, 33), ("Q4_K", 3, 512, 70), ("Q6_K", 17, 256, 21)])
+def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
+    w = random_blocks((N, K), qtype, seed=B + N).with_act_dtype(adt)
+    x = _x(B, K, seed=B)
+    b = torch.randn(N).to(DEV)
+    y = linear(x, w, b, out=poisoned((B, N), device=DEV))
+    ref = linear_ref(x, w, b)   # gguf-py's dequantize (as_float), x rounded to adt, fp32 matmul
+    assert _rel(y, ref) <= TOL[adt]
+    deq = torch.from_numpy(__import__("gguf").quants.dequantize(
+        w.data.cpu().numpy(), __import__("gguf").GGMLQuantizationType[qtype])).to(DEV)
+    direct = x.to(adt).double() @ deq.double().t() + b.double()
+    assert _rel(y.double(), direct) <= TOL[adt]
+
+
+# Configs that exercise the GPU code paths in the interpreter: split-K (ragged last split), several N
+# tiles, Q8_0 blocks per step.
+PATH_CONFIGS = [QLinearConfig(block_n=16, split=3, group=2), QLinearConfig(block_n=64, split=2, group=1),
+                QLinearConfig(block_n=32, split=1, group=4)]
+
+
+@pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gpu_paths_match_reference(qtype, cfg):
+    K = 768 if qtype != "Q8_0" else 256
+    w = random_blocks((50, K), qtype, seed=11)
+    x = _x(4, K, seed=2)
+    b = torch.randn(50).to(DEV)
+    y = linear(x, w, b, config=cfg, out=poisoned((4, 50), device=DEV))
+    assert _rel(y, linear_ref(x, w, b)) <= TOL[torch.float32]
+
+
+def test_config_never_sees_the_batch():
+    for qt in QTYPES:
+        cfg = _gpu_rule(4096, 14336, qt)
+        assert cfg == _gpu_rule(4096, 14336, qt, torch.bfloat16)
+        assert cfg.k_per_split(4096, qt) % cfg.k_step(qt) == 0
+    assert qlinear_config(512, 80, "Q4_K", torch.float32) is qlinear_config(512, 80, "Q4_K", torch.float32)
+    with pytest.raises(ValueError, match="does not tile"):
+        linear(_x(1, 96, 0), random_blocks((8, 96), "Q8_0", 0), config=QLinearConfig(block_n=16, split=1, group=2))
+
+
+POOL = 36
+_POOLS = {}
+
+
+def _pool(qtype):
+    if qtype not in _POOLS:
+        K = 128 if qtype == "Q8_0" else 512   # several sub-blocks per split: a split regroups the sum
+        _POOLS[qtype] = (_x(POOL, K, seed=9), random_blocks((24, K), qtype, seed=5), torch.randn(24).to(DEV))
+    return _POOLS[qtype]
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 33))
+    rows = draw(st.permutations(range(POOL)))[:B]
+    return rows, draw(st.integers(0, B - 1))
+
+
+PROPERTY = settings(max_examples=10, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+                    suppress_health_check=list(HealthCheck))
+
+
+def _check(launch, qtype, batch):
+    x, w, b = _pool(qtype)
+    rows, i = batch
+    assert_rows_invariant(lambda idx: launch(x[idx].contiguous(), w, b), rows, i)
+
+
+@PROPERTY
+@given(batch=batches(), qtype=st.sampled_from(QTYPES), cfg=st.sampled_from([None, *PATH_CONFIGS]),
+       adt=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rows_invariant(batch, qtype, cfg, adt):
+    _check(lambda x, w, b: linear(x, w, b, config=cfg, act_dtype=adt), qtype, batch)
+
+
+def _split_from_batch(x, w, b):
+    """Negative control: the split-K count follows the batch size (what the config must never do)."""
+    return linear(x, w, b, config=QLinearConfig(block_n=16, split=1 if x.shape[0] == 1 else 2, group=1))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_negative_control_is_caught(qtype):
+    @settings(max_examples=25, deadline=None, database=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(batch=batches())
+    def prop(batch):
+        _check(_split_from_batch, qtype, batch)
+
+    with pytest.raises(AssertionError, match="differs between batch"):
+        prop()
+
+
+# ----------------------------------------------------------------------------- MoE
+
+def _moe_data(qg, qd, seed, B=5, E=4, k=2, D=256, I=256):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, D, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)]).to(DEV, torch.int32)
+    ids[1] = ids[0].flip(0)
+    wts = torch.rand(B, k, generator=g).to(DEV)
+    wg, wu = (random_blocks((E, I, D), qg, seed + j, exp=(-5, -4)) for j in (1, 2))
+    wd = random_blocks((E, D, I), qd, seed + 3, exp=(-5, -4))
+    return h, ids, wts, wg, wu, wd
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qg,qd,path", [("Q4_K", "Q6_K", "interp"), ("Q8_0", "Q4_K", "gpu"), ("Q6_K", "Q8_0", "host_list")])
+def test_moe_matches_reference_and_rows_alone(qg, qd, path, adt):
+    with use_variants({"moe_experts": path if INTERPRET else "gpu"}):
+        _moe_case(qg, qd, adt)
+
+
+def _moe_case(qg, qd, adt):
+    h, ids, wts, wg, wu, wd = _moe_data(qg, qd, seed=7)
+    E = wg.shape[0]
+    gate = torch.randn(h.shape[0]).to(DEV)
+    o = moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, act_dtype=adt,
+                    out=poisoned((h.shape[0], h.shape[1]), device=DEV))
+    ref = moe_experts_ref(h, ids, wts, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, act_dtype=adt)
+    assert _rel(o, ref) <= 1e-4
+    for i in (0, 1, 4):   # rows 0 and 1 share their experts
+        one = moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], wg, wu, wd, shared_expert=E - 1,
+                          shared_gate=gate[i:i + 1], act_dtype=adt)
+        assert torch.equal(one[0], o[i])
+
+
+def test_moe_weight_errors():
+    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q6_K", seed=1)
+    with pytest.raises(ValueError, match="one GGUF type"):
+        moe_experts(h, ids, wts, wg, random_blocks(tuple(wu.shape), "Q6_K", 0), wd)
+    with pytest.raises(TypeError, match="cannot mix"):
+        moe_experts(h, ids, wts, wg, wu, wd.dequantize())
