@@ -156,7 +156,7 @@ class DecoderModel(Model):
         if self.mtp is not None:   # listed as "mtp.*": a plain decode step never reads them
             L = self.num_layers
             named += [("mtp.input_norm", self.input_norms[L]), ("mtp.post_norm", self.post_norms[L])]
-            named += named_tensors(self.layers[L], "mtp.layer") + named_tensors(self.mtp, "mtp")
+            named += [*named_tensors(self.layers[L], "mtp.layer"), *named_tensors(self.mtp, "mtp")]
         p, seen = {}, set()
         for name, w in named:
             for name_, t in named_tensors(w, name):   # a quantized weight (GGUF blocks) lists its tensors
