@@ -26,17 +26,18 @@ def tp_model(path_or_preset: str, **options):
 
 
 def reference_logits(model, prompt: Sequence[int], steps: int) -> torch.Tensor:
-    """fp32 [len(prompt) + steps, vocab]: the prompt's logits (every position), then ``steps`` greedy
-    decode steps run natively beside a second session. The same calls on any model (tp or not)."""
+    """fp32 [len(prompt) + steps, vocab]: the prompt's logits (every position), then ``steps`` decode
+    steps run natively beside a second session. The same calls on any model (tp or not). The decode
+    tokens are fixed (teacher-forced), not argmax: two sum orders that pick different argmaxes at a
+    near-tie would otherwise compare the logits of different continuations."""
     a, b = model.new_session(len(prompt) + steps + 8), model.new_session(len(prompt) + steps + 8)
     try:
         rows = [a.prefill(list(prompt), all_logits=True)]
         b.prefill([5, 6])
-        ta, tb = int(rows[0][-1].argmax()), 9
-        for _ in range(steps):
+        for j in range(steps):
+            ta, tb = prompt[j % len(prompt)], prompt[(j + 1) % len(prompt)]
             res = ds4t.eval_batch([ds4t.DecodeItem(a, ta), ds4t.DecodeItem(b, tb)], mode="native")
             rows.append(res.logits[:1])
-            ta, tb = int(res.logits[0].argmax()), int(res.logits[1].argmax())
         return torch.cat(rows).cpu()
     finally:
         a.close()
