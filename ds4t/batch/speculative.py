@@ -206,19 +206,26 @@ def _check(items: Sequence[SpecItem]):
     return model
 
 
+def _has_history(s: Session) -> bool:
+    """The session's MTP backlog reaches its position (it was fed through this module since its last
+    state load: a session restored from a saved state or prefilled by ``Session.prefill`` has none).
+    Without it the session takes a plain step this time; its history starts there."""
+    b = _backlog(s)
+    return b is not None and b.hidden.shape[0] > 0 and b.start + b.hidden.shape[0] == s.pos \
+        and len(b.tokens) == b.hidden.shape[0] - 1
+
+
 def _mtp_drafts(model, items: List[SpecItem], ks: List[int]) -> Dict[int, List[int]]:
-    """Greedy drafts from the MTP head for the items with ks[i] > 0, batched: the catch-up call over
-    every such session's backlog (its last row drafts d1), then one row per session per further draft."""
-    idx = [i for i, it in enumerate(items) if ks[i] > 0 and it.drafts is None]
+    """Greedy drafts from the MTP head for the items with ks[i] > 0 whose sessions have MTP history,
+    batched: the catch-up call over every such session's backlog (its last row drafts d1), then one
+    row per session per further draft."""
+    idx = [i for i, it in enumerate(items) if ks[i] > 0 and it.drafts is None and _has_history(it.session)]
     if not idx:
         return {}
     segs, hidden = [], []
     for i in idx:
         s, it = items[i].session, items[i]
         b = _backlog(s)
-        if b is None or b.start + b.hidden.shape[0] != s.pos or len(b.tokens) != b.hidden.shape[0] - 1:
-            raise BatchError(f"session in slot {s.slot}: no MTP history for its position (prefill it with "
-                             "ds4t.batch.speculative.prefill, or give drafts)")
         segs.append(SegmentSpec(s.slot, b.tokens + [it.token], b.start))
         hidden.append(b.hidden)
     batch = StepBatch.build(segs, model.device)
@@ -251,7 +258,10 @@ def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode:
     """
     model = _check(items)
     if extra:
-        emodel, ework = _validate(list(extra))
+        try:
+            emodel, ework = _validate(list(extra))
+        except BatchError as e:   # number the extra items after the speculative ones
+            raise BatchError(f"extra {e}", item=None if e.item is None else len(items) + e.item) from None
         if emodel is not model:
             raise BatchError("extra items belong to another model")
         if {id(s) for s, _ in ework} & {id(it.session) for it in items}:

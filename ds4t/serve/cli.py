@@ -127,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eval_batch mode: auto (native where the model allows) or ordered (each session "
                         "alone, for comparison)")
     p.add_argument("--plan-only", action="store_true", help="print the memory plan and exit (0: fits, 2: does not)")
+    p.add_argument("--mtp", type=nonneg, default=0, metavar="K",
+                   help="speculative decoding: K drafts per slot per step from the model's MTP head, verified in "
+                        "the step's one batched call; the same tokens as without it (0: off)")
     p.add_argument("--tp", type=pos, default=1, metavar="K",
                    help="tensor + expert parallel over K ranks (started here, one per GPU; or torchrun's): rank 0 "
                         "serves HTTP, the others replay its steps on their shards; the memory plan is per rank")
@@ -162,15 +165,19 @@ def build(args, model=None):
                         kv_cache_dir=args.kv_cache_dir, kv_cache_max_entries=args.kv_cache_max_entries,
                         max_waiting=args.max_waiting, batch_log=batch_log, mode=args.mode,
                         drain_timeout=args.drain_timeout, idle_timeout=args.idle_timeout,
-                        body_timeout=args.body_timeout)
+                        body_timeout=args.body_timeout, mtp=args.mtp)
     except KVStoreError as e:
         raise SystemExit(f"ds4t serve: --kv-cache-dir: {e}") from None
+    except ValueError as e:   # e.g. --mtp on a model without an MTP head
+        raise SystemExit(f"ds4t serve: {e}") from None
     server.aliases.add(args.model)
     return server, p
 
 
 def run(args) -> int:
     if getattr(args, "tp", 1) > 1:
+        if getattr(args, "mtp", 0):
+            raise SystemExit("ds4t serve: --mtp is not supported with --tp yet (MTP heads are not sharded)")
         if args.kv_cache_dir:
             raise SystemExit("ds4t serve: --kv-cache-dir is not supported with --tp yet (a rank's saved state "
                              "is its shard only)")

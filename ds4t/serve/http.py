@@ -174,7 +174,7 @@ class Server:
                  coalesce_us: int = 2000, prefill_chunk: int = 128, prefill_chunk_idle: int = 512,
                  kv_cache_dir: Optional[str] = None, kv_cache_max_entries: int = 256, max_waiting: int = 1024,
                  batch_log: bool = False, mode: str = "auto", drain_timeout: float = 30.0,
-                 idle_timeout: float = 30.0, body_timeout: float = 30.0):
+                 idle_timeout: float = 30.0, body_timeout: float = 30.0, mtp: int = 0):
         self.model = model
         self.model_id = model_id or os.path.basename(str(model.name).rstrip("/")) or str(model.name)
         self.aliases = {self.model_id, str(model.name)}
@@ -192,7 +192,7 @@ class Server:
         self.worker = DecodeWorker(self.pool, metrics=self.metrics, store=self.store, coalesce_us=coalesce_us,
                                    prefill_chunk=prefill_chunk, prefill_chunk_idle=prefill_chunk_idle,
                                    max_waiting=max_waiting, batch_log_enabled=batch_log, mode=mode,
-                                   on_fatal=self._on_fatal)
+                                   on_fatal=self._on_fatal, mtp=mtp)
         self.drain_timeout = float(drain_timeout)
         self.idle_timeout = float(idle_timeout)
         self.body_timeout = float(body_timeout)

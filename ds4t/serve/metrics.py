@@ -71,6 +71,12 @@ class Metrics:
                             ("decode_rows_total", decode_rows)):
                 self.counters[(name, ())] += v
 
+    def observe_speculation(self, drafted: int, accepted: int) -> None:
+        """One slot's speculative step: drafts verified and drafts equal to the model's own choice."""
+        with self._lock:
+            self.counters[("spec_drafted_tokens_total", ())] += drafted
+            self.counters[("spec_accepted_tokens_total", ())] += accepted
+
     def observe_tokens(self, n: int, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -130,6 +136,8 @@ _COUNTER_HELP = {
     "prefill_tokens_total": "prompt tokens prefilled",
     "decode_rows_total": "decode rows evaluated",
     "generated_tokens_total": "tokens generated",
+    "spec_drafted_tokens_total": "speculative decoding: draft tokens verified (--mtp)",
+    "spec_accepted_tokens_total": "speculative decoding: drafts equal to the model's own choice (--mtp)",
     "requests_total": "finished requests by outcome",
     "prefix_reused_tokens_total": "prompt tokens skipped thanks to a resident slot's history",
     "restored_tokens_total": "prompt tokens skipped thanks to a state restored from --kv-cache-dir",

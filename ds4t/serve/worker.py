@@ -11,6 +11,12 @@ Then one sampling launch picks the next token of every row that needs one (greed
 ``sampling.sample`` seeded by (seed, stream, position) with stream derived from the request's seed:
 the draw does not depend on the slot or the batch).
 
+Speculative decoding (``mtp`` k > 0, ``ds4t serve --mtp K``): the step is ONE
+:func:`ds4t.batch.speculative.spec_step` instead: every decoding slot drafts k tokens with the MTP head
+and verifies them in the call that also carries the prompt chunks; a slot then emits one to k + 1
+tokens, exactly those plain decoding would have produced (greedy or seeded). A slot without MTP history
+(a restored state) takes a plain step until it has some.
+
 Coalescing: the decode steps of running slots are ready the moment the previous step ends (the
 worker samples their tokens itself), so what a window can gather is arrivals. When a step is
 about to start requests that arrived since the last one, and slots are still free, the worker waits
@@ -39,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ds4t.batch import speculative as spec
 from ds4t.batch.engine import DecodeItem, eval_batch
 from ds4t.batch.errors import BatchError
 from ds4t import sampling
@@ -169,9 +176,16 @@ class DecodeWorker:
     def __init__(self, pool: SlotPool, *, metrics: Optional[Metrics] = None, store: Optional[KVStore] = None,
                  coalesce_us: int = 2000, prefill_chunk: int = 128, prefill_chunk_idle: int = 512,
                  max_waiting: int = 1024, batch_log_enabled: bool = False, mode: str = "auto",
-                 max_step_failures: int = 3, on_fatal: Optional[Callable[[str], None]] = None):
+                 max_step_failures: int = 3, on_fatal: Optional[Callable[[str], None]] = None, mtp: int = 0):
         if prefill_chunk < 1 or prefill_chunk_idle < 1:
             raise ValueError("prefill chunks must be >= 1 token")
+        if not isinstance(mtp, int) or mtp < 0:
+            raise ValueError(f"mtp must be an int >= 0, got {mtp!r}")
+        if mtp and getattr(pool.model, "mtp", None) is None:
+            raise ValueError(f"mtp={mtp}: model {pool.model.name!r} has no MTP head (its checkpoint holds no MTP "
+                             "weights, or it was loaded with tp > 1)")
+        self.mtp = int(mtp)
+        self.drafted = self.accepted = 0   # speculative decoding totals (also in /metrics)
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (0: no queue), got {max_waiting}")
         self.pool = pool
@@ -416,6 +430,9 @@ class DecodeWorker:
             budget -= n
         if not work:
             return
+        if self.mtp:
+            self._spec(work, decode, t0)
+            return
         ran, logits, paths = self._eval(work)
         if not ran:
             return
@@ -502,6 +519,95 @@ class DecodeWorker:
                     self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
                 return [], None, []
         return [], None, []
+
+    # -- speculative steps (mtp > 0) ------------------------------------------------------------------
+    def _spec(self, work, decode, t0) -> None:
+        """One speculative step over ``work`` (decode rows of ``decode`` and prompt chunks): drafts,
+        ONE verify call, the accepted tokens delivered in order. Failures as in ``_step``."""
+        ran = self._spec_run(work)
+        if ran is None:
+            return
+        work, results, plain_logits, paths = ran
+        try:
+            now = time.monotonic()
+            n_tok = 0
+            for (r, _), res in zip([w for w in work if w[0] in decode], results):
+                self.drafted += res.drafted
+                self.accepted += res.accepted
+                self.metrics.observe_speculation(res.drafted, res.accepted)
+                for tok in res.tokens:
+                    if r.state == "done":
+                        break
+                    self._deliver(r, tok, now)
+                    n_tok += 1
+            pre = [w for w in work if w[0] not in decode]
+            done = []
+            for j, (r, toks) in enumerate(pre):
+                r.fed += len(toks)
+                if r.fed == len(r.prompt):
+                    done.append((j, r))
+            if done:
+                toks = self._sample(plain_logits[[j for j, _ in done]], [r for _, r in done])
+                for (_, r), tok in zip(done, toks):
+                    self._deliver(r, tok, now)
+                    n_tok += 1
+            self.metrics.observe_tokens(n_tok, now)
+            t2 = time.perf_counter()
+            self._steps += 1
+            n_rows = sum(len(t) for _, t in work)
+            native = sum(p == "native" for p in paths)
+            self.metrics.observe_batch(len(work), n_rows, t2 - t0, native, len(paths) - native,
+                                       sum(len(t) for r, t in pre), len(work) - len(pre))
+            self.step_log.append({"step": self._steps, "items": len(work), "rows": n_rows, "decode": len(work) - len(pre),
+                                  "speculative": True, "total_ms": (t2 - t0) * 1e3,
+                                  "requests": [r.id for r, _ in work]})
+            self._failed_in_a_row = 0
+        except Exception as e:  # noqa: BLE001  (sampling or delivery: fail this step's requests only)
+            log.exception("speculative step failed after the model ran")
+            self._failed_in_a_row += 1
+            for r, _ in work:
+                if r.state != "done":
+                    self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
+
+    def _spec_run(self, work):
+        """The model part of a speculative step: (results of the decode rows, logits of the prompt
+        chunks' last tokens, paths) or None when nothing ran. A request the engine rejects fails alone
+        and the step runs again without it."""
+        work = list(work)
+        while work:
+            dec = [(r, t) for r, t in work if r.state == "decode"]
+            pre = [(r, t) for r, t in work if r.state != "decode"]
+            items = []
+            for r, _ in dec:
+                p = r.params
+                items.append(spec.SpecItem(r.slot.session, r.next_token, k=self.mtp, temperature=p.temperature,
+                                           top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                                           stop=frozenset(p.stop_token_ids),
+                                           max_tokens=max(1, p.max_tokens - len(r.generated))))
+            extra = [DecodeItem(r.slot.session, t) for r, t in pre]
+            try:
+                if items:
+                    results, logits = spec.spec_step(items, extra=extra, mode=self.mode)
+                    paths = [res.path for res in results] + ["native"] * len(extra)
+                else:
+                    results, logits, paths = [], spec.prefill(extra, mode=self.mode), ["native"] * len(extra)
+                return dec + pre, results, logits, paths
+            except BatchError as e:
+                i = e.item if e.item is not None else None
+                bad = (dec + pre)[i] if i is not None and i < len(dec + pre) else (work[0] if len(work) == 1 else None)
+                if bad is None:   # not attributable: fail the step's requests (no session was changed)
+                    for r, _ in work:
+                        self._fail(r, 400, str(e), state_ok=True)
+                    return None
+                work.remove(bad)
+                self._fail(bad[0], 400, str(e), state_ok=True)
+            except Exception as e:  # noqa: BLE001
+                log.exception("speculative step failed inside the model")
+                self._failed_in_a_row += 1
+                for r, _ in work:
+                    self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
+                return None
+        return None
 
     def _sample(self, logits: torch.Tensor, reqs: List[Request]) -> List[int]:
         """One token per row: greedy or seeded, each row by its own request's parameters."""

@@ -248,3 +248,14 @@ def test_a_checkpoint_file_is_served_under_its_base_name(model, tmp_path):
         server.pool.close()
         if server.store is not None:
             server.store.close()
+
+
+def test_mtp_option_is_checked():
+    import ds4t
+
+    with pytest.raises(SystemExit, match="no MTP head"):
+        cli.build(args_for("--model", "tiny-llama", "--mtp", "2"), model=ds4t.load("tiny-llama"))
+    with pytest.raises(SystemExit, match="--mtp is not supported with --tp"):
+        cli.run(args_for("--mtp", "2", "--tp", "2"))
+    with pytest.raises(SystemExit):
+        args_for("--mtp", "-1")

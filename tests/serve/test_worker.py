@@ -304,3 +304,33 @@ def test_drain_returns_only_after_the_last_event_is_delivered(model, worker):
     w.submit(Request([1, 2, 3], GenParams(max_tokens=2), sink))
     assert w.drain(timeout=300)
     assert sink.done.is_set() and sink.final["type"] == "done"
+
+
+def test_speculative_worker_serves_the_plain_tokens(model, worker):
+    """--mtp: every step is one spec_step (drafts from the MTP head, replayed through the one verify
+    call with the prompt chunks of arriving requests); each request gets exactly the tokens plain
+    decoding gives, greedy and seeded, with a stop token; drafts are counted."""
+    prompts = [[7, 8, 9], [40, 41, 42, 43, 44, 45], [3]]
+    w = worker(2, prefill_chunk=4, prefill_chunk_idle=8, mtp=3)   # 3 requests on 2 slots: one waits
+    refs = [greedy_ref(model, p, 9)[0] for p in prompts]
+    sinks = [submit(w, p, 9)[1] for p in prompts]
+    wait_all(sinks)
+    assert [s.tokens for s in sinks] == refs
+    assert all(s.final["finish_reason"] == "length" for s in sinks)
+    assert w.drafted > 0 and any(r.get("speculative") for r in w.step_log)
+    stop = refs[0][4]
+    sink = Sink()
+    w.submit(Request(prompts[0], GenParams(max_tokens=9, stop_token_ids=(stop,)), sink))
+    wait_all([sink])
+    assert sink.tokens == refs[0][:refs[0].index(stop) + 1] and sink.final["finish_reason"] == "stop"
+    plain = worker(1)
+    seeded = dict(max_tokens=7, temperature=0.9, seed=11)
+    got = []
+    for ww in (plain, w):
+        s = Sink()
+        ww.submit(Request(prompts[1], GenParams(**seeded), s))
+        wait_all([s])
+        got.append(s.tokens)
+    assert got[0] == got[1]
+    with pytest.raises(ValueError, match="no MTP head"):
+        DecodeWorker(SlotPool(__import__("ds4t").load("tiny-llama"), 1, 16), mtp=2)
