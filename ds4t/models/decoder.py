@@ -14,7 +14,7 @@ import torch
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
 from ds4t.models.blocks import Layer
-from ds4t.models.mtp import MTPWeights
+from ds4t.models.mtp import MTPNames, MTPWeights
 
 
 def stack_tensors(c) -> Dict[str, tuple]:
@@ -84,6 +84,28 @@ class DecoderModel(Model):
         if self.tp is not None:   # the mixers and the state specs see this rank's heads
             self.cfg = self.tp.local_config(self.cfg)
         super().__init__()
+
+    def _read_checkpoint(self, source, dtype: torch.dtype, progress, names: MTPNames, expected, load_layer,
+                         ignore=()) -> None:
+        """Read the stack, every decoder layer and (when wanted: :meth:`MTPNames.wanted`) the MTP module.
+        ``expected(with_mtp)``: the family's name -> shape table; ``load_layer(get, prefix, i)``: layer i's
+        weights under a checkpoint prefix (i == num_layers: the MTP layer); ``ignore``: prefixes the
+        family tolerates and skips. MTP tensors present but not loaded are skipped with one warning."""
+        from ds4t.models.loading import WeightReader, warn_mtp_skipped
+        from ds4t.models.mtp import load_mtp
+
+        c = self.cfg
+        with_mtp = names.wanted(source, c.mtp_layers)
+        skipped = names.ignored(source, c.num_layers, with_mtp)
+        get = WeightReader(source, expected(with_mtp), self.device, dtype, ignore_prefixes=skipped + tuple(ignore),
+                           progress=progress)
+        self._load_stack(get)
+        for i in range(c.num_layers):
+            self._add_layer(load_layer(get, f"model.layers.{i}.", i))
+        if with_mtp:
+            load_mtp(self, get, names, lambda p: load_layer(get, p, c.num_layers))
+        get.finish()
+        warn_mtp_skipped(get, skipped)
 
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         raise NotImplementedError

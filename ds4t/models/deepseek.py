@@ -53,8 +53,7 @@ from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_li
                                 preset_init_plain, swiglu, yarn_inv_freq, yarn_mscale)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
-from ds4t.models.mtp import MTPNames, load_mtp, mtp_layers, mtp_tensors
+from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
 
 PRESETS = ("tiny-deepseek", "deepseek-v3-4l")
 
@@ -208,20 +207,9 @@ class DeepseekModel(DecoderModel):
         c = DeepseekConfig.from_dict(cfg)
         self.native_path = native_path
         self._init_stack(c, name, device, dtype)
-        names = MTPNames.nextn(c.num_layers)
-        with_mtp = names.wanted(source, c.mtp_layers)
-        skipped = tuple(p for p in mtp_layer_prefixes(source, c.num_layers)
-                        if not (with_mtp and p == names.layer_prefix))
-        get = WeightReader(source, expected_tensors(c, mtp=with_mtp, source=source), self.device, dtype,
-                           ignore_prefixes=skipped + c.ffn.unused_prefixes(c.num_layers + with_mtp),
-                           progress=progress)
-        self._load_stack(get)
-        for i in range(c.num_layers):
-            self._add_layer(self._load_layer(get, f"model.layers.{i}.", i))
-        if with_mtp:
-            load_mtp(self, get, names, lambda p: self._load_layer(get, p, c.num_layers))
-        get.finish()
-        warn_mtp_skipped(get, skipped)
+        self._read_checkpoint(source, dtype, progress, MTPNames.nextn(c.num_layers),
+                              lambda mtp: expected_tensors(c, mtp=mtp, source=source), self._load_layer,
+                              ignore=c.ffn.unused_prefixes(c.num_layers + 1))
         self.router_cfg = c.ffn.router
         rp, dr = c.rope, c.qk_rope_head_dim
         self.softmax_scale = c.qk_head_dim ** -0.5

@@ -33,8 +33,7 @@ from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, 
                                 preset_init_plain)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.loading import WeightReader, mtp_layer_prefixes, warn_mtp_skipped
-from ds4t.models.mtp import MTPNames, load_mtp, mtp_layers, mtp_tensors
+from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
 
 PRESETS = ("tiny-glm", "glm-4.5-4l")
 
@@ -124,24 +123,13 @@ class GlmModel(GQAMixer, DecoderModel):
         c = GlmConfig.from_dict(cfg)
         self.native_window = native_window
         self._init_stack(c, name, device, dtype)
-        names = MTPNames.nextn(c.num_layers)
-        with_mtp = names.wanted(source, c.mtp_layers)
-        skipped = tuple(p for p in mtp_layer_prefixes(source, c.num_layers)
-                        if not (with_mtp and p == names.layer_prefix))
-        get = WeightReader(source, expected_tensors(c, mtp=with_mtp, source=source), self.device, dtype,
-                           ignore_prefixes=skipped + c.ffn.unused_prefixes(c.num_layers + with_mtp),
-                           progress=progress)
-        self._load_stack(get)
 
-        def load_layer(p: str, i: int) -> Layer:
+        def load_layer(get, p: str, i: int) -> Layer:
             return Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i))
 
-        for i in range(c.num_layers):
-            self._add_layer(load_layer(f"model.layers.{i}.", i))
-        if with_mtp:
-            load_mtp(self, get, names, lambda p: load_layer(p, c.num_layers))
-        get.finish()
-        warn_mtp_skipped(get, skipped)
+        self._read_checkpoint(source, dtype, progress, MTPNames.nextn(c.num_layers),
+                              lambda mtp: expected_tensors(c, mtp=mtp, source=source), load_layer,
+                              ignore=c.ffn.unused_prefixes(c.num_layers + 1))
         self.router_cfg = c.ffn.router
         self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
         super().__init__()

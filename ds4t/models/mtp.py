@@ -73,6 +73,15 @@ class MTPNames:
         """The checkpoint holds this MTP head (its ``eh_proj``; a partial head fails the load later)."""
         return self.eh_proj in source
 
+    def ignored(self, source, num_layers: int, loaded: bool) -> tuple:
+        """Checkpoint prefixes to skip (with one warning): MTP layers the checkpoint holds but the
+        model does not load (``loaded``: whether this head is loaded)."""
+        if self.layer_prefix.startswith("mtp."):
+            return () if loaded else ("mtp.",)
+        from ds4t.models.loading import mtp_layer_prefixes
+
+        return tuple(p for p in mtp_layer_prefixes(source, num_layers) if not (loaded and p == self.layer_prefix))
+
     def wanted(self, source, declared: int) -> bool:
         """Load the head: the config declares one, the checkpoint holds it, and the load is not
         tensor-parallel (MTP heads are not sharded yet: under ``tp`` their tensors are skipped with a

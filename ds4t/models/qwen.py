@@ -22,8 +22,7 @@ from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, 
                                fused_linear, stack_experts)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.loading import WeightReader, warn_mtp_skipped
-from ds4t.models.mtp import MTPNames, load_mtp, mtp_layers, mtp_tensors
+from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
 
 
 @dataclasses.dataclass
@@ -220,18 +219,8 @@ class QwenModel(DecoderModel):
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
         c = QwenConfig.from_dict(cfg)
         self._init_stack(c, name, device, dtype)
-        names = MTPNames.qwen3_next()
-        with_mtp = names.wanted(source, c.mtp_layers)
-        expected = expected_tensors(c, mtp=with_mtp, source=source)
-        get = WeightReader(source, expected, self.device, dtype, ignore_prefixes=() if with_mtp else ("mtp.",),
-                           progress=progress)
-        self._load_stack(get)
-        for i in range(c.num_layers):
-            self._add_layer(self._load_layer(get, f"model.layers.{i}.", i))
-        if with_mtp:
-            load_mtp(self, get, names, lambda p: self._load_layer(get, p, c.num_layers))
-        get.finish()
-        warn_mtp_skipped(get, ("mtp.",))
+        self._read_checkpoint(source, dtype, progress, MTPNames.qwen3_next(),
+                              lambda mtp: expected_tensors(c, mtp=mtp, source=source), self._load_layer)
         self.router_cfg = RouterConfig("softmax", c.num_experts, c.top_k, c.norm_topk_prob)
         self.inv_freq = default_inv_freq(c.rotary_dim, c.rope_theta).to(self.device)
         self._kept = {}   # (layer, slot) -> (conv history, chunk inputs, per-token states): see rollback
