@@ -122,6 +122,12 @@ def test_mtp_module_loading(tmp_path):
     check_mtp_loading(tmp_path, deepseek, ref)
 
 
+@pytest.mark.parametrize("bad, match", [
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "rope_type 'linear'"),
+    (dict(n_routed_experts=6, n_group=4), "n_routed_experts 6 is not a positive multiple of n_group 4"),
+    (dict(topk_group=3), "topk_group 3 outside"),
+    (dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+])
 def test_config_errors_are_clear(bad, match):
     from ds4t.models.deepseek import DeepseekConfig
 

@@ -31,8 +31,11 @@ def held_tensors(obj):
 @pytest.mark.parametrize("name", sorted(MIXERS))
 def test_parameters_list_every_layer_tensor_once(name):
     m = ds4t.load(name)
-    assert len(m.layers) == m.num_layers
+    # the decoder layers, then the MTP module's layer (index num_layers) when the preset has one
+    assert len(m.layers) == m.num_layers + (m.mtp is not None)
     held = [m.embed, m.lm_head, m.final_norm, *m.input_norms, *m.post_norms]
+    if m.mtp is not None:
+        held += held_tensors(m.mtp)
     for layer in m.layers:
         assert isinstance(layer, Layer)
         assert isinstance(layer.mixer, MIXERS[name]) and isinstance(layer.ffn, (DenseMLP, MoEWeights))
@@ -46,7 +49,8 @@ def test_parameters_list_every_layer_tensor_once(name):
     assert len(set(storages)) == len(storages)
     assert m.weight_bytes() == sum(t.numel() * t.element_size() for t in distinct)
     for k in p:
-        assert re.fullmatch(r"embed|lm_head|final_norm|layers\.\d+\.(input_norm|post_norm|mixer\.\w+|ffn\.\w+)", k), k
+        assert re.fullmatch(r"embed|lm_head|final_norm|layers\.\d+\.(input_norm|post_norm|mixer\.\w+|ffn\.\w+)"
+                            r"|mtp\.(input_norm|post_norm|layer\.(mixer|ffn)\.\w+|\w+)", k), k
     # The kinds each tiny preset holds (tiny-qwen has no dense MLP layer; tests/models/test_qwen.py covers one).
     assert {type(layer.mixer) for layer in m.layers} == set(MIXERS[name])
     assert {type(layer.ffn) for layer in m.layers} == FFNS.get(name, {DenseMLP, MoEWeights})

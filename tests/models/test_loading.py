@@ -238,7 +238,12 @@ def test_full_size_preset_on_meta():
     m = ds4t.load("qwen3-next-80b-4l", device="meta")
     assert m.dtype == torch.bfloat16
     assert all(t.device.type == "meta" for t in _params(m).values())
-    assert m.weight_bytes() == pytest.approx(14.4e9, rel=0.01)
+    # 14.4e9 for the 4 decoder layers, stack and LM head, + 3.3e9 for the MTP module (one more layer
+    # and its eh_proj; it shares the embedding and the LM head)
+    assert m.mtp is not None
+    assert m.weight_bytes() == pytest.approx(17.7e9, rel=0.01)
+    assert sum(t.numel() * t.element_size() for k, t in m.parameters().items()
+               if not k.startswith("mtp.")) == pytest.approx(14.4e9, rel=0.01)
 
 
 # -- 6. progress bar ---------------------------------------------------------------------------
