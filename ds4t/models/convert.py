@@ -110,9 +110,10 @@ def _source(src: str, seed: int):
     return cfg, source, expected(parse(cfg)), parse(cfg), name
 
 
-def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0) -> Dict[str, str]:
+def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional[bool] = None) -> Dict[str, str]:
     """Write ``src`` (preset or HF directory) as the GGUF file ``dst`` with matrices in ``qtype``.
-    Returns {gguf tensor name: the type it was written in}."""
+    ``mtp``: write the MTP layers as nextn blocks (default: as llama.cpp does, GLM only; True also for
+    DeepSeek-V3 / Qwen3-Next in the naming of newer converters). Returns {gguf tensor name: its type}."""
     import gguf
 
     qtype = qtype.upper()
@@ -126,7 +127,7 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0) -> Dict[str, 
         w.add_name(name)
         w.add_file_type(_FILE_TYPE[qtype])
         try:
-            _convert_moe(w, arch, cfg, c, source, expected, qtype, written)
+            _convert_moe(w, arch, cfg, c, source, expected, qtype, written, mtp)
             if src in _preset_names():
                 _byte_tokenizer(w, c.vocab_size)
             _finish(w)
@@ -306,8 +307,8 @@ def _moe_metadata(w, mt: str, cfg: dict, c, block_count: int) -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_weights_scale(float(f.routed_scaling_factor))
     w.add_expert_weights_norm(bool(f.norm_topk_prob))
-    if c.mtp_layers:
-        w.add_nextn_predict_layers(c.mtp_layers)
+    if c.mtp_layers and block_count > c.num_layers:
+        w.add_nextn_predict_layers(block_count - c.num_layers)
 
 
 def _attention_interval(c) -> int:
@@ -338,7 +339,19 @@ def _moe_check(mt: str, cfg: dict, c) -> None:
         raise CheckpointError("convert: deepseek2 files rotate interleaved pairs (rope_interleave true)")
 
 
-def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: int):
+_NEXTN_HF = {"eh_proj": "NEXTN_EH_PROJ", "enorm": "NEXTN_ENORM", "hnorm": "NEXTN_HNORM",
+             "shared_head.norm": "NEXTN_SHARED_HEAD_NORM", "shared_head.head": "NEXTN_SHARED_HEAD_HEAD",
+             "embed_tokens": "NEXTN_EMBED_TOKENS"}
+_QWEN_MTP = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
+
+
+def _mtp_default(mt: str) -> bool:
+    """Does llama.cpp's converter write the family's MTP layers? GLM-4.5: yes (nextn blocks); DeepSeek-V3
+    (``DeepseekV2Model.skip_mtp``) and Qwen3-Next (``mtp.*`` filtered out): not yet."""
+    return mt == "glm4_moe"
+
+
+def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: int, mtp: bool):
     """(HF name, float32 array, the name llama.cpp gives it) for every tensor of the file, transformed as
     the converter transforms them. MTP: GLM's nextn layer is written (as llama.cpp does: extra blocks with
     ``nextn.*`` tensors); DeepSeek's (``skip_mtp``) and Qwen3-Next's (``mtp.*`` filtered out) are not."""
@@ -352,11 +365,14 @@ def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: in
     n = c.num_layers
     for hf, shape in expected.items():
         m = re.match(r"^model\.layers\.(\d+)\.", hf)
-        if mt == "qwen3_next" and hf.startswith("mtp."):
-            continue
-        if mt == "deepseek_v3" and m and int(m.group(1)) >= n:
+        if not mtp and (hf.startswith("mtp.") or (m and int(m.group(1)) >= n)):
             continue
         a = source.get(hf, shape, torch.float32)
+        if hf.startswith("mtp."):   # newer converters' naming (_Qwen35MtpMixin): the layer after the decoder
+            parts = hf.split(".", 3)
+            hf = (f"model.layers.{n + int(parts[2])}.{parts[3]}" if parts[1] == "layers"
+                  else f"model.layers.{n}.{_QWEN_MTP[parts[1]]}.{parts[2]}")
+            m = re.match(r"^model\.layers\.(\d+)\.", hf)
         e = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", hf)
         if e:
             key = f"{e.group(1)}.{e.group(3)}.weight"
@@ -402,6 +418,9 @@ def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: in
             g = "token_embd.weight"
         else:
             g = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+            sub = name[len(m.group(0)):-len(".weight")] if m and name.endswith(".weight") else None
+            if g is None and sub in _NEXTN_HF and int(m.group(1)) >= n:   # gguf-py knows no nextn names here
+                g = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[_NEXTN_HF[sub]]].format(bid=m.group(1)) + ".weight"
         if g is None:
             raise CheckpointError(f"convert: no {MOE_ARCH[mt]} name for tensor {hf!r} (llama.cpp cannot map it)")
         yield hf, a.contiguous().numpy(), g
@@ -409,11 +428,14 @@ def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: in
         raise CheckpointError(f"convert: incomplete experts {sorted(experts)}")
 
 
-def _convert_moe(w, mt, cfg, c, source, expected, qtype, written) -> None:
+def _convert_moe(w, mt, cfg, c, source, expected, qtype, written, mtp=None) -> None:
     _moe_check(mt, cfg, c)
-    block_count = c.num_layers + (c.mtp_layers if mt == "glm4_moe" else 0)
+    mtp = (_mtp_default(mt) if mtp is None else mtp) and bool(c.mtp_layers)
+    block_count = c.num_layers + (1 if mtp else 0)
     _moe_metadata(w, mt, cfg, c, block_count)
-    for hf, a, gname in _moe_tensors(mt, c, source, expected, block_count):
+    if mtp and mt != "glm4_moe":
+        w.add_nextn_predict_layers(1)
+    for hf, a, gname in _moe_tensors(mt, c, source, expected, block_count, mtp):
         if a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") \
                 or gname.endswith(_F32_TENSORS):
             data, raw = a.astype(np.float32), None
