@@ -314,8 +314,8 @@ class GGUFSource(TensorSource):
             if kind == "nextn":
                 if hf not in _QWEN_MTP:
                     return   # a copy of the embedding / LM head: Qwen3-Next's MTP head uses the model's
-                full = f"{_QWEN_MTP[hf]}.weight"
-                return self._add(full, _Recipe("plain", [name], self._norm(full)))
+                full = f"{_QWEN_MTP[hf]}.weight"   # its norms were renamed *norm before the converter's + 1
+                return self._add(full, _Recipe("plain", [name], "norm1" if hf.endswith("norm") else None))
         else:
             p = f"model.layers.{i}."
         if kind in ("plain", "nextn"):
