@@ -1,5 +1,6 @@
 """``ds4t convert SRC DST.gguf --type T``: write a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes
-it, from an HF checkpoint directory or a preset (families ``llama`` and ``qwen3`` so far).
+it, from an HF checkpoint directory or a preset (families ``llama``, ``qwen3``, and the MoE families
+``qwen3_next`` / ``deepseek_v3`` / ``glm4_moe`` as ``qwen3next`` / ``deepseek2`` / ``glm4moe``: :func:`_convert_moe`).
 
 What is written (checked against the converter's ``LlamaModel`` / ``Qwen3Model`` and gguf-py 0.19):
 

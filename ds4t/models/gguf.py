@@ -1,7 +1,8 @@
 """GGUF checkpoints as llama.cpp writes them: ``ds4t.load("model.gguf")`` (or the first of split
 files ``name-00001-of-0000N.gguf``).
 
-What is read, for the architectures in :data:`ARCHITECTURES` (``llama``; ``qwen3`` dense):
+What is read, for the architectures in :data:`ARCHITECTURES` (``llama``, ``qwen3`` dense; ``qwen3next``,
+``deepseek2``, ``glm4moe`` MoE: config in :func:`_moe_config`, tensor recipes in :class:`GGUFSource`):
 
 * **Config** from the ``{arch}.*`` metadata (block_count, embedding_length, feed_forward_length,
   attention.head_count / head_count_kv / key_length / layer_norm_rms_epsilon, rope.freq_base,
