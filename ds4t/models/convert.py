@@ -1,5 +1,6 @@
 """``ds4t convert SRC DST.gguf --type T``: write a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes
-it, from an HF checkpoint directory or a preset (families ``llama`` and ``qwen3`` so far).
+it, from an HF checkpoint directory or a preset (families ``llama``, ``qwen3``, and the MoE families
+``qwen3_next`` / ``deepseek_v3`` / ``glm4_moe`` as ``qwen3next`` / ``deepseek2`` / ``glm4moe``: :func:`_convert_moe`).
 
 What is written (checked against the converter's ``LlamaModel`` / ``Qwen3Model`` and gguf-py 0.19):
 
@@ -103,15 +104,17 @@ def _source(src: str, seed: int):
     else:
         raise CheckpointError(f"convert: {src!r} is neither a checkpoint directory nor a preset")
     mt = cfg.get("model_type")
-    if mt not in ("llama", "qwen3"):
-        raise CheckpointError(f"convert: model_type {mt!r} cannot be written yet (supported: llama, qwen3)")
+    if mt not in ("llama", "qwen3", *MOE_ARCH):
+        raise CheckpointError(f"convert: model_type {mt!r} cannot be written (supported: llama, qwen3, "
+                              f"{', '.join(MOE_ARCH)})")
     _, parse, expected, _ = registry._families()[mt]
     return cfg, source, expected(parse(cfg)), parse(cfg), name
 
 
-def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0) -> Dict[str, str]:
+def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional[bool] = None) -> Dict[str, str]:
     """Write ``src`` (preset or HF directory) as the GGUF file ``dst`` with matrices in ``qtype``.
-    Returns {gguf tensor name: the type it was written in}."""
+    ``mtp``: write the MTP layers as nextn blocks (default: as llama.cpp does, GLM only; True also for
+    DeepSeek-V3 / Qwen3-Next in the naming of newer converters). Returns {gguf tensor name: its type}."""
     import gguf
 
     qtype = qtype.upper()
@@ -119,6 +122,22 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0) -> Dict[str, 
         raise ValueError(f"convert: --type {qtype!r} is not one of {list(TYPES)}")
     cfg, source, expected, c, name = _source(src, seed)
     arch = cfg["model_type"]
+    written: Dict[str, str] = {}
+    if arch in MOE_ARCH:
+        w = gguf.GGUFWriter(dst, MOE_ARCH[arch])
+        w.add_name(name)
+        w.add_file_type(_FILE_TYPE[qtype])
+        try:
+            _convert_moe(w, arch, cfg, c, source, expected, qtype, written, mtp)
+            if src in _preset_names():
+                _byte_tokenizer(w, c.vocab_size)
+            _finish(w)
+        except BaseException:
+            w.close()
+            if os.path.exists(dst):
+                os.remove(dst)
+            raise
+        return written
     w = gguf.GGUFWriter(dst, arch)
     w.add_name(name)
     w.add_file_type(_FILE_TYPE[qtype])
@@ -135,7 +154,6 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0) -> Dict[str, 
     w.add_layer_norm_rms_eps(float(c.eps))
     w.add_vocab_size(c.vocab_size)
     kind = c.rope.get("rope_type", "default")
-    written: Dict[str, str] = {}
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(c.rope["factor"]))
@@ -160,15 +178,19 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0) -> Dict[str, 
             data, raw = _matrix(a, qtype)
         w.add_tensor(gname, data, raw_dtype=raw)
         written[gname] = raw.name if raw is not None else {np.float32: "F32", np.float16: "F16"}[data.dtype.type]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     fell = sorted({t for n, t in written.items() if t != qtype and not n.endswith("norm.weight")
                    and n != "rope_freqs.weight"})
     if fell and qtype not in ("F32",):
         log.warning("%s: some matrices do not fit %s rows and were written as %s", dst, qtype, ", ".join(fell))
     return written
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _preset_names():
@@ -198,3 +220,227 @@ def main(args) -> Optional[int]:
     size = os.path.getsize(args.dst)
     print(f"wrote {args.dst}: {len(written)} tensors ({', '.join(types)}), {size / 1e6:.1f} MB")
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the MoE families: qwen3_next -> qwen3next, deepseek_v3 -> deepseek2, glm4_moe -> glm4moe
+# ----------------------------------------------------------------------------------------------
+MOE_ARCH = {"qwen3_next": "qwen3next", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
+_F32_TENSORS = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+"""Matrices llama.cpp's converter always writes in F32 (its FFN_GATE_INP / _SHEXP / SSM_CONV1D rule)."""
+
+
+def _moe_metadata(w, mt: str, cfg: dict, c, block_count: int) -> None:
+    """The metadata llama.cpp's converter writes for the family (``TextModel.set_gguf_parameters`` and
+    the family's own: ``Qwen2MoeModel`` + ``Qwen3NextModel``, ``DeepseekV2Model``, ``Glm4MoeModel``)."""
+    import gguf
+
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    w.add_block_count(block_count)
+    w.add_context_length(int(cfg.get("max_position_embeddings", c.max_position)))
+    w.add_embedding_length(c.hidden_size)
+    if cfg.get("intermediate_size") is not None:
+        w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(1 if mt == "deepseek_v3" else c.num_kv_heads)   # deepseek2: MLA as MQA
+    if rp.get("rope_type", "default") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+        if rp.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(rp["beta_fast"]))
+        if rp.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(rp["beta_slow"]))
+        if rp.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(rp["attention_factor"]))
+    elif rp.get("rope_type", "default") != "default":
+        raise CheckpointError(f"convert: rope_type {rp['rope_type']!r} cannot be written for {mt}")
+    w.add_rope_freq_base(float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(float(c.eps))
+    if mt == "qwen3_next":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.top_k)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if c.shared_intermediate_size:
+            w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+        w.add_ssm_conv_kernel(c.conv_kernel)
+        w.add_ssm_state_size(c.lin_k_dim)
+        w.add_ssm_group_count(c.lin_k_heads)
+        w.add_ssm_time_step_rank(c.lin_v_heads)
+        w.add_ssm_inner_size(c.lin_v_dim * c.lin_v_heads)
+        w.add_full_attention_interval(_attention_interval(c))
+        w.add_rope_dimension_count(c.rotary_dim)
+        return
+    f = c.ffn
+    w.add_expert_used_count(f.top_k)
+    w.add_expert_group_count(f.n_group)
+    w.add_expert_group_used_count(f.topk_group)
+    if mt == "deepseek_v3":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)   # scoring_func (checked: sigmoid)
+        w.add_leading_dense_block_count(f.first_k_dense_replace)
+        w.add_vocab_size(c.vocab_size)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_expert_feed_forward_length(f.moe_intermediate_size)
+        w.add_expert_count(f.num_experts)
+        w.add_expert_shared_count(f.n_shared_experts)
+        w.add_expert_weights_scale(float(f.routed_scaling_factor))
+        if f.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        if rp.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * float(rp["mscale_all_dim"]))
+        return
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.rotary_dim)
+    w.add_expert_count(f.num_experts)
+    w.add_expert_feed_forward_length(f.moe_intermediate_size)
+    w.add_expert_shared_count(f.n_shared_experts)
+    w.add_leading_dense_block_count(f.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(float(f.routed_scaling_factor))
+    w.add_expert_weights_norm(bool(f.norm_topk_prob))
+    if c.mtp_layers and block_count > c.num_layers:
+        w.add_nextn_predict_layers(block_count - c.num_layers)
+
+
+def _attention_interval(c) -> int:
+    """Qwen3-Next's full_attention_interval: llama.cpp reads the layer kinds from it alone (every
+    interval-th layer full attention), so other layer_types cannot be written."""
+    types = c.layer_types
+    interval = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+    want = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
+    if types != want:
+        raise CheckpointError(f"convert: layer_types {types} are not every {interval}-th layer full attention, "
+                              f"which is all llama.cpp's qwen3next metadata (full_attention_interval) can say")
+    return interval
+
+
+def _moe_check(mt: str, cfg: dict, c) -> None:
+    """What a llama.cpp file of the family cannot express is refused rather than written wrong."""
+    if mt == "qwen3_next":
+        if not all(c.sparse_layers):
+            raise CheckpointError("convert: qwen3next files hold experts in every layer (decoder_sparse_step 1, "
+                                  "no mlp_only_layers)")
+        if not c.norm_topk_prob:
+            raise CheckpointError("convert: qwen3next files always renormalise the top-k weights (norm_topk_prob)")
+        _attention_interval(c)
+    else:
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise CheckpointError(f"convert: scoring_func {cfg['scoring_func']!r} cannot be written")
+    if mt == "deepseek_v3" and not c.rope_interleave:
+        raise CheckpointError("convert: deepseek2 files rotate interleaved pairs (rope_interleave true)")
+
+
+_NEXTN_HF = {"eh_proj": "NEXTN_EH_PROJ", "enorm": "NEXTN_ENORM", "hnorm": "NEXTN_HNORM",
+             "shared_head.norm": "NEXTN_SHARED_HEAD_NORM", "shared_head.head": "NEXTN_SHARED_HEAD_HEAD",
+             "embed_tokens": "NEXTN_EMBED_TOKENS"}
+_QWEN_MTP = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
+
+
+def _mtp_default(mt: str) -> bool:
+    """Does llama.cpp's converter write the family's MTP layers? GLM-4.5: yes (nextn blocks); DeepSeek-V3
+    (``DeepseekV2Model.skip_mtp``) and Qwen3-Next (``mtp.*`` filtered out): not yet."""
+    return mt == "glm4_moe"
+
+
+def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: int, mtp: bool):
+    """(HF name, float32 array, the name llama.cpp gives it) for every tensor of the file, transformed as
+    the converter transforms them. MTP: GLM's nextn layer is written (as llama.cpp does: extra blocks with
+    ``nextn.*`` tensors); DeepSeek's (``skip_mtp``) and Qwen3-Next's (``mtp.*`` filtered out) are not."""
+    import re
+
+    import gguf
+
+    arch = gguf.MODEL_ARCH[MOE_ARCH[mt].upper().replace("GLM4MOE", "GLM4_MOE")]
+    tmap = gguf.get_tensor_name_map(arch, block_count)
+    experts: Dict[str, list] = {}
+    n = c.num_layers
+    for hf, shape in expected.items():
+        m = re.match(r"^model\.layers\.(\d+)\.", hf)
+        if not mtp and (hf.startswith("mtp.") or (m and int(m.group(1)) >= n)):
+            continue
+        a = source.get(hf, shape, torch.float32)
+        if hf.startswith("mtp."):   # newer converters' naming (_Qwen35MtpMixin): the layer after the decoder
+            parts = hf.split(".", 3)
+            hf = (f"model.layers.{n + int(parts[2])}.{parts[3]}" if parts[1] == "layers"
+                  else f"model.layers.{n}.{_QWEN_MTP[parts[1]]}.{parts[2]}")
+            m = re.match(r"^model\.layers\.(\d+)\.", hf)
+        e = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", hf)
+        if e:
+            key = f"{e.group(1)}.{e.group(3)}.weight"
+            experts.setdefault(key, []).append(a)
+            if len(experts[key]) == c.num_experts if mt == "qwen3_next" else len(experts[key]) == c.ffn.num_experts:
+                stacked = torch.stack(experts.pop(key))
+                yield key, stacked.numpy(), tmap.get_name(key, try_suffixes=(".weight",))
+            continue
+        name = hf
+        if mt == "qwen3_next":
+            if name.endswith(".A_log"):
+                a = -torch.exp(a)
+            elif name.endswith(".dt_bias"):
+                name = name[: -len(".dt_bias")] + ".dt_proj.bias"
+            elif "conv1d" in name:
+                a = a.squeeze()
+            elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                a = a + 1
+            if "in_proj_qkvz.weight" in name:
+                hk, dk, dv, hv = c.lin_k_heads, c.lin_k_dim, c.lin_v_dim, c.lin_v_heads
+                split = [dk, dk, hv // hk * dv, hv // hk * dv]
+                t = a.permute(1, 0).contiguous().view(-1, hk, sum(split))
+                q, k, v, z = torch.split(t, split, dim=-1)
+                D = c.hidden_size
+                qkv = torch.cat([x.contiguous().view(D, -1) for x in (q, k, v)], dim=-1).permute(1, 0).contiguous()
+                z = z.contiguous().view(D, -1).permute(1, 0).contiguous()
+                i = m.group(1)
+                yield name, qkv.numpy(), f"blk.{i}.attn_qkv.weight"
+                yield name, z.numpy(), f"blk.{i}.attn_gate.weight"
+                continue
+        if name.endswith("e_score_correction_bias"):
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if mt == "deepseek_v3" and name.endswith("kv_b_proj.weight"):
+            H, dn, dv = c.num_heads, c.qk_nope_head_dim, c.v_head_dim
+            kv_b = a.view(H, dn + dv, a.shape[-1])
+            k_b, v_b = torch.split(kv_b, [dn, dv], dim=1)
+            yield name, k_b.transpose(1, 2).contiguous().numpy(), \
+                tmap.get_name(name.replace("kv_b_proj", "k_b_proj"), try_suffixes=(".weight",))
+            yield name, v_b.contiguous().numpy(), \
+                tmap.get_name(name.replace("kv_b_proj", "v_b_proj"), try_suffixes=(".weight",))
+            continue
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        else:
+            g = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+            sub = name[len(m.group(0)):-len(".weight")] if m and name.endswith(".weight") else None
+            if g is None and sub in _NEXTN_HF and int(m.group(1)) >= n:   # gguf-py knows no nextn names here
+                g = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[_NEXTN_HF[sub]]].format(bid=m.group(1)) + ".weight"
+        if g is None:
+            raise CheckpointError(f"convert: no {MOE_ARCH[mt]} name for tensor {hf!r} (llama.cpp cannot map it)")
+        yield hf, a.contiguous().numpy(), g
+    if experts:
+        raise CheckpointError(f"convert: incomplete experts {sorted(experts)}")
+
+
+def _convert_moe(w, mt, cfg, c, source, expected, qtype, written, mtp=None) -> None:
+    _moe_check(mt, cfg, c)
+    mtp = (_mtp_default(mt) if mtp is None else mtp) and bool(c.mtp_layers)
+    block_count = c.num_layers + (1 if mtp else 0)
+    _moe_metadata(w, mt, cfg, c, block_count)
+    if mtp and mt != "glm4_moe":
+        w.add_nextn_predict_layers(1)
+    for hf, a, gname in _moe_tensors(mt, c, source, expected, block_count, mtp):
+        if a.ndim <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight") \
+                or gname.endswith(_F32_TENSORS):
+            data, raw = a.astype(np.float32), None
+        else:
+            data, raw = _matrix(a, qtype)
+        w.add_tensor(gname, data, raw_dtype=raw)
+        written[gname] = raw.name if raw is not None else {np.float32: "F32", np.float16: "F16"}[data.dtype.type]

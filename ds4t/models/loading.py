@@ -125,8 +125,16 @@ class WeightReader:
     def stack(self, names):
         """``[get(n) for n in names]`` stacked along a new leading dim (MoE experts). Quantizing at load
         quantizes the stacked tensor once (per-block scales are the same as per expert; thousands of
-        experts at full depth load in one pass per layer instead of one per expert)."""
+        experts at full depth load in one pass per layer instead of one per expert). A source that stores
+        the experts stacked (GGUF's ``ffn_*_exps``) hands over its stacked tensor as it is (blocks stay the
+        file's blocks)."""
         q = self.quantize
+        hook = getattr(self.source, "stacked", None)
+        if hook is not None and q is None and not self.fp8_names.intersection(names):
+            w = hook(list(names), [self.expected[n] for n in names], self.device, self.dtype)
+            if w is not None:
+                self.bar.update(len(names))
+                return w
         if isinstance(q, BlockQuantConfig) and all(is_quantized_linear(n) for n in names):
             self.quantize = None
             try:

@@ -57,7 +57,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
          quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
     writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
-    :mod:`ds4t.models.gguf`: architectures llama and qwen3, Q8_0 / Q4_K / Q6_K linear weights kept as blocks,
+    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_K / Q6_K linear weights kept as blocks,
     other quantized types dequantized at load,
     tokenizer and chat template from its metadata) or a preset name.
 

@@ -89,8 +89,12 @@ def test_k_quant_files_match_hf_on_the_weights_they_hold(tmp_path, arch, qtype):
 
 
 def test_convert_errors(tmp_path, capsys):
-    with pytest.raises(CheckpointError, match="cannot be written yet"):
-        convert("tiny-qwen", str(tmp_path / "x.gguf"))
+    with pytest.raises(CheckpointError, match="rope_interleave"):   # what a deepseek2 file cannot say
+        from unittest import mock
+        from ds4t.models import deepseek
+        cfg = dict(deepseek.preset_config("tiny-deepseek"), rope_interleave=False)
+        with mock.patch.object(deepseek, "preset_config", lambda name: cfg):
+            convert("tiny-deepseek", str(tmp_path / "x.gguf"))
     with pytest.raises(ValueError, match="--type"):
         convert("tiny-llama", str(tmp_path / "x.gguf"), "Q5_K")
     assert cli(["convert", "tiny-llama", str(tmp_path / "x.bin")]) == 2

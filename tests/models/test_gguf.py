@@ -156,7 +156,7 @@ def test_errors_name_the_problem(tmp_path):
     src = tmp_path / "m.gguf"
     write_gguf(tiny_llama(), src, types={"matrix": "Q8_0"}, tokenizer=False)
     _rewrite(src, tmp_path / "arch.gguf", arch="mamba")
-    with pytest.raises(ds4t.CheckpointError, match=r"architecture 'mamba' is not supported \(supported: \['llama', 'qwen3'\]\)"):
+    with pytest.raises(ds4t.CheckpointError, match=r"architecture 'mamba' is not supported \(supported: \['llama', 'qwen3', 'qwen3next', 'deepseek2', 'glm4moe'\]\)"):
         ds4t.load(str(tmp_path / "arch.gguf"))
     _rewrite(src, tmp_path / "miss.gguf", drop=("blk.1.ffn_up.weight",))
     with pytest.raises(ds4t.CheckpointError, match=r"missing tensor 'blk.1.ffn_up.weight' \(model.layers.1.mlp.up_proj.weight\)"):
