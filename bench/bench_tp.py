@@ -12,7 +12,9 @@ For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers
      graph replay == eager (graphs captured per rank, the collectives inside them); every rank's
      verdict, all must pass; every rank ends with the same logits;
   2. TP = 2 against TP = 1 (4-layer presets; TP = 1 runs on rank 0 alone): max relative logit error on
-     a prompt and greedy steps (another sum order: close, not equal);
+     a prompt and teacher-forced steps (another sum order: close, not equal), next to its noise floor (TP = 1
+     against TP = 1 with every mixer/FFN output nudged by one fp32 ulp) and the router flips of both: in bf16
+     MoE models a near-tie in the router turns sum-order noise into another expert (GLM-4.5: ~0.4);
   3. decode step at N = 1, 16, 64 (``--ns``) sessions at ``--ctx`` tokens of synthetic context: TP = 2
      with CUDA graphs, TP = 2 eager with the time in collectives (CUDA events around each all-gather +
      sum), and TP = 1 with graphs; against the bytes floor per GPU (this rank's weights once, the
@@ -45,7 +47,7 @@ from bench.bench_decode import copy_bandwidth, graph_exactness, step_floor_bytes
 from bench.bench_fp8 import median_ms, synthetic_sessions, time_native  # noqa: E402
 from ds4t.exactness.controls import kinds_for, run_controls  # noqa: E402
 from ds4t.exactness.harness import random_scenario, run_scenario  # noqa: E402
-from ds4t.testing.parallel import reference_logits  # noqa: E402
+from ds4t.testing.parallel import reference_run, route_differences  # noqa: E402
 
 DEFAULT_MODELS = "qwen3-next-80b-4l,qwen3-next-80b,glm-4.5-4l,deepseek-v3-4l"
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
@@ -174,7 +176,7 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
     run.log(f"weights {full_bytes / 1e9:.1f} GB in all; this rank's shard {m.weight_bytes() / 1e9:.1f} GB "
             f"(GPU memory taken by the load {used:.1f} GiB)\n")
     ok = exactness_tp(m, run)
-    logits2 = reference_logits(m, PROMPT, 4)
+    logits2, routes2 = reference_run(m, PROMPT, 4)
     same = run.all_ok(bool(torch.equal(logits2, _from_rank0(logits2, run))))
     run.log(f"every rank ends with the same logits: {'yes' if same else 'NO'}")
     ok &= same
@@ -202,10 +204,19 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
         run.log(f"\n### TP=1 on rank 0 (same weights)\n")
         if run.rank == 0:
             m1 = ds4t.load(name, device=a.device)
-            logits1 = reference_logits(m1, PROMPT, 4)
-            err = ((logits2 - logits1).abs().max() / logits1.abs().max()).item()
-            run.log(f"TP=2 vs TP=1 logits ({len(PROMPT)}-token prompt + 4 greedy steps): max relative error "
-                    f"{err:.2e}; bitwise equal: {torch.equal(logits1, logits2)} (another sum order: not expected)")
+            logits1, routes1 = reference_run(m1, PROMPT, 4)
+            nudged, routes_n = reference_run(m1, PROMPT, 4, perturb=True)
+            scale = logits1.abs().max()
+            err = ((logits2 - logits1).abs().max() / scale).item()
+            floor = ((nudged - logits1).abs().max() / scale).item()
+            flips, pairs = route_differences(routes2, routes1)
+            flips_n, _ = route_differences(routes_n, routes1)
+            run.log(f"TP=2 vs TP=1 logits ({len(PROMPT)}-token prompt + 4 teacher-forced steps): max relative error "
+                    f"{err:.2e}; bitwise equal: {torch.equal(logits1, logits2)} (another sum order: not expected); "
+                    f"expert sets differing in {flips} of {pairs} token-layer pairs")
+            run.log(f"noise floor, TP=1 vs TP=1 with every mixer/FFN output moved by 1 fp32 ulp (a sum-order-sized "
+                    f"change, ds4t.testing.parallel.reference_run): {floor:.2e}, expert sets differing in {flips_n} "
+                    f"of {pairs}")
             run.log("\n| N | TP=1 graphs ms | TP=1 floor ms | TP=2 graphs ms | speed-up |")
             run.log("|---|---|---|---|---|")
             for n in a.ns:
@@ -214,7 +225,7 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
                 ms1 = time_native(m1, n, a.ctx, a.iters)
                 f1 = step_floor_bytes(m1, n, a.ctx)["total"] / bw * 1e3
                 r = results[n]
-                r.update(tp1_ms=ms1, tp1_floor_ms=f1, tp1_rel_err=err)
+                r.update(tp1_ms=ms1, tp1_floor_ms=f1, tp1_rel_err=err, tp1_noise_floor=floor, route_flips=flips)
                 run.log(f"| {n} | {ms1:.2f} | {f1:.3f} | {r['graphs_ms']:.2f} | {ms1 / r['graphs_ms']:.2f}x |")
             del m1
             gc.collect()

@@ -7,7 +7,7 @@ every rank of the pool, SPMD, and returns something picklable (CPU tensors, dict
 from __future__ import annotations
 
 import random
-from typing import Dict, Sequence
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -44,8 +44,64 @@ def reference_logits(model, prompt: Sequence[int], steps: int) -> torch.Tensor:
         b.close()
 
 
+def reference_run(model, prompt: Sequence[int], steps: int, perturb: bool = False):
+    """(:func:`reference_logits`, the experts the router chose: one int64 [rows, k] tensor per router call,
+    each row's ids sorted). ``perturb``: every mixer / FFN output is moved by one relative fp32 ulp
+    (``x (1 + 2^-23)``) before its residual add, a change the size of another summation order, on one
+    device: how far *that* moves the logits is the noise floor of a TP = K vs TP = 1 comparison.
+
+    In bf16 that floor is not small for MoE models: a sum-order change flips a bf16 rounding now and then,
+    which grows through the layers to bf16 noise (~1e-3 relative), and where the router's k-th and
+    (k+1)-th scores are that close, the token gets another expert: its hidden state jumps by that
+    expert's weighted output and its logits by up to tens of percent of the largest (GLM-4.5's 160
+    experts, top 8, weights x 2.5). Count the flips with :func:`route_differences`."""
+    import contextlib
+
+    from ds4t.kernels import override, recording
+    from ds4t.kernels.norm import add_rms_norm
+
+    def nudged(out, res, *a, **k):
+        return add_rms_norm(out * (1 + 2 ** -23), res, *a, **k)
+
+    with (override("add_rms_norm", nudged) if perturb else contextlib.nullcontext()), recording() as log:
+        logits = reference_logits(model, prompt, steps)
+    routes = [torch.sort(c.output[1].long(), dim=1).values.cpu() for c in log if c.name.startswith("router_")]
+    return logits, routes
+
+
+def route_differences(a, b) -> Tuple[int, int]:
+    """(token-layer pairs whose expert set differs, all pairs) between the routes of two :func:`reference_run`s."""
+    diff = sum(int((x != y).any(dim=1).sum()) for x, y in zip(a, b))
+    return diff, sum(x.shape[0] for x in a)
+
+
 def tp_logits(path_or_preset: str, prompt: Sequence[int], steps: int, **options) -> torch.Tensor:
     return reference_logits(tp_model(path_or_preset, **options), prompt, steps)
+
+
+def config_model(cfg: dict, dtype=None, tp=None, seed: int = 0):
+    """A model of the HF-style config dict ``cfg`` (any family) with a preset's deterministic random weights
+    (``ds4t.models.registry.preset_source``'s draw), on the CPU; ``tp``: this rank's shard. For configs
+    that are no preset: a preset's structure at other sizes."""
+    from ds4t.models.loading import PresetSource
+    from ds4t.models.registry import _families
+
+    cls, parse, expected, init = _families()[cfg["model_type"]]
+    src = PresetSource(expected(parse(cfg)), init, seed, origin="config " + cfg["model_type"])
+    src.tp = None
+    if tp is not None:
+        from ds4t.parallel.runtime import TensorParallel
+
+        src.tp = TensorParallel.create(tp, None, torch.device("cpu"))
+    src.fp8 = src.quantize = None
+    return cls(cfg, src, torch.device("cpu"), dtype or torch.float32, name="config")
+
+
+def tp_config_logits(cfg: dict, prompt: Sequence[int], steps: int, dtype=None) -> torch.Tensor:
+    """:func:`reference_logits` of :func:`config_model` sharded over the pool's ranks."""
+    import torch.distributed as dist
+
+    return reference_logits(config_model(cfg, dtype, tp=dist.get_world_size()), prompt, steps)
 
 
 def tp_native_exact(preset: str, sessions: int = 3, steps: int = 3, seed: int = 0, mode: str = "native",
