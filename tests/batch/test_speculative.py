@@ -32,7 +32,7 @@ def test_negative_controls(model, kind):
     if kind == "skip-rollback" and not has_recurrent_rollback(model):
         pytest.skip("position-addressed state only: nothing to roll back")
     with plant(kind, model):
-        r = run_speculative(model, k=3, sessions=4, new_tokens=8, seed=1)
+        r = run_speculative(model, k=3, sessions=3, new_tokens=6, seed=1)
     assert r.mismatches > 0
 
 
