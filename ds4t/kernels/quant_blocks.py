@@ -47,6 +47,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ds4t.kernels.tensors import TensorLike
+
 QTYPES = ("Q8_0", "Q4_K", "Q6_K")
 """GGUF types the kernels read as blocks."""
 
@@ -80,7 +82,7 @@ def fits(qtype: str, K: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class GGUFWeight:
+class GGUFWeight(TensorLike):
     """A GGUF block-quantized weight of logical shape ``[..., N, K]``: ``data`` uint8 ``[..., N, K / QK * BPB]``,
     each row its K / QK blocks in ggml's layout. Leading dims (MoE experts) and rows index like a tensor;
     the K axis never does (blocks run along it)."""
@@ -110,17 +112,6 @@ class GGUFWeight:
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.data.shape[:-1], self.k))
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    def dim(self) -> int:
-        return self.data.dim()
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-"""Host-side argument checks the launchers share (no kernels here)."""
+"""Host-side argument checks the launchers share, and the tensor face of wrapped weights (no kernels here)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -28,3 +28,21 @@ def fp32_out(out: Optional[torch.Tensor], shape: Sequence[int], device, name: st
         raise ValueError(f"{name} must be fp32 {list(shape)} with unit last stride, got {out.dtype} "
                          f"{list(out.shape)}")
     return out
+
+
+class TensorLike:
+    """What the code around a weight asks of it, for weights that wrap a ``data`` tensor (FP8, GGUF
+    blocks): its device, storage dtype and rank; ``shape`` is the logical [..., N, K] (each wrapper's own)."""
+
+    data: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def dim(self) -> int:
+        return self.data.dim()

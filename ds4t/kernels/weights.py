@@ -25,13 +25,14 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from ds4t.kernels.quant_blocks import GGUFWeight, same_format
+from ds4t.kernels.tensors import TensorLike
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FP8Weight:
+class FP8Weight(TensorLike):
     """A block-scaled FP8 weight: ``data`` float8_e4m3fn ``[..., N, K]`` (K contiguous), ``scale`` fp32
     ``[..., N, ceil(K / block_k)]``; leading dims (MoE experts) shared. ``w = data * scale`` per K block."""
     data: torch.Tensor
@@ -60,17 +61,6 @@ class FP8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    def dim(self) -> int:
-        return self.data.dim()
 
     @property
     def nbytes(self) -> int:

@@ -440,11 +440,7 @@ class DecodeWorker:
             self._advance(ran, logits, paths, decode, t0)
             self._failed_in_a_row = 0
         except Exception as e:  # noqa: BLE001  (sampling or delivery: fail this step's requests only)
-            log.exception("step failed after the model ran")
-            self._failed_in_a_row += 1
-            for r, _ in ran:
-                if r.state != "done":
-                    self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
+            self._fail_step(ran, e)
 
     def _advance(self, ran, logits, paths, decode, t0) -> None:
         """After the model ran ``ran``: count fed prompt tokens, sample, deliver, record the step."""
@@ -563,11 +559,16 @@ class DecodeWorker:
                                   "requests": [r.id for r, _ in work]})
             self._failed_in_a_row = 0
         except Exception as e:  # noqa: BLE001  (sampling or delivery: fail this step's requests only)
-            log.exception("speculative step failed after the model ran")
-            self._failed_in_a_row += 1
-            for r, _ in work:
-                if r.state != "done":
-                    self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
+            self._fail_step(work, e)
+
+    def _fail_step(self, work, e: Exception) -> None:
+        """Sampling or delivery raised after the model ran: fail this step's unfinished requests (their
+        slots are reset: a half-delivered state is never continued) and count the failed step."""
+        log.exception("step failed after the model ran")
+        self._failed_in_a_row += 1
+        for r, _ in work:
+            if r.state != "done":
+                self._fail(r, 500, f"internal error during the step: {type(e).__name__}: {e}", state_ok=False)
 
     def _spec_run(self, work):
         """The model part of a speculative step: (results of the decode rows, logits of the prompt
