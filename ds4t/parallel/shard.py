@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ds4t.kernels import weights
+from ds4t.kernels.quant_blocks import GGUFWeight
 from ds4t.kernels.weights import FP8Weight, Weight
 from ds4t.parallel import split
 from ds4t.parallel.group import ParallelError
@@ -38,9 +39,16 @@ def rows(w: Weight, ranges: Ranges) -> Weight:
 
 def cols(w: Weight, a: int, b: int, what: str) -> Weight:
     """Columns [a, b) (the input dim K) in fresh storage. An FP8 weight is cut on its scale blocks
-    only: ``a`` a multiple of block_k, ``b`` too or the end of K; else ParallelError naming ``what``."""
+    only: ``a`` a multiple of block_k, ``b`` too or the end of K; GGUF blocks on their block width;
+    else ParallelError naming ``what``."""
     if isinstance(w, torch.Tensor):
         return w[..., a:b].clone(memory_format=torch.contiguous_format)
+    if isinstance(w, GGUFWeight):   # blocks of qk columns, bpb bytes each, along K
+        f, K = w.format, w.shape[-1]
+        if a % f.qk or b % f.qk:
+            raise ParallelError(f"{what}: tp slices its input dim at [{a}, {b}), not on the {w.qtype} blocks of "
+                                f"{f.qk} columns; use a tp whose per-rank width is a multiple of {f.qk}")
+        return dataclasses.replace(w, data=w.data[..., a // f.qk * f.bpb: b // f.qk * f.bpb].contiguous(), k=b - a)
     bk, K = w.block_k, w.shape[-1]
     if a % bk or (b % bk and b != K):
         raise ParallelError(f"{what}: tp slices its input dim at [{a}, {b}), not on the FP8 scale blocks of "
@@ -55,8 +63,9 @@ def own(w: Optional[Weight]) -> Optional[Weight]:
         return None
     if isinstance(w, torch.Tensor):
         return w.clone(memory_format=torch.contiguous_format)
-    return dataclasses.replace(w, data=w.data.clone(memory_format=torch.contiguous_format),
-                               scale=w.scale.clone(memory_format=torch.contiguous_format))
+    return dataclasses.replace(w, **{f.name: v.clone(memory_format=torch.contiguous_format)
+                                     for f in dataclasses.fields(w)
+                                     if isinstance(v := getattr(w, f.name), torch.Tensor)})
 
 
 def _heads(h0: int, h1: int, dim: int, base: int = 0) -> Tuple[int, int]:
@@ -218,9 +227,21 @@ def local_config(c, p: Part):
     return dataclasses.replace(c, **new)
 
 
-def vocab_rows(table: torch.Tensor, p: Part) -> torch.Tensor:
-    """Rows of an embedding / LM head [V, D] this rank holds, padded with zero rows to ceil(V / K)."""
+def vocab_rows(table: Weight, p: Part) -> Weight:
+    """Rows of an embedding / LM head [V, D] this rank holds, padded with zero rows to ceil(V / K). A
+    quantized LM head (FP8, GGUF blocks) keeps its format: its rows are sliced, and the padding rows have
+    zero values and zero scales, so they decode to 0 like a float table's."""
     lo, hi, n = split.vocab(table.shape[0], p.rank, p.size)
-    out = torch.zeros((n, table.shape[1]), dtype=table.dtype, device=table.device)
-    out[: hi - lo] = table[lo:hi]
-    return out
+    if isinstance(table, torch.Tensor):
+        out = torch.zeros((n, table.shape[1]), dtype=table.dtype, device=table.device)
+        out[: hi - lo] = table[lo:hi]
+        return out
+    part = table[lo:hi]
+    if n == hi - lo:
+        return part
+    first = table[:1]
+    zero = dataclasses.replace(first, **{f.name: torch.zeros((n - (hi - lo), *v.shape[1:]), dtype=v.dtype,
+                                                             device=v.device)
+                                         for f in dataclasses.fields(first)
+                                         if isinstance(v := getattr(first, f.name), torch.Tensor)})
+    return weights.cat([part, zero], dim=-2)

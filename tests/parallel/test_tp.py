@@ -141,3 +141,17 @@ def test_tp2_agrees_with_tp1_on_glm45_structure(ranks):
     assert 0 < ((nudged - ref).abs().max() / scale).item() < 1e-5
     diff, pairs = jobs.route_differences(routes, nudged_routes)
     assert diff == 0 and pairs == 2 * (len(PROMPT) + 2 + 3 * 2), (diff, pairs)   # 2 MoE layers x rows
+
+
+def test_gguf_blocks_under_tp2(ranks):
+    """GGUF block weights (Q8_0 here) shard like FP8: rows with their blocks, input columns on block
+    boundaries, the vocab-parallel LM head padded with zero blocks. A split that would cut a block is
+    a ParallelError naming the weight (tiny-qwen's 32-wide shared expert at tp = 2)."""
+    from ds4t.parallel.workers import RankError
+
+    r0, r1 = ranks.run(jobs.tp_logits, "tiny-llama", PROMPT, 2, quantize="q8_0")
+    assert torch.equal(r0, r1)
+    ref = jobs.reference_logits(ds4t.load("tiny-llama", quantize="q8_0"), PROMPT, 2)
+    assert ((r0 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with pytest.raises(RankError, match="not on the Q8_0 blocks of 32 columns"):
+        ranks.run(jobs.tp_logits, "tiny-qwen", PROMPT, 2, quantize="q8_0")
