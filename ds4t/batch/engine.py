@@ -86,6 +86,25 @@ def _validate(items: Sequence[DecodeItem]):
     return model, work
 
 
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise BatchError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def path_reasons(model, rows: Sequence[Tuple[int, int]], mode: str) -> List[Optional[str]]:
+    """For (position, token count) of each item under ``mode``: None where the item runs natively, else
+    why it runs ordered. mode "native" with an item the model cannot take raises NotNativeError naming it."""
+    if mode == "ordered":
+        return ["ordered mode requested"] * len(rows)
+    reasons = list(model.row_reasons(rows))
+    if mode == "native":
+        bad = [(i, r) for i, r in enumerate(reasons) if r is not None]
+        if bad:
+            i, r = bad[0]
+            raise NotNativeError(f"item {i}: native path not available: {r}", item=i)
+    return reasons
+
+
 def eval_batch(items: Sequence[DecodeItem], mode: str = "auto") -> BatchResult:
     """Run one step for every item. mode: "auto" (native where the model allows, ordered for the
     rest, in the same call), "native" (all rows in one batched call, or an error naming the
@@ -93,20 +112,11 @@ def eval_batch(items: Sequence[DecodeItem], mode: str = "auto") -> BatchResult:
 
     Invalid input raises BatchError naming the item and changes no session.
     """
-    if mode not in MODES:
-        raise BatchError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     model, work = _validate(items)
     t0 = time.perf_counter()
     n = len(work)
-    if mode == "ordered":
-        reasons = ["ordered mode requested"] * n
-    else:
-        reasons = list(model.row_reasons([(s.pos, len(toks)) for s, toks in work]))
-        if mode == "native":
-            bad = [(i, r) for i, r in enumerate(reasons) if r is not None]
-            if bad:
-                i, r = bad[0]
-                raise NotNativeError(f"item {i}: native path not available: {r}", item=i)
+    reasons = path_reasons(model, [(s.pos, len(toks)) for s, toks in work], mode)
     native = [i for i in range(n) if reasons[i] is None]
     if len(native) == n:   # the whole batch in one call: its logits are already in item order
         out = run_segments(model, work)

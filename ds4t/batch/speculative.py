@@ -39,7 +39,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 import torch
 
 from ds4t import sampling
-from ds4t.batch.engine import DecodeItem, _validate
+from ds4t.batch.engine import DecodeItem, _validate, check_mode, path_reasons
 from ds4t.batch.errors import BatchError
 from ds4t.batch.session import Session, as_token_list, is_int
 from ds4t.step import SegmentSpec, StepBatch
@@ -119,13 +119,7 @@ def _run(model, work: Sequence[Tuple[Session, SegmentSpec]], mode: str):
     item order (``model.row_reasons``). Positions are not advanced. Returns per item (logits rows,
     hidden rows or None, path)."""
     n = len(work)
-    if mode == "ordered":
-        reasons = ["ordered mode requested"] * n
-    else:
-        reasons = list(model.row_reasons([(sp.start, len(sp.ids)) for _, sp in work]))
-        if mode == "native" and any(r is not None for r in reasons):
-            i = next(i for i, r in enumerate(reasons) if r is not None)
-            raise BatchError(f"item {i}: native path not available: {reasons[i]}", item=i)
+    reasons = path_reasons(model, [(sp.start, len(sp.ids)) for _, sp in work], mode)
     out: List = [None] * n
 
     def call(idx):
@@ -152,6 +146,7 @@ def prefill(items: Sequence[DecodeItem], mode: str = "auto") -> torch.Tensor:
     """Consume each item's prompt chunk (as ``eval_batch``) and keep, for sessions of a model with an
     MTP head, every row's final hidden for the head's catch-up. Returns logits fp32 [N, vocab] of each
     item's last token."""
+    check_mode(mode)
     model, work = _validate(items)
     mtp = getattr(model, "mtp", None) is not None
     res = _run(model, [(s, SegmentSpec(s.slot, toks, s.pos, hidden=mtp)) for s, toks in work], mode)
@@ -256,6 +251,7 @@ def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode:
     Returns (one :class:`SpecResult` per item, logits fp32 [len(extra), vocab] of the extra items'
     last tokens). Invalid input raises BatchError and changes no session.
     """
+    check_mode(mode)
     model = _check(items)
     if extra:
         try:
