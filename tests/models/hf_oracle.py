@@ -109,5 +109,7 @@ def check_mtp_loading(tmp_path, family_module, ref_logits):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         model = ds4t.load(str(tmp_path), dtype="fp32")
-    assert len([x for x in w if "multi-token-prediction" in str(x.message)]) == 1 and model.mtp is None
+    mtp = [str(x.message) for x in w if "multi-token-prediction" in str(x.message)]
+    assert len(mtp) == 1 and model.mtp is None
+    assert f"{len(names)} multi-token-prediction" in mtp[0] and f"model.layers.{c.num_layers}" in mtp[0], mtp[0]
     assert torch.equal(model.new_session(16).prefill([1, 2, 3]), ref_logits)
