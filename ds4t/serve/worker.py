@@ -431,7 +431,7 @@ class DecodeWorker:
         if not work:
             return
         if self.mtp:
-            self._spec(work, decode, t0)
+            self._spec(work, t0)
             return
         ran, logits, paths = self._eval(work)
         if not ran:
@@ -517,17 +517,18 @@ class DecodeWorker:
         return [], None, []
 
     # -- speculative steps (mtp > 0) ------------------------------------------------------------------
-    def _spec(self, work, decode, t0) -> None:
-        """One speculative step over ``work`` (decode rows of ``decode`` and prompt chunks): drafts,
+    def _spec(self, work, t0) -> None:
+        """One speculative step over ``work`` (decode rows and prompt chunks): drafts,
         ONE verify call, the accepted tokens delivered in order. Failures as in ``_step``."""
         ran = self._spec_run(work)
         if ran is None:
             return
         work, results, plain_logits, paths = ran
+        dec, pre = work[:len(results)], work[len(results):]   # _spec_run orders decode rows first
         try:
             now = time.monotonic()
             n_tok = 0
-            for (r, _), res in zip([w for w in work if w[0] in decode], results):
+            for (r, _), res in zip(dec, results):
                 self.drafted += res.drafted
                 self.accepted += res.accepted
                 self.metrics.observe_speculation(res.drafted, res.accepted)
@@ -536,7 +537,6 @@ class DecodeWorker:
                         break
                     self._deliver(r, tok, now)
                     n_tok += 1
-            pre = [w for w in work if w[0] not in decode]
             done = []
             for j, (r, toks) in enumerate(pre):
                 r.fed += len(toks)
@@ -553,8 +553,8 @@ class DecodeWorker:
             n_rows = sum(len(t) for _, t in work)
             native = sum(p == "native" for p in paths)
             self.metrics.observe_batch(len(work), n_rows, t2 - t0, native, len(paths) - native,
-                                       sum(len(t) for r, t in pre), len(work) - len(pre))
-            self.step_log.append({"step": self._steps, "items": len(work), "rows": n_rows, "decode": len(work) - len(pre),
+                                       sum(len(t) for _, t in pre), len(dec))
+            self.step_log.append({"step": self._steps, "items": len(work), "rows": n_rows, "decode": len(dec),
                                   "speculative": True, "total_ms": (t2 - t0) * 1e3,
                                   "requests": [r.id for r, _ in work]})
             self._failed_in_a_row = 0
