@@ -161,14 +161,15 @@ def exactness_tp(model, run: Run) -> bool:
 def bench_preset(name: str, run: Run, bw: float) -> bool:
     a = run.args
     run.log(f"\n## {name}\n")
-    meta = ds4t.load(name, device="meta")
+    dt = getattr(torch, a.dtype) if a.dtype else None
+    meta = ds4t.load(name, device="meta", dtype=dt)
     full_bytes = meta.weight_bytes()
     del meta
     cap = torch.cuda.get_device_properties(0).total_memory if run.cuda else float("inf")
     tp1 = run.agree(full_bytes < 0.8 * cap and not a.no_tp1)
     free0 = torch.cuda.mem_get_info()[0] if run.cuda else 0
     t = time.time()
-    m = ds4t.load(name, device=a.device, tp=run.size)
+    m = ds4t.load(name, device=a.device, tp=run.size, dtype=dt)
     run.sync()
     load_s = time.time() - t
     used = (free0 - torch.cuda.mem_get_info()[0]) / 2**30 if run.cuda else float("nan")
@@ -203,7 +204,7 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
     if tp1 and run.time_left():
         run.log(f"\n### TP=1 on rank 0 (same weights)\n")
         if run.rank == 0:
-            m1 = ds4t.load(name, device=a.device)
+            m1 = ds4t.load(name, device=a.device, dtype=dt)
             logits1, routes1 = reference_run(m1, PROMPT, 4)
             nudged, routes_n = reference_run(m1, PROMPT, 4, perturb=True)
             scale = logits1.abs().max()
@@ -253,6 +254,8 @@ def main() -> int:
     ap.add_argument("--exact-sessions", type=int, default=6)
     ap.add_argument("--exact-steps", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what is left after this many seconds")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="model dtype (default: the preset's); float32 separates sum-order noise from sharding bugs")
     ap.add_argument("--no-tp1", action="store_true", help="skip the TP=1 comparison")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run")

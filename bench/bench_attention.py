@@ -1,0 +1,332 @@
+#!/usr/bin/env python
+"""Long-context decode attention on the GPU: GQA (ds4t.kernels.attention) and absorbed MLA
+(ds4t.kernels.mla) at 8k-32k tokens of context, correctness, invariance and bandwidth in one call.
+
+    PYTHONUNBUFFERED=1 python bench/bench_attention.py [--sweep] [--out $OUT/attn]
+
+Shapes (the three families' decode attention):
+  * GQA 16 q / 2 kv heads, d 256 (Qwen3-Next's gated attention), bf16 cache
+  * GQA 96 q / 8 kv heads, d 128 (GLM-4.5), bf16 cache
+  * MLA 128 heads, latent 512 + rope 64 (DeepSeek-V3), bf16 cache
+at L in {8192, 32768} tokens of context and B in {8, 16, 64} rows (every row at length L).
+
+Bytes = the cache a step must read (K + V, or the latent rows), plus nothing else; % is of the
+device-to-device copy bandwidth (read + write) measured in the same run. Timing: CUDA graphs of
+back-to-back calls over rotating cache copies (> 4x L2), median of replays (bench_kernels.time_calls).
+
+``--sweep``: every candidate launch config (and split size) per shape, compiled in parallel processes
+first, timed at the sweep cases; the best per shape is checked (reference error, a row alone == the
+same row in the batch) and printed as the table entry ``ds4t/kernels/{attention,mla}.py`` should hold.
+Without ``--sweep`` the kernels run with their current tables. SDPA (torch, bf16, enable_gqa) runs
+next to GQA as the non-invariant peer. A short table is printed last; everything goes to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_kernels import copy_bandwidth, time_calls  # noqa: E402
+from ds4t.kernels import attention as A  # noqa: E402
+from ds4t.kernels import mla as M  # noqa: E402
+
+L2_BYTES = 60e6
+GQA_SHAPES = [(16, 2, 256), (96, 8, 128)]
+MLA_SHAPE = (128, 512, 64)
+LENGTHS = [8192, 32768]
+BATCHES = [8, 16, 64]
+SWEEP_CASES = [(32768, 8), (8192, 64)]   # (L, B) the sweep ranks configs on (sum of times)
+
+LOG = []
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.append(s)
+
+
+# ----------------------------------------------------------------------------- candidates
+
+def gqa_candidates(d):
+    out = []
+    for split in (256, 512, 1024, 2048):
+        for bn in (32, 64, 128):
+            if bn * d * 2 > 64 * 1024 or bn > split:   # a K tile above 64 KiB never fits 2 stages
+                continue
+            for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                out.append((split, A.AttentionConfig(block_n=bn, num_warps=warps, num_stages=stages, merge_warps=4)))
+    return out
+
+
+def mla_candidates():
+    out = []
+    for split in (256, 512, 1024):
+        for bh, bn, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2)):
+            if bh * bn > 2048 or (bh == 64 and warps == 4):
+                continue
+            out.append((split, M.MLAConfig(block_h=bh, block_n=bn, merge_heads=8, num_warps=warps, num_stages=stages)))
+    return out
+
+
+# ----------------------------------------------------------------------------- problems
+
+def gqa_problem(hq, hkv, d, L, B, gen, rotate=True):
+    kv_bytes = B * L * hkv * d * 2 * 2
+    n_rot = max(1, math.ceil(4 * L2_BYTES / kv_bytes)) if rotate else 1
+    S = B * n_rot
+    kc = torch.randn(S, L, hkv, d, device="cuda", generator=gen).bfloat16()
+    vc = torch.randn(S, L, hkv, d, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(B, hq, d, device="cuda", generator=gen)
+    lengths = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(B)).cuda()
+    slot_sets = [(r * B + perm).to(torch.int32) for r in range(n_rot)]
+    return dict(q=q, kc=kc, vc=vc, lengths=lengths, slot_sets=slot_sets, bytes=kv_bytes, scale=d ** -0.5)
+
+
+def mla_problem(H, R, Dr, L, B, gen, rotate=True):
+    nbytes = B * L * (R + Dr) * 2
+    n_rot = max(1, math.ceil(4 * L2_BYTES / nbytes)) if rotate else 1
+    S = B * n_rot
+    cache = (torch.randn(S, L, R + Dr, device="cuda", generator=gen) * 0.5).bfloat16()
+    ql = torch.randn(B, H, R, device="cuda", generator=gen) * 0.05
+    qp = torch.randn(B, H, Dr, device="cuda", generator=gen) * 0.05
+    lengths = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(B)).cuda()
+    slot_sets = [(r * B + perm).to(torch.int32) for r in range(n_rot)]
+    return dict(ql=ql, qp=qp, cache=cache, lengths=lengths, slot_sets=slot_sets, bytes=nbytes,
+                scale=(128 + 64) ** -0.5, R=R)
+
+
+def run_gqa(p, slots, split, cfg, out=None, rows=None):
+    q, lengths = p["q"], p["lengths"]
+    if rows is not None:
+        q, slots, lengths = q[rows], slots[rows], lengths[rows]
+        out = None
+    ctx = A.ATTENTION_CONFIGS.forced(lambda *k: cfg) if cfg is not None else _null()
+    with ctx:
+        return A.decode_attention(q, p["kc"], p["vc"], slots, lengths, p["scale"], split_size=split, out=out)
+
+
+def run_mla(p, slots, split, cfg, out=None, rows=None):
+    ql, qp, lengths = p["ql"], p["qp"], p["lengths"]
+    if rows is not None:
+        ql, qp, slots, lengths = ql[rows], qp[rows], slots[rows], lengths[rows]
+        out = None
+    ctx = M.MLA_CONFIGS.forced(lambda *k: cfg) if cfg is not None else _null()
+    with ctx:
+        return M.mla_decode(ql, qp, p["cache"], slots, lengths, p["scale"], kv_lora_rank=p["R"],
+                            split_size=split, out=out)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ----------------------------------------------------------------------------- precompile
+
+def _compile_worker(jobs):
+    """Run each (kind, shape, L, split, cfg) once on a 1-row problem: fills Triton's disk cache with the
+    same specialisations the timed runs use (L and the strides are the same; B is only the grid)."""
+    import torch as _t
+    gen = _t.Generator(device="cuda").manual_seed(0)
+    errs = []
+    probs = {}
+    for kind, shape, L, split, fields in jobs:
+        try:
+            key = (kind, shape, L)
+            if key not in probs:
+                probs.clear()
+                _t.cuda.empty_cache()
+                probs[key] = (gqa_problem(*shape, L, 1, gen, rotate=False) if kind == "gqa"
+                              else mla_problem(*shape, L, 1, gen, rotate=False))
+            p = probs[key]
+            if kind == "gqa":
+                run_gqa(p, p["slot_sets"][0], split, A.AttentionConfig(**fields))
+            else:
+                run_mla(p, p["slot_sets"][0], split, M.MLAConfig(**fields))
+            _t.cuda.synchronize()
+            errs.append(None)
+        except Exception as e:
+            errs.append(f"{type(e).__name__}: {str(e)[:160]}")
+    return errs
+
+
+def precompile(jobs, workers):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    t0 = time.time()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    bad = {}
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        for chunk, errs in zip(chunks, ex.map(_compile_worker, chunks)):
+            for j, e in zip(chunk, errs):
+                if e:
+                    bad[(j[0], j[1], j[3], tuple(sorted(j[4].items())))] = e
+    log(f"precompiled {len(jobs)} (config, L) pairs in {time.time() - t0:.0f} s, {len(bad)} failed")
+    return bad
+
+
+# ----------------------------------------------------------------------------- measure
+
+def time_case(kind, p, split, cfg):
+    run = run_gqa if kind == "gqa" else run_mla
+    B = p["lengths"].shape[0]
+    out = torch.empty_like(run(p, p["slot_sets"][0], split, cfg))
+    fns = [lambda s=s: run(p, s, split, cfg, out=out) for s in p["slot_sets"]]
+    ms, _ = time_calls(fns)
+    return ms
+
+
+def check_case(kind, p, split, cfg):
+    """(max relative error vs the fp32/fp64 reference on 3 rows, rows alone == rows in the batch)."""
+    run = run_gqa if kind == "gqa" else run_mla
+    slots = p["slot_sets"][0]
+    B = slots.shape[0]
+    y = run(p, slots, split, cfg)
+    idx = sorted({0, B // 2, B - 1})
+    inv = all(torch.equal(run(p, slots, split, cfg, rows=torch.tensor([i], device="cuda"))[0], y[i]) for i in idx)
+    err = 0.0
+    for i in idx:
+        r = torch.tensor([i], device="cuda")
+        if kind == "gqa":
+            ref = A.decode_attention_ref(p["q"][r], p["kc"], p["vc"], slots[r], p["lengths"][r], p["scale"])
+        else:
+            ref = M.mla_decode_ref(p["ql"][r], p["qp"][r], p["cache"], slots[r], p["lengths"][r], p["scale"],
+                                   kv_lora_rank=p["R"])
+        err = max(err, ((y[i] - ref[0].to(y.dtype)).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+    return err, inv
+
+
+def sdpa_ms(p):
+    import torch.nn.functional as F
+    qt = p["q"].bfloat16().unsqueeze(2)
+    ks = [p["kc"][s.long()].transpose(1, 2).contiguous() for s in p["slot_sets"][:2]]
+    vs = [p["vc"][s.long()].transpose(1, 2).contiguous() for s in p["slot_sets"][:2]]
+    ms, _ = time_calls([lambda k=k, v=v: F.scaled_dot_product_attention(qt, k, v, scale=p["scale"], enable_gqa=True)
+                        for k, v in zip(ks, vs)])
+    del ks, vs
+    return ms
+
+
+def default_split(kind, shape):
+    if kind == "gqa":
+        return A.default_split_size(shape[2], shape[2], torch.bfloat16)
+    return M.default_split_size(shape[1], shape[2], torch.bfloat16)
+
+
+def sweep(kind, shape, gen, bw, budget_end):
+    cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates()
+    results = []
+    probs = {c: (gqa_problem(*shape, *c, gen) if kind == "gqa" else mla_problem(*shape, *c, gen)) for c in SWEEP_CASES}
+    for split, cfg in cands:
+        if time.time() > budget_end:
+            log(f"  sweep budget spent after {len(results)} of {len(cands)} configs")
+            break
+        try:
+            ms = [time_case(kind, probs[c], split, cfg) for c in SWEEP_CASES]
+        except Exception as e:
+            log(f"  {kind} {shape} split {split} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        results.append((sum(ms), split, cfg, ms))
+    results.sort(key=lambda r: r[0])
+    log(f"\n### sweep {kind} {shape}: best 5 of {len(results)} (ms at " + ", ".join(f"L={L} B={B}" for L, B in SWEEP_CASES) + ")")
+    for tot, split, cfg, ms in results[:5]:
+        tbs = [probs[c]["bytes"] / (m * 1e-3) / 1e12 for c, m in zip(SWEEP_CASES, ms)]
+        log(f"  split {split} {cfg}: " + ", ".join(f"{m:.4f} ms ({t:.2f} TB/s, {100 * t * 1e12 / bw:.0f}%)"
+                                               for m, t in zip(ms, tbs)))
+    del probs
+    torch.cuda.empty_cache()
+    return results[0][1:3] if results else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-budget-s", type=float, default=240.0)
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--only", default="gqa,mla")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    kinds = args.only.split(",")
+    bw = copy_bandwidth()
+    log(f"# ds4t long-context decode attention on {torch.cuda.get_device_name()}")
+    log(f"commit {args.commit or '?'}; torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    log("command: " + " ".join(sys.argv))
+    shapes = ([("gqa", s) for s in GQA_SHAPES] if "gqa" in kinds else []) + ([("mla", MLA_SHAPE)] if "mla" in kinds else [])
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    chosen = {}
+    if args.sweep:
+        jobs = []
+        for kind, shape in shapes:
+            cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates()
+            Ls = sorted({L for L, _ in SWEEP_CASES} | set(lengths))
+            jobs += [(kind, shape, L, split, dataclasses.asdict(cfg)) for split, cfg in cands for L in Ls]
+        precompile(jobs, args.workers)
+        end = time.time() + args.sweep_budget_s
+        for i, (kind, shape) in enumerate(shapes):
+            share = (end - time.time()) / (len(shapes) - i)
+            chosen[(kind, shape)] = sweep(kind, shape, gen, bw, time.time() + share)
+
+    rows = []
+    for kind, shape in shapes:
+        configs = [("table", default_split(kind, shape), None)]
+        if chosen.get((kind, shape)):
+            configs.append(("swept", *chosen[(kind, shape)]))
+        for L in lengths:
+            for B in batches:
+                try:
+                    p = gqa_problem(*shape, L, B, gen) if kind == "gqa" else mla_problem(*shape, L, B, gen)
+                except torch.OutOfMemoryError:
+                    log(f"  {kind} {shape} L={L} B={B}: does not fit")
+                    continue
+                for label, split, cfg in configs:
+                    ms = time_case(kind, p, split, cfg)
+                    err, inv = check_case(kind, p, split, cfg)
+                    tbs = p["bytes"] / (ms * 1e-3) / 1e12
+                    rows.append((kind, shape, L, B, f"ds4t {label} (split {split})", ms, tbs, 100 * tbs * 1e12 / bw,
+                                 f"{err:.1e}", "yes" if inv else "**NO**"))
+                if kind == "gqa":
+                    ms = sdpa_ms(p)
+                    tbs = p["bytes"] / (ms * 1e-3) / 1e12
+                    rows.append((kind, shape, L, B, "torch SDPA (bf16, not invariant)", ms, tbs,
+                                 100 * tbs * 1e12 / bw, "-", "-"))
+                del p
+                torch.cuda.empty_cache()
+                for r in rows[-len(configs) - (kind == "gqa"):]:
+                    log(f"  {r[0]} {r[1]} L={r[2]} B={r[3]} {r[4]}: {r[5]:.4f} ms {r[6]:.2f} TB/s {r[7]:.0f}% "
+                        f"err {r[8]} inv {r[9]}")
+    for (kind, shape), best in chosen.items():
+        if best:
+            log(f"\nbest {kind} {shape}: split {best[0]}, {best[1]}")
+    log("\n| kernel | shape | L | B | impl | ms | TB/s | % of copy | max rel err | row invariant |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.4f} | {r[6]:.2f} | {r[7]:.0f} | {r[8]} | {r[9]} |")
+    with open(os.path.join(args.out, "attention.md"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()
