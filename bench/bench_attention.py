@@ -269,7 +269,7 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     kinds = args.only.split(",")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth()[0]
     log(f"# ds4t long-context decode attention on {torch.cuda.get_device_name()}")
     log(f"commit {args.commit or '?'}; torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
     log("command: " + " ".join(sys.argv))
