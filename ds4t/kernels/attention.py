@@ -62,14 +62,16 @@ _LOG2E = 1.4426950408889634
 
 
 def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> int:
-    """The fixed split size (positions per split) for these head dims and cache dtype.
+    """The fixed split size (positions per split) for these head dims and cache dtype: 2048.
 
-    Depends on nothing else (never on the batch size or on lengths). 256 when one position of one
-    kv head is >= 1 KiB of K+V (e.g. D = Dv = 256 in bf16), else 512: at L = 8k, B = 8 that keeps
-    >= 256 programs in flight on a 132-SM H200 for both target shapes.
+    Depends on nothing else (never on the batch size or on lengths). Measured on the H200
+    (bench/results/2026-11-30-h200-attention.md): long splits keep each program streaming for
+    many tiles, and at 8k-32k tokens of context, B >= 8, every split size from 256 to 2048 was
+    slower than 2048 for both target shapes (16 q / 2 kv d 256 and 96 q / 8 kv d 128); 256 reached
+    35-50 % of copy bandwidth where 2048 reaches 89-101 %. The cost: a row shorter than 2048
+    positions is one program per kv head, so small batches at short contexts have few programs.
     """
-    elsize = torch.empty((), dtype=dtype).element_size()
-    return 256 if (head_dim + head_dim_v) * elsize >= 1024 else 512
+    return 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +86,11 @@ class AttentionConfig:
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
-    """~32 KiB of K (or V) per tile; one fixed config per head shape (no autotune). Compiled offline
-    for sm_90 (triton 3.9, bf16): D = Dv = 256 / BLOCK_N 64 -> 244 regs, 86 KB smem; D = Dv = 128 /
-    BLOCK_N 128 -> ~175 regs, 82 KB smem; no spills; K/V loads pipelined with cp.async; both fit two
-    CTAs per SM."""
-    return AttentionConfig(block_n=min(split, 64 if block_d + block_dv >= 512 else 128),
-                           num_warps=4, num_stages=2, merge_warps=4)
+    """~16 KiB of K (or V) per tile, 4 warps, 3 stages: the best of 40-48 configs per shape in the
+    H200 sweep (bench/results/2026-11-30-h200-attention.md, ``bench/bench_attention.py --sweep``);
+    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64."""
+    return AttentionConfig(block_n=min(split, 32 if block_d + block_dv >= 512 else 64),
+                           num_warps=4, num_stages=3, merge_warps=4)
 
 
 def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -100,8 +101,7 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
 
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
     "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
-    source="no GPU sweep yet: the rule's constants come from the offline sm_90 compile above; "
-           "the end-to-end numbers are in bench/results/2026-11-29-h200-decode.md")
+    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
 """Keyed on (split size, BLOCK_D, BLOCK_DV)."""
 
 

@@ -87,13 +87,14 @@ class MLAConfig:
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
-    # tl.dot needs M >= 16. 64 heads x R in one dot: each cache tile is read once per
-    # 64 heads (DeepSeek-V3: 2 head blocks per split, the second read usually from L2).
-    RP = triton.next_power_of_2(R)
-    BH = max(16, min(64, triton.next_power_of_2(H)))
-    return MLAConfig(block_h=BH, block_n=max(16, min(32 if RP >= 256 else 64, triton.next_power_of_2(split))),
-                     merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // RP)),
-                     num_warps=8 if BH * RP >= 64 * 256 else 4)
+    # 32 heads x 64 tokens per tile, 4 warps: the best of 84 configs in the H200 sweep at R = 512
+    # (bench/results/2026-11-30-h200-attention.md), 2x the 64-head / 8-warp tile, whose fp32
+    # accumulator [64, 512] does not fit the registers. Each cache tile is read once per 32 heads
+    # (DeepSeek-V3: 4 head blocks; the repeats mostly hit L2). tl.dot needs M >= 16.
+    return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
+                     block_n=max(16, min(64, triton.next_power_of_2(split))),
+                     merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
+                     num_warps=4, num_stages=2)
 
 
 def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -105,7 +106,7 @@ def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
 
 MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
     "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
-    source="no GPU sweep yet; end-to-end numbers: bench/results/2026-11-29-h200-decode.md")
+    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
 """Keyed on (heads, latent rank R, rope dim Dr, split size): never on the batch."""
 
 

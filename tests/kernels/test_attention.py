@@ -171,10 +171,10 @@ def test_bad_arguments(device):
         decode_attention(torch.randn(1, 4, 16), kc, vc.bfloat16(), scale=1.0, **ok)
 
 
-def test_default_split_size_depends_on_head_dims_only():
-    assert default_split_size(256, 256, torch.bfloat16) == 256
-    assert default_split_size(128, 128, torch.bfloat16) == 512
-    assert default_split_size(128, 128, torch.float32) == 256
+def test_default_split_size_is_fixed():
+    assert default_split_size(256, 256, torch.bfloat16) == 2048
+    assert default_split_size(128, 128, torch.bfloat16) == 2048
+    assert default_split_size(128, 128, torch.float32) == 2048
 
 
 # ----------------------------------------------------------------------------- write_kv
