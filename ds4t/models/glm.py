@@ -12,13 +12,14 @@ FFN: the DeepSeek-V3 layout, from :class:`ds4t.models.blocks.SigmoidMoEConfig` (
 ungated shared experts). Multi-token-prediction layers stored after the decoder layers are
 recognised, skipped and reported with one warning.
 
-Native path eligibility (data: ``model.native_rules`` / ``model.row_reasons``): GLM's native
-attention holds a session's visible window (cache positions it attends to after the step:
-pos + new tokens) in one pass up to a capacity, ``native_window`` (default 2051 tokens). Rows
-past it get the reason "visible window W > native capacity C"; ``eval_batch(mode="auto")`` runs
-the eligible rows natively in one call and the others ordered, in the same call, and
-``mode="native"`` raises naming the row. Set it with ``ds4t.load(..., native_window=N)`` or
-``model.native_window = N``.
+Native path eligibility (data: ``model.native_rules`` / ``model.row_reasons``): by default every
+row is native at any context length: ds4t's split-KV decode attention has no window (measured
+native == ordered and its speed at 16k and 32k tokens: bench/results/2026-11-30-h200-decode-long.md).
+The option ``native_window=N`` (``ds4t.load(..., native_window=N)`` or ``model.native_window = N``)
+reproduces a kernel with a capacity, such as ds4's 2051-token one: a row whose visible window
+(cache positions it attends to after the step: pos + new tokens) passes N gets the reason
+"visible window W > native capacity N"; ``eval_batch(mode="auto")`` runs the eligible rows
+natively and the others ordered, in the same call, and ``mode="native"`` raises naming the row.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
 
 PRESETS = ("tiny-glm", "glm-4.5-4l")
 
-DEFAULT_NATIVE_WINDOW = 2051
-"""Visible tokens GLM's native attention holds in one pass (a session past it runs ordered)."""
+DEFAULT_NATIVE_WINDOW: Optional[int] = None
+"""No window: every row can run natively. ``native_window=2051`` gives ds4's kernel capacity."""
 
 # HF Glm4MoeConfig class defaults for FFN fields a config.json may omit.
 _FFN_DEFAULTS = dict(first_k_dense_replace=1, n_group=1, topk_group=1, num_experts_per_tok=8,
@@ -119,7 +120,7 @@ class GlmModel(GQAMixer, DecoderModel):
     family = "glm4_moe"
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "glm4_moe", progress=None,
-                 native_window: int = DEFAULT_NATIVE_WINDOW):
+                 native_window: Optional[int] = DEFAULT_NATIVE_WINDOW):
         c = GlmConfig.from_dict(cfg)
         self.native_window = native_window
         self._init_stack(c, name, device, dtype)
@@ -136,29 +137,35 @@ class GlmModel(GQAMixer, DecoderModel):
 
     # -- native-path eligibility (data) ------------------------------------------------------
     @property
-    def native_window(self) -> int:
+    def native_window(self) -> Optional[int]:
+        """Visible tokens a native row may attend to (None: no limit)."""
         return self._native_window
 
     @native_window.setter
-    def native_window(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"native_window must be a positive int, got {value!r}")
+    def native_window(self, value: Optional[int]) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"native_window must be a positive int or None, got {value!r}")
         self._native_window = value
+
+    @staticmethod
+    def _rules(window: Optional[int], option_hint: str = "") -> Tuple[NativeRule, ...]:
+        cond = ("any visible window (no limit; load option native_window=N sets one, e.g. ds4's 2051)"
+                if window is None else f"visible window (pos + new tokens) <= {window}{option_hint}")
+        return (NativeRule("native", cond, "ordered: the row runs alone, in item order, in the same eval_batch call"),)
 
     @property
     def native_rules(self) -> Tuple[NativeRule, ...]:
-        return (NativeRule("native", f"visible window (pos + new tokens) <= {self._native_window}",
-                           "ordered: the row runs alone, in item order, in the same eval_batch call"),)
+        return self._rules(self._native_window)
 
     @classmethod
     def default_native_rules(cls) -> Tuple[NativeRule, ...]:
-        """The rule at the default capacity (for ``ds4t support``)."""
-        return (NativeRule("native", f"visible window (pos + new tokens) <= {DEFAULT_NATIVE_WINDOW} "
-                           "(load option native_window)",
-                           "ordered: the row runs alone, in item order, in the same eval_batch call"),)
+        """The rule at the default (for ``ds4t support``)."""
+        return cls._rules(DEFAULT_NATIVE_WINDOW, " (load option native_window)")
 
     def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
         cap = self._native_window
+        if cap is None:
+            return [None] * len(rows)
         return [None if pos + n <= cap else f"visible window {pos + n} > native capacity {cap}" for pos, n in rows]
 
     # -- compute (state_specs and mixer: GQAMixer) -----------------------------------------

@@ -68,7 +68,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     ("bf16", "fp16", "fp32"); default: the checkpoint's ``torch_dtype``/``dtype`` (presets: fp32
     for tiny-*, bf16 for the full-size presets). Tensors stored in another dtype are cast.
     options: family-specific model options, passed to the model class, e.g.
-    ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe).
+    ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe; default: no window).
     quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
     weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``), or
     "q8_0" / "q4_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
