@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import List
 
 
 class UsageError(Exception):
@@ -49,6 +50,16 @@ def int_at_least(lo: int):
 
 _positive_int = int_at_least(1)
 _non_negative_int = int_at_least(0)
+
+
+def _chunk_sizes(text: str) -> List[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(c < 1 for c in sizes):
+        raise argparse.ArgumentTypeError(f"expected positive chunk sizes like 1,17,64, got {text!r}")
+    return sizes
 
 
 def _key_value(text: str):
@@ -334,9 +345,38 @@ def cmd_exactness(args) -> int:
         if not all(c.applicable for c in controls):
             print("note: a control that is not applicable had nothing to show in (no native call of 2+ rows "
                   "in its scenario); it neither passes nor fails the run")
+    chunks_ok = _chunk_check(model, args) if args.chunks else True
     print("exact: yes" if total.ok else f"exact: NO ({total.mismatches} mismatches, "
           f"{total.native_missing} rows not native)")
-    return 0 if total.ok and all(c.ok for c in controls) else 1
+    return 0 if total.ok and chunks_ok and all(c.ok for c in controls) else 1
+
+
+def _chunk_check(model, args) -> bool:
+    """--chunks: one random prompt of --max-prompt tokens, whole vs each chunk size vs token by token in
+    a native batch, bitwise; with the negative control, the same under a batch-dependent linear."""
+    import random
+
+    from ds4t.exactness.chunks import run_chunk_check
+    from ds4t.exactness.harness import plant
+
+    rng = random.Random(args.seed + 2)
+    prompt = [rng.randrange(model.vocab_size) for _ in range(args.max_prompt)]
+    rep = run_chunk_check(model, prompt, args.chunks)
+    rows = [["prefill chunks " + ",".join(map(str, args.chunks)) + " + token by token in a batch", rep.rows,
+             rep.states, rep.mismatches, " ".join(f"{k}={v}" for k, v in sorted(rep.paths.items())),
+             rep.first_mismatch or "-"]]
+    ok = rep.ok
+    if args.negative_control:
+        with plant("batch-dependent"):
+            ctl = run_chunk_check(model, prompt, args.chunks, in_batch=False)
+        caught = ctl.mismatches > 0
+        ok &= caught
+        rows.append(["control: batch-dependent linear", ctl.rows, ctl.states, ctl.mismatches, "-",
+                     "caught" if caught else "NOT CAUGHT"])
+    print(f"prefill chunk invariance ({len(prompt)}-token prompt, whole vs chunks; bitwise):")
+    print(_table(["check", "rows compared", "states compared", "mismatches", "paths", "first mismatch / verdict"],
+                 rows))
+    return ok
 
 
 def _exactness_mtp(args) -> int:
@@ -500,6 +540,9 @@ def main(argv=None) -> int:
     e.add_argument("--seed", type=int, default=0, help="seed of the random scenarios")
     e.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="skip the planted-deviation runs")
+    e.add_argument("--chunks", type=_chunk_sizes, default=None, metavar="C,C,...",
+                   help="also check prefill chunk invariance: a --max-prompt-token prompt whole vs in chunks of "
+                        "each size (e.g. 1,17,64) vs token by token in a native batch, logits and state bitwise")
     e.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
                    help="check speculative decoding instead: K drafts per step (the MTP head's, and replayed "
                         "ones with planted errors) against plain decoding -- tokens, logits, state -- bitwise")

@@ -103,33 +103,12 @@ def assert_prefill_chunk_invariant(model, prompt: Sequence[int], chunks: Sequenc
     """A prompt's logits (every position, float32) and final state are bitwise the same for every
     prefill chunk size in ``chunks`` as for the whole prompt at once, and equal to feeding it one
     token per step natively in a batch beside another session that decodes. (What exact speculative
-    decoding and chunked serving rest on.)"""
-    import ds4t
+    decoding and chunked serving rest on; the check is :func:`ds4t.exactness.chunks.run_chunk_check`.)"""
+    from ds4t.exactness.chunks import run_chunk_check
 
-    ref = model.new_session(max_ctx)
-    whole = ref.prefill(list(prompt), all_logits=True)
-    state = ref.state_dict()
-    ref.close()
-    for chunk in chunks:
-        s = model.new_session(max_ctx)
-        parts = [s.prefill(list(prompt[i:i + chunk]), all_logits=True) for i in range(0, len(prompt), chunk)]
-        st = s.state_dict()
-        s.close()
-        assert torch.equal(torch.cat(parts), whole), f"chunks of {chunk}: logits differ from the whole prompt"
-        assert st.keys() == state.keys() and all(torch.equal(st[k], state[k]) for k in state), \
-            f"chunks of {chunk}: state differs from the whole prompt's"
-    other, s = model.new_session(max_ctx), model.new_session(max_ctx)
-    try:
-        other.prefill([3, 4, 5])
-        rows = []
-        for t in prompt:
-            res = ds4t.eval_batch([ds4t.DecodeItem(s, t), ds4t.DecodeItem(other, 7)], mode="native")
-            assert res.paths == ["native", "native"], res.reasons
-            rows.append(res.logits[0])
-        assert torch.equal(torch.stack(rows), whole), "token by token in a batch differs from the whole prompt"
-    finally:
-        other.close()
-        s.close()
+    rep = run_chunk_check(model, prompt, chunks, max_ctx=max_ctx)
+    assert rep.mismatches == 0, f"{rep.first_mismatch} ({rep.mismatches} mismatches)"
+    assert not rep.paths.get("ordered"), f"token by token: rows fell back to ordered: {rep.paths}"
 
 
 __all__ = ["poisoned", "assert_rows_invariant", "assert_native_exact", "assert_prefill_chunk_invariant", "kernel_ops", "TINY_PRESETS", "HYPOTHESIS_PROFILE"]
