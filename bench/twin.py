@@ -7,7 +7,9 @@ A benchmark helper, not library API (ds4t's contract is the invariant kernels). 
   outputs; cuBLAS picks split-K and tiles by batch size: not invariant);
 * GQA decode attention: ``F.scaled_dot_product_attention`` over the rows' slot caches, the Hq / Hkv
   query heads of a kv head as SDPA's query length (no KV repeat), a [B, 1, 1, L] mask for the
-  lengths; MLA: the same over the latent cache (one kv head, q = [q_latent | q_pe]);
+  lengths, on a fused SDPA kernel where one takes the shape (:data:`SDPA_CHOICE` says);
+  MLA: cuBLAS batched GEMMs over the latent rows (one kv head, q = [q_latent | q_pe]) around an
+  fp32 softmax;
 * MoE: the pairs sorted by expert and ``F.grouped_mm`` over the stacked experts (device offsets,
   only the chosen experts' weights are read; what transformers' ``grouped_mm`` experts do), or
   gathered expert weights and ``bmm`` where grouped_mm is not available (CPU tests, fp32);
@@ -188,6 +190,38 @@ def write_kv(k, v, k_cache, v_cache, slots, positions):
     v_cache[s, p] = v.to(v_cache.dtype)
 
 
+SDPA_CHOICE: Dict[tuple, str] = {}
+"""Per attention shape (all but B): "fused" when SDPA runs a fused kernel (cuDNN / memory-efficient /
+flash, SDPA's pick) on it, "math" when none accepts it and SDPA falls back to its math path
+(which upcasts to fp32: slow). Decided on the first eager call of a shape (never during capture)."""
+
+_FUSED = None
+
+
+def _sdpa(q, k, v, mask, scale):
+    """F.scaled_dot_product_attention restricted to its fused backends where one accepts the shape."""
+    global _FUSED
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _FUSED is None:
+        _FUSED = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    key = (tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[-1:]), q.dtype)
+    choice = SDPA_CHOICE.get(key)
+    if choice in (None, "fused"):
+        try:
+            with sdpa_kernel(_FUSED):
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            SDPA_CHOICE[key] = "fused"
+            return o
+        except RuntimeError:
+            if choice == "fused":
+                raise
+            SDPA_CHOICE[key] = "math"
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def decode_attention(q, k_cache, v_cache, slots, lengths, scale, *, split_size=None, out=None, gate=None):
     """SDPA over each row's slot cache: q [B, Hq, D] as [B, Hkv, G, D] (G = Hq / Hkv query heads per
     kv head as SDPA's query rows: GQA without repeating K/V), K/V [B, Hkv, L, D] views of the
@@ -198,8 +232,7 @@ def decode_attention(q, k_cache, v_cache, slots, lengths, scale, *, split_size=N
     k = _rows(k_cache, slots, B).transpose(1, 2)          # [B, Hkv, L, D]
     v = _rows(v_cache, slots, B).transpose(1, 2)
     qh = q.reshape(B, Hkv, Hq // Hkv, D).to(k_cache.dtype)
-    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=_length_mask(lengths, L), scale=scale)
-    o = o.reshape(B, Hq, Dv).float()
+    o = _sdpa(qh, k, v, _length_mask(lengths, L), scale).reshape(B, Hq, Dv).float()
     if gate is not None:
         o = o * torch.sigmoid(gate.float()).view(B, Hq, Dv)
     return _out(o, out)
@@ -222,14 +255,18 @@ def write_latent(c_kv, k_pe, cache, slots, positions):
 
 
 def mla_decode(q_latent, q_pe, cache, slots, lengths, scale, *, kv_lora_rank, split_size=None, out=None):
-    """Absorbed MLA as SDPA with one kv head: q = [q_latent | q_pe] [B, 1, H, R + Dr] (the H heads as
-    query rows), K = the latent rows [B, 1, L, R + Dr], V = their first R dims; fp32 [B, H, R]."""
+    """Absorbed MLA (one kv head: the latent rows) as two cuBLAS batched GEMMs in the cache dtype
+    around an fp32 softmax: scores = [q_latent | q_pe] · rows^T [B, H, L], p · rows[..., :R]; fp32
+    [B, H, R]. (Not SDPA: no fused SDPA kernel takes 576-wide heads, and its math path copies the
+    cache to fp32.) The rows are read in place (batch stride L·(R + Dr), no copy) with slots_are_rows."""
     B, H, R = q_latent.shape
     L = cache.shape[1]
-    kv = _rows(cache, slots, B)[:, None]                                  # [B, 1, L, R + Dr]
-    q = torch.cat([q_latent.to(cache.dtype), q_pe.to(cache.dtype)], dim=-1)[:, None]
-    o = F.scaled_dot_product_attention(q, kv, kv[..., :R], attn_mask=_length_mask(lengths, L), scale=scale)
-    return _out(o[:, 0], out)
+    kv = _rows(cache, slots, B)                                           # [B, L, R + Dr]
+    q = torch.cat([q_latent.to(cache.dtype), q_pe.to(cache.dtype)], dim=-1)
+    sc = torch.bmm(q, kv.transpose(1, 2)).float() * scale                # [B, H, L]
+    sc = sc.masked_fill(~_length_mask(lengths, L)[:, 0], float("-inf"))
+    p = torch.softmax(sc, dim=-1).to(cache.dtype)
+    return _out(torch.bmm(p, kv[..., :R]), out)
 
 
 # ----------------------------------------------------------------------------------------------
