@@ -479,8 +479,9 @@ def _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) -> di
     """HF eager and static rows of this model, {(ctx, n): HFRow}; the static share of the budget."""
     from ds4t.hf import hf_twin
 
-    budget = hf_peer.StaticBudget(hf_budget["left"] / max(1, hf_budget["models"]))
-    hf_budget["models"] -= 1
+    hf_budget["models"] -= 1   # models after this one
+    budget = hf_peer.StaticBudget(hf_budget["left"] / (hf_budget["models"] + 1), deadline=hf_budget["deadline"],
+                                  reserve=RESERVE_S * hf_budget["models"])
     out = {}
     hf = None
     t0 = time.time()
@@ -607,6 +608,9 @@ def _fla_version():
         return "not installed"
 
 
+RESERVE_S = 150.0
+"""Seconds kept, under --deadline, for each model still to run (its ds4t part and HF eager)."""
+
 CSV_FIELDS = ["model", "ctx", "n", "path", "native_ms", "eager_ms", "ordered_ms", "twin_ms", "twin_set",
               "hf_static_ms", "hf_eager_ms", "strongest_peer", "vs_peer", "vs_twin", "floor_ms", "floor_mb",
               "floor_state_mb", "floor_frac", "native_tok_s", "speedup", "floor_speedup", "exact", "skipped", "notes",
@@ -658,6 +662,10 @@ def main():
     ap.add_argument("--hf-static-dynamic", action="store_true",
                     help="compile the HF static step with dynamic shapes (one compile for every N and context "
                          "instead of one per shape; generate's default is dynamic=None)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start by which the run should end: HF static runs that would end later "
+                         f"than {RESERVE_S:.0f} s per model still to run are skipped, and a model that would start "
+                         "after it is skipped (the summary is still printed)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a native step at N=1 and 16")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -688,8 +696,13 @@ def main():
     log(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
     rows = []
     models = args.models.split(",")
-    hf_budget = {"left": args.hf_static_budget, "models": len(models)}
+    deadline = t_start + args.deadline if args.deadline else None
+    hf_budget = {"left": args.hf_static_budget, "models": len(models), "deadline": deadline}
     for name in models:
+        if deadline is not None and time.time() > deadline - RESERVE_S:
+            log(f"\n# {name}: skipped, {deadline - time.time():.0f} s left before --deadline")
+            hf_budget["models"] -= 1
+            continue
         t0 = time.time()
         bench_model(name, args, bw, log, rows, hf_budget)
         log(f"\n({name}: {time.time() - t0:.0f} s; run so far {time.time() - t_start:.0f} s)")

@@ -295,13 +295,17 @@ class HFRow:
 @dataclasses.dataclass
 class StaticBudget:
     """Seconds the static peer may spend (compilation dominates); a run is skipped when the
-    longest generate so far would not fit in what is left."""
+    longest generate so far would not fit in what is left, or would end later than ``reserve``
+    seconds before the wall-clock ``deadline`` (time.time() value; None: none)."""
     seconds: float
+    deadline: Optional[float] = None
+    reserve: float = 0.0
     used: float = 0.0
     longest: float = 0.0
 
     def allows(self) -> bool:
-        return self.used + self.longest <= self.seconds
+        late = self.deadline is not None and time.time() + self.longest + self.reserve > self.deadline
+        return self.used + self.longest <= self.seconds and not late
 
     def spend(self, s: float) -> None:
         self.used += s
@@ -353,12 +357,13 @@ def bench_hf(hf, ctxs: List[int], ns: List[int], static_ns: List[int], iters: in
                 continue
             if not budget.allows():
                 r.static_note = f"skipped: time budget ({budget.used:.0f} of {budget.seconds:.0f} s used, " \
-                                f"a compile took up to {budget.longest:.0f} s)"
+                                f"a compile took up to {budget.longest:.0f} s; --hf-static-budget / --deadline)"
                 continue
             try:
                 s = static_step(hf, prompts[:n], ctx, iters, warmup, compile_config=compile_config)
             except torch.OutOfMemoryError:
                 s = StaticRun(error="OOM")
+                reset_compiled(hf)   # free the CUDA-graph pools before the next run
             budget.spend(s.compile_s)
             if s.ms is None:
                 r.static_note = s.error or "failed"
@@ -373,8 +378,7 @@ def bench_hf(hf, ctxs: List[int], ns: List[int], static_ns: List[int], iters: in
                 log(f"HF static ctx {ctx} N={n}: {s.ms:.2f} ms (generate + compile {s.compile_s:.0f} s); {s.label}")
             _free_memory()
         del cache1
-        reset_compiled(hf)
-        _free_memory()
+        _free_memory()   # compiled graphs stay: a later context may reuse them (dynamic shapes)
     return rows
 
 
