@@ -326,6 +326,10 @@ def twin_checks(model, sets, n: int, log) -> dict:
     log("|---|---|---|---|")
     for op, d in sorted(diffs.items()):
         log(f"| {op} | {d.calls} | {d.max_rel:.1e} | {d.int_mismatches} |")
+    tol = 5e-2 if model.dtype != torch.float32 else 1e-4
+    off = [op for op, d in sorted(diffs.items()) if d.max_rel > tol]
+    log(f"\nevery twin op within {tol:g} of the kernel: {'yes' if not off else 'NO: ' + ', '.join(off)}"
+        + ("" if not twin.ATTN_CHOICE else f"; decode attention ran {sorted(set(twin.ATTN_CHOICE.values()))}"))
     for name, r in res.items():
         log(f"\ntwin set `{name}`: {r['report']}.")
         log(f"logits vs ds4t native: max rel err {r['rel']:.2e} ({'bf16-close' if r['rel'] < 0.1 else 'NOT close'}), "
@@ -439,10 +443,13 @@ def bench_model(name, args, bw, log, rows, hf_budget):
         del sessions
         gc.collect()
         log(f"(ctx {ctx}: ds4t timings took {time.time() - t0:.0f} s)")
-    if twin.SDPA_CHOICE:
-        log("\ntwin SDPA kernels by attention shape (q [heads, rows, dim], k/v [heads, L, dim]): " + "; ".join(
-            f"{list(k[0])} x {list(k[1])}: {v}" for k, v in twin.SDPA_CHOICE.items()))
-        twin.SDPA_CHOICE.clear()
+    if twin.ATTN_CHOICE:
+        ran = {}
+        for (qs, ks, _, _), v in twin.ATTN_CHOICE.items():
+            ran.setdefault(v, []).append(f"N={qs[0]} L={ks[1]}")
+        log(f"\ntwin decode attention (twin.ATTENTION_IMPL={twin.ATTENTION_IMPL}) ran: "
+            + "; ".join(f"{k} ({', '.join(v)})" for k, v in ran.items()))
+        twin.ATTN_CHOICE.clear()
     if args.profile:
         if paths[0] is not None:
             model.native_path = paths[0]
@@ -654,6 +661,9 @@ def main():
     ap.add_argument("--twin-sets", default="all,priced",
                     help="twin op sets to time: all (every op plain torch), priced (only the GEMM / attention / "
                          "MoE ops whose algorithm invariance constrains), or op1+op2 lists separated by commas")
+    ap.add_argument("--twin-attention", default="auto", choices=("auto", "sdpa"),
+                    help="the twin's GQA decode attention: auto (FlashAttention varlen where it runs, else SDPA) "
+                         "or sdpa (F.scaled_dot_product_attention with a length mask)")
     ap.add_argument("--no-hf", dest="hf", action="store_false")
     ap.add_argument("--hf-static-ns", default=None, help="N values for the HF static-cache compiled peer (default: --ns)")
     ap.add_argument("--hf-static-budget", type=float, default=360.0,
@@ -673,6 +683,7 @@ def main():
     args = ap.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
+    twin.ATTENTION_IMPL = args.twin_attention
     for s in args.twin_sets.split(","):   # fail now on an unknown set or op, not after an hour
         twin.resolve(_selection(s))
     os.makedirs(args.out, exist_ok=True)

@@ -5,9 +5,11 @@ A benchmark helper, not library API (ds4t's contract is the invariant kernels). 
 
 * GEMMs: cuBLAS ``F.linear`` / ``torch.bmm`` in the weight dtype (activations rounded to it, bf16
   outputs; cuBLAS picks split-K and tiles by batch size: not invariant);
-* GQA decode attention: ``F.scaled_dot_product_attention`` over the rows' slot caches, the Hq / Hkv
-  query heads of a kv head as SDPA's query length (no KV repeat), a [B, 1, 1, L] mask for the
-  lengths, on a fused SDPA kernel where one takes the shape (:data:`SDPA_CHOICE` says);
+* GQA decode attention: FlashAttention's varlen kernel (``aten._flash_attention_forward``, the rows'
+  used lengths as ``seqused_k``: flash-decoding, KV splits chosen by batch size) where it runs, else
+  ``F.scaled_dot_product_attention`` over the rows' slot caches, the Hq / Hkv query heads of a kv
+  head as SDPA's query length (no KV repeat), a [B, 1, 1, L] mask for the lengths
+  (:data:`ATTENTION_IMPL`; :data:`ATTN_CHOICE` records what ran);
   MLA: cuBLAS batched GEMMs over the latent rows (one kv head, q = [q_latent | q_pe]) around an
   fp32 softmax;
 * MoE: the pairs sorted by expert and ``F.grouped_mm`` over the stacked experts (device offsets,
@@ -190,49 +192,88 @@ def write_kv(k, v, k_cache, v_cache, slots, positions):
     v_cache[s, p] = v.to(v_cache.dtype)
 
 
-SDPA_CHOICE: Dict[tuple, str] = {}
-"""Per attention shape (all but B): "fused" when SDPA runs a fused kernel (cuDNN / memory-efficient /
-flash, SDPA's pick) on it, "math" when none accepts it and SDPA falls back to its math path
-(which upcasts to fp32: slow). Decided on the first eager call of a shape (never during capture)."""
+ATTENTION_IMPL = "auto"
+"""GQA decode attention: ``"auto"`` tries, on a GPU, FlashAttention's varlen kernel
+(``aten._flash_attention_forward`` with the rows' used lengths ``seqused_k``: the rows' caches read in
+place, KV split across blocks by its own batch-size heuristic, i.e. flash-decoding), then
+``F.scaled_dot_product_attention`` with a length mask on a fused backend, then SDPA's math path;
+``"sdpa"`` skips the flash kernel (what the brief's SDPA baseline is)."""
 
-_FUSED = None
+ATTN_CHOICE: Dict[tuple, str] = {}
+"""Per attention call shape: the implementation that ran ("flash varlen", "sdpa fused", "sdpa math").
+Decided on the first (eager) call of a shape by trying them in order; a CUDA graph capture always
+follows an eager step of the same shape, so no trial happens while capturing."""
 
 
-def _sdpa(q, k, v, mask, scale):
-    """F.scaled_dot_product_attention restricted to its fused backends where one accepts the shape."""
-    global _FUSED
-    if q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+def _has_seqused_k() -> bool:
+    try:
+        schema = torch.ops.aten._flash_attention_forward.default._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(a.name == "seqused_k" for a in schema.arguments)
+
+
+def _flash_varlen(q, k, v, lengths, scale):
+    """q [B, Hq, D]; k / v [B, L, Hkv, D] (contiguous rows: a free [B·L, Hkv, D] view); row b attends to
+    its first lengths[b] positions. -> [B, Hq, Dv] in the cache dtype."""
+    B, L, Hkv, D = k.shape
+    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    return torch.ops.aten._flash_attention_forward(
+        q.to(k.dtype).contiguous(), k.reshape(B * L, Hkv, D), v.reshape(B * L, Hkv, v.shape[-1]), cu, cu * L, 1, L,
+        0.0, False, False, scale=scale, seqused_k=lengths.to(torch.int32))[0]
+
+
+def _sdpa(q, k, v, lengths, scale):
+    """SDPA: q [B, Hq, D] as [B, Hkv, G, D] (the G = Hq / Hkv query heads of a kv head as its query rows:
+    GQA without repeating K/V), k / v [B, L, Hkv, D] as [B, Hkv, L, D] views, a [B, 1, 1, L] length mask."""
+    B, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D).to(k.dtype), k.transpose(1, 2),
+                                       v.transpose(1, 2), attn_mask=_length_mask(lengths, L), scale=scale)
+    return o.reshape(B, Hq, v.shape[-1])
+
+
+def _sdpa_fused(q, k, v, lengths, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if _FUSED is None:
-        _FUSED = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
-    key = (tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[-1:]), q.dtype)
-    choice = SDPA_CHOICE.get(key)
-    if choice in (None, "fused"):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        return _sdpa(q, k, v, lengths, scale)
+
+
+_ATTN = {"flash varlen": _flash_varlen, "sdpa fused": _sdpa_fused, "sdpa math": _sdpa}
+
+
+def _attend(q, k, v, lengths, scale):
+    """[B, Hq, Dv] attention of each row over its cache rows k / v [B, L, Hkv, D] (see ATTENTION_IMPL)."""
+    key = (tuple(q.shape), tuple(k.shape), v.shape[-1], k.dtype)
+    choice = ATTN_CHOICE.get(key)
+    if choice is not None:
+        return _ATTN[choice](q, k, v, lengths, scale)
+    names = ["sdpa math"]   # off the GPU: SDPA's own pick
+    if q.device.type == "cuda":
+        names = ["sdpa fused", "sdpa math"]
+        if (ATTENTION_IMPL == "auto" and k.dtype in (torch.bfloat16, torch.float16)
+                and k.shape[-1] == v.shape[-1] <= 256 and _has_seqused_k()):
+            names.insert(0, "flash varlen")
+    for name in names:
         try:
-            with sdpa_kernel(_FUSED):
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            SDPA_CHOICE[key] = "fused"
-            return o
-        except RuntimeError:
-            if choice == "fused":
+            o = _ATTN[name](q, k, v, lengths, scale)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            if name == names[-1]:
                 raise
-            SDPA_CHOICE[key] = "math"
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            continue
+        ATTN_CHOICE[key] = name
+        return o
+    raise AssertionError("unreachable")
 
 
 def decode_attention(q, k_cache, v_cache, slots, lengths, scale, *, split_size=None, out=None, gate=None):
-    """SDPA over each row's slot cache: q [B, Hq, D] as [B, Hkv, G, D] (G = Hq / Hkv query heads per
-    kv head as SDPA's query rows: GQA without repeating K/V), K/V [B, Hkv, L, D] views of the
-    [B, L, Hkv, D] rows, a length mask; computed in the cache dtype; fp32 [B, Hq, Dv] out
-    (× sigmoid(gate) when given)."""
-    B, Hq, D = q.shape
-    Hkv, Dv, L = k_cache.shape[2], v_cache.shape[3], k_cache.shape[1]
-    k = _rows(k_cache, slots, B).transpose(1, 2)          # [B, Hkv, L, D]
-    v = _rows(v_cache, slots, B).transpose(1, 2)
-    qh = q.reshape(B, Hkv, Hq // Hkv, D).to(k_cache.dtype)
-    o = _sdpa(qh, k, v, _length_mask(lengths, L), scale).reshape(B, Hq, Dv).float()
+    """Each row over its slot's cache (views of slots 0..B-1 with slots_are_rows, else gathered rows),
+    positions < lengths[b]: FlashAttention varlen or SDPA (:data:`ATTENTION_IMPL`), in the cache
+    dtype; fp32 [B, Hq, Dv] (× sigmoid(gate) when given)."""
+    B, Hq, _ = q.shape
+    Dv = v_cache.shape[3]
+    o = _attend(q, _rows(k_cache, slots, B), _rows(v_cache, slots, B), lengths, scale).float()
     if gate is not None:
         o = o * torch.sigmoid(gate.float()).view(B, Hq, Dv)
     return _out(o, out)
