@@ -294,22 +294,23 @@ class HFRow:
 
 @dataclasses.dataclass
 class StaticBudget:
-    """Seconds the static peer may spend (compilation dominates); a run is skipped when the
-    longest generate so far would not fit in what is left, or would end later than ``reserve``
-    seconds before the wall-clock ``deadline`` (time.time() value; None: none)."""
+    """Seconds the static peer may spend (compilation dominates); a run is skipped when one more
+    run as long as the last one would not fit in what is left, or would end later than ``reserve``
+    seconds before the wall-clock ``deadline`` (time.time() value; None: none). The last run, not
+    the longest: once a shape-generic graph is compiled, later sizes reuse it and cost seconds."""
     seconds: float
     deadline: Optional[float] = None
     reserve: float = 0.0
     used: float = 0.0
-    longest: float = 0.0
+    last: float = 0.0
 
     def allows(self) -> bool:
-        late = self.deadline is not None and time.time() + self.longest + self.reserve > self.deadline
-        return self.used + self.longest <= self.seconds and not late
+        late = self.deadline is not None and time.time() + self.last + self.reserve > self.deadline
+        return self.used + self.last <= self.seconds and not late
 
     def spend(self, s: float) -> None:
         self.used += s
-        self.longest = max(self.longest, s)
+        self.last = s
 
 
 @torch.no_grad()
@@ -356,8 +357,8 @@ def bench_hf(hf, ctxs: List[int], ns: List[int], static_ns: List[int], iters: in
                 r.static_note = f"skipped: needs ~{need / 1e9:.0f} GB of static cache, {free / 1e9:.0f} GB free"
                 continue
             if not budget.allows():
-                r.static_note = f"skipped: time budget ({budget.used:.0f} of {budget.seconds:.0f} s used, " \
-                                f"a compile took up to {budget.longest:.0f} s; --hf-static-budget / --deadline)"
+                r.static_note = f"skipped: time budget ({budget.used:.0f} of {budget.seconds:.0f} s used, the last " \
+                                f"run took {budget.last:.0f} s; --hf-static-budget / --deadline)"
                 continue
             try:
                 s = static_step(hf, prompts[:n], ctx, iters, warmup, compile_config=compile_config)
