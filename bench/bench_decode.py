@@ -501,8 +501,8 @@ def _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) -> di
         rel = ((lg - ref).abs().max() / ref.abs().max()).item()
         log(f"\n## HF transformers {__import__('transformers').__version__} peer\n")
         log(f"twin loaded in {time.time() - t0:.0f} s (same config, same weights); fla: {_fla_version()}; its prompt "
-            f"logits vs ds4t's: max rel error {rel:.2e} (bf16: close, not equal). Static-cache budget for this "
-            f"model: {budget.seconds:.0f} s.")
+            f"logits vs ds4t's: max rel error {rel:.2e} (bf16: close, not equal); MoE experts of the eager forward: "
+            f"{hf_peer.experts_implementation(hf)}. Static-cache budget for this model: {budget.seconds:.0f} s.")
         from transformers import CompileConfig
 
         cfg = CompileConfig(dynamic=True) if args.hf_static_dynamic else None

@@ -153,6 +153,7 @@ class StaticRun:
     row0: Optional[torch.Tensor] = None      # row 0's logits of the first compiled step
     compile_s: float = 0.0                   # wall time of the generate call (compilation included)
     compiled: bool = False                   # generate ran its compiled forward
+    oom: bool = False                        # ran out of device memory
     label: str = ""                          # what ran / why not
     error: Optional[str] = None
 
@@ -168,22 +169,22 @@ def _set_dynamo_limits() -> None:
 
 class _Recorder:
     """Wraps ``hf.get_compiled_call`` so the compiled forward generate uses is kept, with the
-    keyword inputs of its last call."""
+    inputs of its last call (a decode step)."""
 
     def __init__(self, hf):
         self.hf, self.real = hf, hf.get_compiled_call
         self.compiled = None
-        self.kwargs = None
+        self.args, self.kwargs = (), None
         self.calls = 0
 
     def __enter__(self):
         def get_compiled_call(compile_config):
             fn = self.real(compile_config)
 
-            def recorded(**kwargs):
-                self.compiled, self.kwargs = fn, kwargs
+            def recorded(*args, **kwargs):
+                self.compiled, self.args, self.kwargs = fn, args, kwargs
                 self.calls += 1
-                return fn(**kwargs)
+                return fn(*args, **kwargs)
 
             return recorded
 
@@ -208,10 +209,28 @@ def experts_implementation(hf) -> str:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def _decode_settings(hf, keep_experts: bool):
+    """generate's decode-time settings (its MoE switch grouped_mm -> batched_mm), or, with
+    ``keep_experts``, none: the model's own experts implementation stays (the fallback when
+    batched_mm's per-pair copies of the expert weights do not fit)."""
+    if keep_experts:
+        hf._optimize_model_for_decode = contextlib.nullcontext   # generate calls it: switch nothing
+        try:
+            yield
+        finally:
+            del hf._optimize_model_for_decode
+        return
+    ctx = getattr(hf, "_optimize_model_for_decode", None)
+    with (ctx() if ctx is not None else contextlib.nullcontext()):
+        yield
+
+
 def static_step(hf, prompts: torch.Tensor, ctx: int, iters: int, warmup: int, steps: int = 4,
-                compile_config=None) -> StaticRun:
+                compile_config=None, keep_experts: bool = False) -> StaticRun:
     """HF static-cache compiled decode step for N = len(prompts) rows (prompts [N, PROMPT]) with a
-    cache of ``ctx + STATIC_SPARE`` positions per row. See the module docstring."""
+    cache of ``ctx + STATIC_SPARE`` positions per row. See the module docstring; ``keep_experts``:
+    see :func:`_decode_settings`."""
     import transformers
     from transformers import StaticCache
 
@@ -231,10 +250,14 @@ def static_step(hf, prompts: torch.Tensor, ctx: int, iters: int, warmup: int, st
         gen_kw["compile_config"] = compile_config
     t0 = time.time()
     try:
-        with _Recorder(hf) as rec:
+        with _Recorder(hf) as rec, (_decode_settings(hf, True) if keep_experts else contextlib.nullcontext()):
             out = hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), **gen_kw)
         if prompts.device.type == "cuda":
             torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        run.compile_s = time.time() - t0
+        run.error, run.oom = "OOM", True
+        return run
     except Exception as e:  # noqa: BLE001
         run.compile_s = time.time() - t0
         run.error = f"generate with a StaticCache failed: {type(e).__name__}: {e}"
@@ -248,11 +271,14 @@ def static_step(hf, prompts: torch.Tensor, ctx: int, iters: int, warmup: int, st
     if not run.compiled:
         run.error = "generate did not compile the forward (its auto-compile criteria failed)"
         return run
-    decode_ctx = getattr(hf, "_optimize_model_for_decode", None)
-    with (decode_ctx() if decode_ctx is not None else contextlib.nullcontext()):
-        impl = experts_implementation(hf)
-        fn, kw = rec.compiled, rec.kwargs
-        run.ms = median_ms(lambda: fn(**kw), iters, warmup, prompts.device)
+    try:
+        with _decode_settings(hf, keep_experts):
+            impl = experts_implementation(hf)
+            fn, args, kw = rec.compiled, rec.args, rec.kwargs
+            run.ms = median_ms(lambda: fn(*args, **kw), iters, warmup, prompts.device)
+    except torch.OutOfMemoryError:
+        run.error, run.oom = "OOM", True
+        return run
     cfg = compile_config or getattr(hf.generation_config, "compile_config", None)
     mode = getattr(cfg, "mode", "reduce-overhead") if cfg is not None else "reduce-overhead"
     dyn = getattr(cfg, "dynamic", None) if cfg is not None else None
@@ -360,12 +386,21 @@ def bench_hf(hf, ctxs: List[int], ns: List[int], static_ns: List[int], iters: in
                 r.static_note = f"skipped: time budget ({budget.used:.0f} of {budget.seconds:.0f} s used, the last " \
                                 f"run took {budget.last:.0f} s; --hf-static-budget / --deadline)"
                 continue
-            try:
-                s = static_step(hf, prompts[:n], ctx, iters, warmup, compile_config=compile_config)
-            except torch.OutOfMemoryError:
-                s = StaticRun(error="OOM")
-                reset_compiled(hf)   # free the CUDA-graph pools before the next run
+            s = static_step(hf, prompts[:n], ctx, iters, warmup, compile_config=compile_config)
             budget.spend(s.compile_s)
+            if s.oom:
+                reset_compiled(hf)   # free the CUDA-graph pools before anything else runs
+                _free_memory()
+                if experts_implementation(hf) not in ("n/a", "batched_mm") and budget.allows():
+                    # generate's batched_mm copies each (row, expert) pair's weights: keep the
+                    # model's own experts implementation instead (the next strongest static peer)
+                    s = static_step(hf, prompts[:n], ctx, iters, warmup, compile_config=compile_config,
+                                    keep_experts=True)
+                    budget.spend(s.compile_s)
+                    if s.ms is not None:
+                        s.label += " (generate's batched_mm experts ran out of memory; kept the model's own)"
+                    elif s.oom:
+                        reset_compiled(hf)
             if s.ms is None:
                 r.static_note = s.error or "failed"
                 log(f"HF static ctx {ctx} N={n}: {r.static_note}")
