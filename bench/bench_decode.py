@@ -385,6 +385,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
         twin_checks(model, sets, min(8, max(ns)), log)
     log(f"\n(exactness and twin checks: {time.time() - t0:.0f} s)")
     mine = []
+    runner = sessions = S = T = None
     for ctx in ctxs:
         t0 = time.time()
         plan = planner.plan(model, slots=max(ns), max_ctx=ctx + extra, step_rows=max(ns))
@@ -440,7 +441,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
                 print(json.dumps(r), flush=True)
         for s in sessions:
             s.close()
-        del sessions
+        sessions = S = T = None
         gc.collect()
         log(f"(ctx {ctx}: ds4t timings took {time.time() - t0:.0f} s)")
     if twin.ATTN_CHOICE:
@@ -463,6 +464,8 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             log("|---|---|---|")
             for k, us, calls in prof[:15]:
                 log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
+    # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
+    runner = sessions = S = T = None  # noqa: F841
     del model
     gc.collect()
     _empty_cache()
