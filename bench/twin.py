@@ -29,8 +29,10 @@ Slot caches: a row reads its session's slot, so by default the twin gathers the 
 cache lays rows out) it uses views of the first B slots instead: no copy. That promise is checked on
 every eager call (a host sync; skipped while a CUDA graph is being captured).
 
-:func:`shadow_step` runs a step with each op computed both ways and reports the per-op error (the
-CPU test and the bench's per-op table).
+Inside :func:`shadowed`, every op runs both ways on the same inputs and the per-op error is
+recorded (tests/test_bench_twin.py on the tiny presets; the bench's per-op table on the GPU).
+The twin's sets (:data:`SETS`): "all" (every op above) and "priced" (only the ops whose algorithm
+invariance constrains: :data:`PRICED`; the row-local ops keep ds4t's kernels, invariant for free).
 """
 from __future__ import annotations
 
