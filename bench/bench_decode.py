@@ -1,34 +1,45 @@
-"""The decode benchmark: every family on this GPU, ds4t native / ordered next to HF transformers.
+"""The decode benchmark: every family on this GPU, ds4t native / ordered next to its peers.
 
 For each preset (default: the three 4-layer presets at real layer dimensions, random bf16
 weights), in one run:
   1. exactness on the GPU: the harness (native vs ordered, torch.equal on logits and every
      state tensor) on random session mixes, with its negative controls; CUDA-graph replay vs
      eager steps, bitwise;
-  2. decode step time vs N (default 1,2,4,8,16,32) for the native path (CUDA graphs; eager too)
-     and the ordered fallback: CUDA events around eval_batch, warm-up, medians; aggregate tok/s;
-  3. the bytes floor of each step (weights read once per batch, expected unique routed experts,
-     every session's state read + written) over the copy bandwidth measured in the same run;
-     the native/ordered speed-up the floor allows (N x floor(1) / floor(N));
-  4. HF transformers on the same config and the same weights (ds4t.hf.hf_twin), batched decode
-     with its cache, after ds4t's model is freed (the DeepSeek shape does not fit twice): step
-     time, tok/s, its logits next to ds4t's (same weights: bf16-close, not equal), and whether
-     HF's row 0 in a batch of N equals the same row decoded alone.
+  2. the non-invariant twin (bench/twin.py): the same model step with every op swapped for a fast
+     plain-torch implementation (cuBLAS, SDPA, grouped_mm MoE, ...) through the kernel registry's
+     overrides, replayed as CUDA graphs (ds4t.batch.graphs.capture_overrides). Checked: each twin
+     op against the ds4t kernel inside a real step (per-op error), the twin's logits against
+     ds4t's (bf16-close), and whether the twin is batch invariant (row 0 alone vs in a batch);
+  3. for each context in --ctx and each N: the decode step time of the native path (CUDA graphs;
+     eager too), the ordered fallback and the twin (op sets "all" and "priced": see twin.SETS),
+     CUDA events around eval_batch, warm-up, medians. Sessions are filled fast: one prefilled with
+     ctx random tokens, its state copied into the others (slots 0..N-1, in batch order). A
+     (ctx, N) the memory plan (ds4t.serve.planner) says does not fit is skipped, with the reason;
+  4. the bytes floor of each step (weights read once per batch, expected unique routed experts,
+     every session's KV / latent cache at that context read and one entry written, recurrent
+     and conv states read and written) over the copy bandwidth measured in the same run;
+  5. HF transformers on the same config and the same weights (bench/hf_peer.py), after ds4t's
+     model is freed: eager batched decode with its dynamic cache, and the static-cache compiled
+     step that generate(cache_implementation="static") runs (torch.compile reduce-overhead, CUDA
+     graphs) within a time budget (--hf-static-budget, --hf-static-ns); logits vs ds4t's, row-0
+     batch invariance of both.
 
-Writes $OUT/decode.md, decode.csv and decode.png (tok/s vs N, one line per system and family),
-updating them after each family; prints the short table last.
+Writes $OUT/decode.md, decode.csv and decode.png, updating them after each family; prints the
+short table (model, ctx, N, native, twin, HF static, HF eager, floor, ratios) last.
 Usage: python bench/bench_decode.py [--models qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l]
-       [--ns 1,2,4,8,16,32] [--ctx 256] [--paths deepseek-v3-4l=full,ds4] [--no-hf]
+       [--ns 1,16,64] [--ctx 256,8192] [--paths deepseek-v3-4l=full,ds4] [--no-hf] [--no-twin]
+       [--hf-static-ns 1,16,64] [--hf-static-budget 360] [--ordered-ns 1,16] [--eager-ns 1]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import json
+import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -37,28 +48,22 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ds4t
-from ds4t.exactness.harness import plant, random_scenario, run_scenario
+import ds4t  # noqa: E402
+from bench import hf_peer, twin  # noqa: E402
+from ds4t.batch import graphs  # noqa: E402
+from ds4t.exactness.harness import plant, random_scenario, run_scenario  # noqa: E402
 
 
 def copy_bandwidth(device) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    n = 1 << 30
+    """Device-to-device copy, bytes read + written per second (median of 10; a small copy off the GPU)."""
+    device = torch.device(device)
+    n = 1 << (30 if device.type == "cuda" else 24)
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     a.random_(0, 255)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
+    ms = hf_peer.median_ms(lambda: b.copy_(a), 10, 3, device)
     del a, b
-    return 2 * n / statistics.median(ts)
+    return 2 * n / (ms / 1e3)
 
 
 def step_floor_bytes(model, n: int, ctx: int) -> dict:
@@ -102,37 +107,23 @@ def _sessions(model, n: int, ctx: int, extra: int, seed: int):
     return sessions, [rng.randrange(model.vocab_size) for _ in range(n)]
 
 
+DEVICE = torch.device("cuda")
+"""Where the benchmark runs (--device; cpu only for a smoke run of the script with tiny presets)."""
+
+
 def _median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
+    """Median ms of fn after warm-up: CUDA events on the GPU (wall clock for a CPU smoke run)."""
+    return hf_peer.median_ms(fn, iters, warmup, DEVICE)
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
         torch.cuda.synchronize()
-        s0, e0 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record()
-        fn()
-        e0.record()
-        e0.synchronize()
-        ts.append(s0.elapsed_time(e0))
-    return statistics.median(ts)
 
 
-def time_steps(model, n: int, mode: str, ctx: int, iters: int, warmup: int = 3, graphs: bool = True) -> float:
-    """Median ms of one eval_batch decode step of n sessions at ~ctx tokens each."""
-    model.cuda_graphs = graphs
-    sessions, toks = _sessions(model, n, ctx, warmup + iters + 8, seed=n)
-    want = "native" if mode == "native" else "ordered"
-
-    def step():
-        res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode=mode)
-        assert all(p == want for p in res.paths)
-
-    try:
-        return _median_ms(step, iters, warmup)
-    finally:
-        model.cuda_graphs = True
-        for s in sessions:
-            s.close()
+def _empty_cache() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def profile_step(model, n: int, ctx: int, steps: int = 5):
@@ -217,41 +208,360 @@ def exactness(model, args, log, paths) -> bool:
     return ok
 
 
-@torch.no_grad()
-def hf_bench(preset: str, ns, ctx: int, iters: int, warmup: int, ref_prompt, ref_logits) -> dict:
-    """HF twin: decode step ms per N (batched, its own cache), logits vs ds4t's, batch invariance."""
+# ----------------------------------------------------------------------------------------------
+# sessions at a context, timed steps
+# ----------------------------------------------------------------------------------------------
+def ints(text: str):
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def fill_sessions(model, n: int, ctx: int, extra: int, seed: int):
+    """n sessions at position ctx (room for ``extra`` more tokens) and n next tokens. The first is
+    prefilled with ctx random tokens in big chunks; its state is copied into the others (a step's
+    cost does not depend on the values, and prefilling n x ctx tokens would take minutes). With no
+    other session open they hold slots 0..n-1 in order (the twin then reads slot views, no gathers)."""
+    gc.collect()   # closed-but-unreferenced sessions give their slots back
+    rng = random.Random(seed)
+    sessions = [model.new_session(max_ctx=ctx + extra) for _ in range(n)]
+    prompt = [rng.randrange(model.vocab_size) for _ in range(ctx)]
+    sessions[0].prefill(prompt, chunk=2048)
+    state = sessions[0].state_dict()
+    for s in sessions[1:]:
+        s.load_state_dict(state, ctx, prompt)
+    return sessions, [rng.randrange(model.vocab_size) for _ in range(n)]
+
+
+def rewind(sessions, pos: int) -> None:
+    """Put the sessions back at position ``pos`` (the KV entries past it are overwritten by the next
+    steps; recurrent states keep their values, which a step's cost does not depend on)."""
+    for s in sessions:
+        s.pos = pos
+        del s.tokens[pos:]
+
+
+def slots_are_rows(sessions) -> bool:
+    """The sessions hold slots 0..N-1 in batch order and every op sees the whole batch, so the twin
+    may read slot views instead of gathering (twin.applied(slots_are_rows=True)). Not on DeepSeek's
+    "ds4" path: it runs MLA per session (one row, slot r), where row 0 is not slot 0."""
+    model = sessions[0].model if sessions else None
+    if getattr(model, "native_path", None) == "ds4":
+        return False
+    return [s.slot for s in sessions] == list(range(len(sessions)))
+
+
+def _selection(twin_set: str) -> str:
+    """A --twin-sets entry: a set name (twin.SETS) or ops joined by "+" -> what twin.applied takes."""
+    return twin_set.replace("+", ",")
+
+
+@contextlib.contextmanager
+def twin_steps(twin_set: str, rows: bool):
+    """The twin ops applied and captured in CUDA graphs (explicit opt-in: they are graph-safe)."""
+    with twin.applied(_selection(twin_set), slots_are_rows=rows) as rep, graphs.capture_overrides():
+        yield rep
+
+
+def time_step(model, sessions, toks, ctx: int, mode: str, iters: int, warmup: int = 3, cuda_graphs: bool = True,
+              twin_set=None) -> float:
+    """Median ms of one eval_batch step of these sessions from position ctx (rewound first):
+    mode "native" or "ordered"; ``twin_set``: the native step on the twin ops of that set."""
+    rewind(sessions, ctx)
+    model.cuda_graphs = cuda_graphs
+    want = "native" if mode == "native" else "ordered"
+    items = [ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)]
+
+    def step():
+        res = ds4t.eval_batch(items, mode=mode)
+        assert all(p == want for p in res.paths)
+
+    cm = twin_steps(twin_set, slots_are_rows(sessions)) if twin_set else contextlib.nullcontext()
+    try:
+        with cm:
+            return _median_ms(step, iters, warmup)
+    finally:
+        model.cuda_graphs = True
+
+
+# ----------------------------------------------------------------------------------------------
+# the twin's checks
+# ----------------------------------------------------------------------------------------------
+def twin_checks(model, sets, n: int, log) -> dict:
+    """At a short context, eagerly: every twin op against the ds4t kernel inside one step of n
+    sessions (twin.shadowed), then per twin set the step's logits against ds4t's and the twin's row
+    0 alone against the same row among n (batch invariance)."""
+    gc.collect()
+    rng = random.Random(5)
+    sessions = [model.new_session(96) for _ in range(n)]
+    for s in sessions:
+        s.prefill([rng.randrange(model.vocab_size) for _ in range(rng.randint(20, 64))])
+    toks = [rng.randrange(model.vocab_size) for _ in range(n)]
+    saved = [(s.state_dict(), s.pos) for s in sessions]
+    rows = slots_are_rows(sessions)
+
+    def step(k=n):
+        out = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions[:k], toks[:k])], mode="native").logits
+        for s, (st, pos) in zip(sessions, saved):
+            s.load_state_dict(st, pos)
+        return out
+
+    res = {}
+    try:
+        with graphs.suspended():
+            native = step()
+            with twin.shadowed("all") as diffs:
+                step()
+            for name in sets:
+                with twin.applied(_selection(name), slots_are_rows=rows) as rep:
+                    tw, tw1 = step(), step(1)
+                res[name] = dict(rel=((tw - native).abs().max() / native.abs().max()).item(),
+                                 top1=(tw.argmax(-1) == native.argmax(-1)).float().mean().item(),
+                                 row0_invariant=bool(torch.equal(tw1[0], tw[0])), report=rep.describe())
+    finally:
+        for s in sessions:
+            s.close()
+    log(f"\n## Non-invariant twin (bench/twin.py): checks at ~20-64 tokens of context, {n} sessions, eager\n")
+    log("Each twin op against the ds4t kernel on the same inputs inside one native step (max |twin - ds4t| / "
+        "max |ds4t| over its outputs and in-place writes; router ids that differ):\n")
+    log("| op | calls | max rel err | ids differing |")
+    log("|---|---|---|---|")
+    for op, d in sorted(diffs.items()):
+        log(f"| {op} | {d.calls} | {d.max_rel:.1e} | {d.int_mismatches} |")
+    tol = 5e-2 if model.dtype != torch.float32 else 1e-4
+    off = [op for op, d in sorted(diffs.items()) if d.max_rel > tol]
+    log(f"\nevery twin op within {tol:g} of the kernel: {'yes' if not off else 'NO: ' + ', '.join(off)}"
+        + ("" if not twin.ATTN_CHOICE else f"; decode attention ran {sorted(set(twin.ATTN_CHOICE.values()))}"))
+    for name, r in res.items():
+        log(f"\ntwin set `{name}`: {r['report']}.")
+        log(f"logits vs ds4t native: max rel err {r['rel']:.2e} ({'bf16-close' if r['rel'] < 0.1 else 'NOT close'}), "
+            f"top-1 agreement {100 * r['top1']:.0f}%; row 0 alone == row 0 among {n}: "
+            f"{'yes' if r['row0_invariant'] else 'NO (not batch invariant)'}")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# one model
+# ----------------------------------------------------------------------------------------------
+def _fmt(v, spec=".2f", none="-"):
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _ratio(num, den):
+    return num / den if num and den and not math.isnan(num) and not math.isnan(den) else None
+
+
+def _best_twin(r: dict, sets):
+    vals = [(r.get(f"twin_{s}_ms"), s) for s in sets if r.get(f"twin_{s}_ms")]
+    return min(vals) if vals else (None, None)
+
+
+def bench_model(name, args, bw, log, rows, hf_budget):
+    from ds4t.serve import planner
+
+    ns, ctxs = sorted(ints(args.ns)), sorted(ints(args.ctx))
+    ordered_ns = set(ints(args.ordered_ns or args.ns))
+    eager_ns = set(ints(args.eager_ns or args.ns))
+    sets = [s for s in args.twin_sets.split(",") if s] if args.twin else []
+    warmup = 3
+    extra = warmup + args.iters + 8
+    paths = [None]
+    for spec in args.paths:
+        m, _, p = spec.partition("=")
+        if m == name:
+            paths = p.split(",")
+    log(f"\n# {name}\n")
+    t0 = time.time()
+    model = ds4t.load(name, device=DEVICE)
+    _sync()
+    log(f"loaded in {time.time() - t0:.0f} s: {model.family}, {model.dtype}, weights {model.weight_bytes() / 1e9:.2f} GB")
+    if hasattr(model, "native_window") and model.native_window < max(ctxs) + extra:
+        log(f"native_window raised from {model.native_window} to {max(ctxs) + extra} (the longest context timed)")
+        model.native_window = max(ctxs) + extra
+    t0 = time.time()
+    log("\n## Exactness (native vs ordered; graph replay vs eager)\n")
+    exact = exactness(model, args, log, paths)
+    ref_prompt = list(range(1, 33))
+    ref_logits = model.new_session(64).prefill(ref_prompt)
+    if sets:
+        twin_checks(model, sets, min(8, max(ns)), log)
+    log(f"\n(exactness and twin checks: {time.time() - t0:.0f} s)")
+    mine = []
+    runner = sessions = S = T = None
+    for ctx in ctxs:
+        t0 = time.time()
+        plan = planner.plan(model, slots=max(ns), max_ctx=ctx + extra, step_rows=max(ns))
+        room = max(ns) if plan.fits else (plan.max_slots() or 0)
+        fit = [n for n in ns if n <= room]
+        for n in ns:
+            if n not in fit:
+                log(f"\nskipped ctx {ctx} N={n}: the memory plan does not fit ({room} session(s) of {ctx + extra} "
+                    f"tokens fit):\n```\n{plan.format()}\n```")
+                mine.append(dict(model=name, ctx=ctx, n=n, path=paths[0] or "native", skipped="memory plan"))
+        if not fit:
+            continue
+        if paths[0] is not None:
+            model.native_path = paths[0]
+        sessions, toks = fill_sessions(model, max(fit), ctx, extra, seed=ctx)
+        log(f"\nctx {ctx}: {max(fit)} sessions filled in {time.time() - t0:.1f} s (one prefilled, its state copied); "
+            f"slots 0..N-1 in batch order: {'yes' if slots_are_rows(sessions) else 'no (the twin gathers slots)'}")
+        runner = None
+        for n in fit:
+            S, T = sessions[:n], toks[:n]
+            fb = step_floor_bytes(model, n, ctx)
+            f1 = step_floor_bytes(model, 1, ctx)["total"]
+            ordd = (time_step(model, S, T, ctx, "ordered", max(3, args.iters // 2))
+                    if n in ordered_ns else float("nan"))
+            twin_ms, notes = {}, []
+            for s in sets:
+                if paths[0] is not None:
+                    model.native_path = paths[0]
+                runner = runner or graphs.graphs_for(model)
+                fails = runner.stats.failures if runner else 0
+                try:
+                    twin_ms[s] = time_step(model, S, T, ctx, "native", args.iters, twin_set=s)
+                except Exception as e:  # noqa: BLE001  (a twin op that cannot run here: say so, go on)
+                    twin_ms[s] = None
+                    notes.append(f"twin {s} failed: {type(e).__name__}: {str(e)[:200]}")
+                if runner and runner.stats.failures > fails:
+                    notes.append(f"twin {s}: CUDA graph capture failed, timed eagerly")
+            for path in paths:
+                if path is not None:
+                    model.native_path = path
+                nat = time_step(model, S, T, ctx, "native", args.iters)
+                eager = (time_step(model, S, T, ctx, "native", max(3, args.iters // 2), cuda_graphs=False)
+                         if n in eager_ns else float("nan"))
+                floor_ms = fb["total"] / bw * 1e3
+                r = dict(model=name, ctx=ctx, n=n, path=path or "native", native_ms=nat, eager_ms=eager,
+                         ordered_ms=ordd, floor_ms=floor_ms, floor_mb=fb["total"] / 1e6,
+                         floor_state_mb=fb["state"] / 1e6, native_tok_s=n / nat * 1e3,
+                         speedup=_ratio(ordd, nat), floor_speedup=n * f1 / fb["total"], floor_frac=floor_ms / nat,
+                         exact=exact, notes="; ".join(notes))
+                for s in sets:
+                    r[f"twin_{s}_ms"] = twin_ms.get(s)
+                mine.append(r)
+                print(json.dumps(r), flush=True)
+        for s in sessions:
+            s.close()
+        sessions = S = T = None
+        gc.collect()
+        log(f"(ctx {ctx}: ds4t timings took {time.time() - t0:.0f} s)")
+    if twin.ATTN_CHOICE:
+        ran = {}
+        for (qs, ks, _, _), v in twin.ATTN_CHOICE.items():
+            ran.setdefault(v, []).append(f"N={qs[0]} L={ks[1]}")
+        log(f"\ntwin decode attention (twin.ATTENTION_IMPL={twin.ATTENTION_IMPL}) ran: "
+            + "; ".join(f"{k} ({', '.join(v)})" for k, v in ran.items()))
+        twin.ATTN_CHOICE.clear()
+    if args.profile:
+        if paths[0] is not None:
+            model.native_path = paths[0]
+        for n in (1, 16):
+            prof, total_us = profile_step(model, n, ctxs[0])
+            step = next((r["native_ms"] for r in mine if r["n"] == n and "native_ms" in r), float("nan"))
+            log(f"\n### {name}: profile of an eager native step, N={n} (torch.profiler, GPU time)\n")
+            log(f"summed kernel time {total_us / 1e3:.3f} ms per step; graph-replayed step {step:.3f} ms; "
+                f"{sum(r[2] for r in prof):.0f} kernels per step\n")
+            log("| kernel | us per step | calls per step |")
+            log("|---|---|---|")
+            for k, us, calls in prof[:15]:
+                log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
+    # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
+    runner = sessions = S = T = None  # noqa: F841
+    del model
+    gc.collect()
+    _empty_cache()
+    hf = _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) if args.hf else {}
+    for r in mine:
+        h = hf.get((r["ctx"], r["n"]))
+        r["hf_eager_ms"] = h.eager_ms if h else None
+        r["hf_static_ms"] = h.static_ms if h else None
+        r["hf_notes"] = "; ".join(f"{k}: {v}" for k, v in (("eager", h.eager_note), ("static", h.static_note))
+                                  if v) if h else ""
+        peers = [(v, k) for v, k in ((r["hf_static_ms"], "HF static"), (r["hf_eager_ms"], "HF eager")) if v]
+        r["strongest_peer"] = min(peers)[1] if peers else None
+        r["vs_peer"] = _ratio(min(peers)[0], r.get("native_ms")) if peers else None
+        r["twin_ms"], r["twin_set"] = _best_twin(r, sets)
+        r["vs_twin"] = _ratio(r["twin_ms"], r.get("native_ms"))
+    rows += mine
+    _model_tables(name, mine, sets, args, log)
+
+
+def _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) -> dict:
+    """HF eager and static rows of this model, {(ctx, n): HFRow}; the static share of the budget."""
     from ds4t.hf import hf_twin
 
+    hf_budget["models"] -= 1   # models after this one
+    budget = hf_peer.StaticBudget(hf_budget["left"] / (hf_budget["models"] + 1), deadline=hf_budget["deadline"],
+                                  reserve=RESERVE_S * hf_budget["models"])
+    out = {}
+    hf = None
     t0 = time.time()
-    hf = hf_twin(preset, device="cuda")
-    torch.cuda.synchronize()
-    out = {"load_s": time.time() - t0, "ms": {}, "row0_equal": {}}
-    lg = hf(input_ids=torch.tensor([ref_prompt], device="cuda")).logits[0, -1].float()
-    out["rel_err"] = ((lg - ref_logits).abs().max() / ref_logits.abs().max()).item()
-    g = torch.Generator().manual_seed(0)
-    vocab = hf.config.vocab_size
-    prompts = torch.randint(vocab, (max(ns), ctx), generator=g).cuda()
-    first_tok = torch.randint(vocab, (max(ns), 1), generator=g).cuda()
-    row0 = None
-    for n in ns:
-        o = hf(input_ids=prompts[:n], use_cache=True)
-        pkv = o.past_key_values
-        o = hf(input_ids=first_tok[:n], past_key_values=pkv, use_cache=True)
-        r0 = o.logits[0, -1].float()
-        row0 = r0 if row0 is None else row0
-        out["row0_equal"][n] = bool(torch.equal(r0, row0))
-        pkv = o.past_key_values
-        tok = first_tok[:n]
+    try:
+        hf = hf_twin(name, device=DEVICE)
+        _sync()
+        with torch.no_grad():
+            lg = hf(input_ids=torch.tensor([ref_prompt], device=DEVICE)).logits[0, -1].float()
+        ref = ref_logits.to(DEVICE)
+        rel = ((lg - ref).abs().max() / ref.abs().max()).item()
+        log(f"\n## HF transformers {__import__('transformers').__version__} peer\n")
+        log(f"twin loaded in {time.time() - t0:.0f} s (same config, same weights); fla: {_fla_version()}; its prompt "
+            f"logits vs ds4t's: max rel error {rel:.2e} (bf16: close, not equal); MoE experts of the eager forward: "
+            f"{hf_peer.experts_implementation(hf)}. Static-cache budget for this model: {budget.seconds:.0f} s.")
+        from transformers import CompileConfig
 
-        def step():
-            nonlocal pkv
-            pkv = hf(input_ids=tok, past_key_values=pkv, use_cache=True).past_key_values
-
-        out["ms"][n] = _median_ms(step, iters, warmup)
-        del pkv, o
-        torch.cuda.empty_cache()
-    del hf
+        cfg = CompileConfig(dynamic=True) if args.hf_static_dynamic else None
+        if DEVICE.type != "cuda":   # a CPU smoke run: generate compiles only on accelerators; trace, don't codegen
+            cfg = CompileConfig(backend="eager", mode=None)
+            cfg._compile_all_devices = True
+        static_ns = ints(args.hf_static_ns or args.ns)
+        for r in hf_peer.bench_hf(hf, ctxs, ns, static_ns, max(3, args.iters // 2), 2, budget, log, cfg):
+            out[(r.ctx, r.n)] = r
+        for ctx in ctxs:
+            rs = [r for (c, _), r in out.items() if c == ctx]
+            log(f"HF row 0 of a batch of N equals the same row at N=1, ctx {ctx}: eager "
+                + ", ".join(f"N={r.n}: {_yn(r.eager_row0_equal)}" for r in rs) + "; static "
+                + ", ".join(f"N={r.n}: {_yn(r.static_row0_equal)}" for r in rs))
+    except Exception:  # noqa: BLE001
+        log(f"\nHF transformers failed:\n```\n{traceback.format_exc()[-2000:]}```")
+    finally:
+        hf_budget["left"] -= budget.used
+        if hf is not None:
+            hf_peer.reset_compiled(hf)
+        del hf
+        gc.collect()
+        _empty_cache()
+    log(f"(HF part: {time.time() - t0:.0f} s, {budget.used:.0f} s of it in static-cache generate/compile)")
     return out
+
+
+def _yn(v):
+    return "-" if v is None else ("yes" if v else "no")
+
+
+def _model_tables(name, mine, sets, args, log):
+    for ctx in sorted({r["ctx"] for r in mine}):
+        rs = [r for r in mine if r["ctx"] == ctx and "native_ms" in r]
+        if not rs:
+            continue
+        log(f"\n## {name}: decode step vs N, context {ctx} tokens per session (median of {args.iters})\n")
+        tw_cols = "".join(f" twin ms ({s}) |" for s in sets)
+        log(f"| N | path | native ms (graphs) | native ms (eager) | ordered ms |{tw_cols} HF eager ms | HF static ms | "
+            "native tok/s | native / strongest peer | native / twin | speed-up vs ordered (floor allows) | "
+            "floor ms | floor / native |")
+        log("|---" * (13 + len(sets)) + "|")
+        for r in rs:
+            tw = "".join(f" {_fmt(r.get(f'twin_{s}_ms'))} |" for s in sets)
+            vs_peer = f"{r['vs_peer']:.2f}x ({r['strongest_peer']})" if r.get("vs_peer") else "-"
+            vs_twin = f"{r['vs_twin']:.2f}x" if r.get("vs_twin") else "-"
+            sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+            log(f"| {r['n']} | {r['path']} | {r['native_ms']:.2f} | {_fmt(r['eager_ms'])} | {_fmt(r['ordered_ms'])} |{tw} "
+                f"{_fmt(r.get('hf_eager_ms'))} | {_fmt(r.get('hf_static_ms'))} | {r['native_tok_s']:.0f} | {vs_peer} | "
+                f"{vs_twin} | {sp} ({r['floor_speedup']:.2f}x) | {r['floor_ms']:.3f} | {100 * r['floor_frac']:.0f}% |")
+        for r in rs:
+            if r.get("notes"):
+                log(f"- N={r['n']}: {r['notes']}")
+        notes = sorted({r.get("hf_notes") for r in rs if r.get("hf_notes")})
+        for nt in notes[:3]:
+            log(f"- HF: {nt}")
 
 
 def plot(rows, path):
@@ -260,110 +570,43 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "native_ms" in r]
+    if not rows:
+        return
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for ax, m in zip(axes[0], models):
-        rs = [r for r in rows if r["model"] == m]
-        for native_path in dict.fromkeys(r["path"] for r in rs):
-            pr = [r for r in rs if r["path"] == native_path]
-            ax.plot([r["n"] for r in pr], [r["native_tok_s"] for r in pr], "o-", label=f"ds4t native ({native_path})")
-        first = [r for r in rs if r["path"] == rs[0]["path"]]
-        ax.plot([r["n"] for r in first], [r["ordered_tok_s"] for r in first], "s--", label="ds4t ordered")
-        if any(r.get("hf_tok_s") for r in first):
-            ax.plot([r["n"] for r in first], [r["hf_tok_s"] for r in first], "^-", label="HF transformers")
-        ax.plot([r["n"] for r in first], [r["n"] / r["floor_ms"] * 1e3 for r in first], ":", color="grey",
-                label="bytes floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sessions N")
-        ax.set_ylabel("aggregate tok/s")
-        ax.set_title(m)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    ctxs = sorted({r["ctx"] for r in rows})
+    fig, axes = plt.subplots(len(ctxs), len(models), figsize=(5 * len(models), 4 * len(ctxs)), squeeze=False)
+    for i, ctx in enumerate(ctxs):
+        for ax, m in zip(axes[i], models):
+            rs = [r for r in rows if r["model"] == m and r["ctx"] == ctx]
+            if not rs:
+                ax.set_visible(False)
+                continue
+            first = [r for r in rs if r["path"] == rs[0]["path"]]
+            x = [r["n"] for r in first]
+
+            def line(key, fmt, label, rs_=first):
+                pts = [(r["n"], r["n"] / r[key] * 1e3) for r in rs_ if r.get(key) and not math.isnan(r[key])]
+                if pts:
+                    ax.plot(*zip(*pts), fmt, label=label)
+
+            for p in dict.fromkeys(r["path"] for r in rs):
+                line("native_ms", "o-", f"ds4t native ({p})", [r for r in rs if r["path"] == p])
+            line("ordered_ms", "s--", "ds4t ordered")
+            line("twin_ms", "d-", "non-invariant twin (best set)")
+            line("hf_static_ms", "^-", "HF static + compile")
+            line("hf_eager_ms", "v:", "HF eager")
+            ax.plot(x, [r["n"] / r["floor_ms"] * 1e3 for r in first], ":", color="grey", label="bytes floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sessions N")
+            ax.set_ylabel("aggregate tok/s")
+            ax.set_title(f"{m}, ctx {ctx}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def bench_model(name, args, bw, log, rows):
-    ns = [int(x) for x in args.ns.split(",")]
-    eager_ns = [int(x) for x in (args.eager_ns or args.ns).split(",")]
-    paths = [None]
-    for spec in args.paths:
-        m, _, p = spec.partition("=")
-        if m == name:
-            paths = p.split(",")
-    log(f"\n# {name}\n")
-    t0 = time.time()
-    model = ds4t.load(name, device="cuda")
-    torch.cuda.synchronize()
-    log(f"loaded in {time.time() - t0:.0f} s: {model.family}, {model.dtype}, weights {model.weight_bytes() / 1e9:.2f} GB")
-    log("\n## Exactness (native vs ordered; graph replay vs eager)\n")
-    exact = exactness(model, args, log, paths)
-    ref_prompt = list(range(1, 33))
-    ref_logits = model.new_session(64).prefill(ref_prompt)
-    mine = []
-    for n in ns:
-        fb = step_floor_bytes(model, n, args.ctx)
-        f1 = step_floor_bytes(model, 1, args.ctx)["total"]
-        ordd = time_steps(model, n, "ordered", args.ctx, max(3, args.iters // 2))
-        for path in paths:
-            if path is not None:
-                model.native_path = path
-            nat = time_steps(model, n, "native", args.ctx, args.iters)
-            eager = (time_steps(model, n, "native", args.ctx, max(3, args.iters // 2), graphs=False)
-                     if n in eager_ns else float("nan"))
-            floor_ms = fb["total"] / bw * 1e3
-            mine.append(dict(model=name, n=n, path=path or "native", native_ms=nat, eager_ms=eager, ordered_ms=ordd,
-                             floor_ms=floor_ms, floor_mb=fb["total"] / 1e6, native_tok_s=n / nat * 1e3,
-                             ordered_tok_s=n / ordd * 1e3, speedup=ordd / nat, floor_speedup=n * f1 / fb["total"],
-                             floor_frac=floor_ms / nat, exact=exact))
-            print(json.dumps(mine[-1]), flush=True)
-    if args.profile:
-        if paths[0] is not None:
-            model.native_path = paths[0]
-        for n in (1, 16):
-            prof, total_us = profile_step(model, n, args.ctx)
-            step = next((r["native_ms"] for r in mine if r["n"] == n), float("nan"))
-            log(f"\n### {name}: profile of an eager native step, N={n} (torch.profiler, GPU time)\n")
-            log(f"summed kernel time {total_us / 1e3:.3f} ms per step; graph-replayed step {step:.3f} ms; "
-                f"{sum(r[2] for r in prof):.0f} kernels per step\n")
-            log("| kernel | us per step | calls per step |")
-            log("|---|---|---|")
-            for k, us, calls in prof[:15]:
-                log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    hf = None
-    if args.hf:
-        try:
-            hf = hf_bench(name, ns, args.ctx, max(3, args.iters // 2), 2, ref_prompt, ref_logits.cuda())
-            log(f"\nHF transformers {__import__('transformers').__version__} twin loaded in {hf['load_s']:.0f} s "
-                f"(same config, same weights); fla: {_fla_version()}; its prompt logits vs ds4t's: max rel "
-                f"error {hf['rel_err']:.2e} (bf16: close, not equal)")
-            log("HF row 0 of a batch of N equals the same row at N=1: "
-                + ", ".join(f"N={n}: {'yes' if v else 'no'}" for n, v in hf["row0_equal"].items()))
-        except Exception:
-            log(f"\nHF transformers failed:\n```\n{traceback.format_exc()[-2000:]}```")
-        torch.cuda.empty_cache()
-    for r in mine:
-        ms = hf["ms"].get(r["n"]) if hf else None
-        r["hf_ms"] = ms
-        r["hf_tok_s"] = r["n"] / ms * 1e3 if ms else None
-        r["vs_hf"] = r["native_tok_s"] / r["hf_tok_s"] if ms else None
-    rows += mine
-    log(f"\n## {name}: decode step vs N (context {args.ctx} tokens per session, median of {args.iters})\n")
-    log("| N | path | native ms (graphs) | native ms (eager) | ordered ms | HF ms | native tok/s | ordered tok/s | "
-        "HF tok/s | native / HF | speed-up vs ordered | floor allows | floor ms | floor / native |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in mine:
-        hf_ms = f"{r['hf_ms']:.2f}" if r["hf_ms"] else "-"
-        hf_t = f"{r['hf_tok_s']:.0f}" if r["hf_tok_s"] else "-"
-        vs = f"{r['vs_hf']:.1f}x" if r["vs_hf"] else "-"
-        log(f"| {r['n']} | {r['path']} | {r['native_ms']:.2f} | {r['eager_ms']:.2f} | {r['ordered_ms']:.2f} | {hf_ms} | "
-            f"{r['native_tok_s']:.0f} | {r['ordered_tok_s']:.0f} | {hf_t} | {vs} | {r['speedup']:.2f}x | "
-            f"{r['floor_speedup']:.2f}x | {r['floor_ms']:.3f} | {100 * r['floor_frac']:.0f}% |")
 
 
 def _fla_version():
@@ -375,11 +618,40 @@ def _fla_version():
         return "not installed"
 
 
+RESERVE_S = 150.0
+"""Seconds kept, under --deadline, for each model still to run (its ds4t part and HF eager)."""
+
+CSV_FIELDS = ["model", "ctx", "n", "path", "native_ms", "eager_ms", "ordered_ms", "twin_ms", "twin_set",
+              "hf_static_ms", "hf_eager_ms", "strongest_peer", "vs_peer", "vs_twin", "floor_ms", "floor_mb",
+              "floor_state_mb", "floor_frac", "native_tok_s", "speedup", "floor_speedup", "exact", "skipped", "notes",
+              "hf_notes"]
+
+
+def summary(rows, log):
+    """The short table, last in the output."""
+    log("\n## Summary\n")
+    log("ratios: peer ms / ds4t native ms (> 1: ds4t is faster); strongest peer = the faster of HF static and HF "
+        "eager; twin = the faster twin set (see the per-model tables)\n")
+    log("| model | ctx | N | ds4t native ms | twin ms | HF static ms | HF eager ms | floor ms | native / strongest peer "
+        "| native / twin |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        model = r["model"] if r.get("path", "native") == "native" else f"{r['model']} ({r['path']})"
+        if "native_ms" not in r:
+            log(f"| {model} | {r['ctx']} | {r['n']} | skipped ({r.get('skipped')}) | | | | | | |")
+            continue
+        tw = f"{r['twin_ms']:.2f} ({r['twin_set']})" if r.get("twin_ms") else "-"
+        vp = f"{r['vs_peer']:.2f}x" if r.get("vs_peer") else "-"
+        vt = f"{r['vs_twin']:.2f}x" if r.get("vs_twin") else "-"
+        log(f"| {model} | {r['ctx']} | {r['n']} | {r['native_ms']:.2f} | {tw} | {_fmt(r.get('hf_static_ms'))} | "
+            f"{_fmt(r.get('hf_eager_ms'))} | {r['floor_ms']:.3f} | {vp} | {vt} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", "--model", default="qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l")
     ap.add_argument("--ns", default="1,2,4,8,16,32")
-    ap.add_argument("--ctx", type=int, default=256, help="tokens in each session before timing")
+    ap.add_argument("--ctx", default="256", help="contexts (tokens per session before timing), e.g. 256,8192,32768")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--exact-rounds", type=int, default=1)
     ap.add_argument("--exact-sessions", type=int, default=16)
@@ -387,14 +659,39 @@ def main():
     ap.add_argument("--paths", action="append", default=[],
                     help="MODEL=p1,p2: native paths to time for a model with a native_path option")
     ap.add_argument("--eager-ns", default=None, help="N values to time without CUDA graphs too (default: --ns)")
+    ap.add_argument("--ordered-ns", default=None, help="N values to time the ordered fallback at (default: --ns)")
+    ap.add_argument("--no-twin", dest="twin", action="store_false", help="skip the non-invariant twin")
+    ap.add_argument("--twin-sets", default="all,priced",
+                    help="twin op sets to time: all (every op plain torch), priced (only the GEMM / attention / "
+                         "MoE ops whose algorithm invariance constrains), or op1+op2 lists separated by commas")
+    ap.add_argument("--twin-attention", default="auto", choices=("auto", "sdpa"),
+                    help="the twin's GQA decode attention: auto (FlashAttention varlen where it runs, else SDPA) "
+                         "or sdpa (F.scaled_dot_product_attention with a length mask)")
     ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--hf-static-ns", default=None, help="N values for the HF static-cache compiled peer (default: --ns)")
+    ap.add_argument("--hf-static-budget", type=float, default=360.0,
+                    help="seconds all models together may spend in HF static-cache generate (compilation); "
+                         "runs that would not fit are skipped and labelled")
+    ap.add_argument("--hf-static-dynamic", action="store_true",
+                    help="compile the HF static step with dynamic shapes (one compile for every N and context "
+                         "instead of one per shape; generate's default is dynamic=None)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start by which the run should end: HF static runs that would end later "
+                         f"than {RESERVE_S:.0f} s per model still to run are skipped, and a model that would start "
+                         "after it is skipped (the summary is still printed)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a native step at N=1 and 16")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (tiny presets)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    twin.ATTENTION_IMPL = args.twin_attention
+    for s in args.twin_sets.split(","):   # fail now on an unknown set or op, not after an hour
+        twin.resolve(_selection(s))
     os.makedirs(args.out, exist_ok=True)
-    dev = torch.device("cuda")
     lines = []
+    t_start = time.time()
 
     def log(s=""):
         print(s, flush=True)
@@ -405,27 +702,32 @@ def main():
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip() or "unknown"
     log("# ds4t decode benchmark")
-    log(f"commit {commit}; {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke run)"
+    log(f"commit {commit}; {where}; torch {torch.__version__}; "
         f"triton {__import__('triton').__version__}")
     log(f"command: python bench/bench_decode.py {' '.join(sys.argv[1:])}")
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth(DEVICE)
     log(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
     rows = []
-    for name in args.models.split(","):
-        bench_model(name, args, bw, log, rows)
+    models = args.models.split(",")
+    deadline = t_start + args.deadline if args.deadline else None
+    hf_budget = {"left": args.hf_static_budget, "models": len(models), "deadline": deadline}
+    for name in models:
+        if deadline is not None and time.time() > deadline - RESERVE_S:
+            log(f"\n# {name}: skipped, {deadline - time.time():.0f} s left before --deadline")
+            hf_budget["models"] -= 1
+            continue
+        t0 = time.time()
+        bench_model(name, args, bw, log, rows, hf_budget)
+        log(f"\n({name}: {time.time() - t0:.0f} s; run so far {time.time() - t_start:.0f} s)")
         with open(os.path.join(args.out, "decode.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS + sorted({k for r in rows for k in r} - set(CSV_FIELDS)),
+                               restval="")
             w.writeheader()
             w.writerows(rows)
         plot(rows, os.path.join(args.out, "decode.png"))
-    log("\n## Summary (N = 1 and 16)\n")
-    log("| model | path | N | native tok/s | floor / native | native / HF | speed-up vs ordered (floor allows) |")
-    log("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["n"] in (1, 16):
-            vs = f"{r['vs_hf']:.1f}x" if r["vs_hf"] else "-"
-            log(f"| {r['model']} | {r['path']} | {r['n']} | {r['native_tok_s']:.0f} | {100 * r['floor_frac']:.0f}% | "
-                f"{vs} | {r['speedup']:.2f}x ({r['floor_speedup']:.2f}x) |")
+    log(f"\n(total {time.time() - t_start:.0f} s)")
+    summary(rows, log)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ A graph reads the weights and state at the addresses it was captured with: copyi
 into them is fine, but replacing a weight tensor by another object needs
 ``graphs_for(model).clear()`` (growing the state pool is noticed and clears them automatically).
 Steps run eagerly while a kernel override (``ds4t.kernels.override``) or a non-default launch
-variant is active. Everything here is inert on the CPU. ``DS4T_CUDA_GRAPHS=0`` turns graphs off;
+variant is active, unless the caller opts in to capturing overridden ops with
+:func:`capture_overrides` (a benchmark's plain-torch twin of the kernels, bench/twin.py): graphs
+are then keyed by the active overrides too, so a step never replays another set of functions'
+kernels. Everything here is inert on the CPU. ``DS4T_CUDA_GRAPHS=0`` turns graphs off;
 ``DS4T_CUDA_GRAPH_MAX_ROWS`` (default 64) caps the batch sizes captured.
 """
 from __future__ import annotations
@@ -28,10 +31,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ds4t.kernels.registry import dispatch_modified
+from ds4t.kernels.registry import dispatch_modified, override_key
 from ds4t.step import StepBatch, to_device
 
 _suspended = 0
+_capture_overrides = 0
 
 
 @contextlib.contextmanager
@@ -46,11 +50,39 @@ def suspended():
         _suspended -= 1
 
 
+@contextlib.contextmanager
+def capture_overrides():
+    """Explicit opt-in: inside this block, steps are captured and replayed as CUDA graphs even while
+    kernel overrides (``ds4t.kernels.override``) are active. Off by default, because an override may
+    synchronise with the host or make shapes depend on data, which a graph cannot hold; the caller
+    vouches that every active overriding function is graph-safe (no ``.item()``, no host sync, no
+    data-dependent shapes). Each graph is keyed by :func:`ds4t.kernels.registry.override_key` as
+    well, so graphs captured with one set of functions never replay for another (or for the ds4t
+    kernels). Non-default launch variants and ``recording()`` still turn graphs off."""
+    global _capture_overrides
+    _capture_overrides += 1
+    try:
+        yield
+    finally:
+        _capture_overrides -= 1
+
+
 def enabled_for(model) -> bool:
-    """Graphs apply: a CUDA model, not suspended or turned off, and no kernel override or non-default
-    launch variant active (a graph replays the kernels it was captured with)."""
+    """Graphs apply: a CUDA model, not suspended or turned off, and no kernel override (outside
+    :func:`capture_overrides`) or non-default launch variant active (a graph replays the kernels it
+    was captured with)."""
     return (model.device.type == "cuda" and not _suspended and getattr(model, "cuda_graphs", True)
-            and os.environ.get("DS4T_CUDA_GRAPHS", "1") != "0" and not dispatch_modified())
+            and os.environ.get("DS4T_CUDA_GRAPHS", "1") != "0"
+            and not dispatch_modified(overrides=not _capture_overrides))
+
+
+def graph_key(model, rows: int):
+    """The key a decode step of ``rows`` sessions is captured under: the model's
+    :meth:`~ds4t.models.base.Model.graph_key`, plus the active overrides when there are any (only
+    possible inside :func:`capture_overrides`); None when the step cannot be captured."""
+    key = model.graph_key(rows)
+    ok = override_key()
+    return key if key is None or not ok else (key, ok)
 
 
 def max_rows() -> int:
@@ -100,7 +132,7 @@ class StepGraphs:
         if model.pool.generation != self._generation:
             self.clear()
         meta, n, o, segs, _ = StepBatch.host_meta(segments)
-        key = model.graph_key(n)
+        key = graph_key(model, n)
         if key is None or key in self.failed or n > max_rows():
             self.stats.eager += 1
             return model.forward(StepBatch.from_meta(to_device(meta, model.device), n, o, segs))

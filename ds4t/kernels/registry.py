@@ -10,7 +10,9 @@ Ops
             model.new_session(64).prefill([1, 2, 3])
 
     While an override is active, CUDA graphs are bypassed (a captured step would replay the
-    kernels it was captured with; ``ds4t.batch.graphs.enabled_for`` asks :func:`dispatch_modified`).
+    kernels it was captured with; ``ds4t.batch.graphs.enabled_for`` asks :func:`dispatch_modified`),
+    unless the caller opts in with ``ds4t.batch.graphs.capture_overrides()`` (graph-safe overriding
+    functions only: graphs are then keyed by :func:`override_key`).
 
 Variants
     Some launchers implement more than one launch variant with the same arithmetic: ``"gpu"``
@@ -276,10 +278,19 @@ def ops_with_variants(family: Optional[str] = None) -> List[Op]:
     return [o for _, o in sorted(_all_ops().items()) if o.variants and (family is None or o.family == family)]
 
 
-def dispatch_modified() -> bool:
+def dispatch_modified(overrides: bool = True) -> bool:
     """True while an override, a non-default variant or a :func:`recording` is active: CUDA graphs
-    must not replay then (a replay runs the captured kernels and makes no Python calls)."""
-    return bool(_VARIANTS) or bool(_RECORDERS) or any(o.overrides for o in _OPS.values())
+    must not replay then (a replay runs the captured kernels and makes no Python calls).
+    ``overrides=False``: leave overrides out of the question (for a caller that keys its graphs by
+    :func:`override_key`, ``ds4t.batch.graphs.capture_overrides``); variants and recordings still count."""
+    return bool(_VARIANTS) or bool(_RECORDERS) or (overrides and any(o.overrides for o in _OPS.values()))
+
+
+def override_key() -> Tuple[Tuple[str, int], ...]:
+    """The overrides active now as a hashable key: ((op name, id of the function that runs), ...),
+    sorted; ``()`` when none. Two calls give equal keys exactly when the same functions would run
+    (a CUDA graph captured under one key replays those functions' kernels)."""
+    return tuple(sorted((n, id(o.impl)) for n, o in _OPS.items() if o.overrides))
 
 
 # ----------------------------------------------------------------------------------------------

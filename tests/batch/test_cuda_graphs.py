@@ -95,3 +95,36 @@ def test_suspended_turns_graphs_off(monkeypatch):
         assert not graphs.enabled_for(FakeModel())
     monkeypatch.setenv("DS4T_CUDA_GRAPHS", "0")
     assert not graphs.enabled_for(FakeModel())
+
+
+def test_overrides_are_captured_only_inside_the_explicit_opt_in():
+    """An override turns graphs off; capture_overrides() turns them back on, keyed by the overrides
+    (a graph captured with one set of functions never replays for another or for the ds4t kernels)."""
+    from ds4t.kernels import override, registry
+
+    class FakeModel:
+        device = torch.device("cuda")
+
+        def graph_key(self, rows):
+            return ("decode", rows)
+
+    m = FakeModel()
+
+    def my_linear(x, weight, bias=None, *, out=None, config=None, act_dtype=None):
+        return registry.op("linear").fn(x, weight, bias)
+
+    assert graphs.graph_key(m, 3) == ("decode", 3)
+    with graphs.capture_overrides():
+        assert graphs.enabled_for(m) and graphs.graph_key(m, 3) == ("decode", 3)   # nothing overridden
+    with override("linear", my_linear):
+        assert not graphs.enabled_for(m)
+        with graphs.capture_overrides():
+            assert graphs.enabled_for(m)
+            key = graphs.graph_key(m, 3)
+            assert key[0] == ("decode", 3) and key != ("decode", 3)
+            with override("linear", lambda *a, **k: None):   # another function: another key
+                assert graphs.graph_key(m, 3) != key
+            with registry.recording():                       # recordings still turn graphs off
+                assert not graphs.enabled_for(m)
+        assert not graphs.enabled_for(m)
+    assert graphs.enabled_for(m) and graphs.graph_key(m, 3) == ("decode", 3)
