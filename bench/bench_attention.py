@@ -45,7 +45,7 @@ GQA_SHAPES = [(16, 2, 256), (96, 8, 128)]
 MLA_SHAPE = (128, 512, 64)
 LENGTHS = [8192, 32768]
 BATCHES = [8, 16, 64]
-SWEEP_CASES = [(32768, 8), (8192, 64)]   # (L, B) the sweep ranks configs on (sum of times)
+SWEEP_CASES = [(32768, 8), (8192, 64), (8192, 8)]   # (L, B) the sweep ranks configs on (sum of times)
 
 LOG = []
 
@@ -71,9 +71,9 @@ def gqa_candidates(d):
 
 def mla_candidates():
     out = []
-    for split in (256, 512, 1024):
-        for bh, bn, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2)):
-            if bh * bn > 2048 or (bh == 64 and warps == 4):
+    for split in (512, 1024, 2048):
+        for bh, bn, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)):
+            if bh * bn > 4096 or (bh == 64 and warps == 4) or (bh * bn == 4096 and stages == 3):
                 continue
             out.append((split, M.MLAConfig(block_h=bh, block_n=bn, merge_heads=8, num_warps=warps, num_stages=stages)))
     return out
@@ -245,10 +245,15 @@ def sweep(kind, shape, gen, bw, budget_end):
         results.append((sum(ms), split, cfg, ms))
     results.sort(key=lambda r: r[0])
     log(f"\n### sweep {kind} {shape}: best 5 of {len(results)} (ms at " + ", ".join(f"L={L} B={B}" for L, B in SWEEP_CASES) + ")")
-    for tot, split, cfg, ms in results[:5]:
+    def show(tot, split, cfg, ms):
         tbs = [probs[c]["bytes"] / (m * 1e-3) / 1e12 for c, m in zip(SWEEP_CASES, ms)]
         log(f"  split {split} {cfg}: " + ", ".join(f"{m:.4f} ms ({t:.2f} TB/s, {100 * t * 1e12 / bw:.0f}%)"
                                                for m, t in zip(ms, tbs)))
+    for r in results[:5]:
+        show(*r)
+    log("  best per split size:")
+    for split in sorted({r[1] for r in results}):
+        show(*next(r for r in results if r[1] == split))
     del probs
     torch.cuda.empty_cache()
     return results[0][1:3] if results else None
@@ -262,6 +267,7 @@ def main():
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--only", default="gqa,mla")
+    ap.add_argument("--sweep-only", default=None, help="comma-separated shape kinds to sweep (default: --only)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -279,14 +285,15 @@ def main():
     chosen = {}
     if args.sweep:
         jobs = []
-        for kind, shape in shapes:
+        swept = [(k, sh) for k, sh in shapes if k in (args.sweep_only or args.only).split(",")]
+        for kind, shape in swept:
             cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates()
             Ls = sorted({L for L, _ in SWEEP_CASES} | set(lengths))
             jobs += [(kind, shape, L, split, dataclasses.asdict(cfg)) for split, cfg in cands for L in Ls]
         precompile(jobs, args.workers)
         end = time.time() + args.sweep_budget_s
-        for i, (kind, shape) in enumerate(shapes):
-            share = (end - time.time()) / (len(shapes) - i)
+        for i, (kind, shape) in enumerate(swept):
+            share = (end - time.time()) / (len(swept) - i)
             chosen[(kind, shape)] = sweep(kind, shape, gen, bw, time.time() + share)
 
     rows = []
