@@ -231,6 +231,28 @@ def fill_sessions(model, n: int, ctx: int, extra: int, seed: int):
     return sessions, [rng.randrange(model.vocab_size) for _ in range(n)]
 
 
+def exact_at_context(model, sessions, toks, ctx: int, path) -> bool:
+    """One decode step of these sessions (all at position ``ctx``) ordered, then the same step native
+    from the same states: logits and every session's state bitwise equal. The sessions are put back at
+    ``ctx`` afterwards. (The harness runs short prompts; this checks the long-context kernels' splits.)"""
+    if path is not None:
+        model.native_path = path
+    saved = [(s.state_dict(), list(s.tokens)) for s in sessions]
+
+    def run(mode):
+        for s, (st, tk) in zip(sessions, saved):
+            s.load_state_dict(st, ctx, tk)
+        res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode=mode)
+        return res.logits.clone(), [s.state_dict() for s in sessions], res.paths
+
+    lo, so, _ = run("ordered")
+    ln, sn, paths = run("native")
+    for s, (st, tk) in zip(sessions, saved):
+        s.load_state_dict(st, ctx, tk)
+    same_states = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(so, sn))
+    return torch.equal(lo, ln) and same_states and set(paths) == {"native"}
+
+
 def rewind(sessions, pos: int) -> None:
     """Put the sessions back at position ``pos`` (the KV entries past it are overwritten by the next
     steps; recurrent states keep their values, which a step's cost does not depend on)."""
@@ -373,7 +395,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
     model = ds4t.load(name, device=DEVICE)
     _sync()
     log(f"loaded in {time.time() - t0:.0f} s: {model.family}, {model.dtype}, weights {model.weight_bytes() / 1e9:.2f} GB")
-    if hasattr(model, "native_window") and model.native_window < max(ctxs) + extra:
+    if getattr(model, "native_window", None) is not None and model.native_window < max(ctxs) + extra:
         log(f"native_window raised from {model.native_window} to {max(ctxs) + extra} (the longest context timed)")
         model.native_window = max(ctxs) + extra
     t0 = time.time()
@@ -403,6 +425,10 @@ def bench_model(name, args, bw, log, rows, hf_budget):
         sessions, toks = fill_sessions(model, max(fit), ctx, extra, seed=ctx)
         log(f"\nctx {ctx}: {max(fit)} sessions filled in {time.time() - t0:.1f} s (one prefilled, its state copied); "
             f"slots 0..N-1 in batch order: {'yes' if slots_are_rows(sessions) else 'no (the twin gathers slots)'}")
+        ok_ctx = exact_at_context(model, sessions[:min(4, max(fit))], toks, ctx, paths[0])
+        log(f"ctx {ctx}: one step of {min(4, max(fit))} sessions, native == ordered (logits and state, bitwise): "
+            f"{'yes' if ok_ctx else '**NO**'}")
+        exact = exact and ok_ctx
         runner = None
         for n in fit:
             S, T = sessions[:n], toks[:n]
