@@ -252,7 +252,8 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
 
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu={}, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
-    source="rule: 64-row tiles, split-K to ~264 programs; not swept (bench/bench_gguf.py measures it)")
+    source="rule: 64-row tiles, split-K to ~264 programs; not swept yet on the repacked planes "
+           "(python bench/bench_gguf.py --sweep prints the entries)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 
@@ -267,7 +268,8 @@ def qlinear_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> QLinea
 def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], out: torch.Tensor,
            act_dtype: torch.dtype, config: Optional[QLinearConfig] = None) -> torch.Tensor:
     """fp32 ``out [B, N] = x @ W^T (+ bias)`` for checked arguments: x [B, K] with unit K stride, weight
-    rows contiguous (repacked rows are multiples of 16 bytes, so every row starts as aligned as the weight), ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
+    rows contiguous (repacked rows are multiples of 16 bytes, so every row starts as aligned as the
+    weight), ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
     (tests and benchmarks; it must not depend on B)."""
     from ds4t.kernels.linear import SPLITK_SUM_CONFIGS, _splitk_sum_kernel
 

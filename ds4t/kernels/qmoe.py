@@ -2,8 +2,9 @@
 with weights read as Q8_0 / Q4_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
 for :class:`~ds4t.kernels.quant_blocks.GGUFWeight` experts).
 
-Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWeight [E, I, D] of one type (one loop reads both), w_down GGUFWeight
-[E, D, I] of any kernel type (llama.cpp's mixes often keep ``ffn_down_exps`` one step above gate/up).
+Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWeight [E, I, D] of one type
+(one loop reads both), w_down GGUFWeight [E, D, I] of any kernel type (llama.cpp's mixes often keep
+``ffn_down_exps`` one step above gate/up).
 Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
 activations (h, then silu(g)·u) rounded to the activation dtype A first. Grouping, slot-to-expert
 lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
@@ -98,8 +99,8 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={},
     gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
     interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1),
-    source="rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step; not swept "
-           "(bench/bench_gguf.py measures it)")
+    source="rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step; not swept yet on the repacked "
+           "planes (python bench/bench_gguf.py --sweep prints the entries)")
 """Keyed on (kernel "gate_up" | "down", GGUF type)."""
 
 

@@ -111,6 +111,7 @@ FORMATS = {
 }
 for _f in FORMATS.values():   # the planes partition the block; quant planes of a whole block are 16-aligned
     assert sorted(b for p in _f.planes for b in range(*p)) == list(range(_f.bpb)), _f.name
+del _f
 
 
 def block_format(qtype: str) -> BlockFormat:
