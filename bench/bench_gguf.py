@@ -14,14 +14,26 @@
    at each N against the bytes floor (bench/floor.py's count: weights once, every session's state), via
    bench_fp8.bench_model.
 
+4. Sweep (``--sweep``, one call of a few minutes on an H200): per GGUF type, a small grid of launch configs
+   (N tile, warps, stages, split-K, Q8_0 blocks a step, the integer conversion) of the quantized linear at
+   SHAPES and of each grouped MoE kernel (gate_up, down) at MOE, all compiled first in ``--workers``
+   processes; each checked (max error against gguf-py's dequantize on 256 weight rows / 3 MoE rows, rows
+   alone == rows in a batch of 16, bitwise) and timed at B = 1, 4, 16 (linear: all at B = 1, the fastest 4
+   also at 4 and 16). Printed: every config's GB/s, then the best
+   per (shape, type) / (kernel, type) -- least summed time over the three batches -- as entries to paste
+   into ``qlinear.QLINEAR_CONFIGS`` / ``qmoe.QMOE_CONFIGS`` (``sweep.csv`` has every row).
+
 Full results under ``--out`` (``gguf.md``, ``gguf.jsonl``); the short table is printed last.
 
     python bench/bench_gguf.py --kernels --models deepseek-v3-4l,glm-4.5-4l,qwen3-next-80b-4l \\
         --formats bf16,q4_k,q8_0 --ns 1,16 --ctx 1024 --out $OUT
+    python bench/bench_gguf.py --sweep --workers 15 --out $OUT
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
 import json
 import os
 import sys
@@ -35,7 +47,9 @@ import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
-from ds4t.kernels.quant_blocks import QTYPES, dequantize, quantize  # noqa: E402
+from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group  # noqa: E402
+from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
+from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, quantize  # noqa: E402
 
 SHAPES = ((7168, 36864), (2048, 151936))
 MOE = dict(E=512, I=512, D=2048, k=10)
@@ -54,7 +68,7 @@ def correctness(dev, log) -> bool:
     for qt in QTYPES:
         K, N = (1024, 300) if torch.device(dev).type == "cuda" else (256, 40)
         w = quantize(torch.randn(N, K, generator=g) * K ** -0.5, qt).to(dev)
-        deq = dequantize(w.data.cpu(), qt, K).to(dev)
+        deq = w.dequantize().to(dev)
         eye = L.linear(torch.eye(256, K, device=dev), w)        # decodes the first 256 columns bitwise
         bitwise = torch.equal(eye.t(), deq[:, :256])
         for adt in (torch.float32, torch.bfloat16):
@@ -138,9 +152,264 @@ def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# --sweep: launch configs of the quantized linear and the grouped MoE kernels
+# ----------------------------------------------------------------------------------------------
+SWEEP_B = (1, 4, 16)
+TOP = 4
+"""Linear configs timed at every B: the TOP fastest at B = 1 (the linear's time hardly moves with B <= 16)."""
+
+
+def linear_grid(K: int, N: int, qt: str):
+    """The linear configs tried for one (shape, type): 32- to 128-row tiles, split-K 1 or 2 (the FP8
+    sweeps' winners split K = 7168 in two), 2 or 4 warps (FP8's winners had 2), 2-4 stages, Q8_0 at 4 and
+    8 blocks a step; plus the table's config with the plain int -> float conversion (what the 2^23
+    trick buys)."""
+    groups = sorted({_q8_group(K, 4), _q8_group(K, 8)}) if qt == "Q8_0" else [1]
+    out = [QLinearConfig(block_n=bn, split=sp, group=g, num_warps=w, num_stages=st)
+           for bn, sp in ((32, 1), (32, 2), (64, 1), (64, 2), (128, 1))
+           for w, st in ((2, 2), (2, 3), (4, 3), (4, 4)) for g in groups]
+    base = QLINEAR_CONFIGS(K, N, qt, torch.bfloat16)   # the table's (or rule's) current choice
+    return list(dict.fromkeys(out + [base, dataclasses.replace(base, magic=False)]))
+
+
+def moe_grid(kernel: str, qt: str):
+    """The configs tried for one grouped kernel and type (the other kernel keeps its table config)."""
+    out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st)
+           for bn in (16, 32, 64, 128) for w, st in ((2, 3), (4, 3)) for g in ((4, 8) if qt == "Q8_0" else (4,))]
+    base = QMOE_CONFIGS(kernel, qt)
+    return list(dict.fromkeys(out + [base, dataclasses.replace(base, magic=False)]))
+
+
+def _moe_rule(kernel: str, cfg: QMoEConfig):
+    """QMOE_CONFIGS' rule with ``cfg`` for ``kernel`` and the table's config for the other kernel."""
+    table = {(k, q): QMOE_CONFIGS(k, q) for k in ("gate_up", "down") for q in QTYPES}
+    return lambda k, q: cfg if k == kernel else table[(k, q)]
+
+
+def _zeros_weight(shape, qt):
+    *lead, K = shape
+    return GGUFWeight(torch.zeros(*lead, block_format(qt).row_bytes(K), dtype=torch.uint8, device="cuda"), qt, K,
+                      torch.bfloat16)
+
+
+def _moe_routes(B, moe=MOE, dev="cuda"):
+    g = torch.Generator(device=dev).manual_seed(B)
+    E, D, k = moe["E"], moe["D"], moe["k"]
+    h = torch.randn(B, D, device=dev, generator=g)
+    ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(B)]).to(torch.int32)
+    wts = torch.softmax(torch.randn(B, k, device=dev, generator=g), -1)
+    return h, ids, wts
+
+
+def _compile_worker(jobs):
+    """Compile (and run once on zero weights) the sweep's configs in a separate process: fills Triton's
+    cache for the main process. The launches specialise on the same shapes, strides and dtypes."""
+    import torch as _t
+
+    import ds4t as _d  # noqa: F401
+    errs = []
+    for job in jobs:
+        try:
+            if job[0] == "linear":
+                _, K, N, qt, fields = job
+                w = _zeros_weight((N, K), qt)
+                L.linear(_t.zeros(1, K, device="cuda", dtype=_t.bfloat16), w, config=QLinearConfig(**fields))
+            else:
+                _, kernel, qt, fields = job
+                E, I, D = MOE["E"], MOE["I"], MOE["D"]
+                ws = [_zeros_weight(s, qt) for s in ((E, I, D), (E, I, D), (E, D, I))]
+                with QMOE_CONFIGS.forced(_moe_rule(kernel, QMoEConfig(**fields))):
+                    M.moe_experts(*_moe_routes(1), *ws)
+            _t.cuda.synchronize()
+            errs.append(None)
+        except Exception as e:   # reported in the table; the sweep goes on
+            errs.append(f"{type(e).__name__}: {str(e)[:160]}")
+    return errs
+
+
+def precompile(jobs, workers, log):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    t0 = time.time()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    errors = {}
+    try:
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+            for chunk, errs in zip(chunks, ex.map(_compile_worker, chunks)):
+                errors.update({json.dumps(j): e for j, e in zip(chunk, errs) if e})
+    except Exception as e:
+        log(f"precompile failed ({e!r}); compiling in the main process instead")
+    log(f"precompiled {len(jobs)} configs in {time.time() - t0:.0f} s with {workers} processes, {len(errors)} failed")
+    return errors
+
+
+def _job(kind, *key, cfg):
+    return (kind, *key, dataclasses.asdict(cfg))
+
+
+def _entry(key, cfg) -> str:
+    fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
+    return f"    {key}: {type(cfg).__name__}({fields}),"
+
+
+def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), dev="cuda", shapes=SHAPES, moe=MOE):
+    """Try each config of the grids: correctness, row invariance, GB/s at B = 1, 4, 16. Returns the rows.
+    (``dev="cpu"`` with tiny ``shapes`` / ``moe`` and ``workers=0``: a smoke run of the script's logic.)"""
+    bf = torch.bfloat16
+    jobs = []
+    if "linear" in what:
+        jobs += [_job("linear", K, N, qt, cfg=c) for K, N in shapes for qt in types for c in linear_grid(K, N, qt)]
+    if "moe" in what:
+        jobs += [_job("moe", kern, qt, cfg=c)
+                 for qt in types for kern in ("gate_up", "down") for c in moe_grid(kern, qt)]
+    errors = precompile(jobs, min(workers, len(jobs)), log) if workers > 0 else {}
+    rows, best = [], []
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def time_at(r, cfg, bs, fns_for, nbytes_for):
+        for B in bs:
+            ms = _timed(fns_for(B, cfg), dev)
+            r[f"ms_b{B}"], r[f"pct_b{B}"] = ms, 100 * nbytes_for(B) / ms / 1e-3 / bw
+
+    def measure(key, cfg, fns_for, nbytes_for, check, bs=SWEEP_B):
+        job = json.dumps(_job(*key, cfg=cfg))
+        r = dict(kernel=key[0], key=" ".join(map(str, key[1:])), config=str(cfg))
+        if job in errors:
+            r["status"] = "compile: " + errors[job][:100]
+        else:
+            try:
+                err, inv = check(cfg)
+                r.update(err=err, inv=inv)
+                time_at(r, cfg, bs, fns_for, nbytes_for)
+                r["status"] = "ok" if err <= 1e-4 and inv else "BAD"
+            except Exception as e:
+                if dev != "cpu":
+                    torch.cuda.synchronize()
+                r["status"] = f"error: {type(e).__name__}: {str(e)[:100]}"
+        rows.append(r)
+        if r["status"] == "ok":
+            log(f"  {r['kernel']} {r['key']} {cfg}: " + ", ".join(f"B={B} {r[f'pct_b{B}']:.0f}%" for B in bs))
+        else:
+            log(f"  {r['kernel']} {r['key']} {cfg}: {r['status']}")
+        return r
+
+    def pick(sel, table_key, log_key):
+        good = [r for r in sel if r["status"] == "ok" and all(f"ms_b{B}" in r for B in SWEEP_B)]
+        if not good:
+            log(f"{log_key}: no config passed")
+            return
+        b = min(good, key=lambda r: sum(r[f"ms_b{B}"] for B in SWEEP_B))
+        best.append((log_key, table_key, b))
+
+    if "linear" in what:
+        for K, N in shapes:
+            w32 = torch.randn(N, K, device=dev, generator=g, dtype=bf) * K ** -0.5
+            xs = {B: [torch.randn(B, K, device=dev, generator=g, dtype=bf) for _ in range(2)] for B in SWEEP_B}
+            for qt in types:
+                q = [quantize(w32, qt, act_dtype=bf) for _ in range(2)]
+                head = q[0][:256].dequantize().double()           # gguf-py on 256 weight rows
+                ref = xs[16][0].double() @ head.t()
+                outs = {B: torch.empty(B, N, device=dev) for B in SWEEP_B}
+
+                def check(cfg, q=q, ref=ref):
+                    x = xs[16][0]
+                    y = L.linear(x, q[0], config=cfg)
+                    err = ((y[:, :256].double() - ref).abs().max() / ref.abs().max()).item()
+                    inv = all(torch.equal(L.linear(x[i:i + 1], q[0], config=cfg)[0], y[i]) for i in (0, 7, 15))
+                    return err, inv
+
+                def fns(B, cfg, q=q, outs=outs):
+                    return [lambda i=i: L.linear(xs[B][i], q[i], config=cfg, out=outs[B]) for i in range(2)]
+
+                nbytes = lambda B, q=q: q[0].nbytes   # noqa: E731
+                sel = [measure(("linear", K, N, qt), c, fns, nbytes, check, bs=SWEEP_B[:1])
+                       for c in linear_grid(K, N, qt)]
+                top = sorted((r for r in sel if r["status"] == "ok"), key=lambda r: r["ms_b1"])[:TOP]
+                for r in top:
+                    time_at(r, _cfg_of(r), SWEEP_B[1:], fns, nbytes)
+                    log(f"  top {r['config']}: " + ", ".join(f"B={B} {r[f'pct_b{B}']:.0f}%" for B in SWEEP_B))
+                pick(sel, f"({K}, {N}, {qt!r}, torch.bfloat16)", f"linear K={K} N={N} {qt}")
+                del q
+            del w32
+    if "moe" in what:
+        E, I, D = moe["E"], moe["I"], moe["D"]
+        routes = {B: _moe_routes(B, moe, dev) for B in SWEEP_B}
+        touched = {B: len(set(routes[B][1].flatten().tolist())) for B in SWEEP_B}
+        wf = [torch.randn(*s, device=dev, generator=g, dtype=bf) * s[-1] ** -0.5
+              for s in ((E, I, D), (E, I, D), (E, D, I))]
+        for qt in types:
+            ws = [quantize(t, qt, act_dtype=bf) for t in wf]
+            per_expert = sum(w.nbytes for w in ws) / E
+            # gguf-py's dequantize of all 512 experts takes too long: the reference covers rows 0..2 of the
+            # B = 16 batch, over just the experts they use (ids renumbered)
+            h3, ids3, wts3 = (t[:3] for t in routes[16])
+            used, ids_used = torch.unique(ids3, return_inverse=True)
+            ref = M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3, *(w[used] for w in ws))
+
+            for kern in ("gate_up", "down"):
+                def check(cfg, ws=ws, ref=ref, kern=kern):
+                    with QMOE_CONFIGS.forced(_moe_rule(kern, cfg)):
+                        h, ids, wts = routes[16]
+                        o = M.moe_experts(h, ids, wts, *ws)
+                        err = ((o[:3] - ref).abs().max() / ref.abs().max()).item()
+                        inv = all(torch.equal(M.moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], *ws)[0], o[i])
+                                  for i in (0, 7, 15))
+                    return err, inv
+
+                def fns(B, cfg, ws=ws, kern=kern):
+                    h, ids, wts = routes[B]
+                    out = torch.empty(B, D, device=dev)
+
+                    def call():
+                        with QMOE_CONFIGS.forced(_moe_rule(kern, cfg)):
+                            M.moe_experts(h, ids, wts, *ws, out=out)
+                    return [call]
+
+                sel = [measure(("moe", kern, qt), c, fns, lambda B: per_expert * touched[B], check)
+                       for c in moe_grid(kern, qt)]
+                pick(sel, f"({kern!r}, {qt!r})", f"moe_experts {kern} E={E} I={I} D={D} top{moe['k']} {qt}")
+            del ws
+    log("\n### Best config per (shape, type): least summed time over B = 1, 4, 16\n")
+    log("| what | config | % of copy BW at B = 1 / 4 / 16 | GB/s at B = 1 / 4 / 16 |")
+    log("|---|---|---|---|")
+    for log_key, _, r in best:
+        pct = " / ".join(f"{r[f'pct_b{B}']:.0f}%" for B in SWEEP_B)
+        gbs = " / ".join(f"{r[f'pct_b{B}'] * bw / 100 / 1e9:.0f}" for B in SWEEP_B)
+        log(f"| {log_key} | {r['config']} | {pct} | {gbs} |")
+    log("\n(MoE % counts the whole moe_experts call -- grouping, both kernels, combine -- against the bytes of the\n"
+        "experts touched; each kernel's sweep keeps the other kernel at its table config.)\n")
+    log("Paste into ds4t/kernels/qlinear.py QLINEAR_CONFIGS gpu={...} (key: K, N, type, act dtype):\n")
+    for _, key, r in best:
+        if r["kernel"] == "linear":
+            log(_entry(key, _cfg_of(r)))
+    log("\nPaste into ds4t/kernels/qmoe.py QMOE_CONFIGS gpu={...} (key: kernel, type):\n")
+    for _, key, r in best:
+        if r["kernel"] == "moe":
+            log(_entry(key, _cfg_of(r)))
+    return rows
+
+
+def _cfg_of(row):
+    return eval(row["config"], {"QLinearConfig": QLinearConfig, "QMoEConfig": QMoEConfig})   # our own repr
+
+
+def write_sweep_csv(path, rows):
+    keys = ["kernel", "key", "config", "status", "err", "inv"] + [f"{m}_b{B}" for B in SWEEP_B for m in ("ms", "pct")]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
+    ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
+    ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
+    ap.add_argument("--workers", type=int, default=15, help="compile processes for --sweep")
     ap.add_argument("--models", default="", help="comma list of presets")
     ap.add_argument("--formats", default="bf16,q4_k,q8_0", help="bf16 and/or load(quantize=) types")
     ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -173,6 +442,16 @@ def main() -> int:
             krows = kernel_rows(bw, args.device, log)
         else:
             krows = kernel_rows(bw, args.device, log, shapes=((512, 96),), moe=dict(E=8, I=256, D=256, k=2))
+    if args.sweep:
+        log("\n## Sweep (bf16 activations)\n")
+        types, what = [t for t in args.sweep_types.split(",") if t], [w for w in args.sweep_what.split(",") if w]
+        if cuda:
+            srows = sweep(bw, log, args.workers, types, what)
+        else:   # a smoke run of the sweep's logic in the interpreter: tiny shapes, no compile processes
+            srows = sweep(bw, log, 0, types, what, dev=args.device, shapes=((512, 96),),
+                          moe=dict(E=8, I=256, D=256, k=2))
+            write_sweep_csv(os.path.join(args.out, "sweep.csv"), srows)
+            ok &= not any(r["status"] == "BAD" for r in srows)
     for name in [m for m in args.models.split(",") if m]:
         for fmt in [f for f in args.formats.split(",") if f]:
             spec = name if fmt == "bf16" else f"{name}:{fmt}"

@@ -3,14 +3,16 @@ launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
 
 Shapes and dtypes
     x       [B, K]  fp32 / bf16 / fp16, rounded to the activation dtype A inside the kernel
-    weight  GGUFWeight [N, K]: uint8 [N, K / QK * BPB] blocks
+    weight  GGUFWeight [N, K]: uint8 [N, row_bytes(K)], the blocks repacked in aligned planes
     bias    [N] or None, any float dtype, added in fp32
     returns [B, N]  fp32
 
 Arithmetic (defined in :mod:`ds4t.kernels.quant_blocks`): per row n and sub-block j of SB columns, in K
 order, ``acc += s[n, j] * (x_j . q_j) - mn[n, j] * sum(x_j)``, each sum in fp32 from zero, the block's
 integers converted exactly to A and the fp32 scales decoded from the block bytes in registers.
-:func:`qdot` is that loop, shared with the MoE kernels (:mod:`ds4t.kernels.qmoe`).
+:func:`qdot` is that loop, shared with the MoE kernels (:mod:`ds4t.kernels.qmoe`). It reads the repacked
+planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-byte vector loads (32 or
+16 contiguous, aligned bytes a row), its scales with aligned 2- or 4-byte loads.
 
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
 never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
@@ -36,40 +38,73 @@ BLOCK_M = 16
 
 
 # ----------------------------------------------------------------------------------------------
-# Block decoding and the sub-block dot (jit helpers, also used by the MoE kernels)
+# Block decoding and the sub-block dot (jit helpers, also used by the MoE kernels). A row pointer is the
+# start of a repacked row (ds4t.kernels.quant_blocks): the plane offsets below are those of
+# BlockFormat.plane_offsets, computed from the weight's K (KW, a constexpr).
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _f16_at(p):
-    """The fp16 at byte pointers ``p`` (little endian, as ggml stores it), as fp32 (exact)."""
-    lo = tl.load(p).to(tl.uint16)
-    hi = tl.load(p + 1).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def _exact_f32(u, BIAS: tl.constexpr, MAGIC: tl.constexpr):
+    """``u - BIAS`` as fp32, exactly, for int32 ``u`` in [0, 256). MAGIC: the fp32 whose bits are
+    ``0x4B000000 | u`` is 2^23 + u, so one integer OR and one fp32 subtraction (both full-rate pipes)
+    replace an int -> float conversion (I2F, on the conversion pipe that also rounds to bf16). The
+    same value either way, so MAGIC changes speed only."""
+    if MAGIC:
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
+    else:
+        return (u - BIAS).to(tl.float32)
 
 
 @triton.jit
-def _q4k_scale_min(blk, J: tl.constexpr):
-    """Q4_K sub-block J's 6-bit (scale, min) from the 12 packed bytes at ``blk + 4`` (ggml's
-    ``get_scale_min_k4``): uint8 [BN] each."""
+def _f16_bits(w):
+    """The fp16 whose bits are ``w``'s low 16 (int32 [BN]), as fp32 (exact)."""
+    return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4k_scale_min(w1, w2, w3, J: tl.constexpr):
+    """Q4_K sub-block J's 6-bit (scale, min) as int32 [BN] (ggml's ``get_scale_min_k4``) from the packed
+    scale bytes 4..15 of the block header, read as three little-endian int32 words w1, w2, w3."""
     if J < 4:
-        sc = tl.load(blk + 4 + J) & 63
-        m = tl.load(blk + 8 + J) & 63
+        sc = (w1 >> (8 * J)) & 63
+        m = (w2 >> (8 * J)) & 63
     else:
-        a = tl.load(blk + 8 + J)
-        sc = (a & 15) | ((tl.load(blk + J) >> 6) << 4)
-        m = (a >> 4) | ((tl.load(blk + 4 + J) >> 6) << 4)
+        sc = ((w3 >> (8 * (J - 4))) & 15) | (((w1 >> (8 * (J - 4) + 6)) & 3) << 4)
+        m = ((w3 >> (8 * (J - 4) + 4)) & 15) | (((w2 >> (8 * (J - 4) + 6)) & 3) << 4)
     return sc, m
 
 
 @triton.jit
-def _scaled_dot(acc, q, x_row, k, s, mn, ADT: tl.constexpr, SB: tl.constexpr, HAS_MIN: tl.constexpr):
+def _pick(i: tl.constexpr, a, b, c, d):
+    """The i-th of a, b, c, d (i a constexpr: resolved at compile time, no select in the code)."""
+    r = a
+    if i == 1:
+        r = b
+    if i == 2:
+        r = c
+    if i == 3:
+        r = d
+    return r
+
+
+@triton.jit
+def _bytes(p, OFF, W: tl.constexpr):
+    """uint8 [BN, W] at ``p[:, None] + OFF + (0 .. W-1)`` as int32: W contiguous bytes a row from an
+    offset that is a multiple of W (W = 16 or 32; rows 16-byte aligned), so 16-byte vector loads."""
+    cols = tl.max_contiguous(tl.multiple_of(OFF + tl.arange(0, W), W), W)
+    return tl.load(p[:, None] + cols[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _scaled_dot(acc, qf, x_row, k, s, mn, ADT: tl.constexpr, SB: tl.constexpr, HAS_MIN: tl.constexpr):
     """acc [BN, BM] + s * (q . x) (- mn * sum(x)) over the SB columns k .. k + SB.
 
-    q [BN, SB] small integers (exact in ADT); x_row [BM] pointers to each row's column 0 (rows in
-    bounds); s, mn [BN] fp32. The dot and the sum of x start from zero in fp32."""
+    qf [BN, SB] the sub-block's integers as fp32 (exact, so exact in ADT too); x_row [BM] pointers to
+    each row's column 0 (rows in bounds); s, mn [BN] fp32. The dot and the sum of x start from zero in
+    fp32."""
     kk = k + tl.arange(0, SB)
     xt = tl.load(x_row[None, :] + kk[:, None])                   # [SB, BM]
     xt = cast(xt.to(tl.float32), ADT)
-    p = mma(q.to(tl.float32).to(ADT), xt, tl.zeros(acc.shape, dtype=tl.float32))   # int -> fp32 -> A: exact
+    p = mma(qf.to(ADT), xt, tl.zeros(acc.shape, dtype=tl.float32))
     if HAS_MIN:
         sx = tl.sum(xt.to(tl.float32), axis=0)
         acc = acc + (s[:, None] * p - mn[:, None] * sx[None, :])
@@ -79,43 +114,66 @@ def _scaled_dot(acc, q, x_row, k, s, mn, ADT: tl.constexpr, SB: tl.constexpr, HA
 
 
 @triton.jit
-def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr):
+def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
+         KW: tl.constexpr, MAGIC: tl.constexpr):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
 
-    w_row [BN] uint8 pointers to each weight row's first block (rows in bounds); x_row [BM] pointers
-    to each activation row's column 0. FMT: 0 Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K.
-    Sub-blocks run in K order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic."""
+    w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
+    weight's K (where its planes start); x_row [BM] pointers to each activation row's column 0. FMT: 0
+    Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K (one 256-block per step). Sub-blocks run in K
+    order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. MAGIC: how the
+    integers become fp32 (:func:`_exact_f32`; the same values)."""
     if FMT == 0:
+        # planes: q int8 [KW] @0, d fp16 [KW / 32] @KW
         for k in range(k_lo, k_hi, 32 * G):
             for g in tl.static_range(G):
-                blk = w_row + (k // 32 + g) * 34
-                d = _f16_at(blk)
-                q = tl.load(blk[:, None] + 2 + tl.arange(0, 32)[None, :]).to(tl.int8, bitcast=True)
-                acc = _scaled_dot(acc, q, x_row, k + 32 * g, d, d, ADT, 32, False)
+                kg = k + 32 * g
+                d = tl.load((w_row + KW + kg // 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+                q = _exact_f32(_bytes(w_row, kg, 32) ^ 0x80, 128, MAGIC)   # int8 q = (q + 128) - 128
+                acc = _scaled_dot(acc, q, x_row, kg, d, d, ADT, 32, False)
     elif FMT == 1:
+        # planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks 2c low nibbles, 2c + 1 high),
+        # header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales and mins)
         for k in range(k_lo, k_hi, 256):
-            blk = w_row + (k // 256) * 144
-            d = _f16_at(blk)
-            dmin = _f16_at(blk + 2)
+            hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
+            w0 = tl.load(hdr)
+            w1 = tl.load(hdr + 1)
+            w2 = tl.load(hdr + 2)
+            w3 = tl.load(hdr + 3)
+            d = _f16_bits(w0)
+            dmin = _f16_bits(w0 >> 16)
             for c in tl.static_range(4):
-                qb = tl.load(blk[:, None] + (16 + 32 * c) + tl.arange(0, 32)[None, :])   # [BN, 32]
+                qb = _bytes(w_row, k // 2 + 32 * c, 32)
                 for h in tl.static_range(2):
-                    sc, m = _q4k_scale_min(blk, 2 * c + h)
-                    q = (qb >> (4 * h)) & 15
-                    acc = _scaled_dot(acc, q, x_row, k + 64 * c + 32 * h, d * sc.to(tl.float32),
-                                      dmin * m.to(tl.float32), ADT, 32, True)
+                    sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
+                    acc = _scaled_dot(acc, _exact_f32((qb >> (4 * h)) & 15, 0, MAGIC), x_row, k + 64 * c + 32 * h,
+                                      d * sc.to(tl.float32), dmin * m.to(tl.float32), ADT, 32, True)
     else:
+        # planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8 [KW / 16] @3 KW / 4, d fp16 [KW / 256] after.
+        # Element e of half hf of a block: low 4 bits in ql byte 64 hf + e % 64 (nibble e // 64), high 2 in
+        # qh byte 32 hf + e % 32 (bits 2 (e // 32)): sub-block i = e // 16 of the half reads 16-byte ql
+        # run i % 4 and qh run i % 2, each loaded once per half.
         for k in range(k_lo, k_hi, 256):
-            blk = w_row + (k // 256) * 210
-            d = _f16_at(blk + 208)
-            for t in tl.static_range(16):
-                # sub-block t = elements 16t .. 16t + 15 = half t // 8, offsets e0 .. e0 + 15 in it
-                e0 = (t % 8) * 16
-                ql = tl.load(blk[:, None] + (64 * (t // 8) + e0 % 64) + tl.arange(0, 16)[None, :])
-                qh = tl.load(blk[:, None] + (128 + 32 * (t // 8) + e0 % 32) + tl.arange(0, 16)[None, :])
-                q = ((ql >> (4 * (e0 // 64))) & 15) | (((qh >> (2 * (e0 // 32))) & 3) << 4)
-                sc = tl.load(blk + 192 + t).to(tl.int8, bitcast=True).to(tl.float32)
-                acc = _scaled_dot(acc, q.to(tl.int16) - 32, x_row, k + 16 * t, d * sc, d, ADT, 16, False)
+            blk = k // 256
+            d = tl.load((w_row + (3 * KW // 4 + KW // 16) + blk * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+            scw = (w_row + 3 * KW // 4 + blk * 16).to(tl.pointer_type(tl.int32))
+            for hf in tl.static_range(2):
+                sw0 = tl.load(scw + 2 * hf)
+                sw1 = tl.load(scw + 2 * hf + 1)
+                ql0 = _bytes(w_row, blk * 128 + 64 * hf, 16)
+                ql1 = _bytes(w_row, blk * 128 + 64 * hf + 16, 16)
+                ql2 = _bytes(w_row, blk * 128 + 64 * hf + 32, 16)
+                ql3 = _bytes(w_row, blk * 128 + 64 * hf + 48, 16)
+                qh0 = _bytes(w_row, KW // 2 + blk * 64 + 32 * hf, 16)
+                qh1 = _bytes(w_row, KW // 2 + blk * 64 + 32 * hf + 16, 16)
+                for i in tl.static_range(8):
+                    lo = _pick(i % 4, ql0, ql1, ql2, ql3)
+                    hi = _pick(i % 2, qh0, qh1, qh0, qh1)
+                    u = ((lo >> (4 * (i // 4))) & 15) | (((hi >> (2 * (i // 2))) & 3) << 4)
+                    sw = _pick(i // 4, sw0, sw1, sw0, sw1)
+                    sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
+                    acc = _scaled_dot(acc, _exact_f32(u, 32, MAGIC), x_row, k + 128 * hf + 16 * i, d * sc, d,
+                                      ADT, 16, False)
     return acc
 
 
@@ -124,7 +182,7 @@ def _qlinear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     B, stride_xm, stride_wn, stride_ys, stride_ym,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT). Rows past
@@ -138,7 +196,7 @@ def _qlinear_kernel(
     w_row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = qdot(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_row, x_row, k_lo, k_hi, FMT, ADT, G)
+    acc = qdot(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_row, x_row, k_lo, k_hi, FMT, ADT, G, K, MAGIC)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[:, None]
     y = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
@@ -155,6 +213,7 @@ class QLinearConfig:
     group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
     num_warps: int = 4
     num_stages: int = 3
+    magic: bool = True  # integers -> fp32 by the 2^23 trick (qlinear._exact_f32), else a conversion; same values
 
     def k_step(self, qtype: str) -> int:
         return 32 * self.group if qtype == "Q8_0" else 256
@@ -193,7 +252,8 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
 
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu={}, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
-    source="rule: 64-row tiles, split-K to ~264 programs; not swept (bench/bench_gguf.py measures it)")
+    source="rule: 64-row tiles, split-K to ~264 programs; not swept yet on the repacked planes "
+           "(python bench/bench_gguf.py --sweep prints the entries)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 
@@ -208,7 +268,8 @@ def qlinear_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> QLinea
 def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], out: torch.Tensor,
            act_dtype: torch.dtype, config: Optional[QLinearConfig] = None) -> torch.Tensor:
     """fp32 ``out [B, N] = x @ W^T (+ bias)`` for checked arguments: x [B, K] with unit K stride, weight
-    rows contiguous, ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
+    rows contiguous (repacked rows are multiples of 16 bytes, so every row starts as aligned as the
+    weight), ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
     (tests and benchmarks; it must not depend on B)."""
     from ds4t.kernels.linear import SPLITK_SUM_CONFIGS, _splitk_sum_kernel
 
@@ -227,7 +288,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     fmt = block_format(weight.qtype).code
     has_bias = bias is not None
     b_arg = bias if has_bias else out
-    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
+    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group, MAGIC=cfg.magic,
                   BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
     if split == 1:

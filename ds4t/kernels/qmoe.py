@@ -2,8 +2,9 @@
 with weights read as Q8_0 / Q4_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
 for :class:`~ds4t.kernels.quant_blocks.GGUFWeight` experts).
 
-Weights: w_gate / w_up GGUFWeight [E, I, D] of one type (one loop reads both), w_down GGUFWeight
-[E, D, I] of any kernel type (llama.cpp's mixes often keep ``ffn_down_exps`` one step above gate/up).
+Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWeight [E, I, D] of one type
+(one loop reads both), w_down GGUFWeight [E, D, I] of any kernel type (llama.cpp's mixes often keep
+``ffn_down_exps`` one step above gate/up).
 Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
 activations (h, then silu(g)·u) rounded to the activation dtype A first. Grouping, slot-to-expert
 lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
@@ -31,12 +32,13 @@ def _qmoe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n,
     act_ptr, sa_p,
-    D, I, KTOP, E,
-    FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    I, KTOP, E, D: tl.constexpr,
+    FMT: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
-    wg / wu: uint8 blocks [E, I, D / QK * BPB] (strides sw_e, sw_n bytes, same for both)."""
+    wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
+    constexpr because the planes of a row start at offsets made from it."""
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
@@ -47,8 +49,8 @@ def _qmoe_gate_up_kernel(
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         x_row = h_ptr + (p // KTOP) * sh_b
         zero = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G)
-        acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G)
+        acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, MAGIC)
+        acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, MAGIC)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -58,11 +60,12 @@ def _qmoe_down_kernel(
     act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
     wd_ptr, sw_e, sw_n,
     y_ptr, sy_p,
-    D, I, E,
-    FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    D, E, I: tl.constexpr,
+    FMT: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
-    """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n]."""
+    """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
+    row_bytes(I)])."""
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < D
@@ -71,18 +74,20 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, MAGIC)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
 @dataclasses.dataclass(frozen=True)
 class QMoEConfig:
     """Launch constants of a grouped GGUF kernel: the N tile cap (tile = max(16, min(cap, next_pow2(N)))),
-    Q8_0 blocks per K step (cap), warps and stages (None: Triton's default)."""
+    Q8_0 blocks per K step (cap), warps and stages (None: Triton's default), the integer conversion
+    (:class:`ds4t.kernels.qlinear.QLinearConfig`'s ``magic``)."""
     tile_n: int
     q8_group: int = 4
     num_warps: int = 4
     num_stages: int = 3
+    magic: bool = True
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -94,8 +99,8 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={},
     gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
     interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1),
-    source="rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step; not swept "
-           "(bench/bench_gguf.py measures it)")
+    source="rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step; not swept yet on the repacked "
+           "planes (python bench/bench_gguf.py --sweep prints the entries)")
 """Keyed on (kernel "gate_up" | "down", GGUF type)."""
 
 
@@ -123,11 +128,11 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     BN, G = cfg.tiles(I, D, w_gate.qtype)
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
-        D, I, KT, E, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, MAGIC=cfg.magic, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg))
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
-        D, I, E, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, MAGIC=cfg.magic, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg))

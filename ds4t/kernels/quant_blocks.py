@@ -1,9 +1,27 @@
 """GGUF block-quantized weights kept as llama.cpp stores them: Q8_0, Q4_K and Q6_K.
 
 A GGUF tensor of logical shape [N, K] is N rows of K / QK blocks, each block ``BPB`` bytes, K
-contiguous (the ggml layout). :class:`GGUFWeight` holds exactly those bytes, ``uint8 [..., N, K / QK *
-BPB]`` (leading dims: stacked MoE experts), so a weight takes the file's bytes in memory and the
-kernels (:mod:`ds4t.kernels.qlinear`, :mod:`ds4t.kernels.qmoe`) decode blocks in registers.
+contiguous (the ggml layout). ggml's blocks are 34, 144 and 210 bytes: the quants inside a row sit at
+offsets no wider load can assume aligned, so :class:`GGUFWeight` keeps the same bytes **repacked once at
+load** (:func:`repack`; :meth:`GGUFWeight.blocks` gives the ggml bytes back, bit for bit): each row is the
+format's *planes* one after another, a plane being one byte range of every block of the row, concatenated
+in K order (leading dims: stacked MoE experts). Every plane starts 16-byte aligned and a row is padded to
+a multiple of 16 bytes (zeros; only Q6_K rows with K / 256 not a multiple of 8 and Q8_0 rows with K / 32 not
+a multiple of 8 need any), so a kernel (:mod:`ds4t.kernels.qlinear`, :mod:`ds4t.kernels.qmoe`) reads the
+quants of a sub-block with 16-byte vector loads and its scales with aligned 2- or 4-byte loads, and
+decodes them in registers. Nothing is decoded at load: the planes hold ggml's own bytes (so the
+dequantized values cannot change), only moved.
+
+======  ==================================================================================
+type    planes of a row (ggml byte range of each block -> plane; nb = K / QK blocks)
+======  ==================================================================================
+Q8_0    q int8 [K] (bytes 2..33)         | d fp16 [nb] (bytes 0..1)
+Q4_K    qs 4-bit [K / 2] (bytes 16..143) | header [nb, 16] (bytes 0..15: d, dmin, 12 packed scales)
+Q6_K    ql [K / 2] (bytes 0..127) | qh [K / 4] (128..191) | sc int8 [K / 16] (192..207) | d fp16 [nb] (208..209)
+======  ==================================================================================
+
+Within a plane the bytes keep ggml's order, which already suits 16-byte loads: a Q4_K 32-byte run holds
+two sub-blocks (low and high nibbles), a Q6_K 16-byte ql run two sub-blocks and a 16-byte qh run four.
 
 The formats (ggml-common.h; offsets in bytes within one block):
 
@@ -42,7 +60,7 @@ Other GGUF types are dequantized at load (:mod:`ds4t.models.gguf`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -53,6 +71,10 @@ QTYPES = ("Q8_0", "Q4_K", "Q6_K")
 """GGUF types the kernels read as blocks."""
 
 
+ALIGN = 16
+"""Bytes every plane start and every repacked row length is a multiple of (one vector load)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockFormat:
     name: str
@@ -60,13 +82,36 @@ class BlockFormat:
     bpb: int   # bytes per block
     sb: int    # elements per scale (sub-block)
     code: int  # the kernels' constexpr FMT
+    planes: Tuple[Tuple[int, int], ...]
+    """The repacked row's planes in order: (first byte, end byte) of each ggml block that goes to it."""
+
+    def plane_offsets(self, K: int) -> Tuple[int, ...]:
+        """Byte offset of each plane in a repacked row of K columns (all multiples of :data:`ALIGN`; the
+        kernels compute the same numbers from K)."""
+        nb, out, at = K // self.qk, [], 0
+        for lo, hi in self.planes:
+            out.append(at)
+            at = _up(at + nb * (hi - lo))
+        return tuple(out)
+
+    def row_bytes(self, K: int) -> int:
+        """Bytes of a repacked row: the block bytes, each plane padded to :data:`ALIGN`."""
+        lo, hi = self.planes[-1]
+        return _up(self.plane_offsets(K)[-1] + K // self.qk * (hi - lo))
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 FORMATS = {
-    "Q8_0": BlockFormat("Q8_0", 32, 34, 32, 0),
-    "Q4_K": BlockFormat("Q4_K", 256, 144, 32, 1),
-    "Q6_K": BlockFormat("Q6_K", 256, 210, 16, 2),
+    "Q8_0": BlockFormat("Q8_0", 32, 34, 32, 0, planes=((2, 34), (0, 2))),
+    "Q4_K": BlockFormat("Q4_K", 256, 144, 32, 1, planes=((16, 144), (0, 16))),
+    "Q6_K": BlockFormat("Q6_K", 256, 210, 16, 2, planes=((0, 128), (128, 192), (192, 208), (208, 210))),
 }
+for _f in FORMATS.values():   # the planes partition the block; quant planes of a whole block are 16-aligned
+    assert sorted(b for p in _f.planes for b in range(*p)) == list(range(_f.bpb)), _f.name
+del _f
 
 
 def block_format(qtype: str) -> BlockFormat:
@@ -81,11 +126,43 @@ def fits(qtype: str, K: int) -> bool:
     return K > 0 and K % block_format(qtype).qk == 0
 
 
+def repack(blocks: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
+    """ggml blocks ``uint8 [..., N, K / QK * BPB]`` -> the repacked rows ``uint8 [..., N, row_bytes(K)]``
+    (module docstring), on ``blocks``' device. A byte permutation plus zero padding: :func:`unpack` inverts it."""
+    f = block_format(qtype)
+    nb = K // f.qk
+    if blocks.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != nb * f.bpb:
+        raise ValueError(f"{qtype}: K={K} needs uint8 [..., N, {nb * f.bpb}] blocks, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    lead = blocks.shape[:-1]
+    b = blocks.reshape(*lead, nb, f.bpb)
+    out = blocks.new_zeros(*lead, f.row_bytes(K))
+    for (lo, hi), at in zip(f.planes, f.plane_offsets(K)):
+        out[..., at:at + nb * (hi - lo)] = b[..., lo:hi].reshape(*lead, nb * (hi - lo))
+    return out
+
+
+def unpack(data: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
+    """Repacked rows ``uint8 [..., N, row_bytes(K)]`` -> ggml blocks ``uint8 [..., N, K / QK * BPB]``
+    (the file's bytes, as gguf-py and the GGUF writer take them)."""
+    f = block_format(qtype)
+    nb = K // f.qk
+    lead = data.shape[:-1]
+    parts = [data[..., at:at + nb * (hi - lo)].reshape(*lead, nb, hi - lo)
+             for (lo, hi), at in zip(f.planes, f.plane_offsets(K))]
+    b = torch.empty(*lead, nb, f.bpb, dtype=torch.uint8, device=data.device)
+    for (lo, hi), p in zip(f.planes, parts):
+        b[..., lo:hi] = p
+    return b.reshape(*lead, nb * f.bpb)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GGUFWeight(TensorLike):
-    """A GGUF block-quantized weight of logical shape ``[..., N, K]``: ``data`` uint8 ``[..., N, K / QK * BPB]``,
-    each row its K / QK blocks in ggml's layout. Leading dims (MoE experts) and rows index like a tensor;
-    the K axis never does (blocks run along it)."""
+    """A GGUF block-quantized weight of logical shape ``[..., N, K]``: ``data`` uint8 ``[..., N,
+    row_bytes(K)]``, each row its K / QK blocks **repacked** into aligned planes (module docstring). Build
+    one from ggml bytes with :meth:`from_blocks` (or :func:`quantize`); :meth:`blocks` gives the ggml bytes
+    back. Leading dims (MoE experts) and rows index like a tensor; the K axis never does (:meth:`cols`
+    cuts it on block boundaries)."""
     data: torch.Tensor
     qtype: str
     k: int
@@ -101,9 +178,19 @@ class GGUFWeight(TensorLike):
             raise ValueError(f"GGUFWeight data must be [..., N, bytes], got {tuple(self.data.shape)}")
         if not (isinstance(self.k, int) and self.k > 0 and self.k % f.qk == 0):
             raise ValueError(f"GGUFWeight {self.qtype}: K={self.k!r} must be a positive multiple of {f.qk}")
-        if self.data.shape[-1] != self.k // f.qk * f.bpb:
-            raise ValueError(f"GGUFWeight {self.qtype}: K={self.k} needs {self.k // f.qk * f.bpb} bytes a row, "
-                             f"data has {self.data.shape[-1]}")
+        if self.data.shape[-1] != f.row_bytes(self.k):
+            raise ValueError(f"GGUFWeight {self.qtype}: K={self.k} needs {f.row_bytes(self.k)} bytes a "
+                             f"repacked row, data has {self.data.shape[-1]}")
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, qtype: str, k: int,
+                    act_dtype: Optional[torch.dtype] = None) -> "GGUFWeight":
+        """The weight of ggml blocks ``uint8 [..., N, K / QK * BPB]`` (a GGUF file's bytes), repacked."""
+        return cls(repack(blocks, qtype, k), qtype, k, act_dtype)
+
+    def blocks(self) -> torch.Tensor:
+        """The ggml blocks ``uint8 [..., N, K / QK * BPB]``, bit for bit what :meth:`from_blocks` took."""
+        return unpack(self.data, self.qtype, self.k)
 
     @property
     def format(self) -> BlockFormat:
@@ -115,7 +202,7 @@ class GGUFWeight(TensorLike):
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads: the blocks."""
+        """Bytes a kernel reads: the repacked rows (the blocks plus any row padding)."""
         return self.data.numel()
 
     def contiguous(self) -> "GGUFWeight":
@@ -134,13 +221,22 @@ class GGUFWeight(TensorLike):
             raise IndexError("GGUFWeight: index rows or leading dims only (blocks run along K)")
         return dataclasses.replace(self, data=d)
 
+    def cols(self, a: int, b: int) -> "GGUFWeight":
+        """Columns [a, b) in storage of its own; a and b multiples of the block (ValueError otherwise)."""
+        qk, bpb = self.format.qk, self.format.bpb
+        if a % qk or b % qk or not 0 <= a < b <= self.k:
+            raise ValueError(f"GGUFWeight {self.qtype}: columns [{a}, {b}) do not fall on its {qk}-column blocks")
+        return GGUFWeight.from_blocks(self.blocks()[..., a // qk * bpb: b // qk * bpb].contiguous(), self.qtype,
+                                      b - a, self.act_dtype)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real weight, as ``gguf.quants.dequantize`` computes it (fp32), cast to ``dtype``."""
-        return dequantize(self.data, self.qtype, self.k).to(dtype)
+        return dequantize(self.blocks(), self.qtype, self.k).to(dtype)
 
 
 def dequantize(data: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
-    """fp32 ``[..., N, K]`` of raw blocks ``data`` uint8 ``[..., N, bytes]`` with gguf-py (the reference)."""
+    """fp32 ``[..., N, K]`` of ggml blocks ``data`` uint8 ``[..., N, K / QK * BPB]`` with gguf-py (the
+    reference; :meth:`GGUFWeight.dequantize` for a weight)."""
     import gguf
 
     raw = data.detach().cpu().contiguous().numpy()
@@ -232,7 +328,7 @@ def quantize_numpy(w: np.ndarray, qtype: str) -> np.ndarray:
 
 def quantize(w: torch.Tensor, qtype: str, act_dtype: Optional[torch.dtype] = None) -> GGUFWeight:
     """A float weight ``[..., N, K]`` as a :class:`GGUFWeight` of ``qtype`` (on ``w``'s device)."""
-    return GGUFWeight(quantize_blocks(w, qtype), qtype, int(w.shape[-1]), act_dtype)
+    return GGUFWeight.from_blocks(quantize_blocks(w, qtype), qtype, int(w.shape[-1]), act_dtype)
 
 
 def fallback_type(qtype: str, K: int) -> Optional[str]:

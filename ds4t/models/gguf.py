@@ -510,7 +510,7 @@ class GGUFSource(TensorSource):
         kind = t.tensor_type.name
         try:
             data = torch.from_numpy(np.array(np.asarray(t.data), dtype=np.uint8)).reshape(*logical[:-1], -1)
-            return GGUFWeight(data, kind, logical[-1])
+            return GGUFWeight.from_blocks(data, kind, logical[-1])   # repacked once, here
         except (ValueError, RuntimeError) as e:
             raise CheckpointError(f"{self.origin}: tensor {gname!r} ({kind}) does not hold {logical} in "
                                   f"{kind} blocks ({e})") from None

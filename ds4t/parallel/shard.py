@@ -48,7 +48,7 @@ def cols(w: Weight, a: int, b: int, what: str) -> Weight:
         if a % f.qk or b % f.qk:
             raise ParallelError(f"{what}: tp slices its input dim at [{a}, {b}), not on the {w.qtype} blocks of "
                                 f"{f.qk} columns; use a tp whose per-rank width is a multiple of {f.qk}")
-        return dataclasses.replace(w, data=w.data[..., a // f.qk * f.bpb: b // f.qk * f.bpb].contiguous(), k=b - a)
+        return w.cols(a, b)   # repacked planes: cut as ggml blocks and repacked, in storage of its own
     bk, K = w.block_k, w.shape[-1]
     if a % bk or (b % bk and b != K):
         raise ParallelError(f"{what}: tp slices its input dim at [{a}, {b}), not on the FP8 scale blocks of "

@@ -3,6 +3,8 @@
 outputs, row batch invariance (hypothesis) with a negative control."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,8 @@ from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, qlinear_config
-from ds4t.kernels.quant_blocks import FORMATS, QTYPES, GGUFWeight, dequantize, quantize, quantize_numpy
+from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, dequantize, quantize, quantize_numpy, repack,
+                                       unpack)
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
 DEV = torch.device("cpu" if INTERPRET else "cuda")
@@ -42,7 +45,7 @@ def random_blocks(shape, qtype: str, seed: int, exp=(-4, -2)) -> GGUFWeight:
     else:
         raw[:, 208:210] = scales[:, :1].view(np.uint8)
     data = torch.from_numpy(raw.reshape(*lead, K // f.qk * f.bpb)).to(DEV)
-    return GGUFWeight(data, qtype, K)
+    return GGUFWeight.from_blocks(data, qtype, K)
 
 
 def _x(B, K, seed, dtype=torch.float32):
@@ -73,12 +76,13 @@ def test_quantizer_round_trips_through_gguf_py(qtype):
     if qtype == "Q8_0":
         import gguf
 
-        assert np.array_equal(q.data.numpy(), gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+        assert np.array_equal(q.blocks().numpy(), gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
 
 
 def test_weight_type_rows_experts_and_errors():
     w = quantize(torch.randn(2, 6, 256), "Q4_K")
-    assert w.shape == (2, 6, 256) and w.data.shape == (2, 6, 144) and w.nbytes == 2 * 6 * 144
+    assert w.shape == (2, 6, 256) and w.data.shape == (2, 6, 144) and w.nbytes == 2 * 6 * 144   # no padding
+    assert w.blocks().shape == (2, 6, 144)
     assert torch.equal(w[1][2:4].dequantize(), w.dequantize()[1, 2:4])
     both = weights.cat([w[0][:2], w[1][3:]])
     assert torch.equal(both.dequantize(), torch.cat([w.dequantize()[0, :2], w.dequantize()[1, 3:]]))
@@ -101,6 +105,29 @@ def test_weight_type_rows_experts_and_errors():
         linear_heads(torch.randn(2, 2, 256), weights.stack([w[0][:3], w[0][3:]]))
 
 
+# ----------------------------------------------------------------------------- the repacked layout
+
+@pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q8_0", 256), ("Q4_K", 512), ("Q6_K", 256), ("Q6_K", 2048)])
+def test_repack_round_trips_and_aligns(qtype, K):
+    """repack then unpack gives the ggml bytes back; planes start on 16 bytes and rows are multiples of 16
+    (padding only where the blocks do not fill one); each plane holds its byte range of every block."""
+    f = FORMATS[qtype]
+    raw = torch.from_numpy(np.random.default_rng(K).integers(0, 256, (2, 3, K // f.qk * f.bpb), dtype=np.uint8))
+    w = GGUFWeight.from_blocks(raw, qtype, K)
+    assert torch.equal(w.blocks(), raw) and torch.equal(unpack(repack(raw, qtype, K), qtype, K), raw)
+    R = f.row_bytes(K)
+    assert w.data.shape == (2, 3, R) and R % 16 == 0 and all(o % 16 == 0 for o in f.plane_offsets(K))
+    assert R - K // f.qk * f.bpb < 16 * len(f.planes)
+    blocks = raw.reshape(2, 3, K // f.qk, f.bpb)
+    for (lo, hi), at in zip(f.planes, f.plane_offsets(K)):
+        assert torch.equal(w.data[..., at:at + K // f.qk * (hi - lo)], blocks[..., lo:hi].reshape(2, 3, -1))
+    assert torch.equal(w[1][1:].blocks(), raw[1, 1:])                         # rows keep their planes
+    j = min(1, K // f.qk - 1)                                                 # K cut on blocks: block j
+    assert torch.equal(w.cols(j * f.qk, (j + 1) * f.qk).blocks(), raw[..., j * f.bpb:(j + 1) * f.bpb])
+    with pytest.raises(ValueError, match="do not fall"):
+        w.cols(1, f.qk)
+
+
 # ----------------------------------------------------------------------------- linear
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -110,7 +137,7 @@ def test_kernel_decodes_blocks_bitwise_as_gguf_py(qtype):
     K = 256
     w = random_blocks((40, K), qtype, seed=3)
     y = linear(torch.eye(K, device=DEV), w, out=poisoned((K, 40), device=DEV))
-    assert torch.equal(y.t().cpu(), dequantize(w.data.cpu(), qtype, K))
+    assert torch.equal(y.t().cpu(), dequantize(w.blocks().cpu(), qtype, K))
 
 
 @pytest.mark.parametrize("adt", ADTS, ids=str)
@@ -123,7 +150,7 @@ def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
     ref = linear_ref(x, w, b)   # gguf-py's dequantize (as_float), x rounded to adt, fp32 matmul
     assert _rel(y, ref) <= TOL[adt]
     deq = torch.from_numpy(__import__("gguf").quants.dequantize(
-        w.data.cpu().numpy(), __import__("gguf").GGMLQuantizationType[qtype])).to(DEV)
+        w.blocks().cpu().numpy(), __import__("gguf").GGMLQuantizationType[qtype])).to(DEV)
     direct = x.to(adt).double() @ deq.double().t() + b.double()
     assert _rel(y.double(), direct) <= TOL[adt]
 
@@ -143,6 +170,16 @@ def test_gpu_paths_match_reference(qtype, cfg):
     b = torch.randn(50).to(DEV)
     y = linear(x, w, b, config=cfg, out=poisoned((4, 50), device=DEV))
     assert _rel(y, linear_ref(x, w, b)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_integer_conversions_give_the_same_bits(qtype):
+    """magic (2^23 + u, then subtract) and a plain int -> float conversion are the same exact values."""
+    w = random_blocks((24, 512), qtype, seed=4).with_act_dtype(torch.bfloat16)
+    x = _x(3, 512, seed=5)
+    cfg = QLinearConfig(block_n=16, split=2, group=4)
+    y = linear(x, w, config=cfg)
+    assert torch.equal(y, linear(x, w, config=dataclasses.replace(cfg, magic=False)))
 
 
 def test_config_never_sees_the_batch():
