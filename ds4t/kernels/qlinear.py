@@ -250,10 +250,21 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
                          num_warps=4, num_stages=1)
 
 
+_GPU_TABLE = {
+    # H200 sweep on the repacked planes (bench/results/2026-11-30-h200-gguf-round2.md): the least summed
+    # time over B = 1, 4, 16 per (shape, type); 19-47 % of copy bandwidth, far from the 80 % target.
+    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=2, num_stages=2, magic=True),
+    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3, magic=True),
+    (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3, magic=True),
+    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=4, num_warps=4, num_stages=3, magic=False),
+    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3, magic=False),
+    (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=32, split=1, group=1, num_warps=2, num_stages=2, magic=True),
+}
+
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
-    "qlinear", gpu={}, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
-    source="rule: 64-row tiles, split-K to ~264 programs; not swept yet on the repacked planes "
-           "(python bench/bench_gguf.py --sweep prints the entries)")
+    "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
+    source="bench/results/2026-11-30-h200-gguf-round2.md (python bench/bench_gguf.py --sweep); other shapes: "
+           "the rule (64-row tiles, split-K to ~264 programs)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 
