@@ -102,7 +102,7 @@ CASES = [
     ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (2048,), (1, 256), (16, 2048)),
     ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (100,), (1, 128), (16, 128)),
     ("mla", "MLA_CONFIGS", ("block_h", "block_n", "merge_heads", "num_warps", "num_stages", "merge_warps"),
-     (128, 512, 64, 256), (64, 32, 8, 8, 2, 4), (128, 128, 128, 4, 2, 4)),
+     (128, 512, 64, 256), (32, 64, 8, 4, 2, 4), (128, 128, 128, 4, 2, 4)),
     ("linear", "SPLITK_SUM_CONFIGS", ("min_block", "max_block", "num_warps"), (4096,), (1024, 1024, 4),
      (16, 1 << 16, 4)),
 ]
