@@ -7,6 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+from ds4t.testing.markers import cpu_interpreter_only
+
+pytestmark = cpu_interpreter_only
 
 pytest.importorskip("transformers")
 

@@ -11,6 +11,9 @@ import torch
 
 import ds4t
 from ds4t.kernels import registry
+from ds4t.testing.markers import cpu_interpreter_only
+
+pytestmark = cpu_interpreter_only
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_twin", ROOT / "bench" / "twin.py")

@@ -13,6 +13,9 @@ SHIFT = """
 import torch
 from ds4t.kernels import override
 from ds4t.kernels.linear import linear as _linear
+from ds4t.testing.markers import cpu_interpreter_only
+
+pytestmark = cpu_interpreter_only
 
 def _shifted(x, weight, bias=None, *, out=None):
     y = _linear(x, weight, bias, out=out)

@@ -8,6 +8,9 @@ import torch
 import ds4t
 from ds4t.testing import TINY_PRESETS
 from ds4t.testing import parallel as jobs
+from ds4t.testing.markers import cpu_interpreter_only
+
+pytestmark = cpu_interpreter_only
 
 PROMPT = [3, 17, 250, 9, 41, 128, 77]
 
