@@ -146,21 +146,28 @@ class DecoderModel(Model):
         gets every row's hidden to chain from (:attr:`MTPWeights.chain_normed` says which)."""
         m = self.mtp
         if m is None:
-            raise ValueError(f"model {self.name!r} has no MTP head (the checkpoint holds no MTP weights, or "
-                             "it was loaded with tp > 1, which does not load MTP heads yet)")
-        zc, eps, L = self.zero_centered_norms, self.eps, self.num_layers
-        e = ops.rms_norm(ops.embedding(batch.tokens, m.embed), m.enorm, eps, zero_centered=zc)
+            raise ValueError(f"model {self.name!r} has no MTP head (the checkpoint holds no MTP weights)")
+        zc, eps, L, tp = self.zero_centered_norms, self.eps, self.num_layers, self.tp
+        # Under tensor parallel the head's embedding and LM head are vocabulary shards and its layer is
+        # sharded like the decoder's: the same hooks as forward(); eh_proj and the norms are replicated.
+        emb = ops.embedding(batch.tokens, m.embed) if tp is None else tp.embedding(batch.tokens, m.embed)
+        e = ops.rms_norm(emb, m.enorm, eps, zero_centered=zc)
         hh = ops.rms_norm(hidden, m.hnorm, eps, zero_centered=zc)
         res = ops.linear(torch.cat([e, hh], dim=1), m.eh_proj)
         x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc)
         out = self.mixer(L, x, batch)
+        if tp is not None:
+            out = tp.reduce(out)
         x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc)
         out = self.ffn(L, x, batch)
+        if tp is not None:
+            out = tp.reduce(out)
         x, res = ops.add_rms_norm(out, res, m.final_norm, eps, zero_centered=zc)
         batch.hidden = x if m.chain_normed else res
         if batch.out_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.out_rows)
-        return ops.linear(x, m.head)
+        logits = ops.linear(x, m.head)
+        return logits if tp is None else tp.logits(logits, self.vocab_size)
 
     @property
     def mtp_state_prefix(self) -> Optional[str]:

@@ -83,10 +83,9 @@ class MTPNames:
         return tuple(p for p in mtp_layer_prefixes(source, num_layers) if not (loaded and p == self.layer_prefix))
 
     def wanted(self, source, declared: int) -> bool:
-        """Load the head: the config declares one, the checkpoint holds it, and the load is not
-        tensor-parallel (MTP heads are not sharded yet: under ``tp`` their tensors are skipped with a
-        warning and speculative decoding needs given drafts)."""
-        return declared > 0 and self.present(source) and getattr(source, "tp", None) is None
+        """Load the head: the config declares one and the checkpoint holds it (under tensor parallel
+        too: its layer is sharded like the decoder's, its own embedding / LM head by vocabulary rows)."""
+        return declared > 0 and self.present(source)
 
     def tensors(self, D: int, V: int, source=None) -> Dict[str, tuple]:
         """Names and shapes of the head besides its decoder layer; the optional own head / embedding
@@ -102,8 +101,13 @@ class MTPNames:
         checkpoint has no copy of its own."""
         f32 = torch.float32
         src = get.source
-        head = get(self.head) if self.head is not None and self.head in src else model.lm_head
-        embed = get(self.embed) if self.embed is not None and self.embed in src else model.embed
+        tp = model.tp
+        head = get(self.head) if self.head is not None and self.head in src else None
+        embed = get(self.embed) if self.embed is not None and self.embed in src else None
+        if tp is not None:   # own copies: this rank's vocabulary rows, as the model's (tp.vocab)
+            head, embed = (None if t is None else tp.shard_vocab_rows(t) for t in (head, embed))
+        head = model.lm_head if head is None else head
+        embed = model.embed if embed is None else embed
         return MTPWeights(enorm=get(self.enorm, f32), hnorm=get(self.hnorm, f32), eh_proj=get(self.eh_proj),
                           final_norm=get(self.final_norm, f32), head=head, embed=embed,
                           chain_normed=self.chain_normed)
@@ -137,5 +141,5 @@ def load_mtp(model, get, names: MTPNames, load_layer) -> None:
     p = names.layer_prefix
     model.input_norms.append(get(p + "input_layernorm.weight", torch.float32))
     model.post_norms.append(get(p + "post_attention_layernorm.weight", torch.float32))
-    model.layers.append(load_layer(p))
+    model._add_layer(load_layer(p))   # sharded under tensor parallel, as the decoder layers
     model.mtp = names.load(get, model)

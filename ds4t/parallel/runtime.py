@@ -47,6 +47,11 @@ class TensorParallel:
         e = shard.vocab_rows(embed, self.part)
         return e, e if lm_head is embed else shard.vocab_rows(lm_head, self.part)
 
+    def shard_vocab_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of another [V, D] table split like the model's (an MTP head's own embedding
+        or LM head); :meth:`shard_vocab` has set the split."""
+        return shard.vocab_rows(table, self.part)
+
     def shard_layer(self, layer, cfg, i: int):
         """Layer ``i``'s shard (``cfg``: the family config, global)."""
         return shard.layer(layer, cfg, self.part, f"layers.{i}")

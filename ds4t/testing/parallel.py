@@ -156,3 +156,32 @@ def tp_reduce_rows(rows: int, dim: int, seed: int = 0) -> Dict[str, torch.Tensor
 
 def tp_parameters(preset: str, **options) -> Dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in tp_model(preset, **options).parameters().items()}
+
+
+def mtp_logits(model, prompt: Sequence[int]) -> torch.Tensor:
+    """The MTP head's logits fp32 [T - 1, V] over a prompt: the main model's final hidden at every
+    position p paired with token p + 1, as one chunk (the catch-up call of a speculative step). The same
+    calls on any model (tp or not)."""
+    from ds4t.step import SegmentSpec, StepBatch
+
+    s = model.new_session(len(prompt) + 8)
+    try:
+        toks = list(prompt)
+        main = StepBatch.build([SegmentSpec(s.slot, toks, 0, hidden=True)], model.device)
+        model.forward(main)
+        head = StepBatch.build([SegmentSpec(s.slot, toks[1:], 0, all_logits=True)], model.device)
+        return model.mtp_forward(head, main.hidden[:-1]).cpu()
+    finally:
+        s.close()
+
+
+def tp_mtp(preset: str, prompt: Sequence[int], k: int = 2, sessions: int = 3, new_tokens: int = 5, seed: int = 0,
+           **options) -> Dict[str, object]:
+    """Under TP: the MTP head's logits over ``prompt`` (:func:`mtp_logits`) and a speculative-decoding
+    run against plain decoding (:func:`ds4t.exactness.speculative.run_speculative`: tokens, logits, state)."""
+    from ds4t.exactness.speculative import run_speculative
+
+    model = tp_model(preset, **options)
+    rep = run_speculative(model, k=k, sessions=sessions, new_tokens=new_tokens, seed=seed)
+    return {"mtp_logits": mtp_logits(model, prompt), "mismatches": rep.mismatches, "drafted": rep.drafted,
+            "emitted": rep.emitted, "first": rep.first_mismatch, "has_mtp": model.mtp is not None}

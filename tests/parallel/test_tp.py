@@ -158,3 +158,53 @@ def test_gguf_blocks_under_tp2(ranks):
     assert ((r0 - ref).abs().max() / ref.abs().max()).item() < 1e-5
     with pytest.raises(RankError, match="not on the Q8_0 blocks of 32 columns"):
         ranks.run(jobs.tp_logits, "tiny-qwen", PROMPT, 2, quantize="q8_0")
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-deepseek", "tiny-glm"])
+def test_mtp_head_and_speculative_decoding_under_tp2(ranks, preset):
+    """The MTP head loads under TP (its layer sharded, its embedding / head vocabulary shards): its logits
+    agree with TP = 1 within fp tolerance and are the same on every rank, and speculative decoding under
+    TP = 2 equals plain decoding under TP = 2 bitwise (tokens, logits, state)."""
+    r0, r1 = ranks.run(jobs.tp_mtp, preset, PROMPT, 2, 3, 5, 0)
+    assert r0["has_mtp"] and r1["has_mtp"]
+    assert torch.equal(r0["mtp_logits"], r1["mtp_logits"])
+    for r in (r0, r1):
+        assert r["mismatches"] == 0 and r["drafted"] > 0, r["first"]
+    ref = jobs.mtp_logits(ds4t.load(preset), PROMPT)
+    err = ((r0["mtp_logits"] - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, f"{preset}: MTP logits TP=2 vs TP=1 relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def deepseek_own_mtp_copies_dir(tmp_path_factory):
+    """tiny-deepseek as an HF checkpoint directory whose MTP layer carries its own embedding and
+    shared_head.head (as DeepSeek-V3's published checkpoints do), different from the model's."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ds4t.models.registry import preset_source
+
+    cfg, src = preset_source("tiny-deepseek")
+    t = {k: src.get(k) for k in src.keys()}
+    L = cfg["num_hidden_layers"]
+    g = torch.Generator().manual_seed(3)
+    for name in ("embed_tokens.weight", "shared_head.head.weight"):
+        t[f"model.layers.{L}.{name}"] = 0.05 * torch.randn(t["model.embed_tokens.weight"].shape, generator=g)
+    d = tmp_path_factory.mktemp("ds-mtp")
+    save_file(t, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(dict(cfg, dtype="float32")))
+    return str(d)
+
+
+def test_mtp_own_embedding_and_head_are_vocabulary_sharded(ranks, deepseek_own_mtp_copies_dir):
+    d = deepseek_own_mtp_copies_dir
+    r0, r1 = ranks.run(jobs.tp_mtp, d, PROMPT, 2, 2, 4, 0)
+    assert torch.equal(r0["mtp_logits"], r1["mtp_logits"]) and r0["mismatches"] == 0, r0["first"]
+    one = ds4t.load(d)
+    assert one.mtp.embed is not one.embed and one.mtp.head is not one.lm_head   # its own copies are used
+    ref = jobs.mtp_logits(one, PROMPT)
+    assert ((r0["mtp_logits"] - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    p = ranks.run(jobs.tp_parameters, d)[0]
+    V, D = one.mtp.embed.shape
+    assert p["mtp.embed"] == (-(-V // 2), D) and p["mtp.head"] == (-(-V // 2), D)   # half the rows a rank
