@@ -114,6 +114,14 @@ def _record(session: Session, pos: int, toks: Sequence[int], hidden: torch.Tenso
     _set_backlog(session, b)
 
 
+def _mirror(model, op: str, *args) -> None:
+    """Tell the model's ``spec_hook`` (tensor-parallel serving: :class:`ds4t.parallel.mirror.Leader`) about
+    a model call about to run, so that follower ranks run the same call on their shards, in order."""
+    hook = getattr(model, "spec_hook", None)
+    if hook is not None:
+        hook(op, *args)
+
+
 def _run(model, work: Sequence[Tuple[Session, SegmentSpec]], mode: str):
     """One step over (session, segment) pairs: native items in ONE forward call, the rest alone in
     item order (``model.row_reasons``). Positions are not advanced. Returns per item (logits rows,
@@ -123,7 +131,9 @@ def _run(model, work: Sequence[Tuple[Session, SegmentSpec]], mode: str):
     out: List = [None] * n
 
     def call(idx):
-        batch = StepBatch.build([work[i][1] for i in idx], model.device)
+        specs = [work[i][1] for i in idx]
+        _mirror(model, "forward", specs)
+        batch = StepBatch.build(specs, model.device)
         logits = model.forward(batch)
         r0 = h0 = 0
         for i in idx:
@@ -223,8 +233,10 @@ def _mtp_drafts(model, items: List[SpecItem], ks: List[int]) -> Dict[int, List[i
         b = _backlog(s)
         segs.append(SegmentSpec(s.slot, b.tokens + [it.token], b.start))
         hidden.append(b.hidden)
+    hidden = torch.cat(hidden)
+    _mirror(model, "mtp_forward", segs, hidden)
     batch = StepBatch.build(segs, model.device)
-    logits = model.mtp_forward(batch, torch.cat(hidden))
+    logits = model.mtp_forward(batch, hidden)
     chain = batch.hidden.index_select(0, batch.out_rows)
     drafts = {i: [t] for i, t in zip(idx, sampling.sample(logits).tolist())}
     for i in idx:   # the backlog is in the head's cache now
@@ -233,8 +245,10 @@ def _mtp_drafts(model, items: List[SpecItem], ks: List[int]) -> Dict[int, List[i
     for j in range(1, max(ks[i] for i in idx)):
         live = [(n, i) for n, i in enumerate(idx) if ks[i] > j]
         segs = [SegmentSpec(items[i].session.slot, [drafts[i][-1]], items[i].session.pos + j - 1) for _, i in live]
+        h = chain[[n for n, _ in live]]
+        _mirror(model, "mtp_forward", segs, h)
         batch = StepBatch.build(segs, model.device)
-        logits = model.mtp_forward(batch, chain[[n for n, _ in live]])
+        logits = model.mtp_forward(batch, h)
         new = batch.hidden
         for (n, i), t in zip(live, sampling.sample(logits).tolist()):
             drafts[i].append(t)
@@ -308,6 +322,7 @@ def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode:
         n = len(emit)   # tokens consumed: the pending one and the n - 1 accepted drafts before the last emit
         P = s.pos
         if d:
+            _mirror(model, "rollback", s.slot, n)
             model.rollback(s.slot, n)
         s.pos = P + n
         s.tokens.extend([int(it.token)] + d[:n - 1])

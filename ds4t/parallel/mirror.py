@@ -3,8 +3,10 @@
 The server (HTTP, slot pool, decode worker) runs on rank 0 only. Every operation that changes a rank's
 shard of the sessions' state goes to the other ranks first, over a gloo group (CPU objects, whatever the
 compute backend), and they apply it to their shard in the same order: slot allocation, reservation,
-resets, and every forward step (its (slot, tokens, position) segments; the followers' forward joins the
-same collectives). Slots are freed by the garbage collector on any thread, so a free is held back and
+resets, every forward step (its (slot, tokens, position) segments; the followers' forward joins the
+same collectives), and the model calls of a speculative step (``ds4t.batch.speculative`` reports each to
+``model.spec_hook``: the verify forward with its segment flags, the MTP head's calls with their input
+hiddens, which are the same on every rank, and the rollbacks). Slots are freed by the garbage collector on any thread, so a free is held back and
 sent with the next operation, from the thread that runs the steps.
 
 Restoring a saved state (``--kv-cache-dir``) is not mirrored (rank 0's state dict is its shard only):
@@ -39,6 +41,7 @@ class Leader:
         self._alloc, self._free, self._reserve, self._load = pool.alloc, pool.free, pool.reserve, pool.load
         pool.alloc, pool.free, pool.reserve, pool.load = self.alloc, self.free, self.reserve, self.load
         model.step_hook = self.step
+        model.spec_hook = self.spec
 
     def _send(self, *cmd) -> None:
         with self._lock:
@@ -69,9 +72,30 @@ class Leader:
     def step(self, segments, all_logits: bool) -> None:
         self._send("step", [(int(s), list(t), int(p)) for s, t, p in segments], bool(all_logits))
 
+    def spec(self, op: str, *args) -> None:
+        """A model call of a speculative step: ("forward", segment specs), ("mtp_forward", specs, hidden)
+        or ("rollback", slot, consumed)."""
+        if op == "mtp_forward":
+            args = (args[0], args[1].detach().cpu())
+        self._send("spec", op, args)
+
     def stop(self) -> None:
         """Release the followers (they return from :func:`follow`)."""
         self._send("stop")
+
+
+def _spec_call(model, op: str, args) -> None:
+    """A follower's side of :meth:`Leader.spec`: the same model call on this rank's shard."""
+    from ds4t.step import StepBatch
+
+    if op == "forward":
+        model.forward(StepBatch.build(args[0], model.device))
+    elif op == "mtp_forward":
+        model.mtp_forward(StepBatch.build(args[0], model.device), args[1].to(model.device))
+    elif op == "rollback":
+        model.rollback(*args)
+    else:
+        raise ParallelError(f"follower: unknown speculative call {op!r} from rank 0")
 
 
 def follow(model, group) -> int:
@@ -104,5 +128,8 @@ def follow(model, group) -> int:
         elif op == "step":
             with torch.no_grad():
                 run_step(model, cmd[1], cmd[2])
+        elif op == "spec":
+            with torch.no_grad():
+                _spec_call(model, cmd[1], cmd[2])
         else:
             raise ParallelError(f"follower: unknown operation {op!r} from rank 0")

@@ -176,9 +176,6 @@ def build(args, model=None):
 
 def run(args) -> int:
     if getattr(args, "tp", 1) > 1:
-        if getattr(args, "mtp", 0):
-            raise SystemExit("ds4t serve: --mtp is not supported with --tp yet (the followers replay plain steps "
-                             "only; ds4t.generate(..., mtp=K) runs speculative decoding under tp)")
         if args.kv_cache_dir:
             raise SystemExit("ds4t serve: --kv-cache-dir is not supported with --tp yet (a rank's saved state "
                              "is its shard only)")

@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _greedy_tp1(prompt: bytes, n: int) -> list:
-    m = ds4t.load("tiny-llama")
+def _greedy_tp1(prompt: bytes, n: int, model: str = "tiny-llama") -> list:
+    m = ds4t.load(model)
     s = m.new_session(64)
     logits, out = s.prefill(list(prompt)), []
     for _ in range(n):
@@ -40,6 +40,31 @@ def test_serve_tp2_answers_like_tp1_and_stops_cleanly():
         assert ans["choices"][0]["text"] == want
     finally:
         p.send_signal(signal.SIGTERM)   # rank 0 drains, then releases rank 1
+        code = p.wait(timeout=120)
+    assert code == 0
+
+
+def test_serve_tp2_with_mtp_answers_like_plain_tp1():
+    """``--tp 2 --mtp 2``: the followers replay the speculative step's model calls (verify forward, MTP
+    head, rollback of Qwen3-Next's recurrent state); the greedy text equals one-rank plain decoding."""
+    p, url, _ = spawn(["--model", "tiny-qwen", "--tp", "2", "--mtp", "2", "--batched-session", "2", "--port", "0"],
+                      env=ENV, program=("-m", "ds4t", "serve"), timeout=240)
+    try:
+        body = json.dumps({"model": "tiny-qwen", "prompt": [104, 105, 33], "max_tokens": 6, "temperature": 0,
+                           "logprobs": None}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            ans = json.loads(r.read())
+        assert ans["usage"]["completion_tokens"] == 6
+        want = bytes(_greedy_tp1(bytes([104, 105, 33]), 6, "tiny-qwen")).decode("utf-8", errors="replace")
+        assert ans["choices"][0]["text"] == want
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        drafted = [float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("ds4t_serve_spec_drafted_tokens_total")]
+        assert drafted and drafted[0] > 0, "the steps were speculative (drafts verified)"
+    finally:
+        p.send_signal(signal.SIGTERM)
         code = p.wait(timeout=120)
     assert code == 0
 
