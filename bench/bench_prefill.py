@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""Prefill throughput on the GPU against the measured bf16 tensor-core peak, with the chunk-invariance
+check, in one call (issue 17, item 4).
+
+    PYTHONUNBUFFERED=1 python bench/bench_prefill.py [--models ...] [--chunks 1024] [--prompt 4096] [--profile]
+
+Per model (the 4-layer presets by default): one session prefills a random prompt of --prompt tokens in
+chunks of each size in --chunks; each chunk is timed with CUDA events after a warm-up prompt, and the
+median chunk time gives tokens/s. FLOPs per chunk are counted from the model's shapes:
+
+* every 2-D weight once per token (2 * N * K), the LM head for the chunk's last row only (prefill returns
+  the last token's logits);
+* routed experts: top-k per token (plus a shared expert stored as expert E) * 2 * (gate + up + down);
+* attention products at each token's position p: GQA 2 * 2 * p * Hq * head_dim, absorbed MLA
+  2 * p * H * (2 * R + Dr).
+
+Gated DeltaNet's recurrence (elementwise, not tensor-core work) and norms are not counted. % of peak is
+against a bf16 ``torch.matmul`` of 8192^3 timed in the same run (the tensor-core peak this GPU reaches).
+Then ``ds4t.exactness.chunks.run_chunk_check`` on a --check-prompt-token prompt with chunk sizes
+1, 17, 64 and the whole prompt (and token by token in a native batch), and its negative control.
+``--profile``: per-kernel GPU time of one chunk (torch.profiler). A short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ds4t  # noqa: E402
+from ds4t.exactness.chunks import run_chunk_check  # noqa: E402
+from ds4t.exactness.harness import plant  # noqa: E402
+
+LOG = []
+
+
+def log(s: str = "") -> None:
+    print(s, flush=True)
+    LOG.append(s)
+
+
+def timed_ms(fn, device) -> float:
+    """One call's time in ms: CUDA events on the GPU, wall clock on the CPU (a smoke run)."""
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def matmul_peak(device) -> float:
+    """bf16 tensor-core FLOP/s of a large torch.matmul (median of 10), the peak this GPU reaches."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = statistics.median(timed_ms(lambda: a @ b, device) for _ in range(10))
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+def weight_flops_per_token(model) -> tuple:
+    """(dense FLOPs per token without the LM head, LM head FLOPs per row): 2 * numel of every matrix a
+    token passes through (routed experts: top-k of E, a stacked shared expert always)."""
+    params = {k: v for k, v in model.parameters().items() if not k.startswith("mtp.")}
+    rc = getattr(model, "router_cfg", None)
+    E = rc.num_experts if rc else 0
+    dense, head = 0.0, 0.0
+    for name, t in params.items():
+        if name == "embed" or t.dim() < 2 or name.endswith((".scale", ".scales")):
+            continue
+        if name.startswith("lm_head"):
+            head = 2.0 * t.numel()
+        elif E and t.dim() == 3 and t.shape[0] in (E, E + 1):
+            dense += 2.0 * t.numel() / t.shape[0] * (rc.top_k + (t.shape[0] - E))
+        else:
+            dense += 2.0 * t.numel()
+    if not head:   # tied: the embedding is the head
+        head = 2.0 * params["embed"].numel()
+    return dense, head
+
+
+def attention_flops(model, p0: int, n: int) -> float:
+    """Score and value products of n tokens at positions p0 .. p0 + n - 1 (each attends to p + 1 positions)."""
+    c = model.cfg
+    positions = n * p0 + n * (n + 1) / 2   # sum of (p + 1)
+    total = 0.0
+    for name, spec in model.pool.specs.items():
+        if not spec.has_ctx or name.startswith(getattr(model, "mtp_state_prefix", None) or "\0"):
+            continue
+        if name.endswith(".k"):
+            total += 4.0 * positions * c.num_heads * c.head_dim
+        elif name.endswith(".latent"):
+            R, width = c.kv_lora_rank, spec.concrete(1)[-1]
+            total += 2.0 * positions * c.num_heads * (R + width)
+    return total
+
+
+def bench_model(name, args, peak, device, rows):
+    log(f"\n## {name}\n")
+    t0 = time.time()
+    model = ds4t.load(name, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"loaded in {time.time() - t0:.0f} s: {model!r}")
+    dense, head = weight_flops_per_token(model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(model.vocab_size) for _ in range(args.prompt)]
+    for chunk in [int(c) for c in args.chunks.split(",")]:
+        s = model.new_session(args.prompt + 8)
+        s.prefill(prompt[:chunk], chunk=chunk)   # compile and warm up at this chunk size
+        s.close()
+        s = model.new_session(args.prompt + 8)
+        times, flops = [], []
+        try:
+            for p0 in range(0, args.prompt, chunk):
+                part = prompt[p0:p0 + chunk]
+                times.append(timed_ms(lambda: s.prefill(part, chunk=chunk), device))
+                flops.append(dense * len(part) + head + attention_flops(model, p0, len(part)))
+        finally:
+            s.close()
+        ms = sum(times)
+        tok_s = args.prompt / (ms * 1e-3)
+        tflops = sum(flops) / (ms * 1e-3)
+        rows.append(dict(model=name, chunk=chunk, prompt=args.prompt, ms=ms, tok_s=tok_s, tflops=tflops / 1e12,
+                         frac=tflops / peak, first_ms=times[0], last_ms=times[-1]))
+        log(f"chunk {chunk}: {args.prompt} tokens in {ms:.1f} ms = {tok_s:,.0f} tok/s; {tflops / 1e12:.1f} TFLOP/s "
+            f"= {100 * tflops / peak:.1f} % of the bf16 peak; first chunk {times[0]:.2f} ms, last {times[-1]:.2f} ms")
+    if args.profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        chunk = int(args.chunks.split(",")[0])
+        s = model.new_session(chunk + 8)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            s.prefill(prompt[:chunk], chunk=chunk)
+            torch.cuda.synchronize()
+        s.close()
+        evs = sorted(((e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.count)
+                      for e in prof.key_averages()), key=lambda r: -r[1])
+        total = sum(r[1] for r in evs)
+        log(f"\nprofile of one {chunk}-token chunk from position 0: {total / 1e3:.2f} ms of kernels\n")
+        log("| kernel | ms | calls | share |")
+        log("|---|---|---|---|")
+        for k, us, n in evs[:15]:
+            log(f"| `{k[:80]}` | {us / 1e3:.3f} | {n} | {100 * us / max(total, 1e-9):.0f} % |")
+    cp = [rng.randrange(model.vocab_size) for _ in range(args.check_prompt)]
+    rep = run_chunk_check(model, cp, (1, 17, 64, len(cp)))
+    with plant("batch-dependent"):
+        ctl = run_chunk_check(model, cp, (1, 17), in_batch=False)
+    log(f"\nchunk invariance ({len(cp)}-token prompt; chunks 1, 17, 64, {len(cp)}; token by token in a native "
+        f"batch): {rep.rows} logit rows, {rep.states} states, {rep.mismatches} mismatches, paths {rep.paths}: "
+        f"{'PASS' if rep.ok else 'FAIL: ' + str(rep.first_mismatch)}; control (batch-dependent linear): "
+        f"{ctl.mismatches} mismatches, {'caught' if ctl.mismatches else 'NOT CAUGHT'}")
+    for r in rows:
+        if r["model"] == name:
+            r["chunk_invariant"] = rep.ok and ctl.mismatches > 0
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rep.ok and ctl.mismatches > 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l")
+    ap.add_argument("--chunks", default="1024", help="prefill chunk sizes, e.g. 256,1024,2048")
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens prefilled per chunk size")
+    ap.add_argument("--check-prompt", type=int, default=200, help="prompt tokens of the chunk-invariance check")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run with tiny presets")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    peak = matmul_peak(device)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run)"
+    log(f"# ds4t prefill on {where}")
+    log(f"commit {args.commit or '?'}; torch {torch.__version__}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
+    log("command: python bench/bench_prefill.py " + " ".join(sys.argv[1:]))
+    rows, ok = [], True
+    for name in args.models.split(","):
+        ok &= bench_model(name, args, peak, device, rows)
+    log("\n| model | chunk | tok/s | TFLOP/s | % of bf16 peak | chunk-invariant (control caught) |")
+    log("|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['model']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | {100 * r['frac']:.1f} % | "
+            f"{'yes' if r.get('chunk_invariant') else 'NO'} |")
+    with open(os.path.join(args.out, "prefill.md"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
