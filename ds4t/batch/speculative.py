@@ -152,14 +152,17 @@ def _run(model, work: Sequence[Tuple[Session, SegmentSpec]], mode: str):
     return [(lg, h, "native" if reasons[i] is None else "ordered") for i, (lg, h) in enumerate(out)]
 
 
-def prefill(items: Sequence[DecodeItem], mode: str = "auto") -> torch.Tensor:
+def prefill(items: Sequence[DecodeItem], mode: str = "auto", paths: Optional[List[str]] = None) -> torch.Tensor:
     """Consume each item's prompt chunk (as ``eval_batch``) and keep, for sessions of a model with an
     MTP head, every row's final hidden for the head's catch-up. Returns logits fp32 [N, vocab] of each
-    item's last token."""
+    item's last token; ``paths`` (a list, if given) is extended with each item's path ("native" /
+    "ordered")."""
     check_mode(mode)
     model, work = _validate(items)
     mtp = getattr(model, "mtp", None) is not None
     res = _run(model, [(s, SegmentSpec(s.slot, toks, s.pos, hidden=mtp)) for s, toks in work], mode)
+    if paths is not None:
+        paths += [p for _, _, p in res]
     for (s, toks), (_, hidden, _) in zip(work, res):
         if mtp:
             _record(s, s.pos, toks, hidden, toks[1:])
@@ -257,13 +260,14 @@ def _mtp_drafts(model, items: List[SpecItem], ks: List[int]) -> Dict[int, List[i
     return drafts
 
 
-def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode: str = "auto"
-              ) -> Tuple[List[SpecResult], torch.Tensor]:
+def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode: str = "auto",
+              extra_paths: Optional[List[str]] = None) -> Tuple[List[SpecResult], torch.Tensor]:
     """Advance every item by a speculative step (module docstring) and run ``extra`` items (plain
     decode tokens or prompt chunks of other sessions, as ``eval_batch``) in the same verify call.
 
     Returns (one :class:`SpecResult` per item, logits fp32 [len(extra), vocab] of the extra items'
-    last tokens). Invalid input raises BatchError and changes no session.
+    last tokens); ``extra_paths`` (a list, if given) is extended with each extra item's path. Invalid
+    input raises BatchError and changes no session.
     """
     check_mode(mode)
     model = _check(items)
@@ -334,5 +338,7 @@ def spec_step(items: Sequence[SpecItem], extra: Sequence[DecodeItem] = (), mode:
             _record(s, s.pos, toks, hidden, toks[1:])
         s.pos += len(toks)
         s.tokens.extend(toks)
+    if extra_paths is not None:
+        extra_paths += [p for _, _, p in res[len(items):]]
     extra_logits = torch.stack([lg[-1] for lg, _, _ in res[len(items):]]) if ework else None
     return results, extra_logits

@@ -587,12 +587,12 @@ class DecodeWorker:
                                            max_tokens=max(1, p.max_tokens - len(r.generated))))
             extra = [DecodeItem(r.slot.session, t) for r, t in pre]
             try:
+                extra_paths: list = []
                 if items:
-                    results, logits = spec.spec_step(items, extra=extra, mode=self.mode)
-                    paths = [res.path for res in results] + ["native"] * len(extra)
+                    results, logits = spec.spec_step(items, extra=extra, mode=self.mode, extra_paths=extra_paths)
                 else:
-                    results, logits, paths = [], spec.prefill(extra, mode=self.mode), ["native"] * len(extra)
-                return dec + pre, results, logits, paths
+                    results, logits = [], spec.prefill(extra, mode=self.mode, paths=extra_paths)
+                return dec + pre, results, logits, [res.path for res in results] + extra_paths
             except BatchError as e:
                 i = e.item if e.item is not None else None
                 bad = (dec + pre)[i] if i is not None and i < len(dec + pre) else (work[0] if len(work) == 1 else None)

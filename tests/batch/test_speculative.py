@@ -87,3 +87,18 @@ def test_k_is_clamped_to_the_session_room():
     s.prefill([1, 2, 3, 4])
     (r,), _ = spec.spec_step([spec.SpecItem(s, 7, k=5, drafts=[1, 2, 3, 4, 5])])
     assert r.drafted == 1 and s.pos <= 6
+
+
+def test_extra_items_report_their_own_paths():
+    """A prompt chunk riding along a verify call reports the path it really ran (GLM with a 6-token
+    window: the 8-token chunk runs ordered, the decode row natively)."""
+    m = ds4t.load("tiny-glm", native_window=6)
+    a, b = m.new_session(32), m.new_session(32)
+    lg = spec.prefill([DecodeItem(a, [1, 2, 3])])
+    paths: list = []
+    res, _ = spec.spec_step([spec.SpecItem(a, int(lg[0].argmax()), k=1)], extra=[DecodeItem(b, list(range(8)))],
+                            extra_paths=paths)
+    assert res[0].path == "native" and paths == ["ordered"]
+    more: list = []
+    spec.prefill([DecodeItem(b, [4])], paths=more)
+    assert more == ["ordered"]
