@@ -65,11 +65,11 @@ def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> in
     """The fixed split size (positions per split) for these head dims and cache dtype: 2048.
 
     Depends on nothing else (never on the batch size or on lengths). Measured on the H200
-    (bench/results/2026-11-30-h200-attention.md): long splits keep each program streaming for
-    many tiles, and at 8k-32k tokens of context, B >= 8, every split size from 256 to 2048 was
-    slower than 2048 for both target shapes (16 q / 2 kv d 256 and 96 q / 8 kv d 128); 256 reached
-    35-50 % of copy bandwidth where 2048 reaches 89-101 %. The cost: a row shorter than 2048
-    positions is one program per kv head, so small batches at short contexts have few programs.
+    (bench/results/2026-11-30-h200-attention.md): long splits keep each program streaming for many
+    tiles; ranked by the summed time at (L = 32k, B = 8) and (L = 8k, B = 64), split 2048 beat 256,
+    512 and 1024 for both target shapes (16 q / 2 kv d 256 and 96 q / 8 kv d 128) and reaches 76-101 %
+    of copy bandwidth at 8k-32k, B >= 8, where 256 reached 35-79 %. The cost: few programs when rows
+    and kv heads are few (2 kv heads at L = 8k, B = 8: 64 programs, 39 %).
     """
     return 2048
 
