@@ -68,8 +68,8 @@ def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> in
     (bench/results/2026-11-30-h200-attention.md): long splits keep each program streaming for many
     tiles; ranked by the summed time at (L = 32k, B = 8) and (L = 8k, B = 64), split 2048 beat 256,
     512 and 1024 for both target shapes (16 q / 2 kv d 256 and 96 q / 8 kv d 128) and reaches 76-101 %
-    of copy bandwidth at 8k-32k, B >= 8 (but one cell), where 256 reached 35-79 %. The cost, that cell: few programs when rows
-    and kv heads are few (2 kv heads at L = 8k, B = 8: 64 programs, 39 %).
+    of copy bandwidth at 8k-32k, B >= 8 (but one cell), where 256 reached 35-79 %. The cost, that
+    cell: few programs when rows and kv heads are few (2 kv heads at L = 8k, B = 8: 64 programs, 39 %).
     """
     return 2048
 
