@@ -55,7 +55,7 @@ from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
 
-PRESETS = ("tiny-deepseek", "deepseek-v3-4l")
+PRESETS = ("tiny-deepseek", "deepseek-v3-4l", "deepseek-v3-16l-fp8", "deepseek-v3-fp8")
 
 # HF DeepseekV3Config class defaults for FFN fields a config.json may omit.
 _FFN_DEFAULTS = dict(first_k_dense_replace=3, n_group=8, topk_group=4, num_experts_per_tok=8,
@@ -352,6 +352,10 @@ class DeepseekModel(DecoderModel):
         return ops.add(out, shared)
 
 
+_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+"""The quantization_config of the published block-FP8 releases (DeepSeek-V3, GLM-4.5-FP8, Qwen3-Next-FP8)."""
+
+
 def preset_config(name: str) -> dict:
     """HF-style config dicts for the built-in DeepSeek-V3 presets."""
     if name == "tiny-deepseek":
@@ -378,6 +382,14 @@ def preset_config(name: str) -> dict:
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                              "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                              "mscale": 1.0, "mscale_all_dim": 1.0})
+    if name in ("deepseek-v3-fp8", "deepseek-v3-16l-fp8"):
+        # DeepSeek-V3 (671B) in block-FP8 as its release stores it: 61 layers (3 dense + 58 MoE, ~690 GB with
+        # the MTP layer), for tensor + expert parallel over 8 GPUs; the 16-layer cut (~190 GB) runs the same
+        # code on 2 GPUs. Random weights drawn on the device and quantized as they are read.
+        cfg = preset_config("deepseek-v3-4l")
+        cfg.update(num_hidden_layers=61 if name == "deepseek-v3-fp8" else 16, first_k_dense_replace=3,
+                   quantization_config=dict(_FP8_CONFIG))
+        return cfg
     raise KeyError(name)
 
 

@@ -36,7 +36,7 @@ from ds4t.models.checkpoint import CheckpointError, attention_heads, require, ro
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
 
-PRESETS = ("tiny-glm", "glm-4.5-4l")
+PRESETS = ("tiny-glm", "glm-4.5-4l", "glm-4.5-fp8")
 
 DEFAULT_NATIVE_WINDOW: Optional[int] = None
 """No window: every row can run natively. ``native_window=2051`` gives ds4's kernel capacity."""
@@ -195,6 +195,14 @@ def preset_config(name: str) -> dict:
             norm_topk_prob=True, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
             num_nextn_predict_layers=1,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+    if name == "glm-4.5-fp8":
+        # GLM-4.5 (355B-A32B) at full depth in block-FP8 as GLM-4.5-FP8 stores it: 92 layers (3 dense + 89
+        # MoE, ~360 GB), for tensor + expert parallel over 4 or 8 GPUs. Random weights, quantized as read.
+        from ds4t.models.deepseek import _FP8_CONFIG
+
+        cfg = preset_config("glm-4.5-4l")
+        cfg.update(num_hidden_layers=92, first_k_dense_replace=3, quantization_config=dict(_FP8_CONFIG))
+        return cfg
     raise KeyError(name)
 
 

@@ -150,10 +150,27 @@ def mla(w, c, p: Part, where: str):
         w_o=cols(w.w_o, h0 * dv, h1 * dv, where + ".w_o"), b_o=p.first(w.b_o))
 
 
+def _col_unit(w: Weight) -> int:
+    """Columns (input dim) a quantized weight can only be cut between multiples of: FP8 scale blocks,
+    GGUF blocks; 1 for a float tensor."""
+    if isinstance(w, FP8Weight):
+        return w.block_k
+    if isinstance(w, GGUFWeight):
+        return w.format.qk
+    return 1
+
+
 def dense_mlp(w, p: Part, where: str):
-    """SwiGLU: gate_up rows [gate | up] by intermediate column, down's columns the same."""
+    """SwiGLU: gate_up rows [gate | up] by intermediate column, down's columns the same. Evenly; or, when
+    down is quantized and an even share is not a whole number of its blocks (GLM-4.5's 1536-wide shared
+    expert in FP8 over 8 ranks: 192 columns), in whole blocks, as evenly as they allow (2 or 1 blocks of
+    128 a rank): the partial sums still add up in rank order."""
     i = w.gate_up.shape[-2] // 2
-    a, b = p.even(i, f"the MLP width of {where}")
+    unit = _col_unit(w.down)
+    if unit > 1 and (i % p.size or (i // p.size) % unit):
+        a, b = split.blocks(i, unit, p.rank, p.size, f"the MLP width of {where}")
+    else:
+        a, b = p.even(i, f"the MLP width of {where}")
     return dataclasses.replace(w, gate_up=rows(w.gate_up, [(a, b), (i + a, i + b)]),
                                down=cols(w.down, a, b, where + ".down"))
 

@@ -15,6 +15,21 @@ def even(n: int, rank: int, size: int, what: str) -> Tuple[int, int]:
     return rank * k, (rank + 1) * k
 
 
+def blocks(n: int, unit: int, rank: int, size: int, what: str) -> Tuple[int, int]:
+    """[lo, hi) of rank ``rank`` when ``n`` columns split over ``size`` ranks in whole blocks of ``unit``
+    columns (FP8 scale blocks, GGUF blocks; the last block may be partial), as evenly as blocks allow:
+    the first ``blocks % size`` ranks hold one block more. ParallelError naming ``what`` when there are
+    fewer blocks than ranks (a rank would hold nothing)."""
+    nb = -(-n // unit)
+    if nb < size:
+        raise ParallelError(f"tp={size}: {what} ({n} columns) is {nb} block(s) of {unit} columns, fewer than the "
+                            f"ranks: some rank would hold none of it; use a smaller tp")
+    base, extra = divmod(nb, size)
+    b0 = rank * base + min(rank, extra)
+    b1 = b0 + base + (rank < extra)
+    return b0 * unit, min(b1 * unit, n)
+
+
 def kv_heads(num_heads: int, num_kv_heads: int, rank: int, size: int) -> Tuple[int, int]:
     """[lo, hi) of the key/value heads the query heads of ``rank`` read (GQA): KV / size of them when
     size divides KV, else the one group all its query heads fall in (size a multiple of KV: that kv

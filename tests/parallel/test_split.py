@@ -22,6 +22,16 @@ def test_kv_heads_follow_the_query_heads(H, KV, size, want):
     assert [split.kv_heads(H, KV, r, size) for r in range(size)] == want
 
 
+def test_block_ranges_cover_the_axis_in_whole_blocks():
+    # GLM-4.5's 1536-wide shared expert in 128-column FP8 blocks over 8 ranks: 2, 2, 2, 2, 1, 1, 1, 1 blocks
+    r = [split.blocks(1536, 128, k, 8, "x") for k in range(8)]
+    assert r == [(0, 256), (256, 512), (512, 768), (768, 1024), (1024, 1152), (1152, 1280), (1280, 1408),
+                 (1408, 1536)]
+    assert [split.blocks(300, 128, k, 2, "x") for k in range(2)] == [(0, 256), (256, 300)]   # a partial last block
+    with pytest.raises(ParallelError, match=r"tp=4: the MLP \(300 columns\) is 3 block\(s\) of 128 columns, fewer"):
+        split.blocks(300, 128, 0, 4, "the MLP")
+
+
 def test_kv_heads_that_cannot_be_placed():
     with pytest.raises(ParallelError, match="num_key_value_heads"):
         split.kv_heads(24, 6, 0, 4)

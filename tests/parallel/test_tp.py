@@ -116,6 +116,38 @@ def test_fp8_weights_under_tp2(ranks, fp8_qwen_dir):
     assert p["layers.0.mixer.w_out.data"] == (64, 32) and p["layers.0.mixer.w_out.scale"] == (64, 2)   # 16-col blocks
 
 
+@pytest.fixture(scope="module")
+def fp8_uneven_shared_dir(tmp_path_factory):
+    """tiny-qwen's structure with a 48-wide shared expert and 16 x 16 FP8 blocks: tp = 2 cannot give each
+    rank 24 columns (not a whole block), so the shared expert splits 32 + 16 on block boundaries."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ds4t.models.loading import PresetSource
+    from ds4t.models.qwen import QwenConfig, expected_tensors, preset_config, preset_init
+
+    cfg = dict(preset_config("tiny-qwen"), shared_expert_intermediate_size=48, dtype="float32",
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [16, 16]})
+    src = PresetSource(expected_tensors(QwenConfig.from_dict(cfg)), preset_init, 0, origin="test")
+    d = tmp_path_factory.mktemp("fp8-uneven")
+    save_file({k: src.get(k).contiguous() for k in src.keys()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_fp8_shared_expert_split_on_block_boundaries(ranks, fp8_uneven_shared_dir):
+    d = fp8_uneven_shared_dir
+    r0, r1 = ranks.run(jobs.tp_logits, d, PROMPT, 2, quantize="fp8")
+    assert torch.equal(r0, r1)
+    ref = jobs.reference_logits(ds4t.load(d, quantize="fp8"), PROMPT, 2)
+    assert ((r0 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    p0, p1 = ranks.run(jobs.tp_parameters, d, quantize="fp8")
+    down = next(k for k in p0 if "shared_down" in k and k.endswith("data"))
+    assert p0[down][-1] == 32 and p1[down][-1] == 16, (p0[down], p1[down])
+
+
 def _glm45_structure() -> dict:
     """GLM-4.5's structure (glm-4.5-4l) at CPU sizes: 24 q heads over 8 kv heads (tp = 2 splits the kv heads
     4 + 4; groups of 3), head_dim 32 with partial rotary 0.5, q/k norm, q/k/v bias, a dense first layer,
@@ -148,15 +180,16 @@ def test_tp2_agrees_with_tp1_on_glm45_structure(ranks):
 
 def test_gguf_blocks_under_tp2(ranks):
     """GGUF block weights (Q8_0 here) shard like FP8: rows with their blocks, input columns on block
-    boundaries, the vocab-parallel LM head padded with zero blocks. A split that would cut a block is
-    a ParallelError naming the weight (tiny-qwen's 32-wide shared expert at tp = 2)."""
+    boundaries, the vocab-parallel LM head padded with zero blocks. A width too narrow to give every rank
+    a whole block is a ParallelError naming the weight (tiny-qwen's 32-wide shared expert, one Q8_0 block,
+    at tp = 2)."""
     from ds4t.parallel.workers import RankError
 
     r0, r1 = ranks.run(jobs.tp_logits, "tiny-llama", PROMPT, 2, quantize="q8_0")
     assert torch.equal(r0, r1)
     ref = jobs.reference_logits(ds4t.load("tiny-llama", quantize="q8_0"), PROMPT, 2)
     assert ((r0 - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    with pytest.raises(RankError, match="not on the Q8_0 blocks of 32 columns"):
+    with pytest.raises(RankError, match=r"the MLP width of layers\.0\.ffn\.shared \(32 columns\) is 1 block"):
         ranks.run(jobs.tp_logits, "tiny-qwen", PROMPT, 2, quantize="q8_0")
 
 
