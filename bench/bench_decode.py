@@ -491,10 +491,12 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             for k, us, calls in prof[:15]:
                 log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
     # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
-    runner = sessions = S = T = None  # noqa: F841
+    runner = sessions = S = T = plan = None  # noqa: F841
     del model
     gc.collect()
     _empty_cache()
+    if DEVICE.type == "cuda":   # what still holds the ds4t model shows here (DeepSeek's HF twin then OOMs)
+        log(f"\nGPU memory allocated before the HF part: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     hf = _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) if args.hf else {}
     for r in mine:
         h = hf.get((r["ctx"], r["n"]))
