@@ -1,23 +1,18 @@
 """bench/hf_peer.py, the HF transformers peer of the decode benchmark: the eager step on a cache
 replicated from one prefilled row, and the static-cache step recorded from generate's compiled call
 (traced with the eager backend here: generate compiles only on accelerators), on a tiny preset."""
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
+
 from ds4t.testing.markers import cpu_interpreter_only
+from tests.bench_scripts import load
 
 pytestmark = cpu_interpreter_only
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_hf_peer", ROOT / "bench" / "hf_peer.py")
-hf_peer = importlib.util.module_from_spec(_spec)
-sys.modules["bench_hf_peer"] = hf_peer
-_spec.loader.exec_module(hf_peer)
+hf_peer = load("bench/hf_peer.py", "bench_hf_peer")
 
 
 def test_hf_peer_eager_and_static_steps_on_a_tiny_preset():

@@ -1,16 +1,9 @@
 """bench/bench_prefill.py's FLOP count (what its % of the tensor-core peak divides by), on shapes
 known by hand: the tiny presets' configs, loaded on the meta device."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import ds4t
+from tests.bench_scripts import load
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_prefill", ROOT / "bench" / "bench_prefill.py")
-bp = importlib.util.module_from_spec(_spec)
-sys.modules["bench_prefill"] = bp
-_spec.loader.exec_module(bp)
+bp = load("bench/bench_prefill.py", "bench_prefill")
 
 
 def test_weight_flops_count_each_matrix_and_top_k_experts():

@@ -1,10 +1,7 @@
 """bench/twin.py, the non-invariant plain-torch twin of the kernels (the bench's price-of-invariance
 baseline): every twin op computes what the ds4t kernel computes, checked op by op inside real decode
 steps of the tiny presets, so a twin op with wrong semantics fails here rather than in a GPU run."""
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,14 +9,11 @@ import torch
 import ds4t
 from ds4t.kernels import registry
 from ds4t.testing.markers import cpu_interpreter_only
+from tests.bench_scripts import load
 
 pytestmark = cpu_interpreter_only
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_twin", ROOT / "bench" / "twin.py")
-twin = importlib.util.module_from_spec(_spec)
-sys.modules["bench_twin"] = twin
-_spec.loader.exec_module(twin)
+twin = load("bench/twin.py", "bench_twin")
 
 # The tiny presets are fp32: the twin differs from the kernels by summation order only.
 TOL = 1e-4

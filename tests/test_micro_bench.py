@@ -1,17 +1,12 @@
 """The kernel micro-benchmarks (bench/micro) cover every kernel op and run: each once here, timing off."""
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from ds4t.testing import kernel_ops
+from tests.bench_scripts import ROOT, load
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("micro_cases", ROOT / "bench" / "micro" / "cases.py")
-_cases = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cases)
-CASES = _cases.CASES
+CASES = load("bench/micro/cases.py", "micro_cases").CASES
 
 
 def test_every_kernel_op_has_a_micro_benchmark():
