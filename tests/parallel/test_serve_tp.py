@@ -26,47 +26,40 @@ def _greedy_tp1(prompt: bytes, n: int, model: str = "tiny-llama") -> list:
     return out
 
 
-def test_serve_tp2_answers_like_tp1_and_stops_cleanly():
-    p, url, _ = spawn(["--model", "tiny-llama", "--tp", "2", "--batched-session", "2", "--port", "0"], env=ENV,
+def _serve_tp2_greedy(model: str, n: int, *extra: str) -> str:
+    """``ds4t serve --model M --tp 2 [extra]``: one greedy completion of n tokens checked against one-rank
+    plain decoding, then SIGTERM (rank 0 drains, then releases rank 1) and exit 0. Returns /metrics."""
+    p, url, _ = spawn(["--model", model, "--tp", "2", *extra, "--batched-session", "2", "--port", "0"], env=ENV,
                       program=("-m", "ds4t", "serve"), timeout=240)
     try:
-        body = json.dumps({"model": "tiny-llama", "prompt": [104, 105, 33], "max_tokens": 4, "temperature": 0,
+        body = json.dumps({"model": model, "prompt": [104, 105, 33], "max_tokens": n, "temperature": 0,
                            "logprobs": None}).encode()
         req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             ans = json.loads(r.read())
-        assert ans["usage"]["completion_tokens"] == 4
-        want = bytes(_greedy_tp1(bytes([104, 105, 33]), 4)).decode("utf-8", errors="replace")
+        assert ans["usage"]["completion_tokens"] == n
+        want = bytes(_greedy_tp1(bytes([104, 105, 33]), n, model)).decode("utf-8", errors="replace")
         assert ans["choices"][0]["text"] == want
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
     finally:
-        p.send_signal(signal.SIGTERM)   # rank 0 drains, then releases rank 1
+        p.send_signal(signal.SIGTERM)
         code = p.wait(timeout=120)
     assert code == 0
+    return metrics
+
+
+def test_serve_tp2_answers_like_tp1_and_stops_cleanly():
+    _serve_tp2_greedy("tiny-llama", 4)
 
 
 def test_serve_tp2_with_mtp_answers_like_plain_tp1():
     """``--tp 2 --mtp 2``: the followers replay the speculative step's model calls (verify forward, MTP
     head, rollback of Qwen3-Next's recurrent state); the greedy text equals one-rank plain decoding."""
-    p, url, _ = spawn(["--model", "tiny-qwen", "--tp", "2", "--mtp", "2", "--batched-session", "2", "--port", "0"],
-                      env=ENV, program=("-m", "ds4t", "serve"), timeout=240)
-    try:
-        body = json.dumps({"model": "tiny-qwen", "prompt": [104, 105, 33], "max_tokens": 6, "temperature": 0,
-                           "logprobs": None}).encode()
-        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            ans = json.loads(r.read())
-        assert ans["usage"]["completion_tokens"] == 6
-        want = bytes(_greedy_tp1(bytes([104, 105, 33]), 6, "tiny-qwen")).decode("utf-8", errors="replace")
-        assert ans["choices"][0]["text"] == want
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
-        drafted = [float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("ds4t_serve_spec_drafted_tokens_total")]
-        assert drafted and drafted[0] > 0, "the steps were speculative (drafts verified)"
-    finally:
-        p.send_signal(signal.SIGTERM)
-        code = p.wait(timeout=120)
-    assert code == 0
+    metrics = _serve_tp2_greedy("tiny-qwen", 6, "--mtp", "2")
+    drafted = [float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("ds4t_serve_spec_drafted_tokens_total")]
+    assert drafted and drafted[0] > 0, "the steps were speculative (drafts verified)"
 
 
 def test_serve_tp_refuses_kv_cache_dir(tmp_path):
