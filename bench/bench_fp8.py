@@ -30,7 +30,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
-from bench.bench_decode import _median_ms, copy_bandwidth, exactness, step_floor_bytes  # noqa: E402
+from bench.bench_decode import copy_bandwidth, exactness, step_floor_bytes  # noqa: E402
+from bench.hf_peer import median_ms  # noqa: E402,F401  (bench_gguf and bench_tp import it from here)
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.weights import quantize  # noqa: E402
 
@@ -82,20 +83,6 @@ def kernel_rows(bw: float, log):
         log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.4f} | "
             f"{r['gbs']:.0f} | {r['pct']:.0f}% |")
     return rows
-
-
-def median_ms(fn, iters: int, warmup: int, device) -> float:
-    """CUDA events on a GPU (bench_decode's timer); wall clock elsewhere (a CPU smoke run of this script)."""
-    if torch.device(device).type == "cuda":
-        return _median_ms(fn, iters, warmup)
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[len(ts) // 2]
 
 
 def synthetic_sessions(model, n: int, ctx: int, extra: int, seed: int):

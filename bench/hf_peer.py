@@ -41,12 +41,13 @@ PROMPT = 16
 """Tokens of the prompt that starts a static-cache generate."""
 
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of fn in ms: CUDA events on a GPU, perf_counter elsewhere."""
+def median_ms(fn: Callable[[], object], iters: int, warmup: int, device) -> float:
+    """Median wall time of fn in ms: CUDA events on a GPU, perf_counter elsewhere (``device``: a
+    torch.device or its name)."""
     for _ in range(warmup):
         fn()
     ts = []
-    cuda = device.type == "cuda"
+    cuda = torch.device(device).type == "cuda"
     for _ in range(iters):
         if cuda:
             torch.cuda.synchronize()
