@@ -23,6 +23,7 @@ next to GQA as the non-invariant peer. A short table is printed last; everything
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -113,7 +114,7 @@ def run_gqa(p, slots, split, cfg, out=None, rows=None):
     if rows is not None:
         q, slots, lengths = q[rows], slots[rows], lengths[rows]
         out = None
-    ctx = A.ATTENTION_CONFIGS.forced(lambda *k: cfg) if cfg is not None else _null()
+    ctx = A.ATTENTION_CONFIGS.forced(lambda *k: cfg) if cfg is not None else contextlib.nullcontext()
     with ctx:
         return A.decode_attention(q, p["kc"], p["vc"], slots, lengths, p["scale"], split_size=split, out=out)
 
@@ -123,18 +124,10 @@ def run_mla(p, slots, split, cfg, out=None, rows=None):
     if rows is not None:
         ql, qp, slots, lengths = ql[rows], qp[rows], slots[rows], lengths[rows]
         out = None
-    ctx = M.MLA_CONFIGS.forced(lambda *k: cfg) if cfg is not None else _null()
+    ctx = M.MLA_CONFIGS.forced(lambda *k: cfg) if cfg is not None else contextlib.nullcontext()
     with ctx:
         return M.mla_decode(ql, qp, p["cache"], slots, lengths, p["scale"], kv_lora_rank=p["R"],
                             split_size=split, out=out)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # ----------------------------------------------------------------------------- precompile
@@ -185,7 +178,6 @@ def precompile(jobs, workers):
 
 def time_case(kind, p, split, cfg):
     run = run_gqa if kind == "gqa" else run_mla
-    B = p["lengths"].shape[0]
     out = torch.empty_like(run(p, p["slot_sets"][0], split, cfg))
     fns = [lambda s=s: run(p, s, split, cfg, out=out) for s in p["slot_sets"]]
     ms, _ = time_calls(fns)
