@@ -183,7 +183,7 @@ class DecodeWorker:
             raise ValueError(f"mtp must be an int >= 0, got {mtp!r}")
         if mtp and getattr(pool.model, "mtp", None) is None:
             raise ValueError(f"mtp={mtp}: model {pool.model.name!r} has no MTP head (its checkpoint holds no MTP "
-                             "weights, or it was loaded with tp > 1)")
+                             "weights)")
         self.mtp = int(mtp)
         self.drafted = self.accepted = 0   # speculative decoding totals (also in /metrics)
         if max_waiting < 0:
@@ -594,7 +594,7 @@ class DecodeWorker:
                     results, logits = [], spec.prefill(extra, mode=self.mode, paths=extra_paths)
                 return dec + pre, results, logits, [res.path for res in results] + extra_paths
             except BatchError as e:
-                i = e.item if e.item is not None else None
+                i = e.item
                 bad = (dec + pre)[i] if i is not None and i < len(dec + pre) else (work[0] if len(work) == 1 else None)
                 if bad is None:   # not attributable: fail the step's requests (no session was changed)
                     for r, _ in work:
