@@ -225,11 +225,9 @@ def mtp_layer_prefixes(source: TensorSource, num_layers: int) -> Tuple[str, ...]
 
 def warn_mtp_skipped(reader: "WeightReader", prefixes: Tuple[str, ...]) -> None:
     """One warning per load naming the MTP layers whose tensors were recognised and not used (the
-    config declares no MTP module, or the load is tensor-parallel, which does not load MTP heads yet)."""
+    config declares no MTP module)."""
     skipped = [k for k in reader.ignored if k.startswith(tuple(prefixes))] if prefixes else []
     if skipped:
         layers = ", ".join(p.rstrip(".") for p in prefixes)
         warnings.warn(f"{reader.source.origin}: skipped {len(skipped)} multi-token-prediction (MTP) "
-                      f"tensor(s) of {layers}: " + ("tensor parallel does not load MTP heads yet"
-                                                    if getattr(reader.source, "tp", None) is not None
-                                                    else "the config declares no MTP module"), stacklevel=3)
+                      f"tensor(s) of {layers}: the config declares no MTP module", stacklevel=3)
