@@ -6,8 +6,9 @@ compute backend), and they apply it to their shard in the same order: slot alloc
 resets, every forward step (its (slot, tokens, position) segments; the followers' forward joins the
 same collectives), and the model calls of a speculative step (``ds4t.batch.speculative`` reports each to
 ``model.spec_hook``: the verify forward with its segment flags, the MTP head's calls with their input
-hiddens, which are the same on every rank, and the rollbacks). Slots are freed by the garbage collector on any thread, so a free is held back and
-sent with the next operation, from the thread that runs the steps.
+hiddens, which are the same on every rank, and the rollbacks). Slots are freed by the garbage collector
+on any thread, so a free is held back and sent with the next operation, from the thread that runs the
+steps.
 
 Restoring a saved state (``--kv-cache-dir``) is not mirrored (rank 0's state dict is its shard only):
 :class:`Leader` refuses any load but a reset to the fresh state.

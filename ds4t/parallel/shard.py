@@ -57,15 +57,19 @@ def cols(w: Weight, a: int, b: int, what: str) -> Weight:
                                scale=w.scale[..., a // bk: -(-b // bk)].contiguous())
 
 
+def _map_tensors(w, fn):
+    """A wrapped weight (FP8, GGUF blocks: a dataclass of tensors) with ``fn`` applied to each tensor field."""
+    return dataclasses.replace(w, **{f.name: fn(v) for f in dataclasses.fields(w)
+                                     if isinstance(v := getattr(w, f.name), torch.Tensor)})
+
+
 def own(w: Optional[Weight]) -> Optional[Weight]:
     """``w`` (a view) in storage of its own, or None."""
     if w is None:
         return None
     if isinstance(w, torch.Tensor):
         return w.clone(memory_format=torch.contiguous_format)
-    return dataclasses.replace(w, **{f.name: v.clone(memory_format=torch.contiguous_format)
-                                     for f in dataclasses.fields(w)
-                                     if isinstance(v := getattr(w, f.name), torch.Tensor)})
+    return _map_tensors(w, lambda v: v.clone(memory_format=torch.contiguous_format))
 
 
 def _heads(h0: int, h1: int, dim: int, base: int = 0) -> Tuple[int, int]:
@@ -257,8 +261,5 @@ def vocab_rows(table: Weight, p: Part) -> Weight:
     if n == hi - lo:
         return part
     first = table[:1]
-    zero = dataclasses.replace(first, **{f.name: torch.zeros((n - (hi - lo), *v.shape[1:]), dtype=v.dtype,
-                                                             device=v.device)
-                                         for f in dataclasses.fields(first)
-                                         if isinstance(v := getattr(first, f.name), torch.Tensor)})
+    zero = _map_tensors(first, lambda v: torch.zeros((n - (hi - lo), *v.shape[1:]), dtype=v.dtype, device=v.device))
     return weights.cat([part, zero], dim=-2)
