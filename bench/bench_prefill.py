@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402
+from bench.hf_peer import median_ms  # noqa: E402
 from ds4t.exactness.chunks import run_chunk_check  # noqa: E402
 from ds4t.exactness.harness import plant  # noqa: E402
 
@@ -44,28 +44,12 @@ def log(s: str = "") -> None:
     LOG.append(s)
 
 
-def timed_ms(fn, device) -> float:
-    """One call's time in ms: CUDA events on the GPU, wall clock on the CPU (a smoke run)."""
-    if device.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
 def matmul_peak(device) -> float:
     """bf16 tensor-core FLOP/s of a large torch.matmul (median of 10), the peak this GPU reaches."""
     n = 8192 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    ms = statistics.median(timed_ms(lambda: a @ b, device) for _ in range(10))
+    ms = median_ms(lambda: a @ b, 10, 3, device)
     return 2 * n ** 3 / (ms * 1e-3)
 
 
@@ -125,7 +109,7 @@ def bench_model(name, args, peak, device, rows):
         try:
             for p0 in range(0, args.prompt, chunk):
                 part = prompt[p0:p0 + chunk]
-                times.append(timed_ms(lambda: s.prefill(part, chunk=chunk), device))
+                times.append(median_ms(lambda: s.prefill(part, chunk=chunk), 1, 0, device))   # each chunk once
                 flops.append(dense * len(part) + head + attention_flops(model, p0, len(part)))
         finally:
             s.close()
