@@ -81,8 +81,10 @@ def graph_key(model, rows: int):
     :meth:`~ds4t.models.base.Model.graph_key`, plus the active overrides when there are any (only
     possible inside :func:`capture_overrides`); None when the step cannot be captured."""
     key = model.graph_key(rows)
+    if key is None or not _capture_overrides:   # outside capture_overrides an override turns graphs off
+        return key
     ok = override_key()
-    return key if key is None or not ok else (key, ok)
+    return (key, ok) if ok else key
 
 
 def max_rows() -> int:
