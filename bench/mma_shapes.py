@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Does a row's bits depend on the MMA tile shape? (the question behind a fast prefill, issue 17 item 4)
+
+    PYTHONUNBUFFERED=1 python bench/mma_shapes.py [--rows 1024,4096] [--commit HASH]
+
+Decode runs ``linear`` with 16-row activation tiles; a fast prefill wants 64-256-row tiles (wgmma).
+Both keep each output element's K order (one fp32 accumulator, BLOCK_K steps in K order, no split-K
+here), but the tensor-core instruction differs (mma.sync m16n8k16, wgmma m64nNk16 with N = 16 .. 256),
+and whether its internal sums round the same way is a property of the hardware, not of the code. So
+this script computes ``round_bf16(x) @ w^T`` (bf16 weights, then block-FP8 weights with 128-column
+scale blocks) with a plain Triton GEMM over a grid of tile shapes, warps and stages, and compares every
+output bitwise with ``ds4t.kernels.linear`` (the decode config of that weight shape, forced to one K
+split). It also reports TFLOP/s per config and whether the PTX used wgmma. A short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.hf_peer import median_ms  # noqa: E402
+from ds4t.backend import cast  # noqa: E402
+from ds4t.kernels import linear as lin  # noqa: E402
+from ds4t.kernels.weights import quantize  # noqa: E402
+
+
+@triton.jit
+def _gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, SBK: tl.constexpr,
+          A_DT: tl.constexpr):
+    """y[M, N] fp32 = round(x) @ w^T; SBK > 0: w fp8 with fp32 scales [N, K / SBK] per SBK columns
+    (each block's dot from zero, then acc += scale * dot, as ds4t's FP8 linear)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SBK == 0:
+        for k in range(0, K, BK):
+            x = cast(tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0).to(tl.float32), A_DT)
+            w = tl.load(w_ptrs)
+            if SWAP:
+                acc = tl.dot(tl.trans(w), tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, w, acc)
+            x_ptrs += BK
+            w_ptrs += BK
+    else:
+        KB: tl.constexpr = K // SBK
+        for kb in range(0, KB):
+            p = tl.zeros(acc.shape, dtype=tl.float32)
+            for ks in tl.static_range(0, SBK, BK):
+                x = cast(tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0).to(tl.float32), A_DT)
+                w = cast(tl.load(w_ptrs).to(tl.float32), A_DT)
+                if SWAP:
+                    p = tl.dot(tl.trans(w), tl.trans(x), p)
+                else:
+                    p = tl.dot(x, w, p)
+                x_ptrs += BK
+                w_ptrs += BK
+            sc = tl.load(s_ptr + rn.to(tl.int64) * KB + kb)
+            if SWAP:
+                acc = acc + p * sc[:, None]
+            else:
+                acc = acc + p * sc[None, :]
+    if SWAP:
+        acc = tl.trans(acc)
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None])
+
+
+def gemm(x, w, scale, sbk, bm, bn, bk, swap, warps, stages):
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    k = _gemm[grid](x, w, scale if scale is not None else w, y, M, N=N, K=K, BM=bm, BN=bn, BK=bk, SWAP=swap,
+                    SBK=sbk, A_DT=tl.bfloat16, num_warps=warps, num_stages=stages)
+    return y, k
+
+
+CONFIGS = [  # (BM, BN, BK, swap, warps, stages)
+    (16, 64, 128, True, 4, 3), (16, 64, 64, False, 4, 3), (16, 32, 128, True, 2, 3),
+    (64, 64, 64, False, 4, 3), (64, 128, 64, False, 4, 4), (64, 256, 64, False, 8, 3),
+    (128, 128, 64, False, 4, 3), (128, 128, 64, False, 8, 3), (128, 256, 64, False, 8, 3),
+    (128, 128, 128, False, 8, 3), (256, 128, 64, False, 8, 3), (128, 64, 64, True, 4, 3),
+    (64, 128, 64, True, 4, 3), (128, 128, 64, True, 8, 3),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1024,4096")
+    ap.add_argument("--shapes", default="4096x14336,2048x12288,7168x18432")
+    ap.add_argument("--commit", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    rows = []
+    print(f"# mma tile shape vs bits  commit={a.commit}  {torch.cuda.get_device_name()}")
+    for shape in a.shapes.split(","):
+        K, N = map(int, shape.split("x"))
+        wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+        w8 = quantize(wb.float(), (128, 128))
+        for fmt in ("bf16", "fp8"):
+            for M in map(int, a.rows.split(",")):
+                x = torch.randn(M, K, device=dev)
+                if fmt == "bf16":
+                    cfg = lin.linear_config(K, N, torch.bfloat16, torch.float32)
+                    ref = lin.linear(x, wb, config=lin.LinearConfig(**{**cfg.__dict__, "split": 1}))
+                    w, s, sbk = wb, None, 0
+                else:
+                    cfg = lin.linear_config(K, N, w8.data.dtype, torch.bfloat16, 128)
+                    ref = lin.linear(x, w8, act_dtype=torch.bfloat16,
+                                     config=lin.LinearConfig(**{**cfg.__dict__, "split": 1}))
+                    w, s, sbk = w8.data, w8.scale, 128
+                for bm, bn, bk, swap, warps, stages in CONFIGS:
+                    try:
+                        y, k = gemm(x, w, s, sbk, bm, bn, bk, swap, warps, stages)
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001 (an over-large tile: report, go on)
+                        print(f"{fmt} {shape} M={M} {(bm, bn, bk, swap, warps, stages)}: {type(e).__name__}")
+                        continue
+                    diff = int((y.view(torch.int32) != ref.view(torch.int32)).sum())
+                    ms = median_ms(lambda: gemm(x, w, s, sbk, bm, bn, bk, swap, warps, stages), 10, 3, dev)
+                    tf = 2 * M * N * K / (ms * 1e-3) / 1e12
+                    wg = "wgmma" in k.asm.get("ptx", "")
+                    r = (fmt, shape, M, f"{bm}x{bn}x{bk}{' swap' if swap else ''} w{warps} s{stages}", wg, diff, ms, tf)
+                    rows.append(r)
+                    print(f"{fmt} {shape} M={M} {r[3]:<26} wgmma={wg!s:5} diff_elems={diff:<9} {ms:.3f} ms "
+                          f"{tf:.0f} TFLOP/s", flush=True)
+    lines = ["| fmt | K x N | rows | tile | wgmma | elements != decode | ms | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3f} | {r[7]:.0f} |" for r in rows]
+    with open(os.path.join(out, "mma_shapes.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
