@@ -108,7 +108,7 @@ def test_q8_0_keeps_stacked_expert_blocks_and_runs_exact(tmp_path, preset):
     src = ds4t.models.registry.preset_source(preset)[1]
     E = moe.w_up.shape[0] - (moe.shared_index is not None)
     want = quantize(torch.stack([src.get(f"model.layers.1.mlp.experts.{e}.up_proj.weight") for e in range(E)]), "Q8_0")
-    assert torch.equal(moe.w_up.blocks()[:E], want.blocks())   # the file's bytes: gguf-py's Q8_0 of the preset's experts
+    assert torch.equal(moe.w_up.blocks()[:E].cpu(), want.blocks().cpu())   # the file's bytes: gguf-py's Q8_0 of the preset's experts
     # the same blocks as load(preset, quantize="q8_0"), given the file's (quantized) embedding and, for
     # DeepSeek, its F16 k_b / v_b (K = 16 fits no Q8_0 block): bitwise the same logits
     q = ds4t.load(preset, quantize="q8_0")

@@ -71,7 +71,7 @@ def test_bf16_within_stated_bound(tmp_path):
     assert errs[len(errs) // 2] < 5e-2 and errs[-1] < 0.25, errs
 
 
-def test_mtp_module_loads_or_is_skipped_with_one_warning():
+def test_mtp_module_loads_or_is_skipped_with_one_warning(device):
     """Qwen3-Next's ``mtp.*`` module loads when the config declares it (mtp_num_hidden_layers) and is
     skipped with one warning, never silently, when it does not; the main logits are the same."""
     import warnings
@@ -80,11 +80,11 @@ def test_mtp_module_loads_or_is_skipped_with_one_warning():
     from ds4t.models.registry import preset_source
 
     cfg, src = preset_source("tiny-qwen")
-    full = QwenModel(cfg, src, "cpu", torch.float32)
+    full = QwenModel(cfg, src, device, torch.float32)
     assert full.mtp is not None and full.mtp_state_prefix == "layers.2."
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        bare = QwenModel(dict(cfg, mtp_num_hidden_layers=0), src, "cpu", torch.float32)
+        bare = QwenModel(dict(cfg, mtp_num_hidden_layers=0), src, device, torch.float32)
     assert bare.mtp is None
     assert len([x for x in w if "multi-token-prediction" in str(x.message)]) == 1
     a, b = full.new_session(8), bare.new_session(8)

@@ -6,6 +6,10 @@ import sys
 
 import pytest
 
+from ds4t.testing.markers import cpu_interpreter_only
+
+pytestmark = cpu_interpreter_only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A kernel override that makes a native row differ from the same row alone: a row's output depends
 # on how many rows the launch has (what a batch-dependent reduction does).
@@ -13,9 +17,6 @@ SHIFT = """
 import torch
 from ds4t.kernels import override
 from ds4t.kernels.linear import linear as _linear
-from ds4t.testing.markers import cpu_interpreter_only
-
-pytestmark = cpu_interpreter_only
 
 def _shifted(x, weight, bias=None, *, out=None):
     y = _linear(x, weight, bias, out=out)
