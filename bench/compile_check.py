@@ -86,7 +86,7 @@ def record_fp8() -> None:
         try:
             for gpu_tiles in (False, True):
                 if gpu_tiles:
-                    M.MOE_CONFIGS.interp_rule = lambda kernel, fmt=None: M.MOE_CONFIGS.gpu[(kernel, fmt) if fmt else kernel]
+                    M.MOE_CONFIGS.interp_rule = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)
         finally:

@@ -10,7 +10,10 @@ and whether its internal sums round the same way is a property of the hardware, 
 this script computes ``round_bf16(x) @ w^T`` (bf16 weights, then block-FP8 weights with 128-column
 scale blocks) with a plain Triton GEMM over a grid of tile shapes, warps and stages, and compares every
 output bitwise with ``ds4t.kernels.linear`` (the decode config of that weight shape, forced to one K
-split). It also reports TFLOP/s per config and whether the PTX used wgmma. A short table is printed last.
+split). It also reports TFLOP/s per config and whether the PTX used wgmma.
+
+Then ``linear`` itself at B = 64 .. 4096 rows: with its row tiles (``LINEAR_ROW_TILES``) against the
+decode config alone, bitwise equal, each timed. Short tables are printed last.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.hf_peer import median_ms  # noqa: E402
-from ds4t.backend import cast  # noqa: E402
+from ds4t.backend import cast, scaled_add  # noqa: E402
 from ds4t.kernels import linear as lin  # noqa: E402
 from ds4t.kernels.weights import quantize  # noqa: E402
 
@@ -71,9 +74,9 @@ def _gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr,
                 w_ptrs += BK
             sc = tl.load(s_ptr + rn.to(tl.int64) * KB + kb)
             if SWAP:
-                acc = acc + p * sc[:, None]
+                acc = scaled_add(acc, p, sc[:, None])
             else:
-                acc = acc + p * sc[None, :]
+                acc = scaled_add(acc, p, sc[None, :])
     if SWAP:
         acc = tl.trans(acc)
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=(rm < M)[:, None])
@@ -102,6 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1024,4096")
     ap.add_argument("--shapes", default="4096x14336,2048x12288,7168x18432")
+    ap.add_argument("--linear-rows", default="64,128,256,1024,4096")
+    ap.add_argument("--skip-probe", action="store_true", help="only the linear row-tile table")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -110,7 +115,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     rows = []
     print(f"# mma tile shape vs bits  commit={a.commit}  {torch.cuda.get_device_name()}")
-    for shape in a.shapes.split(","):
+    for shape in ([] if a.skip_probe else a.shapes.split(",")):
         K, N = map(int, shape.split("x"))
         wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
         w8 = quantize(wb.float(), (128, 128))
@@ -143,9 +148,37 @@ def main() -> None:
                           f"{tf:.0f} TFLOP/s", flush=True)
     lines = ["| fmt | K x N | rows | tile | wgmma | elements != decode | ms | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3f} | {r[7]:.0f} |" for r in rows]
+    lines += ["", *linear_rows(a, dev)]
     with open(os.path.join(out, "mma_shapes.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def linear_rows(a, dev) -> list:
+    """``linear`` with its row tiles vs the decode config alone at several B: bits and times."""
+    out = ["| fmt | K x N | B | row tile | decode config ms | with row tile ms | TFLOP/s | speed-up | bitwise |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for shape in a.shapes.split(","):
+        K, N = map(int, shape.split("x"))
+        wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+        for fmt, w, kw, key in (("bf16", wb, {}, (K, N, torch.bfloat16, torch.float32)),
+                                ("fp8", quantize(wb.float(), (128, 128)), dict(act_dtype=torch.bfloat16),
+                                 (K, N, torch.float8_e4m3fn, torch.bfloat16, 128))):
+            tiles = lin.linear_row_tiles(*key)
+            for B in map(int, a.linear_rows.split(",")):
+                x = torch.randn(B, K, device=dev)
+                y = lin.linear(x, w, **kw)
+                dec_cfg = lin.linear_config(*key)
+                y0 = lin.linear(x, w, config=dec_cfg, **kw)   # config=: the decode config, no row tiles
+                ms = median_ms(lambda: lin.linear(x, w, **kw), 10, 3, dev)
+                ms0 = median_ms(lambda: lin.linear(x, w, config=dec_cfg, **kw), 10, 3, dev)
+                t = [t_ for t_ in tiles if B >= t_.min_rows]
+                desc = f"{t[-1].block_m}x{t[-1].block_n}x{t[-1].block_k} w{t[-1].num_warps}" if t else "-"
+                line = (f"| {fmt} | {shape} | {B} | {desc} | {ms0:.3f} | {ms:.3f} | {2 * B * N * K / ms / 1e9:.0f} | "
+                        f"{ms0 / ms:.2f}x | {torch.equal(y, y0)} |")
+                print(line, flush=True)
+                out.append(line)
+    return out
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ step time of ``moe_experts`` and the fraction of the copy bandwidth its weight b
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
 (kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES).
 
+``--rows R``: the row-tile entries (key + ("rows",)) for a prefill chunk of R rows instead: pairs per
+tile (block_m), N / K tiles and warps, with the decode entries unchanged; each config's rows 0 and
+R-1 must equal those rows launched alone (the decode tiles), bitwise. TFLOP/s counted from the pairs.
+
 Each config is also checked: the output equals the current default's within the bf16 tolerance,
 and row 0 computed alone equals row 0 in the batch, bitwise.
 """
@@ -48,11 +52,101 @@ def _time(fn, iters=20):
     return statistics.median(ts)
 
 
+def copy_bandwidth(dev) -> float:
+    src = torch.empty(1 << 28, device=dev).normal_()
+    dst = torch.empty_like(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src)
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    b.synchronize()
+    return 2 * src.numel() * 4 * 10 / (a.elapsed_time(b) / 1e3)
+
+
+def sweep_rows(args) -> None:
+    """The ("rows",) entries at args.rows rows, both formats; prints the best per kernel and format."""
+    from ds4t.kernels.weights import quantize
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {args.rows} rows", flush=True)
+    default = dict(M.MOE_CONFIGS.gpu)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows, R = [], args.rows
+    for fp8 in (False, True):
+        fmt = ("fp8",) if fp8 else ()
+        for name, E, k, D, I in SHAPES:
+            Et = E + 1
+            ws = [(torch.randn(Et, *sh, device=dev, generator=g) * 0.02).bfloat16() for sh in ((I, D), (I, D), (D, I))]
+            if fp8:
+                ws = [quantize(w_.float(), (128, 128)) for w_ in ws]
+            h = torch.randn(R, D, device=dev, generator=g)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(R)]).int()
+            w = torch.rand(R, k, device=dev, generator=g)
+            adt = torch.bfloat16 if fp8 else None
+            run = lambda n=R: M.moe_experts(h[:n], ids[:n], w[:n], *ws, shared_expert=E, act_dtype=adt)  # noqa: E731
+            flops = 2 * 3 * I * D * R * (k + 1)
+            nbytes = Et * 3 * I * D * (1 + 4 / 128 if fp8 else 2)
+            M.MOE_CONFIGS.gpu.clear()
+            M.MOE_CONFIGS.gpu.update(default)
+            alone = [run(1)[0], M.moe_experts(h[R - 1:], ids[R - 1:], w[R - 1:], *ws, shared_expert=E, act_dtype=adt)[0]]
+            base_ms = _time(run, 5)
+            print(f"{name} {'fp8' if fp8 else 'bf16'}: default {base_ms:.3f} ms = {flops / base_ms / 1e9:.0f} TFLOP/s, "
+                  f"{nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW for every expert's bytes", flush=True)
+            for kernel in ("gate_up", "down"):
+                best = None
+                for bm, tn, tk, wp in itertools.product((32, 64), (64, 128), (64, 128), (4, 8)):
+                    M.MOE_CONFIGS.gpu.clear()
+                    M.MOE_CONFIGS.gpu.update(default)
+                    M.MOE_CONFIGS.gpu[(kernel, *fmt, "rows")] = M.MoEConfig(
+                        tile_n=tn, tile_k=tk, num_warps=wp, num_stages=3, block_m=bm, min_rows=2,
+                        fp8_route="f32" if fp8 else "direct")
+                    try:
+                        out = run()
+                        inv = bool(torch.equal(out[0], alone[0]) and torch.equal(out[R - 1], alone[1]))
+                        ms = _time(run, 5)
+                    except Exception as e:  # noqa: BLE001 (shared memory: report, go on)
+                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}: {type(e).__name__}", flush=True)
+                        continue
+                    rows.append(dict(shape=name, fp8=fp8, kernel=kernel, block_m=bm, tile_n=tn, tile_k=tk, warps=wp,
+                                     ms=ms, inv=inv))
+                    if inv and (best is None or ms < best[0]):
+                        best = (ms, bm, tn, tk, wp)
+                    if not inv:
+                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}: ROWS DIFFER from the decode tiles", flush=True)
+                if best:
+                    print(f"   {kernel:8s} best block_m={best[1]} tile_n={best[2]} tile_k={best[3]} warps={best[4]}: "
+                          f"whole call {best[0]:.3f} ms", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    M.MOE_CONFIGS.gpu.clear()
+    M.MOE_CONFIGS.gpu.update(default)
+    with open(os.path.join(args.out, "moe_rows.json"), "w") as f:
+        json.dump(rows, f)
+    print(f"\nsummed over shapes (ms), best 4 per kernel and format; {sum(not r['inv'] for r in rows)} configs "
+          f"changed a row's bits:")
+    for fp8 in (False, True):
+        for kernel in ("gate_up", "down"):
+            tot = {}
+            for r in rows:
+                if r["kernel"] == kernel and r["fp8"] == fp8 and r["inv"]:
+                    tot.setdefault((r["block_m"], r["tile_n"], r["tile_k"], r["warps"]), []).append(r["ms"])
+            full = {k_: sum(v) for k_, v in tot.items() if len(v) == len(SHAPES)}
+            for key, ms in sorted(full.items(), key=lambda t: t[1])[:4]:
+                print(f"  {'fp8 ' if fp8 else 'bf16'} {kernel:8s} block_m={key[0]} tile_n={key[1]} tile_k={key[2]} "
+                      f"warps={key[3]}: {ms:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--rows", type=int, default=0, help="sweep the row-tile entries at this many rows")
     args = ap.parse_args()
+    if args.rows:
+        return sweep_rows(args)
     fp8 = args.fp8
     from ds4t.kernels.weights import quantize
     os.makedirs(args.out, exist_ok=True)

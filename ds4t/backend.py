@@ -147,6 +147,16 @@ def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
 
 
 @triton.jit
+def scaled_add(acc, p, s):
+    """acc + p * s rounded once (a fused multiply-add): how a block-scaled kernel adds a scale block's
+    dot p times its scale s. Written as ``acc + p * s`` the compiler may or may not contract it into an
+    FMA, and on an H200 it did one for mma.sync tiles and the other for wgmma tiles (bench/mma_shapes.py):
+    spelling out the FMA keeps a row's bits independent of the tile shape. The interpreter's fma also
+    rounds once."""
+    return tl.fma(p, s, acc)
+
+
+@triton.jit
 def mma_tf32_exact(a, b, acc):
     """acc + a @ b, fp32 tiles whose values are exact in TF32 (<= 11 significant bits, e.g. bf16 /
     fp16 / fp8 values held in fp32): TF32 tensor cores, every product exact, fp32 accumulation."""

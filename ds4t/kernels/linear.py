@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import FP8_ROUTES, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, tl_dtype, timer
+from ds4t.backend import (INTERPRET, FP8_ROUTES, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, scaled_add,
+                          tl_dtype, timer)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -281,12 +282,12 @@ def _linear_kernel(
                 sc2 = sc[:, None]
             else:
                 sc2 = sc[None, :]
-            acc0 = acc0 + p0 * sc2
+            acc0 = scaled_add(acc0, p0, sc2)
             if M_SUB >= 2:
-                acc1 = acc1 + p1 * sc2
+                acc1 = scaled_add(acc1, p1, sc2)
             if M_SUB >= 4:
-                acc2 = acc2 + p2 * sc2
-                acc3 = acc3 + p3 * sc2
+                acc2 = scaled_add(acc2, p2, sc2)
+                acc3 = scaled_add(acc3, p3, sc2)
     else:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
@@ -473,6 +474,45 @@ block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuri
 
 
 @dataclasses.dataclass(frozen=True)
+class RowTile:
+    """The tile of a launch with many rows (a prefill chunk): ``block_m`` rows x ``block_n`` columns
+    per program, ``block_k`` columns per MMA step, computed as ``x @ w^T`` (wgmma-sized on Hopper).
+    Used when the launch has at least ``min_rows`` rows.
+
+    Why a row's bits do not change: the split-K count, the columns per split and (FP8) the scale-block
+    steps stay the decode config's; only how many rows and columns a program computes and the MMA
+    instruction change. On an H200 every tile shape tried (16-256 rows, 32-256 columns, BLOCK_K 64 /
+    128, mma.sync and wgmma, 2-8 warps) gave bit-identical rows (bench/mma_shapes.py). The
+    interpreter's MMA sums each BLOCK_K step before adding it, so there a row tile keeps the decode
+    config's BLOCK_K (:func:`_row_launch`)."""
+    min_rows: int
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> tuple:
+    """Row tiles by size, smallest ``min_rows`` first. fp32 weights: none (their IEEE fp32 dot is not
+    a tensor-core one). From the bench/mma_shapes.py sweep: 128 x 256 x 64, 8 warps, 3 stages for
+    16-bit weights (389-456 TFLOP/s at 1024 rows); 128 x 128 x 128 for FP8 (228-252 TFLOP/s)."""
+    if w_dtype == torch.float32:
+        return ()
+    if w_dtype == FP8_DTYPE:
+        return (RowTile(min_rows=128, block_m=128, block_n=128, block_k=128),)
+    return (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)
+
+
+LINEAR_ROW_TILES: ConfigTable[tuple] = ConfigTable(
+    "linear_rows", gpu={}, gpu_rule=_gpu_row_tiles,
+    interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: (),
+    source="bench/mma_shapes.py (tile shape vs bits and TFLOP/s on an H200)")
+"""Keyed like :data:`LINEAR_CONFIGS`: the :class:`RowTile` s of a weight shape (empty: every launch
+uses the decode config). The interpreter has none by default (tests force them)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitKSumConfig:
     """Launch constants of the split-K sum: elements per program are
     ``max(min_block, min(max_block, next_pow2(B * N)))``. The sum is elementwise (each element adds
@@ -502,6 +542,14 @@ def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = t
     return LINEAR_CONFIGS(K, N, w_dtype)
 
 
+def linear_row_tiles(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32,
+                     w_block_k: int = 0) -> tuple:
+    """The :class:`RowTile` s of a weight [N, K], keyed as :func:`linear_config`."""
+    if w_dtype == FP8_DTYPE:
+        return LINEAR_ROW_TILES(K, N, w_dtype, w_block_k, x_dtype)
+    return LINEAR_ROW_TILES(K, N, w_dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -512,41 +560,71 @@ def _fp8_parts(weight):
     return weight, None, 0
 
 
-def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None):
-    """``weight``: a float tensor [N, K] or an FP8Weight (``act_dtype``: its activation dtype)."""
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """What one launch of ``_linear_kernel`` uses: the decode config's, or a row tile's."""
+    block_m: int
+    block_n: int
+    block_k: int
+    m_sub: int
+    swap: bool
+    clamp_rows: bool
+    num_warps: int
+    num_stages: int
+
+
+def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, op_name: str) -> _Tiles:
+    """The tiles of a B-row launch: the largest row tile whose ``min_rows`` B reaches, else the decode
+    config's. Only the tile shape changes; the split and K order are ``cfg``'s (:class:`RowTile`). A
+    row tile whose BLOCK_K does not divide the columns per split (per scale block for FP8) takes the
+    decode BLOCK_K, as it always does in the interpreter."""
+    tile = None
+    for t in tiles:
+        if B >= t.min_rows:
+            tile = t
+    if tile is None:
+        return _Tiles(BLOCK_M, cfg.block_n, cfg.block_k, cfg.m_sub, cfg.swap,
+                      _clamp_rows(op_name) and cfg.m_sub == 1, cfg.num_warps, cfg.num_stages)
+    bk = tile.block_k
+    if INTERPRET or kps % bk or kstep % bk:
+        bk = cfg.block_k
+    return _Tiles(tile.block_m, tile.block_n, bk, 1, False, False, tile.num_warps, tile.num_stages)
+
+
+def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: tuple = ()):
+    """``weight``: a float tensor [N, K] or an FP8Weight (``act_dtype``: its activation dtype);
+    ``row_tiles``: the weight shape's :class:`RowTile` s."""
     w, scale, sbk = _fp8_parts(weight)
     B, K = x.shape
     N = w.shape[0]
     kps = cfg.k_per_split(K, sbk)
     kstep = cfg.k_step(K, sbk)
     split = triton.cdiv(K, kps)
-    even_k = (K % kps == 0) and (kps % cfg.block_k == 0)
     if cfg.m_sub not in (1, 2, 4):
         raise ValueError(f"m_sub must be 1, 2 or 4, got {cfg.m_sub}")
-    m_tiles = triton.cdiv(B, BLOCK_M * cfg.m_sub)
+    t = _row_launch(cfg, row_tiles, B, kps, kstep, "linear")
+    even_k = (K % kps == 0) and (kps % t.block_k == 0)
+    m_tiles = triton.cdiv(B, t.block_m * t.m_sub)
     has_bias = bias is not None
     b_arg = bias if has_bias else w  # unused pointer when HAS_BIAS is False
     w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
     fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, FP8_ROUTE=_fp8_route(cfg, act_dtype))
+    tiles = dict(SWAP=t.swap, EVEN_K=even_k, M_SUB=t.m_sub, EVICT=cfg.evict, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                 BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
     if B == 0:
         return out
     if split == 1:
-        grid = (m_tiles, triton.cdiv(N, cfg.block_n), 1)
+        grid = (m_tiles, triton.cdiv(N, t.block_n), 1)
         _linear_kernel[grid](
             x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
-            N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, SWAP=cfg.swap, EVEN_K=even_k,
-            M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            CLAMP_ROWS=_clamp_rows("linear") and cfg.m_sub == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **fp8,
+            N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, CLAMP_ROWS=t.clamp_rows, **tiles, **fp8,
         )
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
-    grid = (m_tiles, triton.cdiv(N, cfg.block_n), split)
+    grid = (m_tiles, triton.cdiv(N, t.block_n), split)
     _linear_kernel[grid](
         x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, SWAP=cfg.swap, EVEN_K=even_k,
-        M_SUB=cfg.m_sub, EVICT=cfg.evict, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
+        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, **tiles, **fp8,
     )
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
@@ -632,13 +710,13 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
     N = weight.shape[0]
     if out is None:
         out = torch.empty((B, N), dtype=torch.float32, device=x.device)
-    if config is not None:
-        cfg = config
-    elif isinstance(weight, FP8Weight):
-        cfg = linear_config(K, N, FP8_DTYPE, adt, weight.block_k)
+    if isinstance(weight, FP8Weight):
+        key = (K, N, FP8_DTYPE, adt, weight.block_k)
     else:
-        cfg = linear_config(K, N, weight.dtype, x.dtype)
-    return _launch(x, weight, bias, out, cfg, adt)
+        key = (K, N, weight.dtype, x.dtype)
+    if config is not None:
+        return _launch(x, weight, bias, out, config, adt)
+    return _launch(x, weight, bias, out, linear_config(*key), adt, linear_row_tiles(*key))
 
 
 def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None, *,

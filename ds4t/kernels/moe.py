@@ -46,8 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, sigmoid,
-                          timer, tl_dtype)
+from ds4t.backend import (FP8_ROUTES, INTERPRET, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, scaled_add,
+                          sigmoid, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -185,8 +185,8 @@ def _moe_gate_up_kernel(
                 j = kb // SBK
                 sg = tl.load(sg_ptr + s_row + j, mask=nm, other=0.0)
                 su = tl.load(su_ptr + s_row + j, mask=nm, other=0.0)
-                acc_g = acc_g + pg * sg[None, :]
-                acc_u = acc_u + pu * su[None, :]
+                acc_g = scaled_add(acc_g, pg, sg[None, :])
+                acc_u = scaled_add(acc_u, pu, su[None, :])
         else:
             for k0 in range(0, D, BK):
                 kk = k0 + tl.arange(0, BK)
@@ -241,7 +241,7 @@ def _moe_down_kernel(
                     else:
                         pd = mma(cast(a, WDT), w, pd)
                 sd = tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0)
-                acc = acc + pd * sd[None, :]
+                acc = scaled_add(acc, pd, sd[None, :])
         else:
             for k0 in range(0, I, BK):
                 kk = k0 + tl.arange(0, BK)
@@ -354,6 +354,8 @@ class MoEConfig:
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     fp8_route: str = "direct"   # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
+    block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
+    min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -375,6 +377,22 @@ _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
 """The interpreter's: few, big programs (it pays per program and per op)."""
 
 
+def _config(kernel: str, fmt: tuple, B: int) -> MoEConfig:
+    """The launch config of a B-row launch: the row-tile entry when B reaches its ``min_rows``, else
+    the decode entry. A row tile changes how many pairs share a weight-tile read and the MMA instruction,
+    not a pair's bits: the K order and (FP8) the scale steps are the same, the conversion route must be
+    (checked here), and on an H200 the tile shape does not change an MMA's bits (bench/mma_shapes.py,
+    bench/moe_tiles.py --rows). The interpreter has one config for every key (its MMA sums each K tile
+    before adding it, so there a row tile must keep the K tile: tests force one that does)."""
+    cfg = MOE_CONFIGS(kernel, *fmt)
+    rows = MOE_CONFIGS(kernel, *fmt, "rows")
+    if rows is None or B < rows.min_rows:
+        return cfg
+    if (rows.fp8_route == "tf32") != (cfg.fp8_route == "tf32"):   # tf32: another MMA, other sums
+        raise ValueError(f"moe {kernel}: a row tile must keep the decode config's MMA route ({cfg.fp8_route})")
+    return rows
+
+
 def _unknown_kernel(kernel: str):
     raise KeyError(f"no MoE launch config for kernel {kernel!r}: the grouped kernels are 'gate_up' and 'down'")
 
@@ -382,13 +400,23 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
                 "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
                 ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3, fp8_route="f32"),
-                ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32")},
-    gpu_rule=lambda kernel, fmt=None: _unknown_kernel(kernel),
-    interp_rule=lambda kernel, fmt=None: _INTERP_CONFIG,
+                ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32"),
+                # row tiles (prefill chunks): see MoEConfig's min_rows and _config()
+                ("gate_up", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=8, num_stages=3, block_m=64,
+                                               min_rows=128),
+                ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=8, num_stages=3, block_m=64,
+                                            min_rows=128),
+                ("gate_up", "fp8", "rows"): MoEConfig(tile_n=128, tile_k=128, num_warps=8, num_stages=3,
+                                                      fp8_route="f32", block_m=64, min_rows=128),
+                ("down", "fp8", "rows"): MoEConfig(tile_n=128, tile_k=128, num_warps=8, num_stages=3,
+                                                   fp8_route="f32", block_m=64, min_rows=128)},
+    gpu_rule=lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else _unknown_kernel(kernel),
+    interp_rule=lambda kernel, *fmt: _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
            "bench/results/2026-11-30-h200-fp8-kernels.md (FP8 weights)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
-weights; the tiles follow from the weight shape (:meth:`MoEConfig.tiles`). Chosen by
+weights, plus a row-tile entry (key + ("rows",)) for launches of many rows; the tiles follow from the
+weight shape (:meth:`MoEConfig.tiles`). Chosen by
 ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three families' expert
 shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. FP8 entries: the best
 summed time of 12 configs per kernel (``bench/moe_tiles.py --fp8``, 2026-11-30): the "f32" route,
@@ -507,7 +535,7 @@ def moe_experts(
         return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
-    cfg = MOE_CONFIGS("gate_up", *fmt)
+    cfg = _config("gate_up", fmt, B)
     BN, BK = cfg.tiles(I, D, sbk)
     kw = launch_kwargs(cfg)
     if fp8:
@@ -518,10 +546,10 @@ def moe_experts(
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         act, act.stride(0),
         D, I, KT, E,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
     # 3. down
-    cfg = MOE_CONFIGS("down", *fmt)
+    cfg = _config("down", fmt, B)
     BN, BK = cfg.tiles(D, I, sbk)
     kw = launch_kwargs(cfg)
     if fp8:
@@ -532,7 +560,7 @@ def moe_experts(
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(0),
         D, I, E,
-        WDT=WDT, BM=BLOCK_M, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
     )
     return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
 

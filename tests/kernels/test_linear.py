@@ -502,3 +502,72 @@ def test_fp8_routes(device, adt):
         assert all(torch.equal(y2[i:i + 1], run("tf32", x[i:i + 1])) for i in (0, 7, 19))
     ref = linear_ref(x, w, b, act_dtype=adt)
     assert ((y2 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+# ----------------------------------------------------------------------------- row tiles (prefill chunks)
+
+def _row_tile_case(fmt, device, B=70, K=300, N=200):
+    if fmt == "fp8":
+        x, w, b = _fp8_data(B, K, N, torch.bfloat16, device, seed=41)
+        return x, w, b, dict(act_dtype=torch.bfloat16)
+    x, w, b = _data(B, K, N, torch.bfloat16, device=device, seed=41)
+    return x, w, b, {}
+
+
+def _rows_vs_alone(monkeypatch, fmt, device, split, tile):
+    """(the B-row launch, each row launched alone, the tiles the B-row launch used)."""
+    x, w, b, kw = _row_tile_case(fmt, device)
+    dec = LinearConfig(block_n=64, block_k=64, split=split, swap=True)
+    monkeypatch.setattr(L, "linear_config", lambda *a, **k: dec)
+    monkeypatch.setattr(L, "linear_row_tiles", lambda *a, **k: (tile,))
+    used = []
+    real = L._row_launch
+    monkeypatch.setattr(L, "_row_launch", lambda *a: used.append(real(*a)) or used[-1])
+    full = linear(x, w, b, out=poisoned((x.shape[0], w.shape[0])), **kw)
+    alone = torch.cat([linear(x[i:i + 1], w, b, **kw) for i in range(x.shape[0])])
+    return full, alone, used
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_row_tile_keeps_every_rows_bits(device, monkeypatch, fmt, split):
+    """A launch of >= min_rows rows runs the row tile (32 x 128 here, the decode config 16 x 64 swapped);
+    every row equals that row launched alone (the decode tile), bit for bit, with and without split-K.
+    On the GPU the tile also changes BLOCK_K (64 -> 32) and the MMA instruction."""
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2)
+    full, alone, used = _rows_vs_alone(monkeypatch, fmt, device, split, tile)
+    assert (used[0].block_m, used[0].block_n, used[0].swap) == (32, 128, False)
+    assert all(u.block_m == L.BLOCK_M for u in used[1:])
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU BLOCK_K changes no bit")
+def test_row_tile_control_a_changed_k_tile_is_caught(monkeypatch):
+    """Negative control: were a row tile allowed its own BLOCK_K in the interpreter (where a K tile's
+    products are summed before being added), the rows would differ and the test above would fail."""
+    monkeypatch.setattr(L, "INTERPRET", False)
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2)
+    full, alone, used = _rows_vs_alone(monkeypatch, "bf16", "cpu", 1, tile)
+    assert used[0].block_k == 32
+    assert not torch.equal(full, alone)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the GPU tables' row tiles (the interpreter has none)")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_table_row_tiles_keep_every_rows_bits(device, fmt):
+    """The GPU's own row tiles at a decode shape (2048 x 12288): 300 rows in one launch (the row tile)
+    equal each row alone (the decode config), bit for bit."""
+    K, N, B = 2048, 12288, 300
+    if fmt == "fp8":
+        x, w, b = _fp8_data(B, K, N, torch.bfloat16, device, seed=43)
+        kw = dict(act_dtype=torch.bfloat16)
+        tiles = L.linear_row_tiles(K, N, torch.float8_e4m3fn, torch.bfloat16, 128)
+    else:
+        x, w, b = _data(B, K, N, torch.bfloat16, device=device, seed=43)
+        kw = {}
+        tiles = L.linear_row_tiles(K, N, torch.bfloat16, torch.float32)
+    assert tiles and B >= tiles[0].min_rows
+    full = linear(x, w, b, **kw)
+    for i in (0, 1, 127, 128, 299):
+        assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w, b, **kw)), i

@@ -477,7 +477,7 @@ def test_fp8_routes(adt):
 
     def run(route, rows=slice(None)):
         cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route)
-        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, fmt=None: cfg):
+        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *fmt: cfg):
             return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
                                out=poisoned((h[rows].shape[0], D)))
 
@@ -491,3 +491,57 @@ def test_fp8_routes(adt):
     assert all(torch.equal(y2[i:i + 1], run("tf32", slice(i, i + 1))) for i in (0, 4, 8))
     ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
     assert ((y2 - ref).abs().max() / ref.abs().max()).item() <= FP8_TOL[adt]
+
+
+# ----------------------------------------------------------------------------- row tiles (prefill chunks)
+
+def _row_tile_run(fmt, row_cfg, device, B=24):
+    """(B rows in one launch, each row alone): experts 0..4 of 6 (5: shared), k = 2; the decode config
+    (16-row tiles) for one row, ``row_cfg`` (a ("rows",) entry) for B rows."""
+    E, I, D, k = 6, 72, 200, 2
+    if fmt == "fp8":
+        wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 61))
+        adt = torch.bfloat16
+    else:
+        wg, wu, wd = (w.to(device) for w in _weights(E, I, D, torch.bfloat16, 61))
+        adt = None
+    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=62))
+    h = torch.randn(B, D, generator=gen(63)).to(device)
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32" if fmt == "fp8" else "direct")
+
+    def run(rows):
+        with use_variants({"moe_experts": GPU}), \
+                M.MOE_CONFIGS.forced(lambda kernel, *f: row_cfg if f[-1:] == ("rows",) else base):
+            return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
+                               out=poisoned((h[rows].shape[0], D)))
+
+    return run(slice(None)), torch.cat([run(slice(i, i + 1)) for i in range(B)])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_row_tile_keeps_every_pairs_bits(device, fmt):
+    """A launch of >= min_rows rows runs the ("rows",) entry (32-pair tiles, 64 columns, other warps);
+    every row equals that row launched alone with the decode tiles (16 pairs), bit for bit."""
+    row_cfg = M.MoEConfig(tile_n=64, tile_k=64, num_warps=8, num_stages=2, block_m=32, min_rows=8,
+                          fp8_route="f32" if fmt == "fp8" else "direct")
+    full, alone = _row_tile_run(fmt, row_cfg, device)
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU the K tile changes no bit")
+def test_row_tile_control_a_changed_k_tile_is_caught(device):
+    """Negative control: a row entry with another K tile (the interpreter sums each K tile before adding
+    it) changes the rows, and the comparison above catches it."""
+    row_cfg = M.MoEConfig(tile_n=64, tile_k=32, block_m=32, min_rows=8)
+    full, alone = _row_tile_run("bf16", row_cfg, device)
+    assert not torch.equal(full, alone)
+
+
+def test_row_tile_must_keep_the_mma_route():
+    """A row entry with the tf32 route under a 16-bit-route decode entry would change bits: refused."""
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32")
+    bad = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="tf32", block_m=32, min_rows=1)
+    with M.MOE_CONFIGS.forced(lambda kernel, *f: bad if f[-1:] == ("rows",) else base):
+        with pytest.raises(ValueError, match="route"):
+            M._config("gate_up", ("fp8",), 4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, tl_dtype
+from ds4t.backend import cast, scaled_add, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.moe import _INTERP_CONFIG, _pair_expert, _pair_weight, k_step
 from ds4t.kernels.weights import FP8Weight
@@ -154,11 +154,11 @@ def _fp8_rows(h_row, e3, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, wd_ptr, d_ptrs, sd_
                 sg = tl.load(sg_ptr + s_gu + kb // SBK, mask=smask, other=0.0)
                 su = tl.load(su_ptr + s_gu + kb // SBK, mask=smask, other=0.0)
             if kb == 0:
-                acc_g = 0.0 + bg * sg
-                acc_u = 0.0 + bu * su
+                acc_g = scaled_add(0.0, bg, sg)
+                acc_u = scaled_add(0.0, bu, su)
             else:
-                acc_g = acc_g + bg * sg
-                acc_u = acc_u + bu * su
+                acc_g = scaled_add(acc_g, bg, sg)
+                acc_u = scaled_add(acc_u, bu, su)
         act = cast(_silu(acc_g) * acc_u, WDT).to(tl.float32)[:, :, :, None]   # [ROWS, KP, BI, 1]
         # down: this I chunk is one BI (= the down kernel's BK) chunk of a KSTEP_I scale block
         pd = _down_chunk(act, i0, ii, dd, wd_ptr, d_ptrs, sd_k, D, I, EVEN)
@@ -173,9 +173,9 @@ def _fp8_rows(h_row, e3, wg_ptr, wu_ptr, g_ptrs, sw_k, sw_n, wd_ptr, d_ptrs, sd_
             else:
                 sd = tl.load(sd_ptr + s_d, mask=(dd < D)[None, None, :], other=0.0)
             if i0 < KSTEP_I:
-                y = 0.0 + bd * sd
+                y = scaled_add(0.0, bd, sd)
             else:
-                y = y + bd * sd
+                y = scaled_add(y, bd, sd)
     out = tl.sum(wj[:, :, None] * y, axis=1)
     rm = (r < B)[:, None]
     if D == BD:
