@@ -27,7 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.hf_peer import median_ms  # noqa: E402
-from ds4t.backend import cast, scaled_add  # noqa: E402
+from ds4t.backend import cast, fp8_to, scaled_add  # noqa: E402
 from ds4t.kernels import linear as lin  # noqa: E402
 from ds4t.kernels.weights import quantize  # noqa: E402
 
@@ -148,10 +148,55 @@ def main() -> None:
                           f"{tf:.0f} TFLOP/s", flush=True)
     lines = ["| fmt | K x N | rows | tile | wgmma | elements != decode | ms | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} | {r[6]:.3f} | {r[7]:.0f} |" for r in rows]
-    lines += ["", *linear_rows(a, dev)]
+    lines += ["", *fp8_causes(dev), "", *linear_rows(a, dev)]
     with open(os.path.join(out, "mma_shapes.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+@triton.jit
+def _cvt(src_ptr, dst_ptr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ROUTE: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BC)
+    for c0 in range(0, C, BC):
+        w = tl.load(src_ptr + r[:, None] * C + (c0 + c)[None, :])
+        tl.store(dst_ptr + r[:, None] * C + (c0 + c)[None, :], fp8_to(w, tl.bfloat16, ROUTE).to(tl.float32))
+
+
+def fp8_causes(dev) -> list:
+    """Why FP8 rows change with the tile: (1) every fp8 code converted to bf16 by each route in tiles of
+    several shapes, against torch's conversion; (2) the FP8 GEMM probe again on weights whose
+    subnormal fp8 codes are zeroed."""
+    out = ["| check | tile | route | elements != torch |", "|---|---|---|---|"]
+    codes = torch.arange(256, dtype=torch.uint8, device=dev).repeat(64, 4).view(torch.float8_e4m3fn)   # [64, 1024]
+    want = codes.float()
+    nan = torch.isnan(want)
+    for br, bc, warps in ((16, 64, 2), (16, 128, 4), (64, 64, 4), (128, 128, 8), (32, 256, 8)):
+        for route in (0, 1):
+            got = torch.empty_like(want)
+            _cvt[(64 // br,)](codes, got, C=1024, BR=br, BC=bc, ROUTE=route, num_warps=warps)
+            bad = int(((got != want) & ~nan).sum() + (torch.isnan(got) != nan).sum())
+            out.append(f"| fp8 -> bf16 convert | {br}x{bc} w{warps} | {route} | {bad} |")
+    K, N, M = 2048, 12288, 1024
+    wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+    w8 = quantize(wb.float(), (128, 128))
+    bits = w8.data.view(torch.uint8)
+    sub = ((bits & 0x78) == 0) & ((bits & 0x07) != 0)
+    out.append(f"| subnormal fp8 codes in the {N}x{K} weight | | | {int(sub.sum())} |")
+    data = torch.where(sub, torch.zeros_like(bits), bits).view(torch.float8_e4m3fn)
+    x = torch.randn(M, K, device=dev)
+    cfg = lin.linear_config(K, N, torch.float8_e4m3fn, torch.bfloat16, 128)
+    from ds4t.kernels.weights import FP8Weight
+    w8z = FP8Weight(data, w8.scale, w8.block_k)
+    ref = lin.linear(x, w8z, act_dtype=torch.bfloat16, config=lin.LinearConfig(**{**cfg.__dict__, "split": 1}))
+    for bm, bn, bk, swap, warps, stages in CONFIGS[:6]:
+        y, k = gemm(x, data, w8.scale, 128, bm, bn, bk, swap, warps, stages)
+        diff = int((y.view(torch.int32) != ref.view(torch.int32)).sum())
+        out.append(f"| GEMM, subnormals zeroed, vs decode | {bm}x{bn}x{bk}{' swap' if swap else ''} w{warps} "
+                   f"(wgmma={'wgmma' in k.asm.get('ptx', '')}) | f32 | {diff} |")
+    for line in out:
+        print(line, flush=True)
+    return out
 
 
 def linear_rows(a, dev) -> list:

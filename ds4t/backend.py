@@ -150,9 +150,8 @@ def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
 def scaled_add(acc, p, s):
     """acc + p * s rounded once (a fused multiply-add): how a block-scaled kernel adds a scale block's
     dot p times its scale s. Written as ``acc + p * s`` the compiler may or may not contract it into an
-    FMA, and on an H200 it did one for mma.sync tiles and the other for wgmma tiles (bench/mma_shapes.py):
-    spelling out the FMA keeps a row's bits independent of the tile shape. The interpreter's fma also
-    rounds once."""
+    FMA, a choice that can differ between kernels; spelled out, every kernel and the interpreter (whose
+    fma also rounds once) round it the same way."""
     return tl.fma(p, s, acc)
 
 

@@ -494,13 +494,14 @@ class RowTile:
 
 
 def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> tuple:
-    """Row tiles by size, smallest ``min_rows`` first. fp32 weights: none (their IEEE fp32 dot is not
-    a tensor-core one). From the bench/mma_shapes.py sweep: 128 x 256 x 64, 8 warps, 3 stages for
-    16-bit weights (389-456 TFLOP/s at 1024 rows); 128 x 128 x 128 for FP8 (228-252 TFLOP/s)."""
-    if w_dtype == torch.float32:
+    """Row tiles by size, smallest ``min_rows`` first: 128 x 256 x 64, 8 warps, 3 stages for 16-bit
+    weights from 128 rows (bench/mma_shapes.py on an H200: 389-485 TFLOP/s at 1024-4096 rows, 1.5-5.3x
+    the decode tiles, bitwise equal; below 128 rows no faster). None for fp32 weights (an IEEE fp32
+    dot, not a tensor-core one) and none for FP8 weights: there the same sweep found rows whose bits
+    change with the tile (wgmma tiles against the decode config's mma.sync ones, and in the grouped MoE
+    kernels 32- against 16-row tiles), so FP8 launches keep the decode config at every size."""
+    if w_dtype in (torch.float32, FP8_DTYPE):
         return ()
-    if w_dtype == FP8_DTYPE:
-        return (RowTile(min_rows=128, block_m=128, block_n=128, block_k=128),)
     return (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)
 
 

@@ -401,15 +401,11 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                 "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
                 ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3, fp8_route="f32"),
                 ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32"),
-                # row tiles (prefill chunks): see MoEConfig's min_rows and _config()
-                ("gate_up", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=8, num_stages=3, block_m=64,
+                # row tiles (prefill chunks; MoEConfig.min_rows, _config()): bf16 only, see below
+                ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128),
-                ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=8, num_stages=3, block_m=64,
-                                            min_rows=128),
-                ("gate_up", "fp8", "rows"): MoEConfig(tile_n=128, tile_k=128, num_warps=8, num_stages=3,
-                                                      fp8_route="f32", block_m=64, min_rows=128),
-                ("down", "fp8", "rows"): MoEConfig(tile_n=128, tile_k=128, num_warps=8, num_stages=3,
-                                                   fp8_route="f32", block_m=64, min_rows=128)},
+                ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
+                                            min_rows=128)},
     gpu_rule=lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
@@ -420,7 +416,10 @@ weight shape (:meth:`MoEConfig.tiles`). Chosen by
 ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three families' expert
 shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. FP8 entries: the best
 summed time of 12 configs per kernel (``bench/moe_tiles.py --fp8``, 2026-11-30): the "f32" route,
-15-30 % faster than the bf16 tiles with direct conversion."""
+15-30 % faster than the bf16 tiles with direct conversion. Row entries: the best summed time of 16
+configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
+equal to the decode tiles in bf16; none for FP8, where every row config of that sweep changed a row's
+bits (bench/results/2026-11-30-h200-prefill.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +536,10 @@ def moe_experts(
     # 2. gate/up + activation
     cfg = _config("gate_up", fmt, B)
     BN, BK = cfg.tiles(I, D, sbk)
+    if cfg.block_m > BLOCK_M and adt in (torch.bfloat16, torch.float16) and h.dtype == torch.float32:
+        # A row tile reads h once per N tile: round it to A here, once (round to nearest even, what
+        # the kernel's cast does to every load), and each program reads half the bytes; same bits.
+        h = h.to(adt)
     kw = launch_kwargs(cfg)
     if fp8:
         kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),

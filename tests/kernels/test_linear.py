@@ -529,7 +529,9 @@ def _rows_vs_alone(monkeypatch, fmt, device, split, tile):
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", pytest.param("fp8", marks=pytest.mark.skipif(
+    not INTERPRET, reason="on an H200 an FP8 row's bits change with the tile (bench/mma_shapes.py): the GPU has "
+                          "no FP8 row tiles"))])
 def test_row_tile_keeps_every_rows_bits(device, monkeypatch, fmt, split):
     """A launch of >= min_rows rows runs the row tile (32 x 128 here, the decode config 16 x 64 swapped);
     every row equals that row launched alone (the decode tile), bit for bit, with and without split-K.
@@ -554,20 +556,14 @@ def test_row_tile_control_a_changed_k_tile_is_caught(monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRET, reason="the GPU tables' row tiles (the interpreter has none)")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_table_row_tiles_keep_every_rows_bits(device, fmt):
-    """The GPU's own row tiles at a decode shape (2048 x 12288): 300 rows in one launch (the row tile)
-    equal each row alone (the decode config), bit for bit."""
+def test_table_row_tiles_keep_every_rows_bits(device):
+    """The GPU's own row tile at a decode shape (2048 x 12288, bf16): 300 rows in one launch (the row
+    tile) equal each row alone (the decode config), bit for bit. FP8 weights have no row tiles."""
     K, N, B = 2048, 12288, 300
-    if fmt == "fp8":
-        x, w, b = _fp8_data(B, K, N, torch.bfloat16, device, seed=43)
-        kw = dict(act_dtype=torch.bfloat16)
-        tiles = L.linear_row_tiles(K, N, torch.float8_e4m3fn, torch.bfloat16, 128)
-    else:
-        x, w, b = _data(B, K, N, torch.bfloat16, device=device, seed=43)
-        kw = {}
-        tiles = L.linear_row_tiles(K, N, torch.bfloat16, torch.float32)
+    x, w, b = _data(B, K, N, torch.bfloat16, device=device, seed=43)
+    tiles = L.linear_row_tiles(K, N, torch.bfloat16, torch.float32)
     assert tiles and B >= tiles[0].min_rows
-    full = linear(x, w, b, **kw)
+    assert L.linear_row_tiles(K, N, torch.float8_e4m3fn, torch.bfloat16, 128) == ()
+    full = linear(x, w, b)
     for i in (0, 1, 127, 128, 299):
-        assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w, b, **kw)), i
+        assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w, b)), i
