@@ -141,7 +141,7 @@ def _moe_gate_up_kernel(
     act_ptr, sa_p,
     D, I, KTOP, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr, ACT_ROUNDED: tl.constexpr,
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0,
 ):
@@ -200,6 +200,8 @@ def _moe_gate_up_kernel(
                 acc_g = mma(a, wg, acc_g)
                 acc_u = mma(a, wu, acc_u)
         act = _silu(acc_g) * acc_u
+        if ACT_ROUNDED:   # a 16-bit act buffer: rounded here as the down kernel would round each load
+            act = cast(act, WDT)
         tl.store(act_ptr + p[:, None] * sa_p + n[None, :], act, mask=qm[:, None] & nm[None, :])
 
 
@@ -233,7 +235,7 @@ def _moe_down_kernel(
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
                     a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :],
-                                other=0.0)
+                                other=0.0).to(tl.float32)
                     w = fp8_to(tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
                                        mask=km[:, None] & nm[None, :], other=0.0), WDT, FP8_ROUTE)
                     if FP8_ROUTE == 2:
@@ -247,7 +249,7 @@ def _moe_down_kernel(
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
                 a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-                a = cast(a, WDT)
+                a = cast(a.to(tl.float32), WDT)
                 w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
                             mask=km[:, None] & nm[None, :], other=0.0)
                 acc = mma(a, w, acc)
@@ -510,7 +512,10 @@ def moe_experts(
     P = B * KT
     # 1. group pairs by expert on the device (pairs of an expert in pair order)
     order, bounds = group_pairs(ids, E, shared_expert)
-    act = torch.empty((P, I), dtype=torch.float32, device=dev)
+    # silu(g)·u is rounded to A before the down product: with a 16-bit A the gate/up kernel stores it
+    # rounded (half the bytes the down kernel reads once per D tile; same bits).
+    act_rounded = not gguf and adt in (torch.bfloat16, torch.float16)
+    act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
     y = torch.empty((P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
     fmt = ("fp8",) if fp8 else ()
@@ -549,7 +554,7 @@ def moe_experts(
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         act, act.stride(0),
         D, I, KT, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded, **kw,
     )
     # 3. down
     cfg = _config("down", fmt, B)

@@ -23,7 +23,7 @@ EXPECTED = {
     "conv": {"CONV_CONFIGS": "conv1d"},
     "embedding": {"EMBEDDING_CONFIGS": "embedding"},
     "gdn": {"GDN_CONFIGS": "gdn"},
-    "linear": {"LINEAR_CONFIGS": "linear", "SPLITK_SUM_CONFIGS": "splitk_sum"},
+    "linear": {"LINEAR_CONFIGS": "linear", "LINEAR_ROW_TILES": "linear_rows", "SPLITK_SUM_CONFIGS": "splitk_sum"},
     "mla": {"MLA_CONFIGS": "mla_decode", "WRITE_LATENT_CONFIGS": "write_latent"},
     "moe": {"MOE_CONFIGS": "moe", "MOE_COMBINE_CONFIGS": "moe_combine"},
     "norm": {"NORM_CONFIGS": "rms_norm"},

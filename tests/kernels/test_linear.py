@@ -523,7 +523,7 @@ def _rows_vs_alone(monkeypatch, fmt, device, split, tile):
     used = []
     real = L._row_launch
     monkeypatch.setattr(L, "_row_launch", lambda *a: used.append(real(*a)) or used[-1])
-    full = linear(x, w, b, out=poisoned((x.shape[0], w.shape[0])), **kw)
+    full = linear(x, w, b, out=poisoned((x.shape[0], w.shape[0]), device=device), **kw)
     alone = torch.cat([linear(x[i:i + 1], w, b, **kw) for i in range(x.shape[0])])
     return full, alone, used
 

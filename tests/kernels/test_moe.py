@@ -513,7 +513,7 @@ def _row_tile_run(fmt, row_cfg, device, B=24):
         with use_variants({"moe_experts": GPU}), \
                 M.MOE_CONFIGS.forced(lambda kernel, *f: row_cfg if f[-1:] == ("rows",) else base):
             return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
-                               out=poisoned((h[rows].shape[0], D)))
+                               out=poisoned((h[rows].shape[0], D), device=device))
 
     return run(slice(None)), torch.cat([run(slice(i, i + 1)) for i in range(B)])
 
