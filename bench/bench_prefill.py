@@ -74,6 +74,33 @@ def weight_flops_per_token(model) -> tuple:
     return dense, head
 
 
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), median of 10: the bandwidth a kernel reaching
+    every weight once can hope for."""
+    if device.type != "cuda":
+        return float("inf")
+    src = torch.empty(1 << 28, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 10, 3, device)
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def weight_bytes_per_chunk(model, n: int) -> float:
+    """Bytes of weights an n-token chunk must read once: every matrix, routed experts weighted by the
+    expected fraction hit by n tokens of top-k uniform routing, E * (1 - (1 - k/E)^n) of E."""
+    params = {k: v for k, v in model.parameters().items() if not k.startswith("mtp.") and k != "embed"}
+    rc = getattr(model, "router_cfg", None)
+    E = rc.num_experts if rc else 0
+    hit = 1 - (1 - rc.top_k / E) ** n if E else 1.0
+    total = 0.0
+    for t in params.values():
+        b = float(t.nbytes)
+        if E and t.dim() == 3 and t.shape[0] in (E, E + 1):
+            b = b / t.shape[0] * (E * hit + (t.shape[0] - E))
+        total += b
+    return total
+
+
 def attention_flops(model, p0: int, n: int) -> float:
     """Score and value products of n tokens at positions p0 .. p0 + n - 1 (each attends to p + 1 positions)."""
     c = model.cfg
@@ -90,7 +117,7 @@ def attention_flops(model, p0: int, n: int) -> float:
     return total
 
 
-def bench_model(name, args, peak, device, rows):
+def bench_model(name, args, peak, device, rows, bw=float("inf")):
     log(f"\n## {name}\n")
     t0 = time.time()
     model = ds4t.load(name, device=device)
@@ -116,10 +143,15 @@ def bench_model(name, args, peak, device, rows):
         ms = sum(times)
         tok_s = args.prompt / (ms * 1e-3)
         tflops = sum(flops) / (ms * 1e-3)
+        # roofline of the whole prompt: each chunk needs max(its weight bytes / copy BW, its FLOPs / peak)
+        floor = sum(max(weight_bytes_per_chunk(model, min(chunk, args.prompt - p0)) / bw, f / peak) * 1e3
+                    for p0, f in zip(range(0, args.prompt, chunk), flops))
         rows.append(dict(model=name, chunk=chunk, prompt=args.prompt, ms=ms, tok_s=tok_s, tflops=tflops / 1e12,
-                         frac=tflops / peak, first_ms=times[0], last_ms=times[-1]))
+                         frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor))
         log(f"chunk {chunk}: {args.prompt} tokens in {ms:.1f} ms = {tok_s:,.0f} tok/s; {tflops / 1e12:.1f} TFLOP/s "
-            f"= {100 * tflops / peak:.1f} % of the bf16 peak; first chunk {times[0]:.2f} ms, last {times[-1]:.2f} ms")
+            f"= {100 * tflops / peak:.1f} % of the bf16 peak; first chunk {times[0]:.2f} ms, last {times[-1]:.2f} ms; "
+            f"roofline {floor:.1f} ms (max of weight bytes / copy BW and FLOPs / peak per chunk) = "
+            f"{100 * floor / ms:.0f} % of it reached")
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -168,17 +200,21 @@ def main() -> int:
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
     peak = matmul_peak(device)
+    bw = copy_bandwidth(device)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run)"
     log(f"# ds4t prefill on {where}")
-    log(f"commit {args.commit or '?'}; torch {torch.__version__}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
+    log(f"commit {args.commit or '?'}; torch {torch.__version__}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s")
     log("command: python bench/bench_prefill.py " + " ".join(sys.argv[1:]))
     rows, ok = [], True
     for name in args.models.split(","):
-        ok &= bench_model(name, args, peak, device, rows)
-    log("\n| model | chunk | tok/s | TFLOP/s | % of bf16 peak | chunk-invariant (control caught) |")
-    log("|---|---|---|---|---|---|")
+        ok &= bench_model(name, args, peak, device, rows, bw)
+    log("\n| model | chunk | tok/s | TFLOP/s | % of bf16 peak | roofline ms / measured ms | "
+        "chunk-invariant (control caught) |")
+    log("|---|---|---|---|---|---|---|")
     for r in rows:
         log(f"| {r['model']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | {100 * r['frac']:.1f} % | "
+            f"{r['floor_ms']:.1f} / {r['ms']:.1f} = {100 * r['floor_ms'] / r['ms']:.0f} % | "
             f"{'yes' if r.get('chunk_invariant') else 'NO'} |")
     with open(os.path.join(args.out, "prefill.md"), "w") as f:
         f.write("\n".join(LOG) + "\n")

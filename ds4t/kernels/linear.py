@@ -10,7 +10,10 @@ Batch invariance (the rules: docs/kernel-conventions.md): every launch parameter
 BLOCK_K, the split-K count, warps, stages and whether the product is computed as ``x @ w^T`` or
 ``(w @ x^T)^T`` -- comes from :func:`linear_config`, a function of ``(K, N, weight dtype, x dtype)``
 only, never of B. Rows are
-tiled in fixed tiles of ``BLOCK_M = 16``; more rows only add M tiles. With a split-K count S > 1
+tiled in fixed tiles of ``BLOCK_M = 16``; more rows only add M tiles. One measured exception: a
+launch of at least a :class:`RowTile`'s ``min_rows`` rows (a prefill chunk; 16-bit weights on the GPU)
+runs that bigger tile with the decode config's split and K order, which on an H200 gives every row
+the same bits (:data:`LINEAR_ROW_TILES`). With a split-K count S > 1
 each of the S programs of an output tile writes its fp32 partial sum to a workspace and a second
 kernel adds the S partials in the fixed order 0..S-1 (no atomics). So a row's bits never depend
 on how many rows share the launch or where the row sits.
@@ -23,9 +26,9 @@ slower at B <= 16 (bench/results/2026-11-29-h200-kernels.md).
 GPU configs of the four decode weight shapes were swept on an H200 (bench/bench_kernels.py
 --sweep; bench/results/2026-11-29-h200-kernels.md): 88-107% of the 4.1-4.2 TB/s copy bandwidth
 for B <= 16 on the >= 100 MB weights, on par with or ahead of cuBLAS, bitwise batch-invariant
-for B = 1..64. Other shapes use a heuristic that also reads only (K, N). Known gap: B > 16 runs
-one program per 16-row tile, each re-reading its weight tile (B = 64: ~40% of copy bandwidth;
-cuBLAS ~85%).
+for B = 1..64. Other shapes use a heuristic that also reads only (K, N). Known gap: 16 < B < 128
+runs one program per 16-row tile, each re-reading its weight tile (B = 64: ~40% of copy bandwidth;
+cuBLAS ~85%); from 128 rows the row tile reaches 325-485 TFLOP/s (bench/mma_shapes.py).
 
 On the GPU, BLOCK_K does not change a row's bits (tl.dot accumulates into one accumulator in K
 order); the split-K count does.
