@@ -49,3 +49,41 @@ def test_cli_chunks_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         main(["exactness", "--model", "tiny-qwen", "--chunks", "0,4"])
     assert "positive chunk sizes" in capsys.readouterr().err
+
+
+def _row_tiles(monkeypatch, k_tile_changes: bool = False):
+    """Row tiles forced on in the interpreter from 8 rows (linear: 32 x 64; MoE grouped kernels: 32-pair
+    tiles): the whole-prompt prefill (12 rows) runs them, chunks of 1 and 5 and the token-by-token rows
+    the decode tiles. ``k_tile_changes``: let the row tile keep its own BLOCK_K (32) in the interpreter,
+    whose MMA sums each K tile before adding it — a row tile that changed the K order."""
+    import contextlib
+
+    from ds4t.kernels import linear as L
+    from ds4t.kernels import moe as M
+    from ds4t.kernels.registry import GPU, use_variants
+
+    if k_tile_changes:
+        monkeypatch.setattr(L, "INTERPRET", False)
+    tile = L.RowTile(min_rows=8, block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    base = M.MOE_CONFIGS.interp_rule("gate_up")
+    rows = M.MoEConfig(tile_n=64, tile_k=base.tile_k, block_m=32, min_rows=8)
+    stack = contextlib.ExitStack()
+    stack.enter_context(L.LINEAR_ROW_TILES.forced(lambda *key: (tile,)))
+    stack.enter_context(M.MOE_CONFIGS.forced(lambda kernel, *f: rows if f[-1:] == ("rows",) else base))
+    stack.enter_context(use_variants({"moe_experts": GPU}))
+    return stack
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-deepseek", "tiny-glm"])
+def test_row_tiles_keep_chunk_invariance(monkeypatch, preset):
+    """With row tiles on (what a prefill chunk of >= 128 rows runs on the GPU), the whole prompt, its
+    chunks and token-by-token decoding still give the same logits and state, bit for bit."""
+    with _row_tiles(monkeypatch):
+        rep = run_chunk_check(ds4t.load(preset), PROMPT, chunks=(1, 5, len(PROMPT)))
+    assert rep.ok, rep.first_mismatch
+
+
+def test_row_tiles_control_a_changed_k_order_is_caught(monkeypatch):
+    with _row_tiles(monkeypatch, k_tile_changes=True):
+        rep = run_chunk_check(ds4t.load("tiny-qwen"), PROMPT, chunks=(1,), in_batch=False)
+    assert not rep.ok and "logits differ from the whole prompt" in rep.first_mismatch
