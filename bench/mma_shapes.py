@@ -14,6 +14,14 @@ split). It also reports TFLOP/s per config and whether the PTX used wgmma.
 
 Then ``linear`` itself at B = 64 .. 4096 rows: with its row tiles (``LINEAR_ROW_TILES``) against the
 decode config alone, bitwise equal, each timed. Short tables are printed last.
+
+``--kwidth`` (no GPU needed: compiles for sm_90 with Triton's own compiler): for bf16 weights and for fp8
+weights converted to bf16 three ways, at mma.sync and wgmma tile shapes, whether the dot became wgmma and
+the ``kWidth`` of its operand layouts. A dot whose operands come from 8-bit loads gets kWidth 4 on mma.sync
+(each thread holds 4 consecutive K elements: the K order inside the MMA steps is permuted, the same for
+both operands, so the product is right but summed in another order) and kWidth 2 on wgmma; every bf16 dot
+gets kWidth 2. That is why FP8 rows differ between the decode config (mma.sync) and wgmma tiles while bf16
+rows do not.
 """
 from __future__ import annotations
 
@@ -22,6 +30,10 @@ import os
 import sys
 
 import torch
+
+if "--kwidth" in sys.argv:   # compile-only: real GPU kernels (not the interpreter), no device needed
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.cuda.is_available = lambda: True
 import triton
 import triton.language as tl
 
@@ -107,8 +119,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x14336,2048x12288,7168x18432")
     ap.add_argument("--linear-rows", default="64,128,256,1024,4096")
     ap.add_argument("--skip-probe", action="store_true", help="only the linear row-tile table")
+    ap.add_argument("--kwidth", action="store_true", help="compile-only layout table (no GPU needed), then exit")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args()
+    if a.kwidth:
+        print("\n".join(kwidth_table()))
+        return
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = os.environ.get("OUT", "out")
@@ -161,6 +177,51 @@ def _cvt(src_ptr, dst_ptr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, 
     for c0 in range(0, C, BC):
         w = tl.load(src_ptr + r[:, None] * C + (c0 + c)[None, :])
         tl.store(dst_ptr + r[:, None] * C + (c0 + c)[None, :], fp8_to(w, tl.bfloat16, ROUTE).to(tl.float32))
+
+
+@triton.jit
+def _opaque_bf16(x):
+    """Identity on bf16 pairs through inline PTX (the compiler cannot see the values' origin)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _kwidth_probe(x_ptr, w_ptr, y_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr):
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(0, 512, BK):
+        x = tl.load(x_ptr + rm[:, None] * 512 + (kk + rk)[None, :]).to(tl.bfloat16)
+        w = tl.load(w_ptr + rn[None, :] * 512 + (kk + rk)[:, None])
+        if MODE == 1:
+            w = w.to(tl.bfloat16)
+        elif MODE == 2:
+            w = w.to(tl.float32).to(tl.bfloat16)
+        elif MODE == 3:
+            w = _opaque_bf16(w.to(tl.bfloat16))
+        acc = tl.dot(x, w, acc)
+    tl.store(y_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+
+def kwidth_table() -> list:
+    """Compile-only (sm_90): wgmma or not and the dot operands' kWidth, per weight type and tile."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = ["| weights | rows x warps | wgmma | kWidth |", "|---|---|---|---|"]
+    for wt, mode, name in (("*bf16", 0, "bf16"), ("*fp8e4nv", 1, "fp8 -> bf16"), ("*fp8e4nv", 2, "fp8 -> fp32 -> bf16"),
+                           ("*fp8e4nv", 3, "fp8 -> bf16 -> inline-asm identity")):
+        for bm, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (128, 8)):
+            sig = {"x_ptr": "*fp32", "w_ptr": wt, "y_ptr": "*fp32"}
+            c = triton.compile(ASTSource(fn=_kwidth_probe, signature=sig,
+                                         constexprs=dict(BM=bm, BN=64, BK=64, MODE=mode)),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+            kw = ",".join(sorted(set(re.findall(r"kWidth = (\d+)", c.asm["ttgir"]))))
+            out.append(f"| {name} | {bm} x {warps} | {'wgmma' in c.asm['ptx']} | {kw} |")
+    return out
 
 
 def fp8_causes(dev) -> list:

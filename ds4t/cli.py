@@ -542,7 +542,8 @@ def main(argv=None) -> int:
                    help="skip the planted-deviation runs")
     e.add_argument("--chunks", type=_chunk_sizes, default=None, metavar="C,C,...",
                    help="also check prefill chunk invariance: a --max-prompt-token prompt whole vs in chunks of "
-                        "each size (e.g. 1,17,64) vs token by token in a native batch, logits and state bitwise")
+                        "each size (e.g. 1,17,64) vs token by token in a native batch, logits and state bitwise; "
+                        "on a GPU a prompt of >= 128 tokens also covers the row tiles of long prefill chunks")
     e.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
                    help="check speculative decoding instead: K drafts per step (the MTP head's, and replayed "
                         "ones with planted errors) against plain decoding -- tokens, logits, state -- bitwise")

@@ -502,7 +502,9 @@ def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_
     the decode tiles, bitwise equal; below 128 rows no faster). None for fp32 weights (an IEEE fp32
     dot, not a tensor-core one) and none for FP8 weights: there the same sweep found rows whose bits
     change with the tile (wgmma tiles against the decode config's mma.sync ones, and in the grouped MoE
-    kernels 32- against 16-row tiles), so FP8 launches keep the decode config at every size."""
+    kernels 32- against 16-row tiles), so FP8 launches keep the decode config at every size. Cause
+    (``bench/mma_shapes.py --kwidth``): a dot fed from 8-bit loads gets operand layouts with kWidth 4 on
+    mma.sync, which permute the K order inside the MMA steps, and kWidth 2 on wgmma."""
     if w_dtype in (torch.float32, FP8_DTYPE):
         return ()
     return (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)

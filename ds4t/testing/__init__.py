@@ -103,7 +103,9 @@ def assert_prefill_chunk_invariant(model, prompt: Sequence[int], chunks: Sequenc
     """A prompt's logits (every position, float32) and final state are bitwise the same for every
     prefill chunk size in ``chunks`` as for the whole prompt at once, and equal to feeding it one
     token per step natively in a batch beside another session that decodes. (What exact speculative
-    decoding and chunked serving rest on; the check is :func:`ds4t.exactness.chunks.run_chunk_check`.)"""
+    decoding and chunked serving rest on; the check is :func:`ds4t.exactness.chunks.run_chunk_check`.)
+    On a GPU, a prompt of at least 128 tokens (and ``max_ctx`` to match) also covers the bigger row tiles
+    that long prefill chunks run (``ds4t.kernels.linear.LINEAR_ROW_TILES``)."""
     from ds4t.exactness.chunks import run_chunk_check
 
     rep = run_chunk_check(model, prompt, chunks, max_ctx=max_ctx)
