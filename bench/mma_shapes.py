@@ -45,6 +45,18 @@ from ds4t.kernels.weights import quantize  # noqa: E402
 
 
 @triton.jit
+def _step(x_ptrs, w_ptrs, rm, M, acc, SWAP: tl.constexpr, A_DT: tl.constexpr):
+    """acc + round(x tile) @ w tile (w converted to A_DT through fp32: exact for bf16 and fp8)."""
+    x = cast(tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0).to(tl.float32), A_DT)
+    w = cast(tl.load(w_ptrs).to(tl.float32), A_DT)
+    if SWAP:
+        acc = tl.dot(tl.trans(w), tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
 def _gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, SBK: tl.constexpr,
           A_DT: tl.constexpr):
@@ -63,12 +75,7 @@ def _gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr,
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     if SBK == 0:
         for k in range(0, K, BK):
-            x = cast(tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0).to(tl.float32), A_DT)
-            w = tl.load(w_ptrs)
-            if SWAP:
-                acc = tl.dot(tl.trans(w), tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, w, acc)
+            acc = _step(x_ptrs, w_ptrs, rm, M, acc, SWAP, A_DT)
             x_ptrs += BK
             w_ptrs += BK
     else:
@@ -76,12 +83,7 @@ def _gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr,
         for kb in range(0, KB):
             p = tl.zeros(acc.shape, dtype=tl.float32)
             for ks in tl.static_range(0, SBK, BK):
-                x = cast(tl.load(x_ptrs, mask=(rm < M)[:, None], other=0.0).to(tl.float32), A_DT)
-                w = cast(tl.load(w_ptrs).to(tl.float32), A_DT)
-                if SWAP:
-                    p = tl.dot(tl.trans(w), tl.trans(x), p)
-                else:
-                    p = tl.dot(x, w, p)
+                p = _step(x_ptrs, w_ptrs, rm, M, p, SWAP, A_DT)
                 x_ptrs += BK
                 w_ptrs += BK
             sc = tl.load(s_ptr + rn.to(tl.int64) * KB + kb)

@@ -151,17 +151,7 @@ def main():
     from ds4t.kernels.weights import quantize
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
-    src = torch.empty(1 << 28, device=dev).normal_()
-    dst = torch.empty_like(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    b.synchronize()
-    bw = 2 * src.numel() * 4 * 10 / (a.elapsed_time(b) / 1e3)
-    del src, dst
+    bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     default = dict(M.MOE_CONFIGS.gpu)
     rows = []

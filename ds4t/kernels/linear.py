@@ -507,7 +507,11 @@ def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_
     mma.sync, which permute the K order inside the MMA steps, and kWidth 2 on wgmma."""
     if w_dtype in (torch.float32, FP8_DTYPE):
         return ()
-    return (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)
+    return _ROW_TILES_16BIT
+
+
+_ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)
+"""One object, not one a call: every linear launch looks its row tiles up."""
 
 
 LINEAR_ROW_TILES: ConfigTable[tuple] = ConfigTable(
