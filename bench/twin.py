@@ -54,6 +54,8 @@ choices fixed regardless of B). The others are row-local: the ds4t kernel is inv
 KEPT = {
     "conv1d_prefill": "prefill only (the bench fills sessions before the twin is applied)",
     "gdn_prefill": "prefill only",
+    "conv1d_prefill_segments": "prefill only (several sessions' chunks in one launch)",
+    "gdn_prefill_segments": "prefill only (several sessions' chunks in one launch)",
     "argmax": "sampling, not part of a forward step",
     "sample": "sampling, not part of a forward step",
 }

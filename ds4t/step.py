@@ -58,6 +58,9 @@ class StepBatch:
     single_rows: torch.Tensor  # int64 [S]: rows of the one-token segments (decode rows of a mixed batch)
     hidden_rows: Optional[torch.Tensor] = None  # int64 [H]: rows whose final hidden the model returns
     hidden: Optional[torch.Tensor] = None       # set by the model: fp32 [H, D] for hidden_rows
+    # int64 [M, 4]: the segments of more than one token, in order, as (first row, rows, slot, keep) on
+    # the device, for kernels that run all of them in one launch (a recurrence per session)
+    multi_segments: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> int:
@@ -65,12 +68,13 @@ class StepBatch:
 
     @staticmethod
     def host_meta(segments: Sequence, all_logits: bool = False):
-        """The metadata of a step on the host: (meta int64 [3R + O + S + H], R, O, segments, H).
+        """The metadata of a step on the host: (meta int64 [3R + O + S + H + 4M], R, O, segments, H).
 
         segments, in item order: (slot, token ids, start position) tuples (logits of the last token,
         or of every token with ``all_logits``) or :class:`SegmentSpec`. ``meta`` holds tokens,
-        positions, slots, out_rows, single_rows and hidden_rows back to back, so one host->device
-        copy carries all of it (see :meth:`from_meta`).
+        positions, slots, out_rows, single_rows, hidden_rows and the M multi-token segments'
+        (first row, rows, slot, keep) back to back, so one host->device copy carries all of it (see
+        :meth:`from_meta`).
         """
         toks, pos, slots, out_rows, hidden, segs = [], [], [], [], [], []
         for sp in segments:
@@ -86,7 +90,8 @@ class StepBatch:
             if sp.hidden:
                 hidden += range(r0, r0 + len(ids))
         singles = [sg.start_row for sg in segs if sg.n == 1]
-        meta = torch.tensor(toks + pos + slots + out_rows + singles + hidden, dtype=torch.int64)
+        multi = [v for sg in segs if sg.n > 1 for v in (sg.start_row, sg.n, sg.slot, int(sg.keep))]
+        meta = torch.tensor(toks + pos + slots + out_rows + singles + hidden + multi, dtype=torch.int64)
         return meta, len(toks), len(out_rows), segs, len(hidden)
 
     @classmethod
@@ -95,6 +100,8 @@ class StepBatch:
         sync, so a CUDA graph can capture it with ``meta`` as its input buffer)."""
         positions = meta[n:2 * n].to(torch.int32)
         s = sum(1 for sg in segs if sg.n == 1)
+        m = len(segs) - s
+        e = 3 * n + o + s + h   # end of hidden_rows
         return cls(
             tokens=meta[:n],
             positions=positions,
@@ -104,7 +111,8 @@ class StepBatch:
             single_rows=meta[3 * n + o:3 * n + o + s],
             segments=segs,
             all_single=all(sg.n == 1 for sg in segs),
-            hidden_rows=meta[3 * n + o + s:] if h else None,
+            hidden_rows=meta[3 * n + o + s:e] if h else None,
+            multi_segments=meta[e:e + 4 * m].view(m, 4) if m else None,
         )
 
     @classmethod

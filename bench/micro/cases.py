@@ -167,6 +167,19 @@ def _conv1d_prefill(dev, real):
     return lambda: conv.conv1d_prefill(x, state, w, 0)
 
 
+def _segments(dev, sessions, rows_each):
+    """The segments table of ``sessions`` chunks of ``rows_each`` rows, session i in slot i."""
+    return torch.tensor([[i * rows_each, rows_each, i, 0] for i in range(sessions)], dtype=torch.int64, device=dev)
+
+
+def _conv1d_prefill_segments(dev, real):
+    S, C, w, state = _conv_inputs(dev, real)
+    n, t = (S, 16) if real else (3, 3)
+    x = _rand(dev, n * t, C, seed=2)
+    segs = _segments(dev, n, t)
+    return lambda: conv.conv1d_prefill_segments(x, state, w, segs)
+
+
 def _gdn_inputs(dev, real, T):
     Hk, Hv, Dk, Dv, S = (16, 32, 128, 128, B) if real else (2, 4, 16, 24, 6)
     q, k = _rand(dev, T, Hk, Dk), _rand(dev, T, Hk, Dk, seed=1)
@@ -184,6 +197,13 @@ def _gdn_decode(dev, real):
 def _gdn_prefill(dev, real):
     args, _ = _gdn_inputs(dev, real, 64 if real else 5)
     return lambda: gdn.gdn_prefill(*args, 0)
+
+
+def _gdn_prefill_segments(dev, real):
+    n, t = (B, 16) if real else (3, 2)
+    args, _ = _gdn_inputs(dev, real, n * t)
+    segs = _segments(dev, n, t)
+    return lambda: gdn.gdn_prefill_segments(*args, segs)
 
 
 def _mla_dims(real):   # slots, capacity, heads, kv_lora_rank, rope dim
@@ -274,7 +294,8 @@ CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
     "embedding": _embedding, "rope": _rope,
     "decode_attention": _decode_attention, "write_kv": _write_kv, "norm_rope_write_kv": _norm_rope_write_kv,
     "conv1d_update": _conv1d_update, "conv1d_prefill": _conv1d_prefill,
-    "gdn_decode": _gdn_decode, "gdn_prefill": _gdn_prefill,
+    "conv1d_prefill_segments": _conv1d_prefill_segments,
+    "gdn_decode": _gdn_decode, "gdn_prefill": _gdn_prefill, "gdn_prefill_segments": _gdn_prefill_segments,
     "mla_decode": _mla_decode, "write_latent": _write_latent,
     "moe_experts": _moe_experts, "moe_experts_fp8": _moe_experts_fp8,
     "router_softmax_topk": _router_softmax_topk, "router_sigmoid_grouped": _router_sigmoid_grouped,

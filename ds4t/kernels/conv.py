@@ -16,7 +16,9 @@ the prefill kernel evaluate each output with the same expression in the same ord
 equals successive decodes bitwise (checked in the interpreter by tests/kernels/test_conv.py).
 
 Batch invariance: one program per (row, channel block); the channel block depends on C only;
-there is no reduction across rows. Rows must name distinct slots.
+there is no reduction across rows. Rows must name distinct slots. Prefill: one program per (segment,
+channel block), a segment being one session's consecutive rows (``conv1d_prefill_segments`` runs every
+session's chunk of a step in one launch; ``conv1d_prefill`` is its one-segment case).
 """
 from __future__ import annotations
 
@@ -106,15 +108,22 @@ def _conv1d_update_kernel(
 @triton.jit
 def _conv1d_prefill_kernel(
     x_ptr, sx_t, sx_c,
-    state_ptr, ss_c, ss_w,
+    state_ptr, ss_s, ss_c, ss_w,
     w_ptr, sw_c, sw_w,
     bias_ptr,
     out_ptr, so_t, so_c,
-    T, C,
+    seg_ptr, C,
     W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
-    # state_ptr already points at the session's slot. Index math in int64 (see above).
-    c = tl.program_id(0).to(tl.int64) * BC + tl.arange(0, BC)
+    # Program (segment, channel block): segment g is seg[g] = (first row, T rows, slot, -) of x / out,
+    # its history in state[slot]. Index math in int64 (see above).
+    g = tl.program_id(0).to(tl.int64) * 4
+    r0 = tl.load(seg_ptr + g).to(tl.int64)
+    T = tl.load(seg_ptr + g + 1).to(tl.int64)
+    state_ptr += tl.load(seg_ptr + g + 2).to(tl.int64) * ss_s
+    x_ptr += r0 * sx_t
+    out_ptr += r0 * so_t
+    c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
     cm = c < C
     xc = x_ptr + c * sx_c
     sc = state_ptr + c * ss_c
@@ -215,6 +224,58 @@ def conv1d_update(
     return out
 
 
+def check_segments(segments: torch.Tensor, what: str) -> int:
+    """``segments``: an integer [M, 4] table (first row, rows, slot, keep) on the kernels' device with
+    unit column stride (:attr:`ds4t.step.StepBatch.multi_segments`); returns M. Only its shape is checked
+    (its values are on the device: reading them would stall the host)."""
+    if segments.dim() != 2 or segments.shape[1] != 4 or segments.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: segments must be an int32/int64 [M, 4] table (first row, rows, slot, keep), "
+                         f"got {segments.dtype} {tuple(segments.shape)}")
+    if segments.shape[0] and (segments.stride(1) != 1 or segments.stride(0) != 4):
+        raise ValueError(f"{what}: segments must be contiguous")
+    return int(segments.shape[0])
+
+
+def one_segment(rows: int, slot: int, device, keep: bool = False) -> torch.Tensor:
+    """The segments table of one session's ``rows`` tokens from row 0."""
+    return torch.tensor([[0, rows, int(slot), int(keep)]], dtype=torch.int64).to(device)
+
+
+def conv1d_prefill_segments(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    silu: bool = True,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Several sessions' consecutive tokens in one launch: segment g = ``segments[g]`` = (first row r0,
+    T rows, slot, -) runs rows r0 .. r0+T-1 of x [R, C] from ``conv_state[slot]``, exactly as
+    :func:`conv1d_prefill` would alone (one program per segment and channel block; slots distinct).
+    Returns fp32 [R, C] (``out`` if given); rows outside every segment are not written."""
+    C, W = _check_args(x, conv_state, weight, bias)
+    R = x.shape[0]
+    out = _out(out, (R, C), x.device)
+    M = check_segments(segments, "conv1d_prefill_segments")
+    if R == 0 or M == 0:
+        return out
+    cfg = CONV_CONFIGS(C)
+    BC = cfg.block_c
+    grid = (M, triton.cdiv(C, BC))
+    _conv1d_prefill_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight, weight.stride(0), weight.stride(1),
+        bias if bias is not None else weight,
+        out, out.stride(0), out.stride(1),
+        segments, C,
+        W=W, BW=triton.next_power_of_2(W - 1), BT=cfg.block_t, BC=BC, HAS_BIAS=bias is not None, SILU=silu,
+    )
+    return out
+
+
 def conv1d_prefill(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -229,26 +290,14 @@ def conv1d_prefill(
 
     Leaves the last W-1 inputs of concat(history, x) in the slot (history included when
     T < W-1). Returns fp32 [T, C]; bitwise equal to T successive :func:`conv1d_update` calls.
+    (One segment of :func:`conv1d_prefill_segments`.)
     """
-    C, W = _check_args(x, conv_state, weight, bias)
-    T = x.shape[0]
-    out = _out(out, (T, C), x.device)
-    if T == 0:
+    C, _ = _check_args(x, conv_state, weight, bias)
+    out = _out(out, (x.shape[0], C), x.device)
+    if x.shape[0] == 0:
         return out
-    st = conv_state[slot]
-    cfg = CONV_CONFIGS(C)
-    BC = cfg.block_c
-    grid = (triton.cdiv(C, BC),)
-    _conv1d_prefill_kernel[grid](
-        x, x.stride(0), x.stride(1),
-        st, st.stride(0), st.stride(1),
-        weight, weight.stride(0), weight.stride(1),
-        bias if bias is not None else weight,
-        out, out.stride(0), out.stride(1),
-        T, C,
-        W=W, BW=triton.next_power_of_2(W - 1), BT=cfg.block_t, BC=BC, HAS_BIAS=bias is not None, SILU=silu,
-    )
-    return out
+    return conv1d_prefill_segments(x, conv_state, weight, one_segment(x.shape[0], slot, x.device),
+                                   bias=bias, silu=silu, out=out)
 
 
 # ----------------------------------------------------------------------------- references
@@ -284,6 +333,14 @@ def conv1d_prefill_ref(x, conv_state, weight, slot, *, bias=None, silu=True, out
         out.copy_(res)
         return out
     return res
+
+
+def conv1d_prefill_segments_ref(x, conv_state, weight, segments, *, bias=None, silu=True, out=None):
+    """Plain-torch :func:`conv1d_prefill_segments`: :func:`conv1d_prefill_ref` per segment, in order."""
+    out = torch.full((x.shape[0], weight.shape[0]), float("nan"), device=x.device) if out is None else out
+    for r0, n, slot, _ in segments.tolist():
+        out[r0:r0 + n] = conv1d_prefill_ref(x[r0:r0 + n], conv_state, weight, slot, bias=bias, silu=silu)
+    return out
 
 
 # ----------------------------------------------------------------------------- self-check
@@ -336,3 +393,4 @@ def _check(device) -> List[CheckResult]:
 
 register_op(conv1d_update, reference=conv1d_update_ref, variants=(GPU, INTERP))
 register_op(conv1d_prefill, reference=conv1d_prefill_ref)
+register_op(conv1d_prefill_segments, reference=conv1d_prefill_segments_ref)

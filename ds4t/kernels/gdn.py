@@ -23,7 +23,9 @@ bitwise the same whatever else shares the launch. Rows must name distinct slots.
 
 ``gdn_prefill`` loops over its T tokens inside the kernel with S in registers, calling the same
 step function with the same tiles as ``gdn_decode``: it equals T successive decode steps bitwise
-in the interpreter (and, by construction, is expected to on the GPU).
+in the interpreter and on an H200 (the harness's chunk check). ``gdn_prefill_segments`` runs several
+sessions' chunks in one launch, one program per (segment, value head, Dv tile), each doing exactly
+what ``gdn_prefill`` does for that session alone (``gdn_prefill`` is its one-segment case).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import triton.language as tl
 from ds4t.backend import sigmoid, softplus, timer
 from ds4t.kernels import norm
 from ds4t.kernels.config import ConfigTable
+from ds4t.kernels.conv import check_segments, one_segment
 from ds4t.kernels.interp import gdn_rows
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
 
@@ -107,16 +110,17 @@ def _gdn_kernel(
     state_ptr, ss_s, ss_h, ss_k, ss_v,
     slots_ptr,
     out_ptr, so_r, so_h, so_v,
-    T, Hv, Dk, Dv, G, scale,
+    Hv, Dk, Dv, G, scale,
     PREFILL: tl.constexpr,
     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
-    states_ptr, sst_t, keep,
+    states_ptr, sst_t, can_keep,
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
-    # Prefill: program (0, head block, Dv tile), T tokens of one session; state_ptr points at
-    # the session's slot. keep != 0: the state after token t also goes to states[t] (same layout as a
-    # slot, token stride sst_t), so the session can be rolled back to any prefix of the chunk. keep is
-    # a runtime flag, not a constexpr: with and without it the prefill is ONE compiled kernel, so
+    # Prefill: program (segment, head block, Dv tile); segment g = slots[g] = (first row r0, T rows,
+    # slot, keep) of a [M, 4] table: T tokens of one session from state[slot]. keep != 0 (and
+    # can_keep, a states buffer was given): the state after row r also goes to states[r] (same layout
+    # as a slot, row stride sst_t), so the session can be rolled back to any prefix of the chunk. keep
+    # is a runtime value, not a constexpr: with and without it the prefill is ONE compiled kernel, so
     # keeping the states cannot change how the compiler lays out (and so sums) the step's math.
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -130,7 +134,20 @@ def _gdn_kernel(
     km = dk < Dk
     vm = dv < Dv
     hk = h // G
-    if not PREFILL:
+    if PREFILL:
+        g4 = pid_r.to(tl.int64) * 4
+        r0 = tl.load(slots_ptr + g4).to(tl.int64)
+        T = tl.load(slots_ptr + g4 + 1).to(tl.int64)
+        state_ptr += tl.load(slots_ptr + g4 + 2).to(tl.int64) * ss_s
+        keep = tl.load(slots_ptr + g4 + 3).to(tl.int32) * can_keep
+        q_ptr += r0 * sq_r
+        k_ptr += r0 * sk_r
+        v_ptr += r0 * sv_r
+        a_ptr += r0 * sa_r
+        b_ptr += r0 * sb_r
+        out_ptr += r0 * so_r
+        states_ptr += r0 * sst_t
+    else:
         state_ptr += tl.load(slots_ptr + pid_r).to(tl.int64) * ss_s
     A_log = tl.load(A_log_ptr + h, mask=hm, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h, mask=hm, other=0.0).to(tl.float32)
@@ -187,6 +204,7 @@ def _check_args(q, k, v, a, b, A_log, dt_bias, state):
 
 
 def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None, states_out=None):
+    """slots: decode, int32 [R] (a slot per row); prefill, the [M, 4] segments table."""
     R, Hk, Hv, Dk, Dv = _check_args(q, k, v, a, b, A_log, dt_bias, state)
     if gated_norm is not None:
         z, norm_w, _ = gated_norm
@@ -196,22 +214,23 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         out = torch.empty((R, Hv, Dv), dtype=torch.float32, device=q.device)
     elif tuple(out.shape) != (R, Hv, Dv) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 {(R, Hv, Dv)}, got {out.dtype} {tuple(out.shape)}")
-    if R == 0:
+    programs = check_segments(slots, "gdn_prefill_segments") if prefill else R
+    if R == 0 or programs == 0:
         return out
     cfg = GDN_CONFIGS(Hv, Dk, Dv)
     BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out
-    grid = (1 if prefill else R, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
-    keep = dict(states_ptr=state, sst_t=0, keep=0)   # unused when keep == 0
+    grid = (programs, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
+    keep = dict(states_ptr=state, sst_t=0, can_keep=0)   # never written when can_keep == 0
     if states_out is not None:
         if tuple(states_out.shape) != (R, Hv, Dk, Dv) or states_out.dtype != torch.float32:
             raise ValueError(f"states_out must be float32 {(R, Hv, Dk, Dv)}, got {states_out.dtype} "
                              f"{tuple(states_out.shape)}")
         if tuple(states_out.stride()[1:]) != tuple(state.stride()[1:]):
             raise ValueError("states_out must have the state's per-slot layout (contiguous)")
-        keep = dict(states_ptr=states_out, sst_t=states_out.stride(0), keep=1)
+        keep = dict(states_ptr=states_out, sst_t=states_out.stride(0), can_keep=1)
     _gdn_kernel[grid](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
         a, *a.stride(), b, *b.stride(),
@@ -219,7 +238,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         state, *state.stride(),
         slots,
         out, *out.stride(),
-        R, Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS,
         num_warps=cfg.num_warps, **keep,
     )
@@ -255,8 +274,21 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slot: int, *, out: Optiona
     [T, Hv, Dk, Dv] (contiguous): also receives the state after each token (a speculative verify
     chunk keeps them to roll the session back to any prefix without recomputing).
     """
-    st = state[int(slot)].unsqueeze(0)   # [1, Hv, Dk, Dv] view of the slot, updated in place
-    return _launch(q, k, v, a, b, A_log, dt_bias, st, st, out, prefill=True, states_out=states_out)
+    segments = one_segment(q.shape[0], slot, q.device, keep=states_out is not None)
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, segments, out, prefill=True, states_out=states_out)
+
+
+def gdn_prefill_segments(q, k, v, a, b, A_log, dt_bias, state, segments, *, out: Optional[torch.Tensor] = None,
+                         states_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Several sessions' consecutive tokens in one launch: segment g = ``segments[g]`` = (first row r0,
+    T rows, slot, keep) runs rows r0 .. r0+T-1 from ``state[slot]`` exactly as :func:`gdn_prefill`
+    would alone (one program per segment, value head and Dv tile; slots distinct).
+
+    q, k [R, Hk, Dk], v [R, Hv, Dv], a, b [R, Hv]; segments an int32/int64 [M, 4] table on the device
+    (:attr:`ds4t.step.StepBatch.multi_segments`). Returns o fp32 [R, Hv, Dv] (``out`` if given; rows
+    outside every segment are not written). ``states_out`` fp32 [R, Hv, Dk, Dv]: for the rows of
+    segments with keep != 0, the state after that row's token."""
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, segments, out, prefill=True, states_out=states_out)
 
 
 # ----------------------------------------------------------------------------- references
@@ -301,6 +333,17 @@ def gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, state, slot, *, out=None, sta
         out.copy_(o)
         return out
     return o
+
+
+def gdn_prefill_segments_ref(q, k, v, a, b, A_log, dt_bias, state, segments, *, out=None, states_out=None):
+    """Plain-torch :func:`gdn_prefill_segments`: :func:`gdn_prefill_ref` per segment, in order."""
+    R, Hv, Dv = v.shape
+    out = torch.full((R, Hv, Dv), float("nan"), device=q.device) if out is None else out
+    for r0, n, slot, keep in segments.tolist():
+        rows = slice(r0, r0 + n)
+        gdn_prefill_ref(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias, state, slot, out=out[rows],
+                        states_out=states_out[rows] if keep and states_out is not None else None)
+    return out
 
 
 # ----------------------------------------------------------------------------- self-check
@@ -359,3 +402,4 @@ def _check(device) -> List[CheckResult]:
 
 register_op(gdn_decode, reference=gdn_decode_ref, variants=(GPU, INTERP))
 register_op(gdn_prefill, reference=gdn_prefill_ref)
+register_op(gdn_prefill_segments, reference=gdn_prefill_segments_ref)

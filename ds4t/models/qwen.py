@@ -356,19 +356,18 @@ class QwenModel(DecoderModel):
             m1 = ops.conv1d_update(mixed[idx], conv_state, w.conv_w, batch.slots[idx])
             q, k, v = split(m1)
             o[idx] = ops.gdn_decode(q, k, v, a[idx], b[idx], w.A_log, w.dt_bias, rec, batch.slots[idx])
-        for s in batch.segments:
-            if s.n == 1:
-                continue
-            rows = slice(s.start_row, s.start_row + s.n)
-            kept = None
-            if s.keep:   # a verify chunk: keep what a rollback to any prefix of it needs
-                kept = (conv_state[s.slot].clone(), mixed[rows].float().clone(),
-                        torch.empty((s.n, hv, dk, dv), dtype=torch.float32, device=x.device))
-                self._kept[(i, s.slot)] = kept
-            m1 = ops.conv1d_prefill(mixed[rows], conv_state, w.conv_w, s.slot)
+        if batch.multi_segments is not None:
+            # Every multi-token segment (a prefill chunk or a verify chunk per session) in one conv and
+            # one recurrence launch: a program per segment, each exactly the one-session prefill.
+            keeps = [s for s in batch.segments if s.n > 1 and s.keep]
+            states = torch.empty((R, hv, dk, dv), dtype=torch.float32, device=x.device) if keeps else None
+            for s in keeps:   # a verify chunk: keep what a rollback to any prefix of it needs
+                rows = slice(s.start_row, s.start_row + s.n)
+                self._kept[(i, s.slot)] = (conv_state[s.slot].clone(), mixed[rows].float().clone(), states[rows])
+            m1 = ops.conv1d_prefill_segments(mixed, conv_state, w.conv_w, batch.multi_segments)
             q, k, v = split(m1)
-            o[rows] = ops.gdn_prefill(q, k, v, a[rows], b[rows], w.A_log, w.dt_bias, rec, s.slot,
-                                      states_out=None if kept is None else kept[2])
+            ops.gdn_prefill_segments(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.multi_segments, out=o,
+                                     states_out=states)
         y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps)
         return fused_linear(y.view(R, hv * dv), w.w_out)
 

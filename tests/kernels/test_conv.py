@@ -191,3 +191,57 @@ def test_rows_path_equals_one_row_kernel(C, W, use_bias):
         with launcher_path(CV, rows):
             res[rows] = conv1d_update(x, st, w, slots, bias=bias if use_bias else None), st
     assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+
+
+# ----------------------------------------------------------------------------- several sessions in one launch
+
+# (first row, rows, slot, keep): a 2-row chunk (shorter than the W-1 history), a 5-row and a 20-row one
+# (more than one token tile), slots out of order; row 7 belongs to no segment and must be left alone.
+SEGMENTS = [(0, 2, 4, 0), (2, 5, 0, 1), (8, 20, 6, 0)]
+
+
+def _run_segments(x, w, bias, state0, device, segments=SEGMENTS):
+    st = state0.clone()
+    out = poisoned((x.shape[0], w.shape[0]), device=device)
+    CV.conv1d_prefill_segments(x, st, w, torch.tensor(segments, dtype=torch.int64, device=device), bias=bias, out=out)
+    return out, st
+
+
+@pytest.mark.parametrize("C,W", [(200, 4), (64, 2)])
+def test_segments_equal_each_session_alone(device, C, W):
+    """One launch over three sessions' chunks: rows and each slot's new history are bitwise those of
+    conv1d_prefill on that session alone; rows and slots outside the segments are not written."""
+    g, w, bias, state0 = _params(C, W, torch.bfloat16, device, seed=21)
+    x = torch.randn(28, C, generator=g).to(device=device, dtype=torch.bfloat16)
+    out, st = _run_segments(x, w, bias, state0, device)
+    alone = state0.clone()
+    for r0, n, slot, _ in SEGMENTS:
+        o = conv1d_prefill(x[r0:r0 + n], alone, w, slot, bias=bias)
+        assert torch.equal(out[r0:r0 + n], o) and torch.equal(st[slot], alone[slot]), slot
+    assert torch.isnan(out[7]).all()
+    assert torch.equal(st[[1, 2, 3, 5]], state0[[1, 2, 3, 5]])
+    ref_st = state0.clone()
+    ref = CV.conv1d_prefill_segments_ref(x, ref_st, w, torch.tensor(SEGMENTS), bias=bias)
+    rows = [r for r0, n, _, _ in SEGMENTS for r in range(r0, r0 + n)]
+    torch.testing.assert_close(out[rows], ref[rows], **TOL[torch.bfloat16])
+    torch.testing.assert_close(st, ref_st, **TOL[torch.bfloat16])
+
+
+def test_segments_control_a_change_in_one_session_is_seen_there_only(device):
+    """Negative control of the comparison above: one input changed in the middle session changes its
+    rows and history, and nothing of the others."""
+    g, w, bias, state0 = _params(200, 4, torch.float32, device, seed=22)
+    x = torch.randn(28, 200, generator=g).to(device)
+    out, st = _run_segments(x, w, bias, state0, device)
+    x2 = x.clone()
+    x2[4, 7] = torch.nextafter(x2[4, 7], torch.tensor(float("inf"), device=device))
+    out2, st2 = _run_segments(x2, w, bias, state0, device)
+    assert not torch.equal(out2[2:7], out[2:7]) and not torch.equal(st2[0], st[0])
+    assert torch.equal(out2[:2], out[:2]) and torch.equal(out2[8:], out[8:]) and torch.equal(st2[[4, 6]], st[[4, 6]])
+
+
+def test_segments_bad_table(device):
+    g, w, bias, state0 = _params(64, 4, torch.float32, device)
+    x = torch.randn(3, 64, generator=g).to(device)
+    with pytest.raises(ValueError, match=r"\[M, 4\]"):
+        CV.conv1d_prefill_segments(x, state0, w, torch.zeros(1, 3, dtype=torch.int64, device=device))

@@ -272,3 +272,83 @@ def test_prefill_keeps_every_token_state(device, Hk, Hv, Dk, Dv):
     torch.testing.assert_close(kept, ref_kept, **TOL[torch.float32])
     with pytest.raises(ValueError, match="states_out"):
         gdn_prefill(q, k, v, a, b, A_log, dt_bias, st, 4, states_out=kept[:2])
+
+
+# ----------------------------------------------------------------------------- several sessions in one launch
+
+# (first row, rows, slot, keep): three chunks in slot order 5, 0, 3; row 4 belongs to no segment (a decode
+# row of a mixed step, run by gdn_decode) and must be left alone.
+SEGMENTS = [(0, 4, 5, 1), (5, 3, 0, 0), (8, 6, 3, 1)]
+
+
+def _segments_case(device, Hk=2, Hv=4, Dk=16, Dv=24, seed=11):
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=seed)
+    q, k, v, a, b = _inputs(g, 14, Hk, Hv, Dk, Dv, torch.bfloat16, device)
+    return (q, k, v, a, b, A_log, dt_bias), state0
+
+
+def _run_segments(args, state0, device, segments=SEGMENTS):
+    st = state0.clone()
+    R, Hv, Dv = args[2].shape
+    Dk = args[0].shape[2]
+    out = poisoned((R, Hv, Dv), device=device)
+    kept = poisoned((R, Hv, Dk, Dv), device=device)
+    table = torch.tensor(segments, dtype=torch.int64, device=device)
+    GD.gdn_prefill_segments(*args, st, table, out=out, states_out=kept)
+    return out, st, kept
+
+
+def test_segments_equal_each_session_alone(device):
+    """One launch over three sessions' chunks: every row's output, every kept state and each slot's final
+    state are bitwise those of gdn_prefill on that session alone; rows and states outside the segments
+    (and keep = 0 segments' states) are not written."""
+    args, state0 = _segments_case(device)
+    out, st, kept = _run_segments(args, state0, device)
+    alone_state = state0.clone()
+    for r0, n, slot, keep in SEGMENTS:
+        rows = slice(r0, r0 + n)
+        keep_t = poisoned((n,) + tuple(kept.shape[1:]), device=device) if keep else None
+        o = gdn_prefill(*(t[rows] for t in args[:5]), *args[5:], alone_state, slot, states_out=keep_t)
+        assert torch.equal(out[rows], o), (r0, slot)
+        assert torch.equal(st[slot], alone_state[slot]), slot
+        if keep:
+            assert torch.equal(kept[rows], keep_t)
+        else:
+            assert torch.isnan(kept[rows]).all()
+    assert torch.isnan(out[4]).all() and torch.isnan(kept[4]).all()
+    untouched = [s for s in range(S) if s not in (5, 0, 3)]
+    assert torch.equal(st[untouched], state0[untouched])
+
+
+def test_segments_match_reference(device):
+    args, state0 = _segments_case(device, seed=12)
+    out, st, kept = _run_segments(args, state0, device)
+    st_r = state0.clone()
+    kept_r = torch.full_like(kept, float("nan"))
+    ref = GD.gdn_prefill_segments_ref(*args, st_r, torch.tensor(SEGMENTS), states_out=kept_r)
+    rows = [r for r0, n, _, _ in SEGMENTS for r in range(r0, r0 + n)]
+    torch.testing.assert_close(out[rows], ref[rows], **TOL[torch.float32])
+    torch.testing.assert_close(st, st_r, **TOL[torch.float32])
+    torch.testing.assert_close(kept, kept_r, equal_nan=True, **TOL[torch.float32])
+
+
+def test_segments_control_one_ulp_in_one_session_is_seen_there_only(device):
+    """Negative control of the comparison above: a one-ulp change to one input of the middle session
+    changes that session's rows and slot, and nothing of the other two (segments do not leak)."""
+    args, state0 = _segments_case(device, seed=13)
+    out, st, _ = _run_segments(args, state0, device)
+    a2 = args[3].clone()
+    a2.view(torch.int16)[6, 1] += 1   # the next bf16 value
+    out2, st2, _ = _run_segments((*args[:3], a2, *args[4:]), state0, device)
+    assert not torch.equal(out2[6:8], out[6:8]) and not torch.equal(st2[0], st[0])
+    assert torch.equal(out2[:4], out[:4]) and torch.equal(out2[8:], out[8:])
+    assert torch.equal(st2[5], st[5]) and torch.equal(st2[3], st[3])
+
+
+def test_segments_bad_table(device):
+    args, state0 = _segments_case(device)
+    with pytest.raises(ValueError, match=r"\[M, 4\]"):
+        GD.gdn_prefill_segments(*args, state0.clone(), torch.zeros(2, 3, dtype=torch.int64, device=device))
+    out = GD.gdn_prefill_segments(*args, state0.clone(), torch.zeros(0, 4, dtype=torch.int64, device=device),
+                                  out=poisoned(tuple(args[2].shape), device=device))
+    assert torch.isnan(out).all()
