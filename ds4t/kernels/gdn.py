@@ -40,9 +40,9 @@ import triton.language as tl
 from ds4t.backend import sigmoid, softplus, timer
 from ds4t.kernels import norm
 from ds4t.kernels.config import ConfigTable
-from ds4t.kernels.conv import check_segments, one_segment
 from ds4t.kernels.interp import gdn_rows
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
+from ds4t.kernels.tensors import check_segments, one_segment
 
 L2_EPS = 1e-6
 

@@ -46,3 +46,20 @@ class TensorLike:
 
     def dim(self) -> int:
         return self.data.dim()
+
+
+def check_segments(segments: torch.Tensor, what: str) -> int:
+    """``segments``: an integer [M, 4] table (first row, rows, slot, keep) on the kernels' device with
+    unit column stride (:attr:`ds4t.step.StepBatch.multi_segments`); returns M. Only its shape is checked
+    (its values are on the device: reading them would stall the host)."""
+    if segments.dim() != 2 or segments.shape[1] != 4 or segments.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: segments must be an int32/int64 [M, 4] table (first row, rows, slot, keep), "
+                         f"got {segments.dtype} {tuple(segments.shape)}")
+    if segments.shape[0] and (segments.stride(1) != 1 or segments.stride(0) != 4):
+        raise ValueError(f"{what}: segments must be contiguous")
+    return int(segments.shape[0])
+
+
+def one_segment(rows: int, slot: int, device, keep: bool = False) -> torch.Tensor:
+    """The segments table of one session's ``rows`` tokens from row 0."""
+    return torch.tensor([[0, rows, int(slot), int(keep)]], dtype=torch.int64).to(device)
