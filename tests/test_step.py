@@ -1,0 +1,36 @@
+"""ds4t.step: one step's metadata in one host->device copy, and the views a model reads from it."""
+import torch
+
+from ds4t.step import SegmentSpec, StepBatch
+
+
+def test_layout_of_a_mixed_step():
+    """Decode rows, a prefill chunk, a kept verify chunk and hidden rows: every view reads its own part
+    of the one meta tensor, and the multi-token segments' table is (first row, rows, slot, keep)."""
+    b = StepBatch.build([
+        (3, [11], 7),                                            # decode: slot 3, one token at position 7
+        SegmentSpec(5, [1, 2, 3, 4], 0, all_logits=True),         # prefill chunk of 4
+        (0, [21], 2),                                            # decode
+        SegmentSpec(6, [8, 9, 10], 12, hidden=True, keep=True),  # verify chunk of 3, kept, hidden rows
+    ], "cpu")
+    assert b.tokens.tolist() == [11, 1, 2, 3, 4, 21, 8, 9, 10]
+    assert b.positions.tolist() == [7, 0, 1, 2, 3, 2, 12, 13, 14]
+    assert b.slots.tolist() == [3, 5, 5, 5, 5, 0, 6, 6, 6]
+    assert b.out_rows.tolist() == [0, 1, 2, 3, 4, 5, 8]
+    assert b.single_rows.tolist() == [0, 5]
+    assert b.hidden_rows.tolist() == [6, 7, 8]
+    assert b.multi_segments.tolist() == [[1, 4, 5, 0], [6, 3, 6, 1]]
+    assert not b.all_single
+
+
+def test_a_decode_step_has_no_segment_table():
+    b = StepBatch.build([(0, [5], 3), (1, [6], 9)], "cpu")
+    assert b.all_single and b.multi_segments is None and b.hidden_rows is None
+    meta, n, o, segs, h = StepBatch.host_meta([(0, [5], 3), (1, [6], 9)])
+    assert meta.numel() == 3 * n + o + 2 and h == 0   # a graph's static buffer: no table appended
+
+
+def test_segment_table_is_a_view_of_the_one_copy():
+    meta, n, o, segs, h = StepBatch.host_meta([SegmentSpec(2, [1, 2], 0), (4, [3], 5)])
+    b = StepBatch.from_meta(meta, n, o, segs, h)
+    assert b.multi_segments.data_ptr() == meta[-4:].data_ptr() and b.multi_segments.dtype == torch.int64
