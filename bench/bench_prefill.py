@@ -18,7 +18,9 @@ Gated DeltaNet's recurrence (elementwise, not tensor-core work) and norms are no
 against a bf16 ``torch.matmul`` of 8192^3 timed in the same run (the tensor-core peak this GPU reaches).
 Then ``ds4t.exactness.chunks.run_chunk_check`` on a --check-prompt-token prompt with chunk sizes
 1, 17, 64 and the whole prompt (and token by token in a native batch), and its negative control.
-``--profile``: per-kernel GPU time of one chunk (torch.profiler). A short table is printed last.
+``--profile``: per-kernel GPU time of one chunk (torch.profiler). ``--sessions 1,8``: also N sessions
+prefilling at once (each step one chunk of rows split over them; a server's batched prefill). A short table
+is printed last.
 """
 from __future__ import annotations
 
@@ -117,6 +119,44 @@ def attention_flops(model, p0: int, n: int) -> float:
     return total
 
 
+def bench_sessions(model, name, n, args, peak, bw, dense, head, prompt, device) -> dict:
+    """n sessions prefill at once: each step feeds every session chunk // n tokens (the step's rows are
+    one chunk, as a server's prefill budget), until each has prompt // n tokens -- the same tokens per
+    step as one session's chunks, spread over n recurrences / caches (one launch per layer for all of
+    them where a kernel takes segments)."""
+    from ds4t.batch.engine import run_segments
+
+    chunk = int(args.chunks.split(",")[0])
+    per, each = chunk // n, args.prompt // n
+    if per < 1 or each < per:
+        raise SystemExit(f"--sessions {n}: chunk {chunk} and prompt {args.prompt} must give each session >= 1 token")
+    parts = [prompt[i * each:(i + 1) * each] for i in range(n)]
+    warm = [model.new_session(each + 8) for _ in range(n)]
+    run_segments(model, [(s, p[:per]) for s, p in zip(warm, parts)])   # compile / warm up
+    for s in warm:
+        s.close()
+    sessions = [model.new_session(each + 8) for _ in range(n)]
+    times, flops = [], []
+    try:
+        for p0 in range(0, each, per):
+            work = [(s, p[p0:p0 + per]) for s, p in zip(sessions, parts)]
+            times.append(median_ms(lambda: run_segments(model, work), 1, 0, device))
+            k = len(work[0][1])
+            flops.append(n * (dense * k + head + attention_flops(model, p0, k)))
+    finally:
+        for s in sessions:
+            s.close()
+    ms = sum(times)
+    tokens = n * each
+    floor = sum(max(weight_bytes_per_chunk(model, n * per) / bw, f / peak) * 1e3 for f in flops)
+    tflops = sum(flops) / (ms * 1e-3)
+    log(f"{n} sessions, {per} tokens each a step ({n * per} rows): {tokens} tokens in {ms:.1f} ms = "
+        f"{tokens / (ms * 1e-3):,.0f} tok/s; {tflops / 1e12:.1f} TFLOP/s = {100 * tflops / peak:.1f} % of peak; "
+        f"roofline {floor:.1f} ms = {100 * floor / ms:.0f} %")
+    return dict(model=name, chunk=f"{n} x {per}", prompt=tokens, ms=ms, tok_s=tokens / (ms * 1e-3),
+                tflops=tflops / 1e12, frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor)
+
+
 def bench_model(name, args, peak, device, rows, bw=float("inf")):
     log(f"\n## {name}\n")
     t0 = time.time()
@@ -152,6 +192,8 @@ def bench_model(name, args, peak, device, rows, bw=float("inf")):
             f"= {100 * tflops / peak:.1f} % of the bf16 peak; first chunk {times[0]:.2f} ms, last {times[-1]:.2f} ms; "
             f"roofline {floor:.1f} ms (max of weight bytes / copy BW and FLOPs / peak per chunk) = "
             f"{100 * floor / ms:.0f} % of it reached")
+    for n in [int(x) for x in args.sessions.split(",") if int(x) > 1]:
+        rows.append(bench_sessions(model, name, n, args, peak, bw, dense, head, prompt, device))
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -192,6 +234,8 @@ def main() -> int:
     ap.add_argument("--chunks", default="1024", help="prefill chunk sizes, e.g. 256,1024,2048")
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens prefilled per chunk size")
     ap.add_argument("--check-prompt", type=int, default=200, help="prompt tokens of the chunk-invariance check")
+    ap.add_argument("--sessions", default="1", help="also prefill N sessions at once, each chunk // N tokens a "
+                                                    "step (e.g. 1,8,32)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run with tiny presets")

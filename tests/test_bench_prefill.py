@@ -27,3 +27,32 @@ def test_attention_flops_gqa_and_mla():
     c = d.cfg
     width = c.kv_lora_rank + d.pool.specs["layers.0.latent"].concrete(1)[-1]
     assert bp.attention_flops(d, 0, 2) == c.num_layers * 2 * 3 * c.num_heads * width
+
+
+def test_weight_bytes_count_the_experts_a_chunk_hits():
+    m = ds4t.load("tiny-glm", device="meta")
+    rc = m.router_cfg
+    params = {k: v for k, v in m.parameters().items() if not k.startswith("mtp.") and k != "embed"}
+    experts = sum(float(t.nbytes) for t in params.values() if t.dim() == 3)
+    rest = sum(float(t.nbytes) for t in params.values() if t.dim() != 3)
+    shared = sum(float(t.nbytes) / t.shape[0] * (t.shape[0] - rc.num_experts) for t in params.values() if t.dim() == 3)
+    one = bp.weight_bytes_per_chunk(m, 1)
+    assert abs(one - (rest + shared + (experts - shared) * rc.top_k / rc.num_experts)) < 1e-6 * one
+    assert abs(bp.weight_bytes_per_chunk(m, 10 ** 6) - (rest + experts)) < 1e-6 * one
+
+
+def test_cpu_smoke_one_and_several_sessions(tmp_path):
+    """The script end to end on the CPU: one session in chunks, two sessions sharing each step's rows, the
+    chunk check and its control; the table has a row for each."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_prefill.py"), "--device", "cpu", "--models", "tiny-qwen",
+                        "--chunks", "8", "--prompt", "16", "--check-prompt", "12", "--sessions", "1,2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    table = (tmp_path / "prefill.md").read_text()
+    assert "| tiny-qwen | 8 |" in table and "| tiny-qwen | 2 x 4 |" in table
+    assert "0 mismatches" in table and "caught" in table
