@@ -15,6 +15,9 @@ split). It also reports TFLOP/s per config and whether the PTX used wgmma.
 Then ``linear`` itself at B = 64 .. 4096 rows: with its row tiles (``LINEAR_ROW_TILES``) against the
 decode config alone, bitwise equal, each timed. Short tables are printed last.
 
+``--fp8-wgmma``: FP8 decode configs that run wgmma, timed against the table's at B = 1 / 16, each checked
+for the bits of a wgmma row tile at 1024 rows (what FP8 row tiles need; see below).
+
 ``--kwidth`` (no GPU needed: compiles for sm_90 with Triton's own compiler): for bf16 weights and for fp8
 weights converted to bf16 three ways, at mma.sync and wgmma tile shapes, whether the dot became wgmma and
 the ``kWidth`` of its operand layouts. A dot whose operands come from 8-bit loads gets kWidth 4 on mma.sync
@@ -122,6 +125,8 @@ def main() -> None:
     ap.add_argument("--linear-rows", default="64,128,256,1024,4096")
     ap.add_argument("--skip-probe", action="store_true", help="only the linear row-tile table")
     ap.add_argument("--kwidth", action="store_true", help="compile-only layout table (no GPU needed), then exit")
+    ap.add_argument("--fp8-wgmma", action="store_true",
+                    help="only: FP8 decode configs on wgmma vs the table's, and their bits vs a wgmma row tile")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args()
     if a.kwidth:
@@ -131,6 +136,11 @@ def main() -> None:
     torch.manual_seed(0)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
+    if a.fp8_wgmma:
+        lines = fp8_wgmma(a, dev)
+        with open(os.path.join(out, "fp8_wgmma.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return
     rows = []
     print(f"# mma tile shape vs bits  commit={a.commit}  {torch.cuda.get_device_name()}")
     for shape in ([] if a.skip_probe else a.shapes.split(",")):
@@ -259,6 +269,47 @@ def fp8_causes(dev) -> list:
                    f"(wgmma={'wgmma' in k.asm.get('ptx', '')}) | f32 | {diff} |")
     for line in out:
         print(line, flush=True)
+    return out
+
+
+FP8_SHAPES = ("7168x18432", "18432x7168", "16384x7168", "1536x24576", "2048x12288")
+"""The FP8 decode table's weight shapes (ds4t.kernels.linear._GPU_TABLE)."""
+
+
+def fp8_wgmma(a, dev) -> list:
+    """FP8 decode configs that run wgmma (swapped, >= 64 weight rows as the MMA's M, 4 warps; kWidth 2
+    like a wgmma row tile) against the table's: decode bandwidth at B = 1 and 16 (bytes = fp8 + scales,
+    two weight copies rotated past the L2), and whether rows computed by a wgmma row tile (this script's
+    GEMM, 128 x 128 x 128, 8 warps) at 1024 rows equal the candidate's rows bitwise. A candidate that is
+    about as fast as the table's and bit-equal to the row tile lets FP8 prefill use row tiles."""
+    out = ["| K x N | decode config | B=1 TB/s | B=16 TB/s | 1024 rows == wgmma row tile |", "|---|---|---|---|---|"]
+    for shape in FP8_SHAPES:
+        K, N = map(int, shape.split("x"))
+        ws = [quantize((torch.randn(N, K, device=dev) * 0.02), (128, 128)) for _ in range(2)]
+        nbytes = ws[0].data.numel() + 4 * ws[0].scale.numel()
+        table = lin.linear_config(K, N, torch.float8_e4m3fn, torch.bfloat16, 128)
+        cands = [("table", table)] + [
+            (f"swap bn{bn} w4 s{st} {route}", lin.LinearConfig(block_n=bn, block_k=128, split=table.split, num_warps=4,
+                                                              num_stages=st, swap=True, fp8_route=route))
+            for bn in (64, 128) for st in (2, 3) for route in ("f32", "direct")]
+        xl = torch.randn(1024, K, device=dev)
+        tile, _ = gemm(xl, ws[0].data, ws[0].scale, 128, 128, 128, 128, False, 8, 3)
+        for name, cfg in cands:
+            tb = []
+            for B in (1, 16):
+                x = torch.randn(B, K, device=dev)
+                i = [0]
+
+                def call():
+                    i[0] ^= 1
+                    return lin.linear(x, ws[i[0]], act_dtype=torch.bfloat16, config=cfg)
+
+                tb.append(nbytes / (median_ms(call, 20, 5, dev) * 1e-3) / 1e12)
+            same = torch.equal(lin.linear(xl, ws[0], act_dtype=torch.bfloat16,
+                                          config=lin.LinearConfig(**{**cfg.__dict__, "split": 1})), tile)
+            line = f"| {shape} | {name} | {tb[0]:.2f} | {tb[1]:.2f} | {same} |"
+            print(line, flush=True)
+            out.append(line)
     return out
 
 
