@@ -16,13 +16,16 @@ class Segment:
     """Consecutive tokens of one session inside a step batch (1 token for a decode step).
 
     keep: the model keeps the per-token states of this segment (a speculative verify chunk) so the
-    session can be rolled back to any prefix of it (:meth:`ds4t.models.base.Model.rollback`)."""
+    session can be rolled back to any prefix of it (:meth:`ds4t.models.base.Model.rollback`).
+    states_row: where those states start in the step's buffer of kept states, which holds the keep
+    segments' rows only, in order (-1 without keep)."""
 
     slot: int
     start_row: int
     n: int
     start_pos: int
     keep: bool = False
+    states_row: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +61,8 @@ class StepBatch:
     single_rows: torch.Tensor  # int64 [S]: rows of the one-token segments (decode rows of a mixed batch)
     hidden_rows: Optional[torch.Tensor] = None  # int64 [H]: rows whose final hidden the model returns
     hidden: Optional[torch.Tensor] = None       # set by the model: fp32 [H, D] for hidden_rows
-    # int64 [M, 4]: the segments of more than one token, in order, as (first row, rows, slot, keep) on
-    # the device, for kernels that run all of them in one launch (a recurrence per session)
+    # int64 [M, 4]: the segments of more than one token, in order, as (first row, rows, slot, states row
+    # or -1: Segment.states_row) on the device, for kernels that run all of them in one launch
     multi_segments: Optional[torch.Tensor] = None
 
     @property
@@ -73,10 +76,11 @@ class StepBatch:
         segments, in item order: (slot, token ids, start position) tuples (logits of the last token,
         or of every token with ``all_logits``) or :class:`SegmentSpec`. ``meta`` holds tokens,
         positions, slots, out_rows, single_rows, hidden_rows and the M multi-token segments'
-        (first row, rows, slot, keep) back to back, so one host->device copy carries all of it (see
+        (first row, rows, slot, states row) back to back, so one host->device copy carries all of it (see
         :meth:`from_meta`).
         """
         toks, pos, slots, out_rows, hidden, segs = [], [], [], [], [], []
+        kept = 0   # rows of kept states so far
         for sp in segments:
             if not isinstance(sp, SegmentSpec):
                 sp = SegmentSpec(*sp, all_logits=all_logits)
@@ -85,12 +89,14 @@ class StepBatch:
             toks += list(ids)
             pos += range(start, start + len(ids))
             slots += [sp.slot] * len(ids)
-            segs.append(Segment(sp.slot, r0, len(ids), start, keep=sp.keep))
+            keep = sp.keep and len(ids) > 1
+            segs.append(Segment(sp.slot, r0, len(ids), start, keep=sp.keep, states_row=kept if keep else -1))
+            kept += len(ids) if keep else 0
             out_rows += list(range(r0, r0 + len(ids))) if sp.all_logits else [r0 + len(ids) - 1]
             if sp.hidden:
                 hidden += range(r0, r0 + len(ids))
         singles = [sg.start_row for sg in segs if sg.n == 1]
-        multi = [v for sg in segs if sg.n > 1 for v in (sg.start_row, sg.n, sg.slot, int(sg.keep))]
+        multi = [v for sg in segs if sg.n > 1 for v in (sg.start_row, sg.n, sg.slot, sg.states_row)]
         meta = torch.tensor(toks + pos + slots + out_rows + singles + hidden + multi, dtype=torch.int64)
         return meta, len(toks), len(out_rows), segs, len(hidden)
 

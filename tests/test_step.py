@@ -6,7 +6,7 @@ from ds4t.step import SegmentSpec, StepBatch
 
 def test_layout_of_a_mixed_step():
     """Decode rows, a prefill chunk, a kept verify chunk and hidden rows: every view reads its own part
-    of the one meta tensor, and the multi-token segments' table is (first row, rows, slot, keep)."""
+    of the one meta tensor, and the multi-token segments' table is (first row, rows, slot, states row)."""
     b = StepBatch.build([
         (3, [11], 7),                                            # decode: slot 3, one token at position 7
         SegmentSpec(5, [1, 2, 3, 4], 0, all_logits=True),         # prefill chunk of 4
@@ -19,7 +19,8 @@ def test_layout_of_a_mixed_step():
     assert b.out_rows.tolist() == [0, 1, 2, 3, 4, 5, 8]
     assert b.single_rows.tolist() == [0, 5]
     assert b.hidden_rows.tolist() == [6, 7, 8]
-    assert b.multi_segments.tolist() == [[1, 4, 5, 0], [6, 3, 6, 1]]
+    assert b.multi_segments.tolist() == [[1, 4, 5, -1], [6, 3, 6, 0]]   # the kept chunk's states from row 0
+    assert [s.states_row for s in b.segments] == [-1, -1, -1, 0]
     assert not b.all_single
 
 
@@ -34,3 +35,11 @@ def test_segment_table_is_a_view_of_the_one_copy():
     meta, n, o, segs, h = StepBatch.host_meta([SegmentSpec(2, [1, 2], 0), (4, [3], 5)])
     b = StepBatch.from_meta(meta, n, o, segs, h)
     assert b.multi_segments.data_ptr() == meta[-4:].data_ptr() and b.multi_segments.dtype == torch.int64
+
+
+def test_kept_chunks_get_consecutive_states_rows():
+    """Two kept chunks around a prompt chunk: their states rows count the kept rows only (0, then 3)."""
+    b = StepBatch.build([SegmentSpec(1, [1, 2, 3], 4, keep=True), (2, [5] * 6, 0),
+                         SegmentSpec(3, [7, 8], 9, keep=True), SegmentSpec(4, [9], 1, keep=True)], "cpu")
+    assert [s.states_row for s in b.segments] == [0, -1, 3, -1]   # a one-token segment keeps nothing
+    assert b.multi_segments[:, 3].tolist() == [0, -1, 3]

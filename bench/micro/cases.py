@@ -169,7 +169,7 @@ def _conv1d_prefill(dev, real):
 
 def _segments(dev, sessions, rows_each):
     """The segments table of ``sessions`` chunks of ``rows_each`` rows, session i in slot i."""
-    return torch.tensor([[i * rows_each, rows_each, i, 0] for i in range(sessions)], dtype=torch.int64, device=dev)
+    return torch.tensor([[i * rows_each, rows_each, i, -1] for i in range(sessions)], dtype=torch.int64, device=dev)
 
 
 def _conv1d_prefill_segments(dev, real):

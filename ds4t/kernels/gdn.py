@@ -99,7 +99,7 @@ def _load_token(
     return q, k, v, a, b
 
 
-@triton.jit(do_not_specialize=["T", "sst_t", "keep"])   # one binary for every T and with / without keep
+@triton.jit(do_not_specialize=["sst_t", "can_keep"])   # one binary with and without kept states
 def _gdn_kernel(
     q_ptr, sq_r, sq_h, sq_d,
     k_ptr, sk_r, sk_h, sk_d,
@@ -117,10 +117,11 @@ def _gdn_kernel(
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
     # Prefill: program (segment, head block, Dv tile); segment g = slots[g] = (first row r0, T rows,
-    # slot, keep) of a [M, 4] table: T tokens of one session from state[slot]. keep != 0 (and
-    # can_keep, a states buffer was given): the state after row r also goes to states[r] (same layout
-    # as a slot, row stride sst_t), so the session can be rolled back to any prefix of the chunk. keep
-    # is a runtime value, not a constexpr: with and without it the prefill is ONE compiled kernel, so
+    # slot, states row s0 or -1) of a [M, 4] table: T tokens of one session from state[slot]. s0 >= 0
+    # (and can_keep, a states buffer was given): the state after its token t also goes to
+    # states[s0 + t] (same layout as a slot, row stride sst_t), so the session can be rolled back to any
+    # prefix of the chunk. keep is a runtime value, not a constexpr: with and without it the prefill is
+    # ONE compiled kernel, so
     # keeping the states cannot change how the compiler lays out (and so sums) the step's math.
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -139,14 +140,15 @@ def _gdn_kernel(
         r0 = tl.load(slots_ptr + g4).to(tl.int64)
         T = tl.load(slots_ptr + g4 + 1).to(tl.int64)
         state_ptr += tl.load(slots_ptr + g4 + 2).to(tl.int64) * ss_s
-        keep = tl.load(slots_ptr + g4 + 3).to(tl.int32) * can_keep
+        s0 = tl.load(slots_ptr + g4 + 3).to(tl.int64)
+        keep = (s0 >= 0).to(tl.int32) * can_keep
         q_ptr += r0 * sq_r
         k_ptr += r0 * sk_r
         v_ptr += r0 * sv_r
         a_ptr += r0 * sa_r
         b_ptr += r0 * sb_r
         out_ptr += r0 * so_r
-        states_ptr += r0 * sst_t
+        states_ptr += tl.maximum(s0, 0) * sst_t
     else:
         state_ptr += tl.load(slots_ptr + pid_r).to(tl.int64) * ss_s
     A_log = tl.load(A_log_ptr + h, mask=hm, other=0.0).to(tl.float32)
@@ -203,8 +205,10 @@ def _check_args(q, k, v, a, b, A_log, dt_bias, state):
     return R, Hk, Hv, Dk, Dv
 
 
-def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None, states_out=None):
-    """slots: decode, int32 [R] (a slot per row); prefill, the [M, 4] segments table."""
+def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None, states_out=None,
+            states_rows=None):
+    """slots: decode, int32 [R] (a slot per row); prefill, the [M, 4] segments table. states_rows: the
+    rows states_out must have, where the caller knows them (the table's values stay on the device)."""
     R, Hk, Hv, Dk, Dv = _check_args(q, k, v, a, b, A_log, dt_bias, state)
     if gated_norm is not None:
         z, norm_w, _ = gated_norm
@@ -225,8 +229,9 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
     grid = (programs, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
     keep = dict(states_ptr=state, sst_t=0, can_keep=0)   # never written when can_keep == 0
     if states_out is not None:
-        if tuple(states_out.shape) != (R, Hv, Dk, Dv) or states_out.dtype != torch.float32:
-            raise ValueError(f"states_out must be float32 {(R, Hv, Dk, Dv)}, got {states_out.dtype} "
+        rows = states_out.shape[0] if states_rows is None else states_rows
+        if tuple(states_out.shape) != (rows, Hv, Dk, Dv) or states_out.dtype != torch.float32:
+            raise ValueError(f"states_out must be float32 {(rows, Hv, Dk, Dv)}, got {states_out.dtype} "
                              f"{tuple(states_out.shape)}")
         if tuple(states_out.stride()[1:]) != tuple(state.stride()[1:]):
             raise ValueError("states_out must have the state's per-slot layout (contiguous)")
@@ -275,19 +280,21 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slot: int, *, out: Optiona
     chunk keeps them to roll the session back to any prefix without recomputing).
     """
     segments = one_segment(q.shape[0], slot, q.device, keep=states_out is not None)
-    return _launch(q, k, v, a, b, A_log, dt_bias, state, segments, out, prefill=True, states_out=states_out)
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, segments, out, prefill=True, states_out=states_out,
+                   states_rows=q.shape[0])
 
 
 def gdn_prefill_segments(q, k, v, a, b, A_log, dt_bias, state, segments, *, out: Optional[torch.Tensor] = None,
                          states_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Several sessions' consecutive tokens in one launch: segment g = ``segments[g]`` = (first row r0,
-    T rows, slot, keep) runs rows r0 .. r0+T-1 from ``state[slot]`` exactly as :func:`gdn_prefill`
-    would alone (one program per segment, value head and Dv tile; slots distinct).
+    T rows, slot, states row s0) runs rows r0 .. r0+T-1 from ``state[slot]`` exactly as
+    :func:`gdn_prefill` would alone (one program per segment, value head and Dv tile; slots distinct).
 
     q, k [R, Hk, Dk], v [R, Hv, Dv], a, b [R, Hv]; segments an int32/int64 [M, 4] table on the device
     (:attr:`ds4t.step.StepBatch.multi_segments`). Returns o fp32 [R, Hv, Dv] (``out`` if given; rows
-    outside every segment are not written). ``states_out`` fp32 [R, Hv, Dk, Dv]: for the rows of
-    segments with keep != 0, the state after that row's token."""
+    outside every segment are not written). ``states_out`` fp32 [K, Hv, Dk, Dv], the kept states: a
+    segment with s0 >= 0 writes the state after its token t to ``states_out[s0 + t]`` (s0 = -1: none);
+    K covers every such segment's rows (:attr:`ds4t.step.Segment.states_row`)."""
     return _launch(q, k, v, a, b, A_log, dt_bias, state, segments, out, prefill=True, states_out=states_out)
 
 
@@ -339,10 +346,10 @@ def gdn_prefill_segments_ref(q, k, v, a, b, A_log, dt_bias, state, segments, *, 
     """Plain-torch :func:`gdn_prefill_segments`: :func:`gdn_prefill_ref` per segment, in order."""
     R, Hv, Dv = v.shape
     out = torch.full((R, Hv, Dv), float("nan"), device=q.device) if out is None else out
-    for r0, n, slot, keep in segments.tolist():
+    for r0, n, slot, s0 in segments.tolist():
         rows = slice(r0, r0 + n)
         gdn_prefill_ref(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias, state, slot, out=out[rows],
-                        states_out=states_out[rows] if keep and states_out is not None else None)
+                        states_out=states_out[s0:s0 + n] if s0 >= 0 and states_out is not None else None)
     return out
 
 

@@ -49,11 +49,11 @@ class TensorLike:
 
 
 def check_segments(segments: torch.Tensor, what: str) -> int:
-    """``segments``: an integer [M, 4] table (first row, rows, slot, keep) on the kernels' device with
-    unit column stride (:attr:`ds4t.step.StepBatch.multi_segments`); returns M. Only its shape is checked
+    """``segments``: an integer [M, 4] table (first row, rows, slot, states row or -1) on the kernels'
+    device, contiguous (:attr:`ds4t.step.StepBatch.multi_segments`); returns M. Only its shape is checked
     (its values are on the device: reading them would stall the host)."""
     if segments.dim() != 2 or segments.shape[1] != 4 or segments.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what}: segments must be an int32/int64 [M, 4] table (first row, rows, slot, keep), "
+        raise ValueError(f"{what}: segments must be an int32/int64 [M, 4] table (first row, rows, slot, states row), "
                          f"got {segments.dtype} {tuple(segments.shape)}")
     if segments.shape[0] and (segments.stride(1) != 1 or segments.stride(0) != 4):
         raise ValueError(f"{what}: segments must be contiguous")
@@ -61,5 +61,6 @@ def check_segments(segments: torch.Tensor, what: str) -> int:
 
 
 def one_segment(rows: int, slot: int, device, keep: bool = False) -> torch.Tensor:
-    """The segments table of one session's ``rows`` tokens from row 0."""
-    return torch.tensor([[0, rows, int(slot), int(keep)]], dtype=torch.int64).to(device)
+    """The segments table of one session's ``rows`` tokens from row 0 (``keep``: its states from row 0
+    of the kept-states buffer)."""
+    return torch.tensor([[0, rows, int(slot), 0 if keep else -1]], dtype=torch.int64, device=device)

@@ -359,11 +359,15 @@ class QwenModel(DecoderModel):
         if batch.multi_segments is not None:
             # Every multi-token segment (a prefill chunk or a verify chunk per session) in one conv and
             # one recurrence launch: a program per segment, each exactly the one-session prefill.
-            keeps = [s for s in batch.segments if s.n > 1 and s.keep]
-            states = torch.empty((R, hv, dk, dv), dtype=torch.float32, device=x.device) if keeps else None
-            for s in keeps:   # a verify chunk: keep what a rollback to any prefix of it needs
+            # A verify chunk keeps what a rollback to any prefix of it needs; the kept states of every
+            # such chunk share one buffer of their rows only (Segment.states_row), not one of all R rows.
+            keeps = [s for s in batch.segments if s.states_row >= 0]
+            states = torch.empty((sum(s.n for s in keeps), hv, dk, dv), dtype=torch.float32,
+                                 device=x.device) if keeps else None
+            for s in keeps:
                 rows = slice(s.start_row, s.start_row + s.n)
-                self._kept[(i, s.slot)] = (conv_state[s.slot].clone(), mixed[rows].float().clone(), states[rows])
+                self._kept[(i, s.slot)] = (conv_state[s.slot].clone(), mixed[rows].float().clone(),
+                                           states[s.states_row:s.states_row + s.n])
             m1 = ops.conv1d_prefill_segments(mixed, conv_state, w.conv_w, batch.multi_segments)
             q, k, v = split(m1)
             ops.gdn_prefill_segments(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.multi_segments, out=o,

@@ -102,3 +102,23 @@ def test_extra_items_report_their_own_paths():
     more: list = []
     spec.prefill([DecodeItem(b, [4])], paths=more)
     assert more == ["ordered"]
+
+
+
+def test_kept_states_hold_only_the_verify_rows():
+    """A long prompt chunk riding along a Qwen3-Next verify chunk: each Gated DeltaNet layer keeps the
+    verify chunk's per-token states (for a rollback) in a buffer of the verify rows only, not of every
+    row of the step (a prefill chunk of hundreds of rows would multiply that memory per layer)."""
+    m = ds4t.load("tiny-qwen")
+    a, b = m.new_session(64), m.new_session(64)
+    a.prefill([1, 2, 3])
+    batch = StepBatch.build([(b.slot, list(range(40)), 0),
+                             SegmentSpec(a.slot, [7, 4, 5, 6], a.pos, all_logits=True, keep=True)], m.device)
+    assert [s.states_row for s in batch.segments] == [-1, 0]
+    m.forward(batch)
+    kept = [v for key, v in m._kept.items() if key[1] == a.slot]
+    assert kept, "the verify chunk kept nothing"
+    for _, inputs, states in kept:
+        assert states.shape[0] == inputs.shape[0] == 4
+        assert states.untyped_storage().nbytes() == 4 * states[0].numel() * 4   # 4 verify rows, not 44
+    m.rollback(a.slot, 4)

@@ -195,9 +195,10 @@ def test_rows_path_equals_one_row_kernel(C, W, use_bias):
 
 # ----------------------------------------------------------------------------- several sessions in one launch
 
-# (first row, rows, slot, keep): a 2-row chunk (shorter than the W-1 history), a 5-row and a 20-row one
-# (more than one token tile), slots out of order; row 7 belongs to no segment and must be left alone.
-SEGMENTS = [(0, 2, 4, 0), (2, 5, 0, 1), (8, 20, 6, 0)]
+# (first row, rows, slot, states row: the conv keeps none, so unread): a 2-row chunk (shorter than the W-1
+# history), a 5-row and a 20-row one (more than one token tile), slots out of order; row 7 belongs to no
+# segment and must be left alone.
+SEGMENTS = [(0, 2, 4, -1), (2, 5, 0, 0), (8, 20, 6, -1)]
 
 
 def _run_segments(x, w, bias, state0, device, segments=SEGMENTS):

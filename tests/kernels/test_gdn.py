@@ -276,9 +276,11 @@ def test_prefill_keeps_every_token_state(device, Hk, Hv, Dk, Dv):
 
 # ----------------------------------------------------------------------------- several sessions in one launch
 
-# (first row, rows, slot, keep): three chunks in slot order 5, 0, 3; row 4 belongs to no segment (a decode
-# row of a mixed step, run by gdn_decode) and must be left alone.
-SEGMENTS = [(0, 4, 5, 1), (5, 3, 0, 0), (8, 6, 3, 1)]
+# (first row, rows, slot, states row or -1): three chunks in slot order 5, 0, 3, the first and last keeping
+# their states (rows 0-3 and 4-9 of the kept-states buffer); row 4 belongs to no segment (a decode row of a
+# mixed step, run by gdn_decode) and must be left alone.
+SEGMENTS = [(0, 4, 5, 0), (5, 3, 0, -1), (8, 6, 3, 4)]
+KEPT_ROWS = 10
 
 
 def _segments_case(device, Hk=2, Hv=4, Dk=16, Dv=24, seed=11):
@@ -292,7 +294,7 @@ def _run_segments(args, state0, device, segments=SEGMENTS):
     R, Hv, Dv = args[2].shape
     Dk = args[0].shape[2]
     out = poisoned((R, Hv, Dv), device=device)
-    kept = poisoned((R, Hv, Dk, Dv), device=device)
+    kept = poisoned((KEPT_ROWS, Hv, Dk, Dv), device=device)
     table = torch.tensor(segments, dtype=torch.int64, device=device)
     GD.gdn_prefill_segments(*args, st, table, out=out, states_out=kept)
     return out, st, kept
@@ -300,22 +302,20 @@ def _run_segments(args, state0, device, segments=SEGMENTS):
 
 def test_segments_equal_each_session_alone(device):
     """One launch over three sessions' chunks: every row's output, every kept state and each slot's final
-    state are bitwise those of gdn_prefill on that session alone; rows and states outside the segments
-    (and keep = 0 segments' states) are not written."""
+    state are bitwise those of gdn_prefill on that session alone; rows and slots outside the segments are
+    not written, and the kept-states buffer holds the keeping segments' rows, every one written."""
     args, state0 = _segments_case(device)
     out, st, kept = _run_segments(args, state0, device)
     alone_state = state0.clone()
-    for r0, n, slot, keep in SEGMENTS:
+    for r0, n, slot, s0 in SEGMENTS:
         rows = slice(r0, r0 + n)
-        keep_t = poisoned((n,) + tuple(kept.shape[1:]), device=device) if keep else None
+        keep_t = poisoned((n,) + tuple(kept.shape[1:]), device=device) if s0 >= 0 else None
         o = gdn_prefill(*(t[rows] for t in args[:5]), *args[5:], alone_state, slot, states_out=keep_t)
         assert torch.equal(out[rows], o), (r0, slot)
         assert torch.equal(st[slot], alone_state[slot]), slot
-        if keep:
-            assert torch.equal(kept[rows], keep_t)
-        else:
-            assert torch.isnan(kept[rows]).all()
-    assert torch.isnan(out[4]).all() and torch.isnan(kept[4]).all()
+        if s0 >= 0:
+            assert torch.equal(kept[s0:s0 + n], keep_t)
+    assert torch.isnan(out[4]).all() and not torch.isnan(kept).any()
     untouched = [s for s in range(S) if s not in (5, 0, 3)]
     assert torch.equal(st[untouched], state0[untouched])
 
