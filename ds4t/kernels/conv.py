@@ -276,10 +276,6 @@ def conv1d_prefill(
     T < W-1). Returns fp32 [T, C]; bitwise equal to T successive :func:`conv1d_update` calls.
     (One segment of :func:`conv1d_prefill_segments`.)
     """
-    C, _ = _check_args(x, conv_state, weight, bias)
-    out = _out(out, (x.shape[0], C), x.device)
-    if x.shape[0] == 0:
-        return out
     return conv1d_prefill_segments(x, conv_state, weight, one_segment(x.shape[0], slot, x.device),
                                    bias=bias, silu=silu, out=out)
 
