@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402
+from bench.bench_decode import copy_bandwidth  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from ds4t.exactness.chunks import run_chunk_check  # noqa: E402
 from ds4t.exactness.harness import plant  # noqa: E402
@@ -74,17 +75,6 @@ def weight_flops_per_token(model) -> tuple:
     if not head:   # tied: the embedding is the head
         head = 2.0 * params["embed"].numel()
     return dense, head
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + write), median of 10: the bandwidth a kernel reaching
-    every weight once can hope for."""
-    if device.type != "cuda":
-        return float("inf")
-    src = torch.empty(1 << 28, device=device)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), 10, 3, device)
-    return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
 def weight_bytes_per_chunk(model, n: int) -> float:
@@ -244,7 +234,7 @@ def main() -> int:
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
     peak = matmul_peak(device)
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth(device) if device.type == "cuda" else float("inf")   # CPU smoke: FLOPs alone
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke run)"
     log(f"# ds4t prefill on {where}")
     log(f"commit {args.commit or '?'}; torch {torch.__version__}; bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; "

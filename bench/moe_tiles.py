@@ -21,10 +21,13 @@ import itertools
 import json
 import os
 import statistics
+import sys
 
 import torch
 
-from ds4t.kernels import moe as M
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.bench_decode import copy_bandwidth  # noqa: E402
+from ds4t.kernels import moe as M  # noqa: E402
 
 # (name, E routed, top-k, D, I): the 4-layer presets' expert shapes (+1 fused shared expert)
 SHAPES = [("qwen3-next", 512, 10, 2048, 512), ("glm-4.5", 160, 8, 5120, 1536), ("deepseek-v3", 256, 8, 7168, 2048)]
@@ -50,19 +53,6 @@ def _time(fn, iters=20):
         b.synchronize()
         ts.append(a.elapsed_time(b) / 4)
     return statistics.median(ts)
-
-
-def copy_bandwidth(dev) -> float:
-    src = torch.empty(1 << 28, device=dev).normal_()
-    dst = torch.empty_like(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    b.synchronize()
-    return 2 * src.numel() * 4 * 10 / (a.elapsed_time(b) / 1e3)
 
 
 def sweep_rows(args) -> None:
