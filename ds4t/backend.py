@@ -47,6 +47,43 @@ if not INTERPRET and not torch.cuda.is_available():
 _INTERPRET_C = tl.constexpr(INTERPRET)
 
 
+def _pdl_supported() -> bool:
+    if INTERPRET or os.environ.get("DS4T_PDL", "1") == "0":
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+PDL: bool = _pdl_supported()
+"""True when kernels launch with programmatic dependent launch (Hopper and later; ``DS4T_PDL=0`` turns it
+off). A kernel launched so may start while the kernel before it in the stream still runs; each ds4t kernel
+waits for its predecessor's memory in :func:`grid_dependency` before touching memory, so only the launch
+latency and block scheduling overlap, never the arithmetic: results are bitwise those without it."""
+
+LAUNCH: dict = {"launch_pdl": True} if PDL else {}
+"""Keywords every ds4t kernel launch passes (``kernel[grid](..., **LAUNCH)``)."""
+
+_PDL_C = tl.constexpr(PDL)
+if PDL:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+else:
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def grid_dependency():
+    """The first statement of every ds4t kernel. Under programmatic dependent launch (:data:`PDL`) it
+    waits until the previous kernel in the stream has finished and its writes are visible, then lets the
+    next kernel launch (its blocks become resident and wait in their own ``grid_dependency``). Without
+    PDL (the interpreter, older GPUs, ``DS4T_PDL=0``) it is nothing."""
+    if _PDL_C:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 def default_device() -> torch.device:
     """``cuda`` when kernels compile for a GPU, else ``cpu`` (interpreter)."""
     return torch.device("cpu" if INTERPRET else "cuda")

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import sigmoid, timer
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.tensors import fp32_out, rows_view
@@ -50,6 +50,7 @@ ACTIVATION_CONFIGS: ConfigTable[ActivationConfig] = ConfigTable(
 @triton.jit
 def _binary_kernel(a_ptr, b_ptr, y_ptr, R, C, stride_a, stride_b, stride_y,
                    OP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    grid_dependency()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (rows < R)[:, None] & (cols < C)[None, :]
@@ -77,7 +78,7 @@ def _binary(a, b, out, op, names):
     cfg = ACTIVATION_CONFIGS(C)
     grid = (triton.cdiv(R, cfg.block_r), triton.cdiv(C, cfg.block_c))
     _binary_kernel[grid](a, b, out, R, C, a.stride(0), b.stride(0), out.stride(0),
-                         OP=op, BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps)
+                         OP=op, BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps, **LAUNCH)
     return out
 
 

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, cast, mma, timer, tl_dtype
+from ds4t.backend import INTERPRET, LAUNCH, cast, grid_dependency, mma, timer, tl_dtype
 from ds4t.kernels import activation, norm, rope
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
@@ -119,6 +119,7 @@ def _write_kv_kernel(
     HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -153,6 +154,7 @@ def _attn_split_kernel(
 ):
     # FINAL (NS == 1, a function of L and SPLIT only): the one split is the whole row, so the
     # program normalises and writes the output itself and no merge kernel runs.
+    grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -239,6 +241,7 @@ def _attn_merge_kernel(
     HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
@@ -305,7 +308,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slots, positions, S, L,
         HKV=HKV, D=D, DV=DV,
         BLOCK_H=triton.next_power_of_2(HKV), BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_DV=triton.next_power_of_2(DV),
+        BLOCK_DV=triton.next_power_of_2(DV), **LAUNCH,
     )
 
 
@@ -377,7 +380,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, *out.stride(),
         float(scale) * _LOG2E, L, NS,
         HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N,
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **launch_kwargs(cfg),
+        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **launch_kwargs(cfg), **LAUNCH,
     )
     if not final:
         _attn_merge_kernel[(B, HKV)](
@@ -385,7 +388,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out, *out.stride(),
             L, NS,
             HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
-            **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}),
+            **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     if gate is not None:
         activation.sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import timer
+from ds4t.backend import LAUNCH, grid_dependency, timer
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import conv_rows
@@ -66,6 +66,7 @@ def _conv1d_update_kernel(
 ):
     # Index math in int64 (no overflow on big pools; also skips the interpreter's int32
     # overflow checks, which cost more than the arithmetic).
+    grid_dependency()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
     cm = c < C
@@ -118,6 +119,7 @@ def _conv1d_prefill_kernel(
 ):
     # Program (segment, channel block): segment g is seg[g] = (first row, T rows, slot, -) of x / out,
     # its history in state[slot]. Index math in int64 (see above).
+    grid_dependency()
     g = tl.program_id(0).to(tl.int64) * 4
     r0 = tl.load(seg_ptr + g).to(tl.int64)
     T = tl.load(seg_ptr + g + 1).to(tl.int64)
@@ -220,7 +222,7 @@ def conv1d_update(
         slots,
         out, out.stride(0), out.stride(1),
         C,
-        W=W, BW=triton.next_power_of_2(W - 1), BC=BC, HAS_BIAS=bias is not None, SILU=silu,
+        W=W, BW=triton.next_power_of_2(W - 1), BC=BC, HAS_BIAS=bias is not None, SILU=silu, **LAUNCH,
     )
     return out
 
@@ -255,7 +257,7 @@ def conv1d_prefill_segments(
         bias if bias is not None else weight,
         out, out.stride(0), out.stride(1),
         segments, C,
-        W=W, BW=triton.next_power_of_2(W - 1), BT=cfg.block_t, BC=BC, HAS_BIAS=bias is not None, SILU=silu,
+        W=W, BW=triton.next_power_of_2(W - 1), BT=cfg.block_t, BC=BC, HAS_BIAS=bias is not None, SILU=silu, **LAUNCH,
     )
     return out
 

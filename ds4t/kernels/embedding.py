@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import timer
+from ds4t.backend import LAUNCH, grid_dependency, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
@@ -46,6 +46,7 @@ EMBEDDING_CONFIGS: ConfigTable[EmbeddingConfig] = ConfigTable(
 @triton.jit
 def _embedding_kernel(ids_ptr, t_ptr, y_ptr, B, D, stride_t, stride_y,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    grid_dependency()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < B
@@ -74,7 +75,7 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, *, out: Optional[torch.Ten
     cfg = EMBEDDING_CONFIGS(D)
     grid = (triton.cdiv(B, cfg.block_r), triton.cdiv(D, cfg.block_d))
     _embedding_kernel[grid](ids, table, out, B, D, table.stride(0), out.stride(0),
-                            BLOCK_R=cfg.block_r, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps)
+                            BLOCK_R=cfg.block_r, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, **LAUNCH)
     return out
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import sigmoid, softplus, timer
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, softplus, timer
 from ds4t.kernels import norm
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import gdn_rows
@@ -123,6 +123,7 @@ def _gdn_kernel(
     # prefix of the chunk. keep is a runtime value, not a constexpr: with and without it the prefill is
     # ONE compiled kernel, so
     # keeping the states cannot change how the compiler lays out (and so sums) the step's math.
+    grid_dependency()
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -245,7 +246,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         out, *out.stride(),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS,
-        num_warps=cfg.num_warps, **keep,
+        num_warps=cfg.num_warps, **keep, **LAUNCH,
     )
     if gated_norm is not None:
         z, norm_w, eps = gated_norm

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, FP8_ROUTES, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, scaled_add,
-                          tl_dtype, timer)
+from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_to, grid_dependency, mma, mma_tf32_exact,
+                          round_in_f32, scaled_add, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -190,6 +190,7 @@ def _linear_kernel(
     accumulator times that block's per-row scale: ``acc += scale[n, j] * dot_j``. Split-K splits
     on scale-block boundaries (K_PER_SPLIT is a multiple of KSTEP).
     """
+    grid_dependency()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     SPLIT_K: tl.constexpr = K_PER_SPLIT < K
@@ -330,6 +331,7 @@ def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps, stride_ym,
                        N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """y[i] = ((p[0,i] + p[1,i]) + p[2,i]) + ... (+ bias): the split partials in a fixed order.
     p is contiguous [SPLIT, B, N]; y [B, N] may have any row stride (e.g. a column slice)."""
+    grid_dependency()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -628,20 +630,21 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
         _linear_kernel[grid](
             x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, CLAMP_ROWS=t.clamp_rows, **tiles, **fp8,
+            **LAUNCH,
         )
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     grid = (m_tiles, triton.cdiv(N, t.block_n), split)
     _linear_kernel[grid](
         x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, **tiles, **fp8,
+        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, **tiles, **fp8, **LAUNCH,
     )
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
     block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
     _splitk_sum_kernel[(triton.cdiv(total, block),)](
         part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
-        num_warps=sum_cfg.num_warps,
+        num_warps=sum_cfg.num_warps, **LAUNCH,
     )
     return out
 
@@ -793,7 +796,7 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
         EVEN_K=(K % kps == 0) and (kps % cfg.block_k == 0), M_SUB=1, EVICT=cfg.evict, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP_ROWS=_clamp_rows("linear_heads"),
         HEADS=True, SX_H=x.stride(1), SW_H=w.stride(0), SY_H=out.stride(1),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **LAUNCH,
     )
     return out
 

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, mma, timer
+from ds4t.backend import LAUNCH, cast, grid_dependency, mma, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 
@@ -136,6 +136,7 @@ def _write_latent_kernel(
     slots_ptr, pos_ptr,
     R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr, DRP: tl.constexpr,
 ):
+    grid_dependency()
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -162,6 +163,7 @@ def _mla_split_kernel(
     R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr, DRP: tl.constexpr,
     BH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NHB: tl.constexpr,
 ):
+    grid_dependency()
     pid = tl.program_id(0)
     b = tl.program_id(1)
     hb = pid % NHB
@@ -235,6 +237,7 @@ def _mla_merge_kernel(
     lengths_ptr, H, L, NS,
     R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    grid_dependency()
     hb = tl.program_id(0)
     b = tl.program_id(1)
     length = tl.load(lengths_ptr + b)
@@ -297,7 +300,7 @@ def write_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
         cache, cache.stride(0), cache.stride(1),
         slots, positions,
         R=R, DR=Dr, RP=triton.next_power_of_2(R), DRP=triton.next_power_of_2(max(Dr, 1)),
-        num_warps=WRITE_LATENT_CONFIGS(R).num_warps,
+        num_warps=WRITE_LATENT_CONFIGS(R).num_warps, **LAUNCH,
     )
 
 
@@ -385,7 +388,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             po_c, pm_c, pl_c,
             qk_scale, H, L, NS,
             R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, SPLIT=split, NHB=NHB,
-            num_warps=warps, num_stages=cfg.num_stages,
+            num_warps=warps, num_stages=cfg.num_stages, **LAUNCH,
         )
         if NS > 1:
             _mla_merge_kernel[(triton.cdiv(H, MH), nb)](
@@ -393,7 +396,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 po_c, pm_c, pl_c,
                 lengths[b0:b1], H, L, NS,
                 R=R, RP=RP, MH=MH, SPLIT=split,
-                num_warps=cfg.merge_warps,
+                num_warps=cfg.merge_warps, **LAUNCH,
             )
     return out
 

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, cast, fp8_to, mma, mma_tf32_exact, round_in_f32, scaled_add,
-                          sigmoid, timer, tl_dtype)
+from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_to, grid_dependency, mma, mma_tf32_exact,
+                          round_in_f32, scaled_add, sigmoid, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -87,6 +87,7 @@ def _moe_group_kernel(
     """Program e: bounds[e] = #pairs with expert < e, bounds[e+1] (last program) = P, and the pairs
     of expert e in pair order at order[bounds[e]:]. Two scans of the pairs; nothing shared between
     programs, so no atomics and no ordering between programs."""
+    grid_dependency()
     e = tl.program_id(0)
     start = 0
     for p0 in range(0, P, BP):
@@ -149,6 +150,7 @@ def _moe_gate_up_kernel(
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
     columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
     accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`."""
+    grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -217,6 +219,7 @@ def _moe_down_kernel(
     FP8_ROUTE: tl.constexpr = 0,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]."""
+    grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -263,6 +266,7 @@ def _moe_combine_kernel(
 ):
     """out[b] = sum over ranks j in order of w[b, j] * y[b, j]; a skipped pair (expert -1) adds 0 and its
     y row, never written, is not read."""
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
     rm = r < B
@@ -342,7 +346,7 @@ def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int
         return order, bounds
     _moe_group_kernel[(num_experts,)](
         ids, ids.stride(0), order, bounds, P, -1 if shared_expert is None else int(shared_expert),
-        KTOP=k, KT=KT, BP=min(1024, triton.next_power_of_2(P)),
+        KTOP=k, KT=KT, BP=min(1024, triton.next_power_of_2(P)), **LAUNCH,
     )
     return order, bounds
 
@@ -554,7 +558,7 @@ def moe_experts(
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         act, act.stride(0),
         D, I, KT, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded, **kw,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded, **kw, **LAUNCH,
     )
     # 3. down
     cfg = _config("down", fmt, B)
@@ -568,7 +572,7 @@ def moe_experts(
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(0),
         D, I, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw, **LAUNCH,
     )
     return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
 
@@ -580,7 +584,7 @@ def _combine(y, weights, gate, sg, ids, SHARED, out, B: int, D: int, k: int, KT:
     ROWS, BD = cfg.rows, cfg.block_d
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
         y, y.stride(0), weights, weights.stride(0), gate, sg, ids, ids.stride(0), SHARED, out, out.stride(0), B, D,
-        KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD,
+        KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD, **LAUNCH,
     )
     return out
 

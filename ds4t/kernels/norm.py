@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import sigmoid, timer
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.tensors import fp32_out, rows_view
@@ -69,6 +69,7 @@ def _norm_kernel(
     ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ZERO_CENTERED: tl.constexpr,
 ):
     """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate."""
+    grid_dependency()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < R)[:, None]
     # Rows past R read row R-1 (in bounds, so row loads need no mask) and store nothing.
@@ -163,7 +164,7 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
         D=D, ROWS=rows, BLOCK_D=cfg.block_d,
         ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **LAUNCH,
     )
     return y, summed
 

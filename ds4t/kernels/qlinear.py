@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, mma, tl_dtype
+from ds4t.backend import LAUNCH, cast, grid_dependency, mma, tl_dtype
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -187,6 +187,7 @@ def _qlinear_kernel(
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT). Rows past
     B and weight rows past N load in-bounds rows (clamped) and are never stored."""
+    grid_dependency()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -304,15 +305,15 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
     if split == 1:
         _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
-                              HAS_BIAS=has_bias, **consts)
+                              HAS_BIAS=has_bias, **consts, **LAUNCH)
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     _qlinear_kernel[grid](x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-                          HAS_BIAS=False, **consts)
+                          HAS_BIAS=False, **consts, **LAUNCH)
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
     block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
     _splitk_sum_kernel[(triton.cdiv(total, block),)](
         part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
-        num_warps=sum_cfg.num_warps)
+        num_warps=sum_cfg.num_warps, **LAUNCH)
     return out

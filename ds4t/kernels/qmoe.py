@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
-from ds4t.backend import tl_dtype
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
 from ds4t.kernels.qlinear import _q8_group, qdot
@@ -39,6 +39,7 @@ def _qmoe_gate_up_kernel(
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
     constexpr because the planes of a row start at offsets made from it."""
+    grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
@@ -66,6 +67,7 @@ def _qmoe_down_kernel(
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     row_bytes(I)])."""
+    grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < D
@@ -137,10 +139,10 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, MAGIC=cfg.magic, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg))
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
         D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, MAGIC=cfg.magic, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg))
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)

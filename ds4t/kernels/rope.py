@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
+from ds4t.backend import INTERPRET, LAUNCH, grid_dependency, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 
@@ -89,6 +89,7 @@ def _rope_kernel(
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
@@ -159,7 +160,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
     _rope_kernel[grid](
         x, *x.stride(), positions, inv_freq, out, *out.stride(), float(scale),
         H=H, D=D, HALF=R // 2, INTERLEAVED=bool(interleaved),
-        BLOCK_H=cfg.block_h, BLOCK_HALF=cfg.block_half, BLOCK_P=cfg.block_p,
+        BLOCK_H=cfg.block_h, BLOCK_HALF=cfg.block_half, BLOCK_P=cfg.block_p, **LAUNCH,
     )
     return out
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import sigmoid, timer
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 
@@ -76,6 +76,7 @@ def _softmax_topk_kernel(
     K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
     EVEN_E: tl.constexpr = False,
 ):
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rok = r < B
     r1 = tl.minimum(r, B - 1).to(tl.int64)      # rows past B redo row B-1 and store nothing
@@ -121,6 +122,7 @@ def _sigmoid_grouped_kernel(
     K: tl.constexpr, NG: tl.constexpr, TOPKG: tl.constexpr, TWO: tl.constexpr, RENORM: tl.constexpr,
     ROWS: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, BK: tl.constexpr,
 ):
+    grid_dependency()
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     rm = r < B
@@ -204,7 +206,7 @@ def router_softmax_topk(
     _softmax_topk_kernel[(triton.cdiv(B, ROWS),)](
         logits, logits.stride(0), w, ids, B, E,
         K=top_k, RENORM=bool(renormalize), ROWS=ROWS, BE=triton.next_power_of_2(E),
-        BK=triton.next_power_of_2(top_k), EVEN_E=triton.next_power_of_2(E) == E,
+        BK=triton.next_power_of_2(top_k), EVEN_E=triton.next_power_of_2(E) == E, **LAUNCH,
     )
     return w, ids
 
@@ -245,7 +247,7 @@ def router_sigmoid_grouped(
         float(scaling), float(dropped),
         K=top_k, NG=n_group, TOPKG=topk_group, TWO=E // n_group >= 2, RENORM=bool(renormalize),
         ROWS=ROWS, BE=triton.next_power_of_2(E), BG=triton.next_power_of_2(n_group),
-        BK=triton.next_power_of_2(top_k),
+        BK=triton.next_power_of_2(top_k), **LAUNCH,
     )
     return w, ids
 

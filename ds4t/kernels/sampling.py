@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, timer
+from ds4t.backend import INTERPRET, LAUNCH, grid_dependency, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 
@@ -126,6 +126,7 @@ def _argmax_rows(x_ptr, sx, r, rm, V, BV: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _argmax_kernel(x_ptr, sx, out_ptr, B, V, R: tl.constexpr, BV: tl.constexpr):
+    grid_dependency()
     r = tl.program_id(0) * R + tl.arange(0, R)
     rm = r < B
     idx, _ = _argmax_rows(x_ptr, sx, r, rm, V, BV, R)
@@ -166,6 +167,7 @@ def _sample_kernel(
     x_ptr, sx, seed_ptr, stream_ptr, pos_ptr, temp_ptr, topk_ptr, topp_ptr, out_ptr, B, V,
     R: tl.constexpr, BV: tl.constexpr, SINGLE: tl.constexpr,
 ):
+    grid_dependency()
     r = tl.program_id(0) * R + tl.arange(0, R)
     rm = r < B
     c = tl.arange(0, BV)
@@ -268,7 +270,8 @@ def argmax(logits: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch
     if B == 0:
         return out
     cfg = SAMPLING_CONFIGS(V)
-    _argmax_kernel[(triton.cdiv(B, cfg.rows),)](logits, logits.stride(0), out, B, V, R=cfg.rows, BV=cfg.block_v)
+    _argmax_kernel[(triton.cdiv(B, cfg.rows),)](logits, logits.stride(0), out, B, V, R=cfg.rows, BV=cfg.block_v,
+                                                **LAUNCH)
     return out
 
 
@@ -302,7 +305,7 @@ def sample(
     cfg = SAMPLING_CONFIGS(V)
     _sample_kernel[(triton.cdiv(B, cfg.rows),)](
         logits, logits.stride(0), seeds, streams, positions, temperature, top_k, top_p, out, B, V,
-        R=cfg.rows, BV=cfg.block_v, SINGLE=V <= cfg.block_v, num_warps=cfg.num_warps,
+        R=cfg.rows, BV=cfg.block_v, SINGLE=V <= cfg.block_v, num_warps=cfg.num_warps, **LAUNCH,
     )
     return out
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, sigmoid
+from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid
 from ds4t.kernels.rope import _cos_sin
 
 
@@ -39,6 +39,7 @@ def _attn_rows_kernel(
     as far as its longest row; a tile or split past a row's own length leaves that row's state
     untouched (tl.where), so a row's bits never depend on the other rows of the program.
     """
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rl = tl.minimum(r, B - 1).to(tl.int64)        # rows past B redo row B-1 and store nothing
     length = tl.minimum(tl.load(lens_ptr + rl).to(tl.int32), L)                    # [ROWS]
@@ -158,6 +159,7 @@ def _norm_rope_kv_kernel(
     rotation partner of column d (d + HALF or d - HALF) is re-read from memory and normalised
     with the same rstd. Everything is per row: a row's bits never depend on the other rows.
     """
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rl = tl.minimum(r, R - 1).to(tl.int64)       # rows past R redo row R-1 and store nothing
     r3 = rl[:, None, None]
@@ -261,7 +263,7 @@ def launch_decode(q, k_cache, v_cache, slots, lengths, out, gate, qk_scale: floa
         gate if gate is not None else out, gate.stride(0) if gate is not None else 0, DV,
         qk_scale, L, B,
         HQ=HQ, G=HQ // HKV, D=D, DV=DV, SPLIT=split, BLOCK_N=block_n, NS=triton.cdiv(L, split),
-        ROWS=ROWS, BH=BH, BD=BD, BDV=BDV, GATED=gate is not None,
+        ROWS=ROWS, BH=BH, BD=BD, BDV=BDV, GATED=gate is not None, **LAUNCH,
     )
     return True
 
@@ -284,5 +286,5 @@ def launch_norm_rope_write_kv(q, k, v, q_norm, k_norm, eps: float, positions, in
         out, *out.stride(),
         R, S, L, float(eps),
         H=H, KV=KV, D=D, DV=DV, HALF=rotary_dim // 2, ZERO_CENTERED=bool(zero_centered),
-        ROWS=rows, BH=BH, BKV=BKV, BD=BD, BDV=BDV,
+        ROWS=rows, BH=BH, BKV=BKV, BD=BD, BDV=BDV, **LAUNCH,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ds4t.backend import LAUNCH, grid_dependency
 from ds4t.backend import silu as _silu
 
 
@@ -23,6 +24,7 @@ def _conv1d_update_rows_kernel(
 ):
     """Interpreter path of :func:`conv1d_update`: ROWS rows and all C channels per program, the
     same expression in the same order per output (so prefill still equals successive decodes)."""
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rl = tl.minimum(r, B - 1).to(tl.int64)[:, None]       # rows past B redo row B-1, store nothing
     c = tl.arange(0, BC)
@@ -82,5 +84,5 @@ def launch_update(x, conv_state, weight, slots, bias, silu: bool, out, BC: int) 
         slots,
         out, out.stride(0), out.stride(1),
         B, C,
-        W=W, BC=BC, ROWS=rows, HAS_BIAS=bias is not None, SILU=silu,
+        W=W, BC=BC, ROWS=rows, HAS_BIAS=bias is not None, SILU=silu, **LAUNCH,
     )

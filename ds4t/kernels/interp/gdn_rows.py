@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4t.backend import sigmoid, softplus
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, softplus
 
 
 @triton.jit
@@ -30,6 +30,7 @@ def _gdn_rows_kernel(
     """Interpreter decode path: ROWS rows, all heads, all of Dk and Dv in one program. Per row the
     same operations as :func:`ds4t.kernels.gdn._gdn_step` in the same order (an extra leading row axis; every
     reduction runs inside one row's head), so it equals the one-row kernel and gdn_prefill bitwise."""
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rl = tl.minimum(r, B - 1).to(tl.int64)          # rows past B redo row B-1 and store nothing
     r2 = rl[:, None]
@@ -115,5 +116,5 @@ def launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, 
           if gated_norm is not None else (out, 0, 0, 0, out, 0.0)),
         R, Dk ** -0.5,
         Hv=Hv, Dk=Dk, Dv=Dv, G=Hv // Hk, ROWS=rows, BH=BH, BK=BK, BV=BV, EPS=eps,
-        GATED_NORM=gated_norm is not None,
+        GATED_NORM=gated_norm is not None, **LAUNCH,
     )

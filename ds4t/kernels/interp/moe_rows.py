@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4t.backend import cast, scaled_add, tl_dtype
+from ds4t.backend import LAUNCH, cast, grid_dependency, scaled_add, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.moe import _INTERP_CONFIG, _pair_expert, _pair_weight, k_step
 from ds4t.kernels.weights import FP8Weight
@@ -44,6 +44,7 @@ def _moe_rows_kernel(
     the BK / BI chunks of one scale block (KSTEP_D / KSTEP_I columns) are summed from zero, then
     the block's sum times its per-row scale is added to the accumulator (first block: 0 + s * sum).
     """
+    grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r64 = tl.minimum(r, B - 1).to(tl.int64)  # rows past B load row B-1 (in bounds) and store nothing
     j = tl.arange(0, KP)[None, :]
@@ -232,6 +233,6 @@ def launch(h, ids, weights, gate, w_gate, w_up, w_down, shared: int, gated: bool
         w_down, w_down.stride(0), w_down.stride(1), w_down.stride(2),
         out, out.stride(0), B,
         D=D, I=I, KTOP=k, KT=KT, GATED=gated, WDT=tl_dtype(wdt), ROWS=ROWS, KP=KP, BI=BI, BK=BK,
-        BD=BD, **extra,
+        BD=BD, **extra, **LAUNCH,
     )
     return True
