@@ -2,6 +2,7 @@
 known by hand: the tiny presets' configs, loaded on the meta device."""
 import ds4t
 from tests.bench_scripts import load
+from ds4t.testing.markers import cpu_interpreter_only
 
 bp = load("bench/bench_prefill.py", "bench_prefill")
 
@@ -41,6 +42,7 @@ def test_weight_bytes_count_the_experts_a_chunk_hits():
     assert abs(bp.weight_bytes_per_chunk(m, 10 ** 6) - (rest + experts)) < 1e-6 * one
 
 
+@cpu_interpreter_only
 def test_cpu_smoke_one_and_several_sessions(tmp_path):
     """The script end to end on the CPU: one session in chunks, two sessions sharing each step's rows, the
     chunk check and its control; the table has a row for each."""

@@ -6,6 +6,7 @@ import ds4t
 from ds4t.cli import main
 from ds4t.exactness.chunks import run_chunk_check
 from ds4t.exactness.harness import plant
+from ds4t.testing.markers import cpu_interpreter_only
 
 PROMPT = [5, 17, 99, 3, 250, 8, 41, 7, 66, 12, 1, 2]
 
@@ -83,7 +84,11 @@ def test_row_tiles_keep_chunk_invariance(monkeypatch, preset):
     assert rep.ok, rep.first_mismatch
 
 
+@cpu_interpreter_only
 def test_row_tiles_control_a_changed_k_order_is_caught(monkeypatch):
+    """The interpreter keeps the decode K tile for row tiles; this control lets a row tile's K tile differ (what
+    the GPU would do without the rule) and the check must catch it. On the GPU the rule is pinned by
+    test_table_row_tiles_keep_every_rows_bits, with the table's real tiles."""
     with _row_tiles(monkeypatch, k_tile_changes=True):
         rep = run_chunk_check(ds4t.load("tiny-qwen"), PROMPT, chunks=(1,), in_batch=False)
     assert not rep.ok and "logits differ from the whole prompt" in rep.first_mismatch
