@@ -55,6 +55,7 @@ class GDNConfig:
     block_k: int
     block_v: int
     num_warps: int = 4
+    prefetch: bool = True   # prefill: load token t + 1 before token t's step (the same values; speed only)
 
 
 GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
@@ -114,6 +115,7 @@ def _gdn_kernel(
     PREFILL: tl.constexpr,
     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
     states_ptr, sst_t, can_keep,
+    PREFETCH: tl.constexpr = True,
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
     # Prefill: program (segment, head block, Dv tile); segment g = slots[g] = (first row r0, T rows,
@@ -162,11 +164,18 @@ def _gdn_kernel(
 
     o_off = h[:, None] * so_h + dv[None, :] * so_v
     if PREFILL:
-        # Walk the token rows by advancing 64-bit pointers.
+        # Walk the token rows by advancing 64-bit pointers. The step is latency-bound (a chain of Dk
+        # reductions per token), so PREFETCH issues token t + 1's loads before token t's step; without
+        # it they follow the step. Either way the step sees the same values.
+        q, k, v, a, b = _load_token(h, hk, dk, dv, hm & (tl.full((BH,), 0, tl.int64) < T), km, vm,
+                                    q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d,
+                                    a_ptr, sa_h, b_ptr, sb_h)
         for t in range(T):
-            q, k, v, a, b = _load_token(h, hk, dk, dv, hm, km, vm,
-                                        q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d,
-                                        a_ptr, sa_h, b_ptr, sb_h)
+            more = hm & (tl.full((BH,), t + 1, tl.int64) < T)   # as a [BH] tensor: the interpreter rejects a scalar mask here
+            if PREFETCH:
+                q2, k2, v2, a2, b2 = _load_token(h, hk, dk, dv, more, km, vm,
+                                                 q_ptr + sq_r, sq_h, sq_d, k_ptr + sk_r, sk_h, sk_d,
+                                                 v_ptr + sv_r, sv_h, sv_d, a_ptr + sa_r, sa_h, b_ptr + sb_r, sb_h)
             S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
             tl.store(out_ptr + o_off, o, mask=o_m)
             if keep != 0:
@@ -178,6 +187,12 @@ def _gdn_kernel(
             a_ptr += sa_r
             b_ptr += sb_r
             out_ptr += so_r
+            if PREFETCH:
+                q, k, v, a, b = q2, k2, v2, a2, b2
+            else:
+                q, k, v, a, b = _load_token(h, hk, dk, dv, more, km, vm,
+                                            q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d,
+                                            a_ptr, sa_h, b_ptr, sb_h)
     else:
         r = pid_r.to(tl.int64)
         q, k, v, a, b = _load_token(h, hk, dk, dv, hm, km, vm,
@@ -245,7 +260,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         slots,
         out, *out.stride(),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
-        PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS,
+        PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, **keep, **LAUNCH,
     )
     if gated_norm is not None:
