@@ -17,8 +17,9 @@ equals successive decodes bitwise (checked in the interpreter by tests/kernels/t
 
 Batch invariance: one program per (row, channel block); the channel block depends on C only;
 there is no reduction across rows. Rows must name distinct slots. Prefill: one program per (segment,
-channel block), a segment being one session's consecutive rows (``conv1d_prefill_segments`` runs every
-session's chunk of a step in one launch; ``conv1d_prefill`` is its one-segment case).
+channel block, token tile), a segment being one session's consecutive rows (``conv1d_prefill_segments``
+runs every session's chunk of a step in one launch; ``conv1d_prefill`` is its one-segment case). Outputs
+are independent, so token tiles run in parallel; the tile changes no operation an output sees.
 """
 from __future__ import annotations
 
@@ -117,10 +118,14 @@ def _conv1d_prefill_kernel(
     seg_ptr, C,
     W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
-    # Program (segment, channel block): segment g is seg[g] = (first row, T rows, slot, -) of x / out,
-    # its history in state[slot]. Index math in int64 (see above).
+    # Program (segment, channel block, token tile): segment g is seg[g] = (first row, T rows, slot, -) of
+    # x / out, its history in state[slot]; the program computes tokens [BT * tile, BT * (tile + 1)) of it
+    # (none if the tile starts past T). Outputs are independent, so tiles run in parallel. Only tile 0
+    # reads the history (token t reads it for t < W-1 <= BT), so tile 0 alone writes the new history,
+    # after its reads: no other program touches the slot. Index math in int64 (see above).
     grid_dependency()
     g = tl.program_id(0).to(tl.int64) * 4
+    tile = tl.program_id(2).to(tl.int64)
     r0 = tl.load(seg_ptr + g).to(tl.int64)
     T = tl.load(seg_ptr + g + 1).to(tl.int64)
     state_ptr += tl.load(seg_ptr + g + 2).to(tl.int64) * ss_s
@@ -131,33 +136,31 @@ def _conv1d_prefill_kernel(
     xc = x_ptr + c * sx_c
     sc = state_ptr + c * ss_c
     wc = w_ptr + c * sw_c
+    t = tile * BT + tl.arange(0, BT).to(tl.int64)
+    m2 = (t < T)[:, None] & cm[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    for t0 in range(0, T, BT):
-        t = t0 + tl.arange(0, BT).to(tl.int64)
-        m2 = (t < T)[:, None] & cm[None, :]
-        if HAS_BIAS:
-            acc = tl.zeros([BT, BC], dtype=tl.float32) + bias[None, :]
-        else:
-            acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            # input j of output t is concat(history, x)[t + j]; x position p = t + j - (W-1)
-            p = t + (j - (W - 1))
-            from_x = (p >= 0)[:, None]
-            xv = tl.load(xc[None, :] + (p * sx_t)[:, None], mask=m2 & from_x, other=0.0).to(tl.float32)
-            sv = tl.load(sc[None, :] + ((t + j) * ss_w)[:, None], mask=m2 & (p < 0)[:, None], other=0.0)
-            inp = tl.where(from_x, xv, sv)
-            wj = tl.load(wc + j * sw_w, mask=cm, other=0.0).to(tl.float32)
-            acc = acc + wj[None, :] * inp
-        if SILU:
-            acc = _silu(acc)
-        tl.store(out_ptr + (t * so_t)[:, None] + (c * so_c)[None, :], acc, mask=m2)
+        acc = tl.zeros([BT, BC], dtype=tl.float32) + bias[None, :]
+    else:
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        # input j of output t is concat(history, x)[t + j]; x position p = t + j - (W-1)
+        p = t + (j - (W - 1))
+        from_x = (p >= 0)[:, None]
+        xv = tl.load(xc[None, :] + (p * sx_t)[:, None], mask=m2 & from_x, other=0.0).to(tl.float32)
+        sv = tl.load(sc[None, :] + ((t + j) * ss_w)[:, None], mask=m2 & (p < 0)[:, None], other=0.0)
+        inp = tl.where(from_x, xv, sv)
+        wj = tl.load(wc + j * sw_w, mask=cm, other=0.0).to(tl.float32)
+        acc = acc + wj[None, :] * inp
+    if SILU:
+        acc = _silu(acc)
+    tl.store(out_ptr + (t * so_t)[:, None] + (c * so_c)[None, :], acc, mask=m2)
 
-    # New history: concat(history, x)[T + i] for i < W-1. All reads of the slot precede the
-    # barrier, all writes follow it.
+    # New history (tile 0 only): concat(history, x)[T + i] for i < W-1. All reads of the slot precede
+    # the barrier, all writes follow it.
     i = tl.arange(0, BW).to(tl.int64)
     p = i + (T - (W - 1))
-    m2 = cm[:, None] & (i < W - 1)[None, :]
+    m2 = cm[:, None] & ((i < W - 1) & (i * 0 + tile == 0))[None, :]   # [BW]-shaped: the interpreter rejects a scalar mask
     xv = tl.load(xc[:, None] + (p * sx_t)[None, :], mask=m2 & (p >= 0)[None, :], other=0.0).to(tl.float32)
     sv = tl.load(sc[:, None] + ((i + T) * ss_w)[None, :], mask=m2 & (p < 0)[None, :], other=0.0)
     new = tl.where((p >= 0)[None, :], xv, sv)
@@ -236,11 +239,14 @@ def conv1d_prefill_segments(
     bias: Optional[torch.Tensor] = None,
     silu: bool = True,
     out: Optional[torch.Tensor] = None,
+    max_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """Several sessions' consecutive tokens in one launch: segment g = ``segments[g]`` = (first row r0,
     T rows, slot, -) runs rows r0 .. r0+T-1 of x [R, C] from ``conv_state[slot]``, exactly as
-    :func:`conv1d_prefill` would alone (one program per segment and channel block; slots distinct).
-    Returns fp32 [R, C] (``out`` if given); rows outside every segment are not written."""
+    :func:`conv1d_prefill` would alone (programs per segment, channel block and token tile; slots
+    distinct). ``max_rows``: the longest segment's T when the caller knows it on the host (it bounds the
+    grid; the table stays on the device); default R. Returns fp32 [R, C] (``out`` if given); rows
+    outside every segment are not written."""
     C, W = _check_args(x, conv_state, weight, bias)
     R = x.shape[0]
     out = _out(out, (R, C), x.device)
@@ -249,7 +255,13 @@ def conv1d_prefill_segments(
         return out
     cfg = CONV_CONFIGS(C)
     BC = cfg.block_c
-    grid = (M, triton.cdiv(C, BC))
+    if cfg.block_t < W - 1:
+        raise ValueError(f"conv1d prefill: token tile {cfg.block_t} < W-1 = {W - 1} (tile 0 must hold every "
+                         "history reader)")
+    rows = R if max_rows is None else int(max_rows)
+    if not 0 < rows <= R:
+        raise ValueError(f"max_rows must be in 1..{R} (the rows of x), got {max_rows}")
+    grid = (M, triton.cdiv(C, BC), triton.cdiv(rows, cfg.block_t))
     _conv1d_prefill_kernel[grid](
         x, x.stride(0), x.stride(1),
         conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
@@ -279,7 +291,7 @@ def conv1d_prefill(
     (One segment of :func:`conv1d_prefill_segments`.)
     """
     return conv1d_prefill_segments(x, conv_state, weight, one_segment(x.shape[0], slot, x.device),
-                                   bias=bias, silu=silu, out=out)
+                                   bias=bias, silu=silu, out=out, max_rows=max(1, x.shape[0]))
 
 
 # ----------------------------------------------------------------------------- references
@@ -317,8 +329,9 @@ def conv1d_prefill_ref(x, conv_state, weight, slot, *, bias=None, silu=True, out
     return res
 
 
-def conv1d_prefill_segments_ref(x, conv_state, weight, segments, *, bias=None, silu=True, out=None):
-    """Plain-torch :func:`conv1d_prefill_segments`: :func:`conv1d_prefill_ref` per segment, in order."""
+def conv1d_prefill_segments_ref(x, conv_state, weight, segments, *, bias=None, silu=True, out=None, max_rows=None):
+    """Plain-torch :func:`conv1d_prefill_segments`: :func:`conv1d_prefill_ref` per segment, in order
+    (``max_rows`` only bounds the kernel's grid)."""
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), device=x.device) if out is None else out
     for r0, n, slot, _ in segments.tolist():
         out[r0:r0 + n] = conv1d_prefill_ref(x[r0:r0 + n], conv_state, weight, slot, bias=bias, silu=silu)

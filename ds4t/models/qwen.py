@@ -368,7 +368,8 @@ class QwenModel(DecoderModel):
                 rows = slice(s.start_row, s.start_row + s.n)
                 self._kept[(i, s.slot)] = (conv_state[s.slot].clone(), mixed[rows].float().clone(),
                                            states[s.states_row:s.states_row + s.n])
-            m1 = ops.conv1d_prefill_segments(mixed, conv_state, w.conv_w, batch.multi_segments)
+            m1 = ops.conv1d_prefill_segments(mixed, conv_state, w.conv_w, batch.multi_segments,
+                                             max_rows=max(s.n for s in batch.segments))
             q, k, v = split(m1)
             ops.gdn_prefill_segments(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.multi_segments, out=o,
                                      states_out=states)

@@ -246,3 +246,38 @@ def test_segments_bad_table(device):
     x = torch.randn(3, 64, generator=g).to(device)
     with pytest.raises(ValueError, match=r"\[M, 4\]"):
         CV.conv1d_prefill_segments(x, state0, w, torch.zeros(1, 3, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("block_t", [4, 8])
+def test_token_tiles_change_no_bit(device, block_t):
+    """Token tiles run in parallel programs (tile 0 alone reads and then writes the history): with tiles
+    of 4 and 8 tokens (segments of 2, 5 and 20 rows span one to five tiles) rows and histories are
+    bitwise those of the default tiles, and equal to successive decode steps."""
+    g, w, bias, state0 = _params(200, 4, torch.bfloat16, device, seed=23)
+    x = torch.randn(28, 200, generator=g).to(device=device, dtype=torch.bfloat16)
+    base, base_st = _run_segments(x, w, bias, state0, device)
+    with CV.CONV_CONFIGS.forced(lambda C: CV.ConvConfig(block_c=64, block_t=block_t)):
+        out, st = _run_segments(x, w, bias, state0, device)
+        bounded = state0.clone()
+        out_b = poisoned((28, 200), device=device)
+        CV.conv1d_prefill_segments(x, bounded, w, torch.tensor(SEGMENTS, dtype=torch.int64, device=device),
+                                   bias=bias, out=out_b, max_rows=20)
+    rows = [r for r0, n, _, _ in SEGMENTS for r in range(r0, r0 + n)]
+    assert torch.equal(out[rows], base[rows]) and torch.equal(st, base_st)
+    assert torch.equal(out_b[rows], base[rows]) and torch.equal(bounded, base_st)
+    dec = state0.clone()
+    r0, n, slot, _ = SEGMENTS[2]
+    sl = torch.tensor([slot], dtype=torch.int32, device=device)
+    steps = torch.cat([conv1d_update(x[r:r + 1], dec, w, sl, bias=bias) for r in range(r0, r0 + n)])
+    assert torch.equal(steps, out[r0:r0 + n]) and torch.equal(dec[slot], st[slot])
+
+
+def test_token_tiles_bad_arguments(device):
+    g, w, bias, state0 = _params(64, 4, torch.float32, device)
+    x = torch.randn(6, 64, generator=g).to(device)
+    seg = torch.tensor([[0, 6, 1, -1]], dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="max_rows"):
+        CV.conv1d_prefill_segments(x, state0, w, seg, max_rows=7)
+    with CV.CONV_CONFIGS.forced(lambda C: CV.ConvConfig(block_c=64, block_t=2)):
+        with pytest.raises(ValueError, match="token tile 2"):
+            CV.conv1d_prefill_segments(x, state0, w, seg)
