@@ -16,7 +16,8 @@ Inputs of any float dtype are upcast to fp32; all arithmetic is fp32.
 
 Kernels: one program per (row, block of value heads, Dv tile). On the GPU a program holds one
 value head and a Dv tile of 32 columns (columns of S are independent, so splitting Dv changes no
-sum); in the interpreter one program holds all heads and all of Dv (fewer, bigger programs). The
+sum); prefill loads token t + 1 while token t's step runs (the step is a latency-bound chain of Dk
+reductions); in the interpreter one program holds all heads and all of Dv (fewer, bigger programs). The
 Dk reductions always run over the whole of Dk inside one program. Tiles depend on (Hv, Dk, Dv)
 only, never on the number of rows; rows never interact, so a row's output and new state are
 bitwise the same whatever else shares the launch. Rows must name distinct slots.
@@ -64,7 +65,9 @@ GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
                                           block_v=min(32, triton.next_power_of_2(Dv))),
     interp_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=triton.next_power_of_2(Hv), block_k=triton.next_power_of_2(Dk),
                                              block_v=triton.next_power_of_2(Dv)),
-    source="rule: one value head and 32 Dv columns per program, 4 warps; not swept")
+    source="bench/results/2026-11-30-h200-prefill-round3.md (python bench/gdn_tiles.py): one value head, 32 Dv "
+           "columns, 4 warps, prefetch -- the fastest decode at R = 16 / 64 among 11 configs, prefill 1.2x the "
+           "same tile without prefetch (decode and prefill must share the tile: their bits)")
 """Keyed on the head shapes (Hv, Dk, Dv), never on the number of rows."""
 
 
