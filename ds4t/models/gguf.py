@@ -21,7 +21,8 @@ What is read, for the architectures in :data:`ARCHITECTURES` (``llama``, ``qwen3
   weights (embeddings), is **dequantized at load** with ``gguf.quants.dequantize`` to the model dtype.
   One log line (logger ``ds4t.gguf``) says which types were kept and which dequantized.
 * **Tokenizer** from ``tokenizer.ggml.*``: a GPT-2 style byte-level BPE (``tokenizer.ggml.model``
-  "gpt2": tokens, merges, token types, the pre-tokenizer split named by ``tokenizer.ggml.pre``) built
+  "gpt2": tokens, merges, token types, the pre-tokenizer splits llama.cpp applies for ``tokenizer.ggml.pre``
+  -- gpt2, smollm, llama3, qwen2, deepseek-v3, glm4 (no BOS, as llama.cpp), ...) built
   as a ``tokenizers.Tokenizer``; control tokens are special tokens, BOS is added when
   ``add_bos_token`` says so. The chat template (``tokenizer.chat_template``) and the BOS/EOS/EOT
   ids go to ``model.text_meta`` for :class:`ds4t.text.TextCodec`. Other tokenizer models
@@ -800,12 +801,28 @@ def _moe_config(arch: str, meta: dict, shapes: Dict[str, tuple], path: str) -> d
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's (Qwen3-Next's files say "qwen2"): llama3's with single digits.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek-V3's three, in order: digit runs of up to 3, CJK / kana runs, then words and punctuation.
+_DEEPSEEK3_SPLITS = [
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",   # U+4E00-9FA5, U+3040-309F, U+30A0-30FF
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
 # tokenizer.ggml.pre -> the regex splits llama.cpp applies in order (llama-vocab.cpp), before byte-level BPE.
 _PRE_SPLITS = {
     "gpt2": [_GPT2_SPLIT], "default": [_GPT2_SPLIT], "mpt": [_GPT2_SPLIT], "olmo": [_GPT2_SPLIT],
     "smollm": [r"\p{N}", _GPT2_SPLIT], "starcoder": [r"\p{N}", _GPT2_SPLIT], "refact": [r"\p{N}", _GPT2_SPLIT],
     "llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "llama-v3": [_LLAMA3_SPLIT],
+    "dbrx": [_LLAMA3_SPLIT], "smaug-bpe": [_LLAMA3_SPLIT],
+    "glm4": [_LLAMA3_SPLIT], "chatglm-bpe": [_LLAMA3_SPLIT],          # GLM-4.5 (llama.cpp's CHATGLM4)
+    "qwen2": [_QWEN2_SPLIT], "deepseek-r1-qwen": [_QWEN2_SPLIT], "stablelm2": [_QWEN2_SPLIT],
+    "deepseek-v3": _DEEPSEEK3_SPLITS,
 }
+# pre-tokenizers whose vocabulary llama.cpp gives no BOS token, whatever add_bos_token says
+_NO_BOS_PRE = ("glm4", "chatglm-bpe")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -858,6 +875,8 @@ def build_tokenizer(meta: dict, path: str):
     if user:
         tok.add_tokens(user)
     bos = text.special.get("bos_token")
+    if pre in _NO_BOS_PRE:   # GLM's chat template writes its own [gMASK]<sop> prefix
+        bos = None
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])

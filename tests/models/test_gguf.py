@@ -121,6 +121,43 @@ def test_tokenizer_and_chat_template_from_metadata(tmp_path):
     assert isinstance(out[0].text, str) and len(out[0].tokens) >= 1
 
 
+def _byte_level_meta(pre: str, add_bos: bool = True) -> dict:
+    """tokenizer.* metadata of a byte-level vocabulary: the 256 byte symbols, then a control BOS."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    syms = list(bytes_to_unicode().values())
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": syms + ["<s>"],
+            "tokenizer.ggml.token_type": [1] * 256 + [3], "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.bos_token_id": 256, "tokenizer.ggml.add_bos_token": add_bos}
+
+
+def _pieces(pre: str, text: str):
+    from ds4t.models.gguf import build_tokenizer
+    tok, _ = build_tokenizer(_byte_level_meta(pre), "m.gguf")
+    return [text[a:b] for _, (a, b) in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("pre,text,want", [
+    # the pre-tokenizers of the issue's architectures, as llama.cpp's llama-vocab.cpp splits
+    ("qwen2", "abc 12345", ["abc", " ", "1", "2", "3", "4", "5"]),                 # Qwen3-Next: single digits
+    ("llama-bpe", "abc 12345", ["abc", " ", "123", "45"]),                          # control: digit triples
+    ("glm4", "abc 12345", ["abc", " ", "123", "45"]),                               # GLM-4.5: llama3's
+    ("deepseek-v3", "日本語abc 12345", ["日本語", "abc", " ", "123", "45"]),         # DeepSeek-V3: CJK runs apart
+    ("llama-bpe", "日本語abc", ["日本語abc"]),                                       # control: one letter run
+    ("gpt2", "abc 12345", ["abc", " 12345"]),
+])
+def test_pre_tokenizer_splits_as_llama_cpp(pre, text, want):
+    assert _pieces(pre, text) == want
+
+
+def test_glm_vocabulary_gets_no_bos():
+    """llama.cpp gives GLM-4's vocabulary no BOS (its chat template writes [gMASK]<sop>): add_bos_token is
+    ignored there, honoured elsewhere."""
+    from ds4t.models.gguf import build_tokenizer
+    glm, _ = build_tokenizer(_byte_level_meta("glm4"), "m.gguf")
+    other, _ = build_tokenizer(_byte_level_meta("llama-bpe"), "m.gguf")
+    assert glm.encode("hi").ids[0] != 256 and other.encode("hi").ids[0] == 256
+
+
 def test_no_tokenizer_metadata_means_no_tokenizer(tmp_path):
     write_gguf(tiny_llama(), tmp_path / "m.gguf", tokenizer=False)
     assert ds4t.load(str(tmp_path / "m.gguf")).tokenizer is None
