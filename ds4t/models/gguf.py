@@ -25,8 +25,9 @@ What is read, for the architectures in :data:`ARCHITECTURES` (``llama``, ``qwen3
   -- gpt2, smollm, llama3, qwen2, deepseek-v3, glm4 (no BOS, as llama.cpp), ...) built
   as a ``tokenizers.Tokenizer``; control tokens are special tokens, BOS is added when
   ``add_bos_token`` says so. The chat template (``tokenizer.chat_template``) and the BOS/EOS/EOT
-  ids go to ``model.text_meta`` for :class:`ds4t.text.TextCodec`. Other tokenizer models
-  (sentencepiece "llama", ...) are not built yet: ``model.tokenizer`` is None, with a warning.
+  ids go to ``model.text_meta`` for :class:`ds4t.text.TextCodec`. A SentencePiece BPE vocabulary
+  ("llama": tokens and scores) tokenizes as llama.cpp's SPM tokenizer (merges by score, byte fallback).
+  Other tokenizer models (Unigram "t5", ...) are not built: ``model.tokenizer`` is None, with a warning.
 
 Anything else is a :class:`CheckpointError` naming the file and the problem: an architecture
 outside the supported ones, a missing or unexpected tensor, a shape that disagrees with the
@@ -823,7 +824,7 @@ _PRE_SPLITS = {
 }
 # pre-tokenizers whose vocabulary llama.cpp gives no BOS token, whatever add_bos_token says
 _NO_BOS_PRE = ("glm4", "chatglm-bpe")
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4   # llama.cpp's token types
 
 
 def build_tokenizer(meta: dict, path: str):
@@ -840,11 +841,77 @@ def build_tokenizer(meta: dict, path: str):
     text.eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                     if isinstance(meta.get(k), int)]
     text.eos_ids = list(dict.fromkeys(text.eos_ids))
-    if kind != "gpt2":
-        warnings.warn(f"{path}: tokenizer model {kind!r} is not built yet (only 'gpt2', byte-level BPE): "
-                      f"model.tokenizer is None, pass token ids", stacklevel=3)
+    if kind not in ("gpt2", "llama"):
+        warnings.warn(f"{path}: tokenizer model {kind!r} is not built yet (only 'gpt2', byte-level BPE, and "
+                      f"'llama', SentencePiece BPE): model.tokenizer is None, pass token ids", stacklevel=3)
         return None, text
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
+
+    types = meta.get("tokenizer.ggml.token_type") or []
+    if kind == "llama":
+        tok, vocab = _spm_tokenizer(meta, tokens, types, path)
+        pre = None
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", True)   # llama.cpp's default for SentencePiece
+    else:
+        tok, vocab, pre = _byte_level_bpe(meta, tokens, path)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+    bos = text.special.get("bos_token")
+    if pre in _NO_BOS_PRE:   # GLM's chat template writes its own [gMASK]<sop> prefix
+        bos = None
+    if add_bos and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+    return tok, text
+
+
+def _spm_tokenizer(meta: dict, tokens, types, path: str):
+    """``(Tokenizer, vocab)`` of a SentencePiece BPE vocabulary (``tokenizer.ggml.model`` "llama"), tokenizing
+    as llama.cpp's SPM tokenizer does: spaces become U+2581 (one prefixed when ``add_space_prefix``, the
+    default), then adjacent pieces merge best-score-first while the merged piece is in the vocabulary, and a
+    character no piece covers becomes its UTF-8 byte tokens ``<0xXX>``. The merges are the vocabulary's own:
+    every split of a normal token into two tokens, ranked by the merged token's score."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise CheckpointError(f"{path}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token "
+                              f"({len(tokens)}), got {None if scores is None else len(scores)}")
+    if types and len(types) != len(tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    mergeable = {t for i, t in enumerate(tokens) if not types or types[i] in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for t in mergeable:
+        for cut in range(1, len(t)):
+            a, b = t[:cut], t[cut:]
+            if a in mergeable and b in mergeable:
+                ranked.append((-float(scores[vocab[t]]), vocab[t], cut, a, b))
+    merges = [(a, b) for *_, a, b in sorted(ranked)]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    byte_fallback = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=byte_fallback))
+    space = "\u2581"
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend(space)] if prefix else [])
+                                          + [normalizers.Replace(" ", space)])
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok, vocab
+
+
+def _byte_level_bpe(meta: dict, tokens, path: str):
+    """``(Tokenizer, vocab, pre)`` of a GPT-2 style byte-level BPE vocabulary (``tokenizer.ggml.model``
+    "gpt2"), split before BPE as llama.cpp does for ``tokenizer.ggml.pre``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     merges = meta.get("tokenizer.ggml.merges") or []
     pairs = []
@@ -867,20 +934,7 @@ def build_tokenizer(meta: dict, path: str):
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-    if control:
-        tok.add_special_tokens(control)
-    if user:
-        tok.add_tokens(user)
-    bos = text.special.get("bos_token")
-    if pre in _NO_BOS_PRE:   # GLM's chat template writes its own [gMASK]<sop> prefix
-        bos = None
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
-    return tok, text
+    return tok, vocab, pre
 
 
 def open_gguf(path: str):

@@ -77,7 +77,15 @@ def write_gguf(hf_model, path, arch="llama", types=None, split_max_tensors=0, to
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     w.add_vocab_size(c.vocab_size)
-    if tokenizer:
+    if isinstance(tokenizer, dict):   # a SentencePiece ("llama") vocabulary's tokenizer.ggml.* metadata
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+        w.add_token_scores(tokenizer["tokenizer.ggml.scores"])
+        w.add_token_types(tokenizer["tokenizer.ggml.token_type"])
+        w.add_bos_token_id(tokenizer["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"])
+        w.add_chat_template(chat_template)
+    elif tokenizer:
         t = byte_tokenizer_meta()
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")

@@ -221,3 +221,142 @@ def test_a_truncated_file_is_a_clear_error(tmp_path, keep):
     cut.write_bytes(data[: int(len(data) * keep)] if keep < 1 else data[:keep])
     with pytest.raises(ds4t.CheckpointError, match=r"cut\.gguf: not a readable GGUF file"):
         ds4t.load(str(cut))
+
+
+# ----------------------------------------------------------------------------- SentencePiece ("llama") vocabularies
+
+_SPM_PIECES = ["▁", "e", "h", "l", "o", "w", "r", "d", "t", "i", "n", "g", "s", "a", "é", "he", "ll", "▁w", "or",
+               "ld", "in", "ing", "▁t", "▁the", "▁a", "llo", "hello", "▁hello", "▁wor", "▁world", "th", "▁s", "er",
+               "▁is", "is", "▁▁", "▁in"]
+
+
+def _spm_meta(add_bos=None):
+    """A SentencePiece vocabulary as llama.cpp's converter writes it: <unk>, <s>, </s>, the 256 byte tokens,
+    then pieces with scores (not in score order, so ranks are not positions)."""
+    import random
+    rng = random.Random(5)
+    pieces = list(_SPM_PIECES)
+    scores = [-float(i) for i in range(len(pieces))]
+    rng.shuffle(scores)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0, 0.0, 0.0] + [0.0] * 256 + scores,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    if add_bos is not None:
+        meta["tokenizer.ggml.add_bos_token"] = add_bos
+    return meta
+
+
+def _llama_cpp_spm(meta, text):
+    """llama.cpp's SPM tokenizer (llm_tokenizer_spm_session), written out: the reference."""
+    import heapq
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
+    ids = {t: i for i, t in enumerate(tokens) if meta["tokenizer.ggml.token_type"][i] in (1, 4)}
+    text = (" " + text if text else text).replace(" ", "▁")
+    sym = [[c, i - 1, i + 1] for i, c in enumerate(text)]     # text, prev, next
+    if sym:
+        sym[-1][2] = -1
+    heap = []
+
+    def add(left, right):
+        if left < 0 or right < 0:
+            return
+        t = sym[left][0] + sym[right][0]
+        if t in ids:
+            heapq.heappush(heap, (-scores[ids[t]], left, right, len(t)))
+
+    for i in range(1, len(sym)):
+        add(i - 1, i)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if not sym[left][0] or not sym[right][0] or len(sym[left][0]) + len(sym[right][0]) != size:
+            continue
+        sym[left][0] += sym[right][0]
+        sym[right][0] = ""
+        sym[left][2] = sym[right][2]
+        if sym[right][2] >= 0:
+            sym[sym[right][2]][1] = left
+        add(sym[left][1], left)
+        add(left, sym[left][2])
+    # every merged symbol is a token (a bigram is queued only if its text is one); what is left unmerged
+    # and not a token is emitted as its UTF-8 byte tokens (llama.cpp's resegment)
+    out, i = [], 0 if sym else -1
+    while i != -1:
+        t = sym[i][0]
+        out.extend([ids[t]] if t in ids else [tokens.index(f"<0x{b:02X}>") for b in t.encode("utf-8")])
+        i = sym[i][2]
+    return out
+
+
+_SPM_TEXTS = ["hello world", "the string is thinking", " leading space", "double  space in", "héllo wörld 日本",
+              "a", "isis", "world hello the"]
+
+
+@pytest.mark.parametrize("text", _SPM_TEXTS)
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(text):
+    from ds4t.models.gguf import build_tokenizer
+    meta = _spm_meta()
+    tok, _ = build_tokenizer(meta, "m.gguf")
+    ids = tok.encode(text).ids
+    assert ids[0] == 1                                           # BOS: llama.cpp's default for SentencePiece
+    assert ids[1:] == _llama_cpp_spm(meta, text)
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_sentencepiece_reference_negative_control():
+    """The comparison can fail: scores reversed merge in another order and give other ids."""
+    meta = _spm_meta()
+    flipped = dict(meta, **{"tokenizer.ggml.scores": [-s for s in meta["tokenizer.ggml.scores"]]})
+    assert any(_llama_cpp_spm(meta, t) != _llama_cpp_spm(flipped, t) for t in _SPM_TEXTS)
+    from ds4t.models.gguf import build_tokenizer
+    tok, _ = build_tokenizer(flipped, "m.gguf")
+    assert any(tok.encode(t).ids[1:] != _llama_cpp_spm(meta, t) for t in _SPM_TEXTS)
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
+    """The same vocabulary in a GGUF file, read by transformers' own GGUF tokenizer loader: the same ids."""
+    from ds4t.models.gguf import build_tokenizer
+    meta = _spm_meta(add_bos=True)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    tok, _ = build_tokenizer(meta, "t.gguf")
+    # Text that starts with a space is where the two part: llama.cpp always prefixes one more U+2581
+    # ("▁▁leading"), transformers' Metaspace does not; ds4t follows llama.cpp (the test above).
+    for text in [t for t in _SPM_TEXTS if not t.startswith(" ")]:
+        assert tok.encode(text).ids == hf(text)["input_ids"], text
+
+
+def test_sentencepiece_vocabulary_without_scores_is_an_error():
+    from ds4t.models.gguf import build_tokenizer
+    meta = _spm_meta()
+    del meta["tokenizer.ggml.scores"]
+    with pytest.raises(ds4t.CheckpointError, match="tokenizer.ggml.scores"):
+        build_tokenizer(meta, "m.gguf")
+
+
+def test_llama_gguf_with_a_sentencepiece_vocabulary_speaks(tmp_path):
+    """End to end: a llama GGUF whose vocabulary is SentencePiece loads with a tokenizer; text round-trips
+    through the codec and generate() returns text."""
+    meta = _spm_meta()
+    write_gguf(tiny_llama(vocab_size=len(meta["tokenizer.ggml.tokens"])), tmp_path / "m.gguf", tokenizer=meta)
+    model = ds4t.load(str(tmp_path / "m.gguf"))
+    assert model.tokenizer is not None
+    codec = TextCodec.for_model(model)
+    ids = codec.encode("hello world")
+    assert ids == [1] + _llama_cpp_spm(meta, "hello world") and codec.decode(ids) == "hello world"
+    assert codec.eos_ids == [2]
+    out = ds4t.generate(model, ["hello"], max_new_tokens=3)
+    assert isinstance(out[0].text, str) and len(out[0].tokens) >= 1
