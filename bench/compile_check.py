@@ -215,6 +215,7 @@ def compile_all(records: list, arch: int) -> list:
     import torch
 
     torch.cuda.is_available = lambda: True   # ds4t.backend: take the GPU branches, no device needed
+    torch.cuda.get_device_capability = lambda *a: divmod(arch, 10)   # ds4t.backend.PDL follows the target
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
