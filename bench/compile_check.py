@@ -222,13 +222,9 @@ def compile_all(records: list, arch: int) -> list:
 
     target = GPUTarget("cuda", arch, 32)
     results = []
-    # The interpreter records PREFETCH=False (no PDL there); compile each such launch with the L2 prefetch on
-    # too, so the inline PTX of ds4t.backend.prefetch_l2 is checked for the target as well.
-    records = records + [dict(rec, name=rec["name"], args=dict(rec["args"], PREFETCH=True), variant="prefetch")
-                         for rec in records if rec["args"].get("PREFETCH") is False]
     for rec in records:
         jit = getattr(importlib.import_module(rec["module"]), rec["name"])
-        label = f"{rec['module'].rsplit('.', 1)[-1]}.{rec['name']}" + (f"[{rec['variant']}]" if "variant" in rec else "")
+        label = f"{rec['module'].rsplit('.', 1)[-1]}.{rec['name']}"
         t0 = time.time()
         try:
             sig, consts = _signature(jit, rec["args"])

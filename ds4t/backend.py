@@ -69,28 +69,11 @@ latency and block scheduling overlap, never the arithmetic: results are bitwise 
 LAUNCH: dict = {"launch_pdl": True} if PDL else {}
 """Keywords every ds4t kernel launch passes (``kernel[grid](..., **LAUNCH)``)."""
 
-L2_PREFETCH: bool = PDL and os.environ.get("DS4T_L2_PREFETCH", "0") == "1"
-"""Experimental, off by default (``DS4T_L2_PREFETCH=1``): under PDL, weight-streaming kernels ask the L2 for
-their weight rows (:func:`prefetch_l2`) before they wait for their predecessor, so the fetch overlaps the
-previous kernel. Weights are never written during a step, so this reads nothing a predecessor writes;
-only timing changes, never a value."""
-
 _PDL_C = tl.constexpr(PDL)
 if PDL:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 else:
     gdc_launch_dependents = gdc_wait = None
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """Ask the L2 to fetch ``nbytes`` (int32 scalar, a multiple of 16) from each pointer of ``ptrs`` (16-byte
-    aligned), without waiting (Hopper's bulk prefetch). The only memory operation a kernel may issue before
-    :func:`grid_dependency`, and only on memory no kernel of the step writes (weights)."""
-    if _PDL_C:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [ptrs, tl.full(ptrs.shape, 0, tl.int32) + nbytes], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, L2_PREFETCH, LAUNCH, cast, fp8_to, grid_dependency, mma,
-                          mma_tf32_exact, prefetch_l2, round_in_f32, scaled_add, timer, tl_dtype)
+from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_to, grid_dependency, mma, mma_tf32_exact,
+                          round_in_f32, scaled_add, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -167,7 +167,6 @@ def _linear_kernel(
     HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -190,10 +189,8 @@ def _linear_kernel(
     dot starts from zero, sums its BLOCK_K sub-tiles in K order in fp32, and is then added to the
     accumulator times that block's per-row scale: ``acc += scale[n, j] * dot_j``. Split-K splits
     on scale-block boundaries (K_PER_SPLIT is a multiple of KSTEP).
-
-    PREFETCH (:data:`ds4t.backend.L2_PREFETCH`; rows and splits 16-byte aligned): before waiting for the
-    previous kernel, the program asks the L2 for its weight rows' K range.
     """
+    grid_dependency()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     SPLIT_K: tl.constexpr = K_PER_SPLIT < K
@@ -244,10 +241,6 @@ def _linear_kernel(
     else:
         w_ptrs = w_ptr + rn_ld[None, :] * stride_wn + rk0[:, None]      # [BK, BN]
         acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        prefetch_l2(w_ptr + rn_ld * stride_wn + k0,
-                    tl.minimum(K_PER_SPLIT, K - k0) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-    grid_dependency()
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
@@ -629,8 +622,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
     w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
     fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, FP8_ROUTE=_fp8_route(cfg, act_dtype))
     tiles = dict(SWAP=t.swap, EVEN_K=even_k, M_SUB=t.m_sub, EVICT=cfg.evict, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                 BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-                 PREFETCH=_prefetch(w, kps, K, w.stride(0)))
+                 BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
     if B == 0:
         return out
     if split == 1:
@@ -655,15 +647,6 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
         num_warps=sum_cfg.num_warps, **LAUNCH,
     )
     return out
-
-
-def _prefetch(w: torch.Tensor, kps: int, K: int, row_stride: int, head_stride: int = 0) -> bool:
-    """Whether a launch prefetches its weight rows into the L2 before its wait (:data:`ds4t.backend.L2_PREFETCH`):
-    only where every row's K range of every split starts and ends 16-byte aligned (the bulk prefetch's rule)."""
-    if not L2_PREFETCH:
-        return False
-    e = w.element_size()
-    return all(v % 16 == 0 for v in (w.data_ptr(), row_stride * e, head_stride * e, kps * e, K * e))
 
 
 def _fp8_route(cfg: LinearConfig, act_dtype) -> int:
@@ -813,7 +796,6 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
         EVEN_K=(K % kps == 0) and (kps % cfg.block_k == 0), M_SUB=1, EVICT=cfg.evict, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP_ROWS=_clamp_rows("linear_heads"),
         HEADS=True, SX_H=x.stride(1), SW_H=w.stride(0), SY_H=out.stride(1),
-        PREFETCH=_prefetch(w, kps, K, w.stride(1), w.stride(0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **LAUNCH,
     )
     return out
