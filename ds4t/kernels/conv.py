@@ -263,6 +263,9 @@ def conv1d_prefill_segments(
     if not 0 < rows <= R:
         raise ValueError(f"max_rows must be in 1..{R} (the rows of x), got {max_rows}")
     grid = (M, triton.cdiv(C, BC), triton.cdiv(rows, cfg.block_t))
+    if grid[2] > 65535:   # CUDA's limit on a grid's third axis
+        raise ValueError(f"conv1d prefill: a segment of {rows} rows needs {grid[2]} token tiles of "
+                         f"{cfg.block_t}, more than one launch holds (65535); prefill in chunks")
     _conv1d_prefill_kernel[grid](
         x, x.stride(0), x.stride(1),
         conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),

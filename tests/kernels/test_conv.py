@@ -281,3 +281,7 @@ def test_token_tiles_bad_arguments(device):
     with CV.CONV_CONFIGS.forced(lambda C: CV.ConvConfig(block_c=64, block_t=2)):
         with pytest.raises(ValueError, match="token tile 2"):
             CV.conv1d_prefill_segments(x, state0, w, seg)
+    long = torch.zeros(65536 * 4 + 1, 64, device=device)   # more token tiles of 4 than a grid axis holds
+    with CV.CONV_CONFIGS.forced(lambda C: CV.ConvConfig(block_c=64, block_t=4)):
+        with pytest.raises(ValueError, match="prefill in chunks"):
+            CV.conv1d_prefill_segments(long, state0, w, seg)
