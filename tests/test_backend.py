@@ -87,3 +87,26 @@ def test_mma_row_bits_do_not_depend_on_the_row_slot(device):
         _dot_rows_kernel[(1,)](a2, b, c, 128, 32)
         outs.append(c[slot])
     assert all(torch.equal(outs[0], o) for o in outs)
+
+
+@triton.jit
+def _scalar_mask_kernel(x_ptr, n_ptr, y_ptr, BLOCK: tl.constexpr):
+    # every row of the loop reads lanes < 3 while its row index t + 1 < n (a runtime scalar)
+    n = tl.load(n_ptr).to(tl.int64)
+    r = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for t in range(4):
+        acc += tl.load(x_ptr + t * BLOCK + r, mask=tl.where(t + 1 < n, r < 3, False), other=0.0)
+    tl.store(y_ptr + r, acc)
+
+
+def test_a_scalar_condition_masks_through_where(device):
+    """The interpreter rejects ``mask & (t < n)`` as a load mask (docs/design.md); kernels write
+    ``tl.where(t < n, mask, False)``, which both backends take and mean the same."""
+    x = torch.arange(16, dtype=torch.float32, device=device).view(4, 4) + 1
+    for n in (0, 2, 4):
+        y = torch.full((4,), float("nan"), device=device)
+        _scalar_mask_kernel[(1,)](x, torch.tensor([n], device=device), y, BLOCK=4)
+        want = x[:max(n - 1, 0)].sum(0)
+        want[3] = 0
+        assert torch.equal(y, want), n

@@ -161,7 +161,7 @@ def _conv1d_prefill_kernel(
     # the barrier, all writes follow it.
     i = tl.arange(0, BW).to(tl.int64)
     p = i + (T - (W - 1))
-    m2 = cm[:, None] & ((i < W - 1) & (i * 0 + tile == 0))[None, :]   # [BW]-shaped: the interpreter rejects a scalar mask
+    m2 = cm[:, None] & tl.where(tile == 0, i < W - 1, False)[None, :]
     xv = tl.load(xc[:, None] + (p * sx_t)[None, :], mask=m2 & (p >= 0)[None, :], other=0.0).to(tl.float32)
     sv = tl.load(sc[:, None] + ((i + T) * ss_w)[None, :], mask=m2 & (p < 0)[None, :], other=0.0)
     new = tl.where((p >= 0)[None, :], xv, sv)
@@ -295,7 +295,7 @@ def conv1d_prefill(
     (One segment of :func:`conv1d_prefill_segments`.)
     """
     return conv1d_prefill_segments(x, conv_state, weight, one_segment(x.shape[0], slot, x.device),
-                                   bias=bias, silu=silu, out=out, max_rows=max(1, x.shape[0]))
+                                   bias=bias, silu=silu, out=out)
 
 
 # ----------------------------------------------------------------------------- references

@@ -126,8 +126,8 @@ def _gdn_kernel(
     # (and can_keep, a states buffer was given): the state after its token t also goes to
     # states[s0 + t] (same layout as a slot, row stride sst_t), so the session can be rolled back to any
     # prefix of the chunk. keep is a runtime value, not a constexpr: with and without it the prefill is
-    # ONE compiled kernel, so
-    # keeping the states cannot change how the compiler lays out (and so sums) the step's math.
+    # ONE compiled kernel, so keeping the states cannot change how the compiler lays out (and so sums)
+    # the step's math.
     grid_dependency()
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -170,11 +170,11 @@ def _gdn_kernel(
         # Walk the token rows by advancing 64-bit pointers. The step is latency-bound (a chain of Dk
         # reductions per token), so PREFETCH issues token t + 1's loads before token t's step; without
         # it they follow the step. Either way the step sees the same values.
-        q, k, v, a, b = _load_token(h, hk, dk, dv, hm & (tl.full((BH,), 0, tl.int64) < T), km, vm,
+        q, k, v, a, b = _load_token(h, hk, dk, dv, tl.where(T > 0, hm, False), km, vm,
                                     q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d,
                                     a_ptr, sa_h, b_ptr, sb_h)
         for t in range(T):
-            more = hm & (tl.full((BH,), t + 1, tl.int64) < T)   # as a [BH] tensor: the interpreter rejects a scalar mask here
+            more = tl.where(t + 1 < T, hm, False)   # docs/design.md: a scalar condition masks through tl.where
             if PREFETCH:
                 q2, k2, v2, a2, b2 = _load_token(h, hk, dk, dv, more, km, vm,
                                                  q_ptr + sq_r, sq_h, sq_d, k_ptr + sk_r, sk_h, sk_d,
