@@ -848,12 +848,15 @@ def build_tokenizer(meta: dict, path: str):
     from tokenizers import AddedToken, processors
 
     types = meta.get("tokenizer.ggml.token_type") or []
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
     if kind == "llama":
-        tok, vocab = _spm_tokenizer(meta, tokens, types, path)
+        tok = _spm_tokenizer(meta, tokens, types, vocab, path)
         pre = None
         add_bos = meta.get("tokenizer.ggml.add_bos_token", True)   # llama.cpp's default for SentencePiece
     else:
-        tok, vocab, pre = _byte_level_bpe(meta, tokens, path)
+        tok, pre = _byte_level_bpe(meta, vocab, path)
         add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
     control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
@@ -870,8 +873,8 @@ def build_tokenizer(meta: dict, path: str):
     return tok, text
 
 
-def _spm_tokenizer(meta: dict, tokens, types, path: str):
-    """``(Tokenizer, vocab)`` of a SentencePiece BPE vocabulary (``tokenizer.ggml.model`` "llama"), tokenizing
+def _spm_tokenizer(meta: dict, tokens, types, vocab: dict, path: str):
+    """The ``Tokenizer`` of a SentencePiece BPE vocabulary (``tokenizer.ggml.model`` "llama"), tokenizing
     as llama.cpp's SPM tokenizer does: spaces become U+2581 (one prefixed when ``add_space_prefix``, the
     default), then adjacent pieces merge best-score-first while the merged piece is in the vocabulary, and a
     character no piece covers becomes its UTF-8 byte tokens ``<0xXX>``. The merges are the vocabulary's own:
@@ -884,9 +887,6 @@ def _spm_tokenizer(meta: dict, tokens, types, path: str):
                               f"({len(tokens)}), got {None if scores is None else len(scores)}")
     if types and len(types) != len(tokens):
         raise CheckpointError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    vocab = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
     mergeable = {t for i, t in enumerate(tokens) if not types or types[i] in (_NORMAL, _USER_DEFINED)}
     ranked = []
     for t in mergeable:
@@ -905,11 +905,11 @@ def _spm_tokenizer(meta: dict, tokens, types, path: str):
                                           + [normalizers.Replace(" ", space)])
     tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-    return tok, vocab
+    return tok
 
 
-def _byte_level_bpe(meta: dict, tokens, path: str):
-    """``(Tokenizer, vocab, pre)`` of a GPT-2 style byte-level BPE vocabulary (``tokenizer.ggml.model``
+def _byte_level_bpe(meta: dict, vocab: dict, path: str):
+    """``(Tokenizer, pre)`` of a GPT-2 style byte-level BPE vocabulary (``tokenizer.ggml.model``
     "gpt2"), split before BPE as llama.cpp does for ``tokenizer.ggml.pre``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -920,9 +920,6 @@ def _byte_level_bpe(meta: dict, tokens, path: str):
         if not sep:
             raise CheckpointError(f"{path}: tokenizer.ggml.merges entry {m!r} is not 'left right'")
         pairs.append((a, b))
-    vocab = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
     splits = _PRE_SPLITS.get(pre)
@@ -934,7 +931,7 @@ def _byte_level_bpe(meta: dict, tokens, path: str):
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    return tok, vocab, pre
+    return tok, pre
 
 
 def open_gguf(path: str):
