@@ -49,6 +49,21 @@ def byte_tokenizer_meta():
     return dict(tokens=tokens, merges=["h e", "l l", "Ġ w"], types=types, eos=255)
 
 
+def add_spm_tokenizer(w, meta: dict) -> None:
+    """Write a SentencePiece ("llama") vocabulary's ``tokenizer.ggml.*`` metadata ``meta`` (tokens, scores,
+    token types, BOS / EOS and, where given, unknown-token id and add_bos_token) with GGUFWriter ``w``."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    if "tokenizer.ggml.unknown_token_id" in meta:
+        w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
+    if "tokenizer.ggml.add_bos_token" in meta:
+        w.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
+
+
 def write_gguf(hf_model, path, arch="llama", types=None, split_max_tensors=0, tokenizer=True,
                chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|end|>{% endfor %}<assistant>"):
     """Write ``hf_model`` (a tiny LlamaForCausalLM / Qwen3ForCausalLM) as a GGUF file at ``path``.
@@ -78,12 +93,7 @@ def write_gguf(hf_model, path, arch="llama", types=None, split_max_tensors=0, to
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     w.add_vocab_size(c.vocab_size)
     if isinstance(tokenizer, dict):   # a SentencePiece ("llama") vocabulary's tokenizer.ggml.* metadata
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokenizer["tokenizer.ggml.tokens"])
-        w.add_token_scores(tokenizer["tokenizer.ggml.scores"])
-        w.add_token_types(tokenizer["tokenizer.ggml.token_type"])
-        w.add_bos_token_id(tokenizer["tokenizer.ggml.bos_token_id"])
-        w.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"])
+        add_spm_tokenizer(w, tokenizer)
         w.add_chat_template(chat_template)
     elif tokenizer:
         t = byte_tokenizer_meta()

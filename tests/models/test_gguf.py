@@ -9,7 +9,7 @@ import torch
 
 import ds4t
 from ds4t.text import TextCodec
-from tests.models.gguf_files import converter_permute, write_gguf
+from tests.models.gguf_files import add_spm_tokenizer, converter_permute, write_gguf
 from tests.models.hf_oracle import check_against_hf, perturb_
 
 transformers = pytest.importorskip("transformers")
@@ -319,14 +319,7 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
     from ds4t.models.gguf import build_tokenizer
     meta = _spm_meta(add_bos=True)
     w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_scores(meta["tokenizer.ggml.scores"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    add_spm_tokenizer(w, meta)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
