@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import copy_bandwidth, time_calls  # noqa: E402
 from ds4t.kernels import attention as A  # noqa: E402
 from ds4t.kernels import mla as M  # noqa: E402
+from ds4t.kernels.splits import SplitSchedule, describe  # noqa: E402
 
 L2_BYTES = 60e6
 GQA_SHAPES = [(16, 2, 256), (96, 8, 128)]
@@ -217,8 +218,44 @@ def sdpa_ms(p):
 
 def default_split(kind, shape):
     if kind == "gqa":
-        return A.default_split_size(shape[2], shape[2], torch.bfloat16)
-    return M.default_split_size(shape[1], shape[2], torch.bfloat16)
+        return A.default_split_schedule(shape[2], shape[2], torch.bfloat16)
+    return M.default_split_schedule(shape[1], shape[2], torch.bfloat16)
+
+
+def parse_schedules(text):
+    """``64-2048/32,2048`` -> [SplitSchedule(64, 2048, 32), SplitSchedule.fixed(2048)]."""
+    out = []
+    for item in filter(None, text.split(",")):
+        if "-" in item:
+            rng, t = item.split("/")
+            lo, hi = rng.split("-")
+            out.append(SplitSchedule(int(lo), int(hi), int(t)))
+        else:
+            out.append(SplitSchedule.fixed(int(item)))
+    return out
+
+
+def schedule_table(kind, shape, schedules, cells, gen, bw):
+    """Each split schedule (table launch config) timed at each (L, B) cell, every row at length L:
+    ms and % of copy bandwidth, plus the error / row-invariance check; returns table rows."""
+    rows = []
+    for L, B in cells:
+        try:
+            p = gqa_problem(*shape, L, B, gen) if kind == "gqa" else mla_problem(*shape, L, B, gen)
+        except torch.OutOfMemoryError:
+            log(f"  {kind} {shape} L={L} B={B}: does not fit")
+            continue
+        for sched in schedules:
+            ms = time_case(kind, p, sched, None)
+            err, inv = check_case(kind, p, sched, None)
+            tbs = p["bytes"] / (ms * 1e-3) / 1e12
+            rows.append((kind, shape, L, B, describe(sched), ms, tbs, 100 * tbs * 1e12 / bw, f"{err:.1e}",
+                         "yes" if inv else "**NO**"))
+            log(f"  {kind} {shape} L={L} B={B} {describe(sched)}: {ms:.4f} ms {tbs:.2f} TB/s "
+                f"{rows[-1][7]:.0f}% err {err:.1e} inv {inv}")
+        del p
+        torch.cuda.empty_cache()
+    return rows
 
 
 def sweep(kind, shape, gen, bw, budget_end):
@@ -260,6 +297,11 @@ def main():
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--only", default="gqa,mla")
     ap.add_argument("--sweep-only", default=None, help="comma-separated shape kinds to sweep (default: --only)")
+    ap.add_argument("--schedules", default=None,
+                    help="split schedules to compare instead of the length x batch table, per kind: "
+                         "'gqa=64-2048/32,2048;mla=256-1024/16,1024' (min-max/target or a fixed size)")
+    ap.add_argument("--cells", default="4096x1,8192x1,32768x1,8192x8,32768x8,8192x64",
+                    help="LxB cells of --schedules")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -289,6 +331,13 @@ def main():
             chosen[(kind, shape)] = sweep(kind, shape, gen, bw, time.time() + share)
 
     rows = []
+    if args.schedules:
+        per_kind = dict(part.split("=") for part in args.schedules.split(";"))
+        cells = [tuple(int(v) for v in c.split("x")) for c in args.cells.split(",")]
+        for kind, shape in shapes:
+            if kind in per_kind:
+                rows += schedule_table(kind, shape, parse_schedules(per_kind[kind]), cells, gen, bw)
+        shapes = []
     for kind, shape in shapes:
         configs = [("table", default_split(kind, shape), None)]
         if chosen.get((kind, shape)):
@@ -304,7 +353,7 @@ def main():
                     ms = time_case(kind, p, split, cfg)
                     err, inv = check_case(kind, p, split, cfg)
                     tbs = p["bytes"] / (ms * 1e-3) / 1e12
-                    rows.append((kind, shape, L, B, f"ds4t {label} (split {split})", ms, tbs, 100 * tbs * 1e12 / bw,
+                    rows.append((kind, shape, L, B, f"ds4t {label} ({describe(split) if isinstance(split, SplitSchedule) else f'split {split}'})", ms, tbs, 100 * tbs * 1e12 / bw,
                                  f"{err:.1e}", "yes" if inv else "**NO**"))
                 if kind == "gqa":
                     ms = sdpa_ms(p)

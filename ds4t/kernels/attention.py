@@ -9,20 +9,23 @@ batches need nothing else.
 
 Algorithm (two kernels, no host synchronisation, grid from shapes only):
 
-1. ``_attn_split_kernel``, grid ``(B, Hkv, cdiv(L, SPLIT))``. One program = one row, one kv
-   head, one split of SPLIT consecutive positions. All G = Hq/Hkv query heads of the kv head
-   are processed together (rows of a [BLOCK_H, D] tile, BLOCK_H = max(16, next_pow2(G)),
-   padding rows masked), so each K/V tile is read once per group. Splits at or past the row's
-   length exit at once. Inside a split, tiles of BLOCK_N positions are folded with the usual
-   online softmax (fixed order: ascending positions). Each split stores its un-normalised
-   output, running max and running sum (fp32).
-2. ``_attn_merge_kernel``, grid ``(B, Hkv)``: merges the ``cdiv(lengths[b], SPLIT)`` valid
-   splits of a row in ascending split order with log-sum-exp rescaling and divides by the sum.
+1. ``_attn_split_kernel``, grid ``(B, Hkv, NS)``. One program = one row, one kv head, one split
+   of consecutive positions. A row's split size comes from its own length through the split
+   schedule (:mod:`ds4t.kernels.splits`: short rows short splits, long rows long ones); NS is the
+   most splits any row of length <= L can have. All G = Hq/Hkv query heads of the kv head are
+   processed together (rows of a [BLOCK_H, D] tile, BLOCK_H = max(16, next_pow2(G)), padding rows
+   masked), so each K/V tile is read once per group. Splits at or past the row's length exit at
+   once. Inside a split, tiles of BLOCK_N positions are folded with the usual online softmax (fixed
+   order: ascending positions). Each split stores its un-normalised output, running max and
+   running sum (fp32); a row with one split writes its output directly.
+2. ``_attn_merge_kernel``, grid ``(B, Hkv, Dv / 64)``: merges a row's splits in ascending split
+   order with log-sum-exp rescaling and divides by the sum (elementwise in the value columns).
 
-Batch invariance (the rules: docs/kernel-conventions.md): SPLIT (the split *size*) and BLOCK_N
-depend only on head dims, cache dtype and the backend, never on B or on lengths; a row's programs see only that row's q,
-slot and length; merge order is fixed. So a row's bits never depend on the other rows, on B or
-on its position in the batch.
+Batch invariance (the rules: docs/kernel-conventions.md): the split schedule and BLOCK_N depend
+only on head dims, cache dtype and the backend, never on B; a row's split size depends on its own
+length only; a row's programs see only that row's q, slot and length; merge order is fixed. So a
+row's bits never depend on the other rows, on B or on its position in the batch. A prefill row at
+position p has the length of the decode row at p, so both get the same splits.
 
 Numerics: fp32 statistics; scores are computed as ``(q * scale * log2 e) . k`` and
 exponentials as ``exp2``. For bf16/fp16 caches the products use tensor-core dots without
@@ -34,7 +37,7 @@ tensor-core work, which decode (memory bound) does not notice. With fp16 caches 
 must lie within the fp16 range (|x| < 65504), as in any fp16 model. fp32 caches use IEEE fp32
 dots (no TF32), see :func:`ds4t.backend.mma`.
 
-Workspace: each call allocates the partials, B · cdiv(L, SPLIT) · Hq · (Dv + 2) fp32 values
+Workspace: each call allocates the partials, B · NS · Hq · (Dv + 2) fp32 values
 (from the torch allocator; fine inside CUDA graphs).
 
 Positions ``>= lengths[b]`` are never loaded (masked loads), so garbage / NaN in unused cache
@@ -54,6 +57,7 @@ from ds4t.backend import INTERPRET, LAUNCH, cast, grid_dependency, mma, timer, t
 from ds4t.kernels import activation, norm, rope
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
+from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
 from ds4t.kernels.interp import attention_rows
 
 _LOG2E = 1.4426950408889634
@@ -61,24 +65,25 @@ _LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------- configuration
 
 
-def default_split_size(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> int:
-    """The fixed split size (positions per split) for these head dims and cache dtype: 2048.
+def default_split_schedule(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> SplitSchedule:
+    """The split schedule (:mod:`ds4t.kernels.splits`) for these head dims and cache dtype: splits of
+    64 .. 2048 positions, at most 32 per row below 64k positions.
 
-    Depends on nothing else (never on the batch size or on lengths). Measured on the H200
-    (bench/results/2026-11-30-h200-attention.md): long splits keep each program streaming for many
-    tiles; ranked by the summed time at (L = 32k, B = 8) and (L = 8k, B = 64), split 2048 beat 256,
-    512 and 1024 for both target shapes (16 q / 2 kv d 256 and 96 q / 8 kv d 128) and reaches 76-101 %
-    of copy bandwidth at 8k-32k, B >= 8 (but one cell), where 256 reached 35-79 %. The cost, that
-    cell: few programs when rows and kv heads are few (2 kv heads at L = 8k, B = 8: 64 programs, 39 %).
+    Depends on nothing else (never on the batch size; a row's split only on its own length).
+    Measured on the H200 (bench/results/2026-11-30-h200-attention.md, -attention-splits.md): one split
+    size of 2048 for every row reached 76-101 % of copy bandwidth at 8k-32k, B >= 8, but gave a lone
+    row of 4k positions 2 splits per kv head: 4 programs on 132 SMs, 76 us per Qwen3-Next attention
+    layer for 8 MB. A row's split now grows with its length, so short rows get programs enough to fill
+    the GPU and long rows keep long splits.
     """
-    return 2048
+    return SplitSchedule(64, 2048, 32)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Launch constants of the split and merge kernels (None: Triton's default). Warps and stages
-    never change numerics; ``block_n`` (positions per inner tile) is a function of the split size
-    and head dims only."""
+    never change numerics; ``block_n`` (positions per inner tile, dividing every split) is a function
+    of the schedule's smallest split and the head dims only."""
     block_n: int
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
@@ -102,7 +107,11 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
     "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
     source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
-"""Keyed on (split size, BLOCK_D, BLOCK_DV)."""
+"""Keyed on (the schedule's smallest split, BLOCK_D, BLOCK_DV)."""
+
+_MERGE_DV = 64
+"""Value columns per merge program: the merge is elementwise in them (no bit depends on it); 64 gives
+a row 2 (d 128) or 4 (d 256) programs per kv head."""
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -140,26 +149,35 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, mask, acc, l_i):
+    """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split."""
+    res = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res, mask=mask)
+
+
+@triton.jit
 def _attn_split_kernel(
     q_ptr, sq_b, sq_h, sq_d,
     kc_ptr, skc_s, skc_l, skc_h, skc_d,
     vc_ptr, svc_s, svc_l, svc_h, svc_d,
     slots_ptr, lens_ptr,
     o_ptr, m_ptr, l_ptr,            # partials: o [B, NS, HQ, DV], m / l [B, NS, HQ] fp32
-    out_ptr, so_b, so_h, so_d,      # FINAL: the output [B, HQ, DV]
+    out_ptr, so_b, so_h, so_d,      # the output [B, HQ, DV] (rows with one split)
     qk_scale, L, NS,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
 ):
-    # FINAL (NS == 1, a function of L and SPLIT only): the one split is the whole row, so the
-    # program normalises and writes the output itself and no merge kernel runs.
+    # A row with one split (length <= its split size) normalises and writes its output here and the
+    # merge skips it. FINAL (NS == 1, from L and the schedule only): every row has one split, no
+    # partials exist, and no merge kernel runs.
     grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     s = tl.program_id(2)
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
-    split_start = s * SPLIT
+    split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)
+    split_start = s * split
 
     h = tl.arange(0, BLOCK_H)
     hm = h < G
@@ -171,7 +189,7 @@ def _attn_split_kernel(
             tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d,
                      tl.zeros([BLOCK_H, BLOCK_DV], tl.float32), mask=hm[:, None] & dvm[None, :])
         return
-    split_end = tl.minimum(split_start + SPLIT, length)
+    split_end = tl.minimum(split_start + split, length)
     slot = tl.load(slots_ptr + b).to(tl.int64)
 
     d = tl.arange(0, BLOCK_D)
@@ -191,7 +209,7 @@ def _attn_split_kernel(
     # int64 for the slot / split base; offsets inside a split stay small.
     k_base = kc_ptr + slot * skc_s + g.to(tl.int64) * skc_h + split_start.to(tl.int64) * skc_l
     v_base = vc_ptr + slot * svc_s + g.to(tl.int64) * svc_h + split_start.to(tl.int64) * svc_l
-    n_in = split_end - split_start           # valid positions of this split, 1..SPLIT
+    n_in = split_end - split_start           # valid positions of this split, 1..split
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -221,15 +239,16 @@ def _attn_split_kernel(
             acc = mma(p_lo, vt, acc)
         m_i = m_new
 
-    if FINAL:  # the merge kernel's arithmetic for one split: acc / l (l > 0: the row has a position)
-        res = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res,
-                 mask=hm[:, None] & dvm[None, :])
+    om = hm[:, None] & dvm[None, :]
+    if FINAL:
+        _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_i)
+    elif length <= split:  # the merge of one split is acc / l: bitwise what is stored here
+        _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_i)
     else:
         row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
         tl.store(m_ptr + row, m_i, mask=hm)
         tl.store(l_ptr + row, l_i, mask=hm)
-        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=hm[:, None] & dvm[None, :])
+        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=om)
 
 
 @triton.jit
@@ -238,23 +257,28 @@ def _attn_merge_kernel(
     lens_ptr,
     out_ptr, so_b, so_h, so_d,
     L, NS,
-    HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr,
 ):
+    # grid (B, Hkv, value-column blocks): the merge is elementwise in the value columns, so the
+    # column block changes no bit; it only gives a row more programs.
     grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
-    nvalid = tl.cdiv(length, SPLIT)
+    nvalid = tl.cdiv(length, split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS))
+    if nvalid == 1:   # the split kernel wrote this row
+        return
     h = tl.arange(0, BLOCK_H)
     hm = h < G
     qh = g * G + h
-    dv = tl.arange(0, BLOCK_DV)
+    dv = tl.program_id(2) * MERGE_DV + tl.arange(0, MERGE_DV)
     om = hm[:, None] & (dv < DV)[None, :]
 
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, MERGE_DV], tl.float32)
     for s in range(0, nvalid):               # fixed ascending order
         row = (b * NS + s) * HQ + qh
         m_s = tl.load(m_ptr + row, mask=hm, other=0.0)
@@ -266,8 +290,7 @@ def _attn_merge_kernel(
         acc = acc * a[:, None] + o_s * c[:, None]
         l_run = l_run * a + l_s * c
         m_run = m_new
-    res = tl.where(l_run[:, None] > 0, acc / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res, mask=om)
+    _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_run)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -323,11 +346,10 @@ def _attn_args(q, k_cache, v_cache, slots, lengths, split_size):
         raise ValueError(f"Hq={HQ} is not a multiple of Hkv={HKV}")
     if slots.shape != (B,) or lengths.shape != (B,):
         raise ValueError(f"slots {tuple(slots.shape)} and lengths {tuple(lengths.shape)} must be [{B}]")
-    if split_size is None:
-        split_size = default_split_size(D, DV, k_cache.dtype)
-    if split_size < 16 or split_size & (split_size - 1):
-        raise ValueError(f"split_size must be a power of two >= 16, got {split_size}")
-    return B, HQ, HKV, D, DV, L, split_size
+    sched = as_schedule(split_size, default_split_schedule(D, DV, k_cache.dtype))
+    if sched.min_split < 16 or sched.min_split & (sched.min_split - 1):
+        raise ValueError(f"split_size: splits must be powers of two >= 16, got {sched}")
+    return B, HQ, HKV, D, DV, L, sched
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -338,13 +360,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
     bf16 / fp16), slots, lengths [B] int32 (lengths in 1..L). Hq must be a multiple of Hkv: q head
-    h uses kv head h // (Hq // Hkv). ``split_size`` (power of two >= 16; default
-    :func:`default_split_size`) is the fixed number of positions per KV split. ``gate`` [B, Hq*Dv]
+    h uses kv head h // (Hq // Hkv). ``split_size``: how a row's positions are cut into KV splits, a
+    :class:`~ds4t.kernels.splits.SplitSchedule` (default :func:`default_split_schedule`) or an int
+    (one split size for every row); splits are powers of two >= 16. ``gate`` [B, Hq*Dv]
     (any float dtype, unit column stride): the output is multiplied by sigmoid(gate) as
     :func:`ds4t.kernels.activation.sigmoid_mul` does (gated attention), bitwise the same. Returns
     fp32 [B, Hq, Dv] (written into ``out`` if given). Batch invariant; no host synchronisation.
     """
-    B, HQ, HKV, D, DV, L, split = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
+    B, HQ, HKV, D, DV, L, sched = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
     if out is None:
         out = torch.empty((B, HQ, DV), dtype=torch.float32, device=q.device)
     elif out.shape != (B, HQ, DV) or out.dtype != torch.float32:
@@ -355,18 +378,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if B == 0:
         return out
     G = HQ // HKV
-    NS = triton.cdiv(L, split)
+    NS = sched.max_splits(L)
     BLOCK_H = max(16, triton.next_power_of_2(G))
     BLOCK_D = max(16, triton.next_power_of_2(D))       # dot operands need >= 16
     BLOCK_DV = max(16, triton.next_power_of_2(DV))
-    cfg = ATTENTION_CONFIGS(split, BLOCK_D, BLOCK_DV)
+    cfg = ATTENTION_CONFIGS(sched.min_split, BLOCK_D, BLOCK_DV)
     BLOCK_N = cfg.block_n
     if variant("decode_attention") == INTERP and attention_rows.launch_decode(
-            q, k_cache, v_cache, slots, lengths, out, gate, float(scale) * _LOG2E, split, BLOCK_N):
+            q, k_cache, v_cache, slots, lengths, out, gate, float(scale) * _LOG2E, sched, BLOCK_N):
         return out
     final = NS == 1
-    # One split (NS from L and the split size, never from B): the split kernel writes the output.
-    if final:  # no partials: the (unused) partial pointers name out
+    # Every row has one split (NS from L and the schedule, never from B): no partials, no merge.
+    if final:  # the (unused) partial pointers name out
         o_part = m_part = l_part = out
     else:
         o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
@@ -379,15 +402,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part, m_part, l_part,
         out, *out.stride(),
         float(scale) * _LOG2E, L, NS,
-        HQ=HQ, G=G, D=D, DV=DV, SPLIT=split, BLOCK_N=BLOCK_N,
+        HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N,
         BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **launch_kwargs(cfg), **LAUNCH,
     )
     if not final:
-        _attn_merge_kernel[(B, HKV)](
+        merge_dv = min(_MERGE_DV, BLOCK_DV)
+        _attn_merge_kernel[(B, HKV, triton.cdiv(DV, merge_dv))](
             o_part, m_part, l_part, lengths,
             out, *out.stride(),
             L, NS,
-            HQ=HQ, G=G, DV=DV, SPLIT=split, BLOCK_H=BLOCK_H, BLOCK_DV=BLOCK_DV,
+            HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     if gate is not None:

@@ -24,18 +24,20 @@ Numerics, per row b and head h::
   GPU, as FlashMLA / FlashAttention do); the normaliser sums those rounded probabilities.
   The reference keeps exact probabilities; the tolerance table covers the difference.
 
-Split-KV: the positions of a row are cut into splits of a FIXED size ``split_size`` (default
-:func:`default_split_size`, from R, Dr and the cache dtype only). Kernel 1 runs one program per
-(head block, split, row); a split past the row's length exits at once. A row with one split
-writes its output directly (a row of length 0 gets zeros); otherwise each split writes
-(unnormalised acc, max, sumexp) and kernel 2 merges the splits in ascending order with
-log-sum-exp. The grid comes from shapes (B, H, L) only; nothing is read back to the host.
-The fp32 partials take B * ceil(L / split) * H * (R + 2) * 4 bytes of scratch (allocated per call
-when L > split; never read or written past a row's length).
+Split-KV: the positions of a row are cut into splits whose size comes from the row's own length
+through a split schedule (:mod:`ds4t.kernels.splits`; default :func:`default_split_schedule`,
+from R, Dr and the cache dtype only). Kernel 1 runs one program per (head block, split, row); a
+split past the row's length exits at once. A row with one split writes its output directly (a
+row of length 0 gets zeros); otherwise each split writes (unnormalised acc, max, sumexp) and
+kernel 2 merges the splits in ascending order with log-sum-exp. The grid comes from shapes
+(B, H, L) only; nothing is read back to the host. The fp32 partials take B * NS * H * (R + 2) * 4
+bytes of scratch (NS: the most splits a row of length <= L has; never read or written past a
+row's length).
 
 Batch invariance: every program reads one row's q, slot and length and writes only that row;
-tile sizes, the split size and the reduction order depend on (H, R, Dr, dtype, interpreter or
-GPU), never on B or on the lengths. So a row's bits never depend on the other rows of the launch.
+tile sizes, the split schedule and the reduction order depend on (H, R, Dr, dtype, interpreter or
+GPU), never on B; a row's split size depends on its own length only (so a prefill row at position
+p splits as the decode row at p does). So a row's bits never depend on the other rows of the launch.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ import triton.language as tl
 from ds4t.backend import LAUNCH, cast, grid_dependency, mma, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
+from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are launched in chunks
@@ -59,19 +62,21 @@ _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are laun
 # configuration (shapes only)
 # --------------------------------------------------------------------------------------------
 
-def default_split_size(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> int:
-    """Tokens per KV split: the power of two nearest below 2 MiB of cache per split, in [64, 1024].
+def default_split_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> SplitSchedule:
+    """Tokens per KV split as a function of a row's length: up to the power of two nearest below
+    2 MiB of cache per split, in [64, 1024] (DeepSeek-V3, R=512, Dr=64: 1024 for bf16/fp16, 512 for
+    fp32), down to a quarter of that for short rows, at most 16 splits per row below 16 long splits.
 
-    Depends only on the latent width and the cache dtype (never on the batch or the lengths).
-    DeepSeek-V3 (R=512, Dr=64): 1024 for bf16/fp16, 512 for fp32. Bigger splits write fewer
-    fp32 partials ([H, R] per split and row, 256 KiB at H=128); smaller ones give more programs
-    at small batch.
+    Depends only on the latent width and the cache dtype (never on the batch). Long splits write
+    fewer fp32 partials ([H, R] per split and row, 256 KiB at H=128); short rows get shorter splits
+    so that a lone row has programs for the GPU (4k positions: 16 splits x 4 head blocks, where one
+    split size of 1024 gave 16 programs).
     """
     elt = torch.empty((), dtype=dtype).element_size()
     per_token = (kv_lora_rank + rope_dim) * elt
     n = max(1, (2 << 20) // max(1, per_token))
-    p = 1 << (n.bit_length() - 1)
-    return int(min(1024, max(64, p)))
+    longest = int(min(1024, max(64, 1 << (n.bit_length() - 1))))
+    return SplitSchedule(max(16, longest // 4), longest, 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +112,7 @@ def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
 MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
     "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
     source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
-"""Keyed on (heads, latent rank R, rope dim Dr, split size): never on the batch."""
+"""Keyed on (heads, latent rank R, rope dim Dr, the schedule's smallest split): never on the batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +166,8 @@ def _mla_split_kernel(
     po_ptr, pm_ptr, pl_ptr,
     qk_scale, H, L, NS,
     R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr, DRP: tl.constexpr,
-    BH: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NHB: tl.constexpr,
+    BH: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
 ):
     grid_dependency()
     pid = tl.program_id(0)
@@ -170,9 +176,10 @@ def _mla_split_kernel(
     s = pid // NHB
     length = tl.load(lengths_ptr + b)
     length = tl.maximum(tl.minimum(length, L), 0)
-    lo = s * SPLIT
+    split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)
+    lo = s * split
     if lo < length:
-        hi = tl.minimum(lo + SPLIT, length)
+        hi = tl.minimum(lo + split, length)
         dt = cache_ptr.dtype.element_ty
         b64 = b.to(tl.int64)
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -212,7 +219,7 @@ def _mla_split_kernel(
             m_i = m_new
 
         om = hm[:, None] & rm[None, :]
-        if tl.cdiv(length, SPLIT) == 1:
+        if length <= split:
             # The row has one split: normalise and write the output; the merge skips the row.
             o = acc / l_i[:, None]
             tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], o, mask=om)
@@ -235,14 +242,15 @@ def _mla_merge_kernel(
     out_ptr, s_ob, s_oh,
     po_ptr, pm_ptr, pl_ptr,
     lengths_ptr, H, L, NS,
-    R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr, SPLIT: tl.constexpr,
+    R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
 ):
     grid_dependency()
     hb = tl.program_id(0)
     b = tl.program_id(1)
     length = tl.load(lengths_ptr + b)
     length = tl.maximum(tl.minimum(length, L), 0)
-    n = tl.cdiv(length, SPLIT)
+    n = tl.cdiv(length, split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS))
     if n > 1:
         b64 = b.to(tl.int64)
         heads = hb * MH + tl.arange(0, MH)
@@ -336,17 +344,17 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     q_latent [B, H, R] (q_nope @ W_UK) and q_pe [B, H, Dr] (after RoPE), fp32 (any float dtype is
     read and rounded to the cache dtype); cache [S, L, R + Dr] fp32/bf16/fp16, last dim
     contiguous; slots, lengths [B] int32 (1 <= lengths[b] <= L; lengths are clamped to [0, L],
-    a row of length 0 gets zeros). ``scale`` multiplies q.k (include YaRN mscale). ``split_size``
-    (tokens per KV split) defaults to :func:`default_split_size`; results depend on it, never on
-    B. ``out``: optional fp32 [B, H, R] destination (may be strided, last dim contiguous).
+    a row of length 0 gets zeros). ``scale`` multiplies q.k (include YaRN mscale). ``split_size``:
+    tokens per KV split, an int (every row) or a :class:`~ds4t.kernels.splits.SplitSchedule`
+    (default :func:`default_split_schedule`); results depend on it, never on B. ``out``: optional fp32 [B, H, R] destination (may be strided, last dim contiguous).
     """
     B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
     S, L, _ = cache.shape
     if cache.stride(-1) != 1:
         raise ValueError("mla_decode: cache must have a contiguous last dim")
-    split = int(split_size) if split_size is not None else default_split_size(R, Dr, cache.dtype)
-    if split < 1:
-        raise ValueError(f"mla_decode: split_size must be >= 1, got {split}")
+    if split_size is not None and not isinstance(split_size, SplitSchedule) and int(split_size) < 1:
+        raise ValueError(f"mla_decode: split_size must be >= 1, got {split_size}")
+    sched = as_schedule(split_size, default_split_schedule(R, Dr, cache.dtype))
     if out is None:
         out = torch.empty((B, H, R), dtype=torch.float32, device=q_latent.device)
     elif out.shape != (B, H, R) or out.dtype != torch.float32 or out.stride(-1) != 1:
@@ -356,8 +364,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     q_latent = _last_contig(q_latent)
     q_pe = _last_contig(q_pe)
 
-    NS = triton.cdiv(L, split)
-    cfg = MLA_CONFIGS(H, R, Dr, split)
+    NS = sched.max_splits(L)
+    cfg = MLA_CONFIGS(H, R, Dr, sched.min_split)
     BH, BLOCK_N, MH, warps = cfg.block_h, cfg.block_n, cfg.merge_heads, cfg.num_warps
     RP = triton.next_power_of_2(R)
     DRP = max(16, triton.next_power_of_2(max(Dr, 1)))
@@ -387,7 +395,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             o_c, out.stride(0), out.stride(1),
             po_c, pm_c, pl_c,
             qk_scale, H, L, NS,
-            R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, SPLIT=split, NHB=NHB,
+            R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, NHB=NHB, **sched.kernel_args(),
             num_warps=warps, num_stages=cfg.num_stages, **LAUNCH,
         )
         if NS > 1:
@@ -395,7 +403,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 o_c, out.stride(0), out.stride(1),
                 po_c, pm_c, pl_c,
                 lengths[b0:b1], H, L, NS,
-                R=R, RP=RP, MH=MH, SPLIT=split,
+                R=R, RP=RP, MH=MH, **sched.kernel_args(),
                 num_warps=cfg.merge_warps, **LAUNCH,
             )
     return out

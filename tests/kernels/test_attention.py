@@ -15,11 +15,12 @@ from ds4t.kernels import attention as A
 from ds4t.kernels.attention import (
     decode_attention,
     decode_attention_ref,
-    default_split_size,
+    default_split_schedule,
     norm_rope_write_kv,
     write_kv,
     write_kv_ref,
 )
+from ds4t.kernels.splits import SplitSchedule
 from tests.kernels.devices import gen
 from tests.kernels.invariance import assert_rows_invariant, launcher_path, poisoned
 
@@ -102,7 +103,7 @@ def test_split_sizes_agree(path, device, dtype):
     q = torch.randn(4, HQ, D, generator=g).to(device)
     scale = 0.2
     ref = decode_attention_ref(q, kc, vc, slots, lengths, scale)
-    outs = {sp: _run(q, kc, vc, slots, lengths, scale, split_size=sp) for sp in (16, 64, 128, None)}
+    outs = {sp: _run(q, kc, vc, slots, lengths, scale, split_size=sp) for sp in (16, 64, 128, None, SplitSchedule(16, 64, 2))}
     for sp, o in outs.items():
         _assert_close(o, ref, dtype)
         _assert_close(o, outs[16], dtype)
@@ -171,10 +172,14 @@ def test_bad_arguments(device):
         decode_attention(torch.randn(1, 4, 16), kc, vc.bfloat16(), scale=1.0, **ok)
 
 
-def test_default_split_size_is_fixed():
-    assert default_split_size(256, 256, torch.bfloat16) == 2048
-    assert default_split_size(128, 128, torch.bfloat16) == 2048
-    assert default_split_size(128, 128, torch.float32) == 2048
+def test_default_split_schedule_depends_on_head_dims_only():
+    for d in (128, 256):
+        for dt in (torch.bfloat16, torch.float32):
+            assert default_split_schedule(d, d, dt) == SplitSchedule(64, 2048, 32)
+    with pytest.raises(ValueError, match="split_size"):   # GQA splits are powers of two >= 16
+        decode_attention(torch.randn(1, 4, 16), torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16),
+                         torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0,
+                         split_size=SplitSchedule(8, 32, 2))
 
 
 # ----------------------------------------------------------------------------- write_kv
@@ -239,11 +244,13 @@ def test_write_then_attend(path, device):
 
 _POOL = 33
 _S, _L = 5, 48
+_SCHEDULE = SplitSchedule(16, 64, 2)
 
 
 @pytest.fixture(scope="module")
 def pool():
-    """33 rows of q over one bf16 MQA cache (L = 48: two splits of 32, the second partial)."""
+    """33 rows of q over one bf16 MQA cache (L = 48: two splits of 32, the second partial; under the
+    schedule 16..64 (<= 2 per row) rows of 17..32 positions get two splits of 16, longer rows two of 32)."""
     g = _gen(9)
     HQ, HKV, D = 4, 1, 32
     with torch.device(default_device()):
@@ -269,15 +276,17 @@ def _check_rows_batch_invariant(kc, vc, q, data):
     B = data.draw(st.integers(1, _POOL), label="B")
     rows = data.draw(st.permutations(range(_POOL)), label="order")[:B]
     i = data.draw(st.integers(0, B - 1), label="i")
+    split = data.draw(st.sampled_from([32, _SCHEDULE]), label="split")
 
     def run(r):
         idx = torch.tensor(r, dtype=torch.long)
-        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=32)
+        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=split)
 
     assert_rows_invariant(run, rows, i)
 
 
-def test_full_batch_of_33_rows_invariant(path, pool):
+@pytest.mark.parametrize("split", [32, _SCHEDULE], ids=["fixed", "schedule"])
+def test_full_batch_of_33_rows_invariant(path, pool, split):
     """The largest batch (hypothesis favours small ones): 33 rows, reversed, some sharing slots
     as prefill rows do; several rows checked alone."""
     kc, vc, q = pool
@@ -291,13 +300,28 @@ def test_full_batch_of_33_rows_invariant(path, pool):
 
     def run(r):
         idx = torch.tensor(r, dtype=torch.long)
-        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=32)
+        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=split)
 
     full = run(rows)
     for i in (0, 16, 24, 32):
         assert torch.equal(run([rows[i]])[0], full[i])
     ref = decode_attention_ref(q[rows], kc, vc, slots[rows], lengths[rows], 0.18)
     _assert_close(full, ref, torch.bfloat16)
+
+
+def test_a_batch_dependent_split_is_caught(path, pool):
+    """Negative control for the row-invariance tests: a split size chosen from the batch (here: from
+    its size) changes a multi-split row's bits, and assert_rows_invariant says so."""
+    kc, vc, q = pool
+    slots = torch.tensor([1, 3, 0], dtype=torch.int32)
+    lengths = torch.tensor([48, 40, 9], dtype=torch.int32)
+
+    def run(r):
+        idx = torch.tensor(r, dtype=torch.long)
+        return _run(q[idx], kc, vc, slots[idx], lengths[idx], 0.18, split_size=16 if len(r) > 1 else 64)
+
+    with pytest.raises(AssertionError):
+        assert_rows_invariant(run, [0, 1, 2], 0)
 
 
 # ----------------------------------------------------------------------------- one split, gate

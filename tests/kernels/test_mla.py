@@ -12,12 +12,13 @@ import ds4t  # noqa: F401
 from ds4t.kernels.mla import (
     TOLERANCE,
     _check,
-    default_split_size,
+    default_split_schedule,
     mla_decode,
     mla_decode_ref,
     write_latent,
     write_latent_ref,
 )
+from ds4t.kernels.splits import SplitSchedule
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -100,7 +101,7 @@ def test_split_sizes_agree(dtype, device):
     scale = 0.3
     outs = {sp: mla_decode(q, qp, cache, sl, ln, scale, kv_lora_rank=R, split_size=sp,
                            out=poisoned((5, H, R), device=device))
-            for sp in (16, 32, 40, None)}
+            for sp in (16, 32, 40, SplitSchedule(16, 32, 2), None)}
     base = outs.pop(None)  # default: one split at this capacity
     atol, rtol = TOLERANCE[dtype]
     for sp, o in outs.items():
@@ -162,13 +163,13 @@ def test_prefill_rows_equal_single_decodes(device):
         assert torch.equal(full[t], alone[0])
 
 
-def test_default_split_size():
-    assert default_split_size(512, 64, torch.bfloat16) == 1024
-    assert default_split_size(512, 64, torch.float16) == 1024
-    assert default_split_size(512, 64, torch.float32) == 512
+def test_default_split_schedule():
+    assert default_split_schedule(512, 64, torch.bfloat16) == SplitSchedule(256, 1024, 16)
+    assert default_split_schedule(512, 64, torch.float16) == SplitSchedule(256, 1024, 16)
+    assert default_split_schedule(512, 64, torch.float32) == SplitSchedule(128, 512, 16)
     for R, Dr in ((16, 8), (48, 16), (512, 64), (4096, 64)):
         for dt in DTYPES:
-            sp = default_split_size(R, Dr, dt)
+            sp = default_split_schedule(R, Dr, dt).max_split
             assert 64 <= sp <= 1024 and sp & (sp - 1) == 0
 
 
@@ -211,13 +212,14 @@ def test_rows_batch_invariant(data):
     B = data.draw(st.integers(1, 33), label="B")
     rows = data.draw(st.permutations(range(33)), label="order")[:B]
     i = data.draw(st.integers(0, B - 1), label="i")
+    split = data.draw(st.sampled_from([16, SplitSchedule(16, 64, 2)]), label="split")
     (q, qp, cache, sl, ln), R = _pool(dtype, device)
 
     def run(sel):
         idx = torch.tensor(sel, dtype=torch.long, device=device)
         out = poisoned((len(sel), q.shape[1], R), device=device)
         return mla_decode(q[idx], qp[idx], cache, sl[idx], ln[idx], 0.25, kv_lora_rank=R,
-                          split_size=16, out=out)
+                          split_size=split, out=out)
 
     assert_rows_invariant(run, rows, i)
 

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid
 from ds4t.kernels.rope import _cos_sin
+from ds4t.kernels.splits import split_of
 
 
 @triton.jit
@@ -26,18 +27,21 @@ def _attn_rows_kernel(
     gate_ptr, sg_b, sg_h,
     qk_scale, L, B,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, NS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GATED: tl.constexpr,
 ):
     """Interpreter path: ROWS rows, all their query heads, every split and the merge, in one
     program (the interpreter pays per program and per op, not per element).
 
-    The algorithm is the split kernel's and the merge kernel's: splits of SPLIT positions, each
-    folded in tiles of BLOCK_N with the online softmax in ascending order, then the splits merged
-    in ascending order with log-sum-exp rescaling (one split: acc / l directly). Products are plain
-    fp32 (a 16-bit cache is upcast exactly; no hi/lo split needed off tensor cores). A program loops
-    as far as its longest row; a tile or split past a row's own length leaves that row's state
-    untouched (tl.where), so a row's bits never depend on the other rows of the program.
+    The algorithm is the split kernel's and the merge kernel's: a row's positions cut into splits
+    by the schedule (each row its own split size, from its own length), each split folded in tiles
+    of BLOCK_N with the online softmax in ascending order, then the splits merged in ascending order
+    with log-sum-exp rescaling. Splits are multiples of BLOCK_N, so a row's split ends after some
+    tile: there the row merges it and starts the next. (The merge of a lone split gives acc / l
+    bitwise, as the GPU's direct store does.) Products are plain fp32 (a 16-bit cache is upcast
+    exactly; no hi/lo split needed off tensor cores). A program loops as far as its longest row; a
+    tile past a row's own length leaves that row's state untouched (tl.where), so a row's bits never
+    depend on the other rows of the program.
     """
     grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -65,46 +69,43 @@ def _attn_rows_kernel(
     len3 = length[:, None, None]
     n_max = tl.max(length, axis=0)
 
+    split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)[:, None]            # [ROWS, 1]
     l_run = tl.zeros([ROWS, BH], tl.float32)         # a row with length 0 keeps l = 0: output 0
     acc_run = tl.zeros([ROWS, BH, BDV], tl.float32)
-    if NS > 1:
-        m_run = tl.full([ROWS, BH], float("-inf"), tl.float32)
-    for s in range(0, tl.cdiv(n_max, SPLIT)):
-        s0 = s * SPLIT
-        m_i = tl.full([ROWS, BH], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS, BH], tl.float32)
-        acc = tl.zeros([ROWS, BH, BDV], tl.float32)
-        for t0 in range(s0, tl.minimum(s0 + SPLIT, n_max), BLOCK_N):   # ascending positions
-            pos3 = t0 + n3                                             # [1, 1, BLOCK_N]
-            pm3 = pos3 < len3                                          # [ROWS, 1, BLOCK_N]
-            pm = pm3[:, :, :, None]
-            pos = pos3[:, :, :, None]
-            kt = tl.load(k_row + pos * skc_l, mask=pm, other=0.0).to(tl.float32)      # [ROWS, BH, BN, BD]
-            sc = tl.where(pm3, tl.sum(q * kt, axis=3), float("-inf"))                # [ROWS, BH, BN]
-            m_new = tl.maximum(m_i, tl.max(sc, axis=2))
-            # -inf only for a row with no position yet, whose update is discarded below; 0 there
-            # keeps exp2 away from -inf - -inf (no NaN, no numpy warning).
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(sc - m_sub[:, :, None])
-            vt = tl.load(v_row + pos * svc_l, mask=pm, other=0.0).to(tl.float32)     # [ROWS, BH, BN, BDV]
-            live = (t0 < length)[:, None]                              # this tile holds positions of the row
-            l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=2), l_i)
-            acc = tl.where(live[:, :, None], acc * alpha[:, :, None] + tl.sum(p[:, :, :, None] * vt, axis=2), acc)
-            m_i = tl.where(live, m_new, m_i)
-        if NS == 1:
-            l_run = l_i
-            acc_run = acc
-        else:
-            # the merge kernel's step, for rows that have this split
-            m_new = tl.maximum(m_run, m_i)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # as above
-            a = tl.exp2(m_run - m_sub)
-            c = tl.exp2(m_i - m_sub)
-            live = (s0 < length)[:, None]
-            acc_run = tl.where(live[:, :, None], acc_run * a[:, :, None] + acc * c[:, :, None], acc_run)
-            l_run = tl.where(live, l_run * a + l_i * c, l_run)
-            m_run = tl.where(live, m_new, m_run)
+    m_run = tl.full([ROWS, BH], float("-inf"), tl.float32)
+    m_i = tl.full([ROWS, BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS, BH], tl.float32)
+    acc = tl.zeros([ROWS, BH, BDV], tl.float32)
+    for t0 in range(0, n_max, BLOCK_N):                                # ascending positions
+        pos3 = t0 + n3                                                 # [1, 1, BLOCK_N]
+        pm3 = pos3 < len3                                              # [ROWS, 1, BLOCK_N]
+        pm = pm3[:, :, :, None]
+        pos = pos3[:, :, :, None]
+        kt = tl.load(k_row + pos * skc_l, mask=pm, other=0.0).to(tl.float32)      # [ROWS, BH, BN, BD]
+        sc = tl.where(pm3, tl.sum(q * kt, axis=3), float("-inf"))                # [ROWS, BH, BN]
+        m_new = tl.maximum(m_i, tl.max(sc, axis=2))
+        # -inf only for a row with no position yet, whose update is discarded below; 0 there
+        # keeps exp2 away from -inf - -inf (no NaN, no numpy warning).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(sc - m_sub[:, :, None])
+        vt = tl.load(v_row + pos * svc_l, mask=pm, other=0.0).to(tl.float32)     # [ROWS, BH, BN, BDV]
+        live = (t0 < length)[:, None]                                  # this tile holds positions of the row
+        l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=2), l_i)
+        acc = tl.where(live[:, :, None], acc * alpha[:, :, None] + tl.sum(p[:, :, :, None] * vt, axis=2), acc)
+        m_i = tl.where(live, m_new, m_i)
+        # the merge kernel's step, for rows whose split ends with this tile
+        end = live & ((((t0 + BLOCK_N) % split) == 0) | (t0 + BLOCK_N >= length[:, None]))
+        m_new = tl.maximum(m_run, m_i)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # as above
+        a = tl.exp2(m_run - m_sub)
+        c = tl.exp2(m_i - m_sub)
+        acc_run = tl.where(end[:, :, None], acc_run * a[:, :, None] + acc * c[:, :, None], acc_run)
+        l_run = tl.where(end, l_run * a + l_i * c, l_run)
+        m_run = tl.where(end, m_new, m_run)
+        m_i = tl.where(end, float("-inf"), m_i)
+        l_i = tl.where(end, 0.0, l_i)
+        acc = tl.where(end[:, :, None], 0.0, acc)
     res = tl.where(l_run[:, :, None] > 0, acc_run / tl.where(l_run > 0, l_run, 1.0)[:, :, None], 0.0)
     if GATED:  # activation.sigmoid_mul's expression: res * sigmoid(gate)
         dg = (dv if BDV == DV else tl.minimum(dv, DV - 1))[None, None, :]
@@ -244,7 +245,7 @@ def rows_config(B: int, HQ: int, D: int, DV: int, block_n: int):
     return rows, BH, BD, BDV
 
 
-def launch_decode(q, k_cache, v_cache, slots, lengths, out, gate, qk_scale: float, split: int, block_n: int) -> bool:
+def launch_decode(q, k_cache, v_cache, slots, lengths, out, gate, qk_scale: float, sched, block_n: int) -> bool:
     """:func:`ds4t.kernels.attention.decode_attention` on checked arguments (``qk_scale`` = scale ·
     log2 e) in one launch of :func:`_attn_rows_kernel`; False, launching nothing, when its tiles
     would not fit."""
@@ -262,7 +263,7 @@ def launch_decode(q, k_cache, v_cache, slots, lengths, out, gate, qk_scale: floa
         out, *out.stride(),
         gate if gate is not None else out, gate.stride(0) if gate is not None else 0, DV,
         qk_scale, L, B,
-        HQ=HQ, G=HQ // HKV, D=D, DV=DV, SPLIT=split, BLOCK_N=block_n, NS=triton.cdiv(L, split),
+        HQ=HQ, G=HQ // HKV, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=block_n,
         ROWS=ROWS, BH=BH, BD=BD, BDV=BDV, GATED=gate is not None, **LAUNCH,
     )
     return True

@@ -1,0 +1,101 @@
+"""KV split schedules of the split-KV decode attention kernels (GQA and absorbed MLA).
+
+A decode attention row of ``length`` cached positions is cut into splits of consecutive positions;
+one program folds a split with the online softmax and a merge combines the splits in ascending
+order. The split size fixes the reduction order, so it must never depend on the batch: here it is a
+function of the row's *own* length only,
+
+    split_of(length) = the smallest power-of-two multiple ``min_split * 2**k`` (k <= steps) with
+                       ``split * target_splits >= length``, else ``max_split``,
+
+so a row has at most ``target_splits`` splits up to ``max_split * target_splits`` positions. A short
+row gets short splits (enough programs for one row to fill the GPU at N = 1) and a long row long ones
+(few fp32 partials per row at large batches). Because a prefill row at position p and the decode row
+at the same position have the same length, they get the same splits: chunked prefill stays bitwise
+equal to token-by-token decode. A fixed split size is the schedule with ``min_split == max_split``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import triton
+import triton.language as tl
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSchedule:
+    """Split sizes as a function of a row's length (see the module docstring).
+
+    ``min_split`` >= 1 and ``max_split = min_split * 2**k``; ``target_splits`` >= 1 (irrelevant when
+    min_split == max_split)."""
+    min_split: int
+    max_split: int
+    target_splits: int = 1
+
+    def __post_init__(self):
+        if self.min_split < 1 or self.target_splits < 1 or self.max_split < self.min_split:
+            raise ValueError(f"bad split schedule {self}")
+        r = self.max_split // self.min_split
+        if self.max_split % self.min_split or r & (r - 1):
+            raise ValueError(f"max_split must be min_split times a power of two, got {self}")
+
+    @classmethod
+    def fixed(cls, split: int) -> "SplitSchedule":
+        """Every row cut into splits of ``split`` positions."""
+        return cls(int(split), int(split), 1)
+
+    @property
+    def steps(self) -> int:
+        """Doublings from min_split to max_split."""
+        return (self.max_split // self.min_split).bit_length() - 1
+
+    def split_of(self, length: int) -> int:
+        """The split size of a row of ``length`` positions (host mirror of :func:`split_of`)."""
+        sp = self.min_split
+        for _ in range(self.steps):
+            if sp * self.target_splits < length:
+                sp *= 2
+        return sp
+
+    def max_splits(self, capacity: int) -> int:
+        """The most splits any row of length 1..capacity has: the split grid axis."""
+        most, sp = 1, self.min_split
+        while True:
+            last = capacity if sp == self.max_split else min(capacity, sp * self.target_splits)
+            most = max(most, triton.cdiv(last, sp))
+            if sp == self.max_split or last == capacity:
+                return most
+            sp *= 2
+
+    def kernel_args(self) -> dict:
+        """The constexpr arguments :func:`split_of` takes in a kernel."""
+        return dict(MIN_SPLIT=self.min_split, SPLIT_STEPS=self.steps, TARGET_SPLITS=self.target_splits)
+
+
+def as_schedule(split: Union[None, int, SplitSchedule], default: SplitSchedule) -> SplitSchedule:
+    """``split_size`` as the attention ops take it: None (the default schedule), an int (a fixed
+    split size) or a :class:`SplitSchedule`."""
+    if split is None:
+        return default
+    if isinstance(split, SplitSchedule):
+        return split
+    return SplitSchedule.fixed(int(split))
+
+
+@triton.jit
+def split_of(length, MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr):
+    """:meth:`SplitSchedule.split_of` in a kernel; ``length`` is an int32 scalar or tensor."""
+    sp = length * 0 + MIN_SPLIT
+    for _ in tl.static_range(SPLIT_STEPS):
+        sp = tl.where(sp * TARGET_SPLITS < length, sp * 2, sp)
+    return sp
+
+
+def describe(s: Optional[SplitSchedule]) -> str:
+    """A short label for tables: ``split 2048`` or ``split 64..2048 (<= 32 per row)``."""
+    if s is None:
+        return "split default"
+    if s.min_split == s.max_split:
+        return f"split {s.min_split}"
+    return f"split {s.min_split}..{s.max_split} (<= {s.target_splits} per row)"
