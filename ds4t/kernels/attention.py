@@ -67,16 +67,16 @@ _LOG2E = 1.4426950408889634
 
 def default_split_schedule(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> SplitSchedule:
     """The split schedule (:mod:`ds4t.kernels.splits`) for these head dims and cache dtype: splits of
-    64 .. 2048 positions, at most 32 per row below 64k positions.
+    64 .. 2048 positions, at most 16 per row below 32k positions.
 
     Depends on nothing else (never on the batch size; a row's split only on its own length).
-    Measured on the H200 (bench/results/2026-11-30-h200-attention.md, -attention-splits.md): one split
-    size of 2048 for every row reached 76-101 % of copy bandwidth at 8k-32k, B >= 8, but gave a lone
-    row of 4k positions 2 splits per kv head: 4 programs on 132 SMs, 76 us per Qwen3-Next attention
-    layer for 8 MB. A row's split now grows with its length, so short rows get programs enough to fill
-    the GPU and long rows keep long splits.
+    Measured on the H200 (bench/results/2026-11-30-h200-attention-splits.md, 6 schedules x 6 cells
+    per head shape): one split size of 2048 for every row gave a lone row of 4k positions 2 splits
+    per kv head (4 programs on 132 SMs: 78 us for Qwen3-Next's 8 MB); this schedule takes 19 us there,
+    28 us at 8k (was 78), the same at 32k, and 74-99 % of copy bandwidth at 8k-32k with B >= 8 (the
+    fixed 2048: 40-104 %). Shorter splits (<= 32 per row, or 32-position splits) lose at B >= 8.
     """
-    return SplitSchedule(64, 2048, 32)
+    return SplitSchedule(64, 2048, 16)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,18 +65,20 @@ _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are laun
 def default_split_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> SplitSchedule:
     """Tokens per KV split as a function of a row's length: up to the power of two nearest below
     2 MiB of cache per split, in [64, 1024] (DeepSeek-V3, R=512, Dr=64: 1024 for bf16/fp16, 512 for
-    fp32), down to a quarter of that for short rows, at most 16 splits per row below 16 long splits.
+    fp32), down to an eighth of that for short rows, at most 16 splits per row below 16 long splits.
 
     Depends only on the latent width and the cache dtype (never on the batch). Long splits write
     fewer fp32 partials ([H, R] per split and row, 256 KiB at H=128); short rows get shorter splits
-    so that a lone row has programs for the GPU (4k positions: 16 splits x 4 head blocks, where one
-    split size of 1024 gave 16 programs).
+    so that a lone row has programs for the GPU. Measured on the H200 (DeepSeek-V3's 128 heads,
+    bench/results/2026-11-30-h200-attention-splits.md): a lone row of 4k positions 26 us (one split
+    size of 1024: 61 us), 8k 40 us (63), 32k the same; B = 8 at 32k 5 % faster, B >= 8 at 8k 10-20 %
+    slower (more partials), the best of 6 schedules summed over the cells.
     """
     elt = torch.empty((), dtype=dtype).element_size()
     per_token = (kv_lora_rank + rope_dim) * elt
     n = max(1, (2 << 20) // max(1, per_token))
     longest = int(min(1024, max(64, 1 << (n.bit_length() - 1))))
-    return SplitSchedule(max(16, longest // 4), longest, 16)
+    return SplitSchedule(max(16, longest // 8), longest, 16)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,7 +175,7 @@ def test_bad_arguments(device):
 def test_default_split_schedule_depends_on_head_dims_only():
     for d in (128, 256):
         for dt in (torch.bfloat16, torch.float32):
-            assert default_split_schedule(d, d, dt) == SplitSchedule(64, 2048, 32)
+            assert default_split_schedule(d, d, dt) == SplitSchedule(64, 2048, 16)
     with pytest.raises(ValueError, match="split_size"):   # GQA splits are powers of two >= 16
         decode_attention(torch.randn(1, 4, 16), torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16),
                          torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0,

@@ -164,9 +164,9 @@ def test_prefill_rows_equal_single_decodes(device):
 
 
 def test_default_split_schedule():
-    assert default_split_schedule(512, 64, torch.bfloat16) == SplitSchedule(256, 1024, 16)
-    assert default_split_schedule(512, 64, torch.float16) == SplitSchedule(256, 1024, 16)
-    assert default_split_schedule(512, 64, torch.float32) == SplitSchedule(128, 512, 16)
+    assert default_split_schedule(512, 64, torch.bfloat16) == SplitSchedule(128, 1024, 16)
+    assert default_split_schedule(512, 64, torch.float16) == SplitSchedule(128, 1024, 16)
+    assert default_split_schedule(512, 64, torch.float32) == SplitSchedule(64, 512, 16)
     for R, Dr in ((16, 8), (48, 16), (512, 64), (4096, 64)):
         for dt in DTYPES:
             sp = default_split_schedule(R, Dr, dt).max_split
