@@ -7,9 +7,6 @@ step time of ``moe_experts`` and the fraction of the copy bandwidth its weight b
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
 (kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES).
 
-``--few R``: the small-batch entries (key + ("few",)) for launches of 1..R rows: N / K tiles, stages
-and warps; every config must give each row the decode entry's bits. Each replay routes to other experts.
-
 ``--rows R``: the row-tile entries (key + ("rows",)) for a prefill chunk of R rows instead: pairs per
 tile (block_m), N / K tiles and warps, with the decode entries unchanged; each config's rows 0 and
 R-1 must equal those rows launched alone (the decode tiles), bitwise. TFLOP/s counted from the pairs.
@@ -132,106 +129,14 @@ def sweep_rows(args) -> None:
                       f"warps={key[3]}: {ms:.3f}")
 
 
-def sweep_few(args) -> None:
-    """The small-batch entries (key + ("few",), MoEConfig.max_rows) at 1..args.few rows, both formats.
-
-    A decode step of one or a few rows routes to ~10 experts: the decode tiles leave most SMs idle or
-    waiting. Every config here must give each row exactly the bits of the decode entry (checked per
-    config, rows 0 and B-1 against the table's output); among those, the least time summed over B = 1
-    and B = args.few and the three shapes wins. Each timed replay routes to other experts (four id
-    sets), so the weights come from HBM, not L2."""
-    from ds4t.kernels.weights import quantize
-    os.makedirs(args.out, exist_ok=True)
-    dev = torch.device("cuda")
-    bw = copy_bandwidth(dev)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; small batches 1 and {args.few}", flush=True)
-    default = dict(M.MOE_CONFIGS.gpu)
-    g = torch.Generator(device=dev).manual_seed(0)
-    rows = []
-    for fp8 in (False, True):
-        fmt = ("fp8",) if fp8 else ()
-        for name, E, k, D, I in SHAPES:
-            Et = E + 1
-            ws = [(torch.randn(Et, *sh, device=dev, generator=g) * 0.02).bfloat16() for sh in ((I, D), (I, D), (D, I))]
-            if fp8:
-                ws = [quantize(w_.float(), (128, 128)) for w_ in ws]
-            adt = torch.bfloat16 if fp8 else None
-            for n in (1, args.few):
-                h = torch.randn(n, D, device=dev, generator=g)
-                id_sets = [torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)]).int()
-                           for _ in range(4)]
-                w = torch.rand(n, k, device=dev, generator=g)
-                used = sum(len(set(i.flatten().tolist())) + 1 for i in id_sets) / 4
-                nbytes = used * 3 * I * D * (1 + 4 / 128 if fp8 else 2)
-                calls = [0]
-
-                def run(ids=None):
-                    if ids is None:
-                        ids = id_sets[calls[0] % 4]
-                        calls[0] += 1
-                    return M.moe_experts(h, ids, w, *ws, shared_expert=E, act_dtype=adt)
-
-                M.MOE_CONFIGS.gpu.clear()
-                M.MOE_CONFIGS.gpu.update(default)
-                ref = [run(i) for i in id_sets]
-                base = _time(run)
-                print(f"{name} {'fp8' if fp8 else 'bf16'} N={n}: {used:.0f} experts, {nbytes / 1e6:.0f} MB, "
-                      f"table {base * 1e3:.1f} us ({nbytes / (base / 1e3) / bw * 100:.0f}% of copy BW)", flush=True)
-                for kernel in ("gate_up", "down"):
-                    best = None
-                    for tn, tk, st, wp in itertools.product((16, 32, 64, 128), (64, 128), (3, 4, 5), (2, 4)):
-                        M.MOE_CONFIGS.gpu.clear()
-                        M.MOE_CONFIGS.gpu.update(default)
-                        M.MOE_CONFIGS.gpu[(kernel, *fmt, "few")] = M.MoEConfig(
-                            tile_n=tn, tile_k=tk, num_warps=wp, num_stages=st, max_rows=args.few,
-                            fp8_route=default[(kernel, *fmt) if fp8 else kernel].fp8_route)
-                        try:
-                            same = all(bool(torch.equal(run(i), r)) for i, r in zip(id_sets, ref))
-                            ms = _time(run)
-                        except Exception as e:  # noqa: BLE001 (shared memory: report, go on)
-                            print(f"   {kernel} {tn}/{tk}/s{st}/w{wp}: {type(e).__name__}", flush=True)
-                            continue
-                        rows.append(dict(shape=name, fp8=fp8, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
-                                         warps=wp, us=ms * 1e3, same=same, table_us=base * 1e3))
-                        if same and (best is None or ms < best[0]):
-                            best = (ms, tn, tk, st, wp)
-                    if best:
-                        print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} stages={best[3]} warps={best[4]}: "
-                              f"whole call {best[0] * 1e3:.1f} us", flush=True)
-            del ws
-            torch.cuda.empty_cache()
-    M.MOE_CONFIGS.gpu.clear()
-    M.MOE_CONFIGS.gpu.update(default)
-    with open(os.path.join(args.out, "moe_few.json"), "w") as f:
-        json.dump(rows, f)
-    print(f"\nsummed over shapes and N (us), best 4 per kernel and format; {sum(not r['same'] for r in rows)} "
-          f"configs changed a row's bits:")
-    for fp8 in (False, True):
-        for kernel in ("gate_up", "down"):
-            tot = {}
-            for r in rows:
-                if r["kernel"] == kernel and r["fp8"] == fp8 and r["same"]:
-                    tot.setdefault((r["tile_n"], r["tile_k"], r["stages"], r["warps"]), []).append(r["us"])
-            full = {k_: sum(v) for k_, v in tot.items() if len(v) == 2 * len(SHAPES)}
-            table = {(r["shape"], r["n"]): r["table_us"] for r in rows if r["fp8"] == fp8}
-            print(f"  {'fp8 ' if fp8 else 'bf16'} {kernel:8s} the table's entries (whole calls, summed): "
-                  f"{sum(table.values()):.1f}")
-            for key, us in sorted(full.items(), key=lambda t: t[1])[:4]:
-                print(f"  {'fp8 ' if fp8 else 'bf16'} {kernel:8s} tile_n={key[0]} tile_k={key[1]} stages={key[2]} "
-                      f"warps={key[3]}: {us:.1f}")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--rows", type=int, default=0, help="sweep the row-tile entries at this many rows")
-    ap.add_argument("--few", type=int, default=0, help="sweep the small-batch entries for 1..FEW rows")
     args = ap.parse_args()
     if args.rows:
         return sweep_rows(args)
-    if args.few:
-        return sweep_few(args)
     fp8 = args.fp8
     from ds4t.kernels.weights import quantize
     os.makedirs(args.out, exist_ok=True)

@@ -362,7 +362,6 @@ class MoEConfig:
     fp8_route: str = "direct"   # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
-    max_rows: int = 0           # a small-batch entry applies to launches of at most this many rows
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -385,26 +384,19 @@ _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
 
 
 def _config(kernel: str, fmt: tuple, B: int) -> MoEConfig:
-    """The launch config of a B-row launch: the small-batch entry (key + ("few",)) when B is at most
-    its ``max_rows``, the row-tile entry (key + ("rows",)) when B reaches its ``min_rows``, else the
-    decode entry. Either changes how many pairs share a weight-tile read, how many programs a few
-    experts get and the MMA instruction, not a pair's bits: the K order and (FP8) the scale steps are
-    the same, the conversion route must be (checked here), and on an H200 the tile shape does not
-    change an MMA's bits (bench/mma_shapes.py, bench/moe_tiles.py --rows / --few, each config checked
-    bitwise against the decode entry). The interpreter has one config for every key (its MMA sums
-    each K tile before adding it, so there a row tile must keep the K tile: tests force one that does)."""
+    """The launch config of a B-row launch: the row-tile entry when B reaches its ``min_rows``, else
+    the decode entry. A row tile changes how many pairs share a weight-tile read and the MMA instruction,
+    not a pair's bits: the K order and (FP8) the scale steps are the same, the conversion route must be
+    (checked here), and on an H200 the tile shape does not change an MMA's bits (bench/mma_shapes.py,
+    bench/moe_tiles.py --rows). The interpreter has one config for every key (its MMA sums each K tile
+    before adding it, so there a row tile must keep the K tile: tests force one that does)."""
     cfg = MOE_CONFIGS(kernel, *fmt)
-    few = MOE_CONFIGS(kernel, *fmt, "few")
     rows = MOE_CONFIGS(kernel, *fmt, "rows")
-    if few is not None and B <= few.max_rows:
-        pick = few
-    elif rows is not None and B >= rows.min_rows:
-        pick = rows
-    else:
+    if rows is None or B < rows.min_rows:
         return cfg
-    if (pick.fp8_route == "tf32") != (cfg.fp8_route == "tf32"):   # tf32: another MMA, other sums
+    if (rows.fp8_route == "tf32") != (cfg.fp8_route == "tf32"):   # tf32: another MMA, other sums
         raise ValueError(f"moe {kernel}: a row tile must keep the decode config's MMA route ({cfg.fp8_route})")
-    return pick
+    return rows
 
 
 def _unknown_kernel(kernel: str):
@@ -420,7 +412,7 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                                                min_rows=128),
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                             min_rows=128)},
-    gpu_rule=lambda kernel, *fmt: None if fmt[-1:] in (("rows",), ("few",)) else _unknown_kernel(kernel),
+    gpu_rule=lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
            "bench/results/2026-11-30-h200-fp8-kernels.md (FP8 weights)")

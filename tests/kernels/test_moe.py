@@ -547,35 +547,3 @@ def test_row_tile_must_keep_the_mma_route():
     with M.MOE_CONFIGS.forced(lambda kernel, *f: bad if f[-1:] == ("rows",) else base):
         with pytest.raises(ValueError, match="route"):
             M._config("gate_up", ("fp8",), 4)
-
-
-# ----------------------------------------------------------------------------- small-batch tiles (decode of a few rows)
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_small_batch_tile_keeps_every_pairs_bits(device, fmt):
-    """A launch of <= max_rows rows runs the ("few",) entry (other N tile, warps, stages; the decode K
-    tile); its rows equal the same launch with the decode tiles, bit for bit."""
-    E, I, D, k, B = 6, 72, 200, 2, 3
-    if fmt == "fp8":
-        wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
-        adt = torch.bfloat16
-    else:
-        wg, wu, wd = (w.to(device) for w in _weights(E, I, D, torch.bfloat16, 71))
-        adt = None
-    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=72))
-    h = torch.randn(B, D, generator=gen(73)).to(device)
-    route = "f32" if fmt == "fp8" else "direct"
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route)
-    few = M.MoEConfig(tile_n=16, tile_k=64, num_warps=2, num_stages=4, max_rows=4, fp8_route=route)
-
-    def run(entry):
-        with use_variants({"moe_experts": GPU}), \
-                M.MOE_CONFIGS.forced(lambda kernel, *f: entry if f[-1:] == ("few",) else base):
-            return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
-                               out=poisoned((B, D), device=device))
-
-    with M.MOE_CONFIGS.forced(lambda kernel, *f: few if f[-1:] == ("few",) else base):
-        assert M._config("gate_up", (), B) is few and M._config("gate_up", (), 5) is base
-    got = run(few)
-    assert not torch.isnan(got).any()
-    assert torch.equal(got, run(base))
