@@ -240,9 +240,8 @@ def _attn_split_kernel(
         m_i = m_new
 
     om = hm[:, None] & dvm[None, :]
-    if FINAL:
-        _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_i)
-    elif length <= split:  # the merge of one split is acc / l: bitwise what is stored here
+    # One split (always so under FINAL): the merge of one split is acc / l, bitwise what is stored here.
+    if length <= split:
         _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_i)
     else:
         row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]

@@ -348,14 +348,13 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     contiguous; slots, lengths [B] int32 (1 <= lengths[b] <= L; lengths are clamped to [0, L],
     a row of length 0 gets zeros). ``scale`` multiplies q.k (include YaRN mscale). ``split_size``:
     tokens per KV split, an int (every row) or a :class:`~ds4t.kernels.splits.SplitSchedule`
-    (default :func:`default_split_schedule`); results depend on it, never on B. ``out``: optional fp32 [B, H, R] destination (may be strided, last dim contiguous).
+    (default :func:`default_split_schedule`); results depend on it, never on B. ``out``: optional
+    fp32 [B, H, R] destination (may be strided, last dim contiguous).
     """
     B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
     S, L, _ = cache.shape
     if cache.stride(-1) != 1:
         raise ValueError("mla_decode: cache must have a contiguous last dim")
-    if split_size is not None and not isinstance(split_size, SplitSchedule) and int(split_size) < 1:
-        raise ValueError(f"mla_decode: split_size must be >= 1, got {split_size}")
     sched = as_schedule(split_size, default_split_schedule(R, Dr, cache.dtype))
     if out is None:
         out = torch.empty((B, H, R), dtype=torch.float32, device=q_latent.device)

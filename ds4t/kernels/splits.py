@@ -17,7 +17,7 @@ equal to token-by-token decode. A fixed split size is the schedule with ``min_sp
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Union
 
 import triton
 import triton.language as tl
@@ -35,7 +35,8 @@ class SplitSchedule:
 
     def __post_init__(self):
         if self.min_split < 1 or self.target_splits < 1 or self.max_split < self.min_split:
-            raise ValueError(f"bad split schedule {self}")
+            raise ValueError(f"split_size: splits and target_splits must be >= 1 and max_split >= min_split, "
+                             f"got {self}")
         r = self.max_split // self.min_split
         if self.max_split % self.min_split or r & (r - 1):
             raise ValueError(f"max_split must be min_split times a power of two, got {self}")
@@ -92,10 +93,8 @@ def split_of(length, MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_
     return sp
 
 
-def describe(s: Optional[SplitSchedule]) -> str:
+def describe(s: SplitSchedule) -> str:
     """A short label for tables: ``split 2048`` or ``split 64..2048 (<= 32 per row)``."""
-    if s is None:
-        return "split default"
     if s.min_split == s.max_split:
         return f"split {s.min_split}"
     return f"split {s.min_split}..{s.max_split} (<= {s.target_splits} per row)"
