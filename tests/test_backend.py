@@ -1,3 +1,4 @@
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -110,3 +111,40 @@ def test_a_scalar_condition_masks_through_where(device):
         want = x[:max(n - 1, 0)].sum(0)
         want[3] = 0
         assert torch.equal(y, want), n
+
+
+@triton.jit
+def _small_ints_kernel(a_ptr, b_ptr, out_ptr, KIND: tl.constexpr, NIB: tl.constexpr, PAIR: tl.constexpr,
+                       DT: tl.constexpr):
+    r = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    a = tl.load(a_ptr + r)
+    if KIND == 0:
+        lo, hi = backend.nibbles_to(a, DT)
+        tl.store(out_ptr + r, lo.to(tl.float32))
+        tl.store(out_ptr + 256 + r, hi.to(tl.float32))
+    elif KIND == 1:
+        tl.store(out_ptr + r, backend.int8_to(a, DT).to(tl.float32))
+    else:
+        tl.store(out_ptr + r, backend.six_bit_to(a, tl.load(b_ptr + r), NIB, PAIR, DT).to(tl.float32))
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=str)
+def test_packed_small_int_conversions_are_exact(device, dt):
+    """The GGUF kernels' byte -> float conversions (packed bit tricks for bf16 on the GPU, plain
+    conversions otherwise) give every byte's exact integer: nibbles, int8, and Q6_K's six bits for
+    every (nibble, bit pair) choice. A wrong shift, mask or magic constant fails here, not as a
+    small drift in a kernel's result."""
+    tdt = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dt]
+    a = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    b = torch.randperm(256, generator=torch.Generator().manual_seed(0)).to(torch.uint8).to(device)
+    out = torch.full((512,), float("nan"), device=device)
+    _small_ints_kernel[(1,)](a, b, out, KIND=0, NIB=0, PAIR=0, DT=tdt)
+    ai = a.long()
+    assert torch.equal(out[:256].long(), ai & 15) and torch.equal(out[256:].long(), ai >> 4)
+    _small_ints_kernel[(1,)](a, b, out, KIND=1, NIB=0, PAIR=0, DT=tdt)
+    assert torch.equal(out[:256], a.view(torch.int8).float())
+    for nib in range(2):
+        for pair in range(4):
+            _small_ints_kernel[(1,)](a, b, out, KIND=2, NIB=nib, PAIR=pair, DT=tdt)
+            ref = (((ai >> (4 * nib)) & 15) | (((b.long() >> (2 * pair)) & 3) << 4)) - 32
+            assert torch.equal(out[:256], ref.float()), (nib, pair)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, cast, grid_dependency, mma, tl_dtype
+from ds4t.backend import LAUNCH, cast, grid_dependency, int8_to, mma, nibbles_to, scaled_add, six_bit_to, tl_dtype
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -42,18 +42,6 @@ BLOCK_M = 16
 # start of a repacked row (ds4t.kernels.quant_blocks): the plane offsets below are those of
 # BlockFormat.plane_offsets, computed from the weight's K (KW, a constexpr).
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _exact_f32(u, BIAS: tl.constexpr, MAGIC: tl.constexpr):
-    """``u - BIAS`` as fp32, exactly, for int32 ``u`` in [0, 256). MAGIC: the fp32 whose bits are
-    ``0x4B000000 | u`` is 2^23 + u, so one integer OR and one fp32 subtraction (both full-rate pipes)
-    replace an int -> float conversion (I2F, on the conversion pipe that also rounds to bf16). The
-    same value either way, so MAGIC changes speed only."""
-    if MAGIC:
-        return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
-    else:
-        return (u - BIAS).to(tl.float32)
-
-
 @triton.jit
 def _f16_bits(w):
     """The fp16 whose bits are ``w``'s low 16 (int32 [BN]), as fp32 (exact)."""
@@ -87,50 +75,48 @@ def _pick(i: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _bytes(p, OFF, W: tl.constexpr):
-    """uint8 [BN, W] at ``p[:, None] + OFF + (0 .. W-1)`` as int32: W contiguous bytes a row from an
-    offset that is a multiple of W (W = 16 or 32; rows 16-byte aligned), so 16-byte vector loads."""
+def _raw_bytes(p, OFF, W: tl.constexpr):
+    """uint8 [BN, W] at ``p[:, None] + OFF + (0 .. W-1)``: W contiguous bytes a row from an offset that
+    is a multiple of W (W = 16 or 32; rows 16-byte aligned), so 16-byte vector loads."""
     cols = tl.max_contiguous(tl.multiple_of(OFF + tl.arange(0, W), W), W)
-    return tl.load(p[:, None] + cols[None, :]).to(tl.int32)
+    return tl.load(p[:, None] + cols[None, :])
 
 
 @triton.jit
-def _scaled_dot(acc, qf, x_row, k, s, mn, ADT: tl.constexpr, SB: tl.constexpr, HAS_MIN: tl.constexpr):
-    """acc [BN, BM] + s * (q . x) (- mn * sum(x)) over the SB columns k .. k + SB.
-
-    qf [BN, SB] the sub-block's integers as fp32 (exact, so exact in ADT too); x_row [BM] pointers to
-    each row's column 0 (rows in bounds); s, mn [BN] fp32. The dot and the sum of x start from zero in
-    fp32."""
+def _x_tile(x_row, k, SB: tl.constexpr, ADT: tl.constexpr):
+    """Activations [SB, BM] of columns k .. k + SB, rounded to ADT; x_row [BM] pointers to each row's
+    column 0 (rows in bounds)."""
     kk = k + tl.arange(0, SB)
-    xt = tl.load(x_row[None, :] + kk[:, None])                   # [SB, BM]
-    xt = cast(xt.to(tl.float32), ADT)
-    p = mma(qf.to(ADT), xt, tl.zeros(acc.shape, dtype=tl.float32))
-    if HAS_MIN:
-        sx = tl.sum(xt.to(tl.float32), axis=0)
-        acc = acc + (s[:, None] * p - mn[:, None] * sx[None, :])
-    else:
-        acc = acc + s[:, None] * p
-    return acc
+    return cast(tl.load(x_row[None, :] + kk[:, None]).to(tl.float32), ADT)
+
+
+@triton.jit
+def _scaled_dot(acc, q, x_row, k, s, ADT: tl.constexpr, SB: tl.constexpr):
+    """acc [BN, BM] + s * (q . x) over the SB columns k .. k + SB, rounded once (an FMA).
+
+    q [BN, SB] the sub-block's integers in ADT (exact); s [BN] fp32. The dot starts from zero in fp32."""
+    p = mma(q, _x_tile(x_row, k, SB, ADT), tl.zeros(acc.shape, dtype=tl.float32))
+    return scaled_add(acc, p, s[:, None])
 
 
 @triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
-         KW: tl.constexpr, MAGIC: tl.constexpr):
+         KW: tl.constexpr):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
 
     w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
     weight's K (where its planes start); x_row [BM] pointers to each activation row's column 0. FMT: 0
     Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K (one 256-block per step). Sub-blocks run in K
-    order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. MAGIC: how the
-    integers become fp32 (:func:`_exact_f32`; the same values)."""
+    order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. The integers become
+    ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``six_bit_to`` (packed bit tricks
+    on the GPU, plain conversions in the interpreter: the same exact values)."""
     if FMT == 0:
         # planes: q int8 [KW] @0, d fp16 [KW / 32] @KW
         for k in range(k_lo, k_hi, 32 * G):
             for g in tl.static_range(G):
                 kg = k + 32 * g
                 d = tl.load((w_row + KW + kg // 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
-                q = _exact_f32(_bytes(w_row, kg, 32) ^ 0x80, 128, MAGIC)   # int8 q = (q + 128) - 128
-                acc = _scaled_dot(acc, q, x_row, kg, d, d, ADT, 32, False)
+                acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), x_row, kg, d, ADT, 32)
     elif FMT == 1:
         # planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks 2c low nibbles, 2c + 1 high),
         # header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales and mins)
@@ -142,12 +128,19 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
             w3 = tl.load(hdr + 3)
             d = _f16_bits(w0)
             dmin = _f16_bits(w0 >> 16)
+            # the mins: sum_j m_j * (x_j . 1) as one MMA chain over the block (m_j broadcast along its
+            # sub-block; small integers, exact in ADT), scaled by dmin once per block
+            acc_m = tl.zeros(acc.shape, dtype=tl.float32)
             for c in tl.static_range(4):
-                qb = _bytes(w_row, k // 2 + 32 * c, 32)
+                lo, hi = nibbles_to(_raw_bytes(w_row, k // 2 + 32 * c, 32), ADT)   # exact in ADT
                 for h in tl.static_range(2):
                     sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
-                    acc = _scaled_dot(acc, _exact_f32((qb >> (4 * h)) & 15, 0, MAGIC), x_row, k + 64 * c + 32 * h,
-                                      d * sc.to(tl.float32), dmin * m.to(tl.float32), ADT, 32, True)
+                    xt = _x_tile(x_row, k + 64 * c + 32 * h, 32, ADT)
+                    q = lo if h == 0 else hi
+                    p = mma(q, xt, tl.zeros(acc.shape, dtype=tl.float32))
+                    acc = scaled_add(acc, p, (d * sc.to(tl.float32))[:, None])
+                    acc_m = mma(tl.broadcast_to(cast(m.to(tl.float32), ADT)[:, None], q.shape), xt, acc_m)
+            acc = scaled_add(acc, acc_m, -dmin[:, None])
     else:
         # planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8 [KW / 16] @3 KW / 4, d fp16 [KW / 256] after.
         # Element e of half hf of a block: low 4 bits in ql byte 64 hf + e % 64 (nibble e // 64), high 2 in
@@ -160,20 +153,19 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
             for hf in tl.static_range(2):
                 sw0 = tl.load(scw + 2 * hf)
                 sw1 = tl.load(scw + 2 * hf + 1)
-                ql0 = _bytes(w_row, blk * 128 + 64 * hf, 16)
-                ql1 = _bytes(w_row, blk * 128 + 64 * hf + 16, 16)
-                ql2 = _bytes(w_row, blk * 128 + 64 * hf + 32, 16)
-                ql3 = _bytes(w_row, blk * 128 + 64 * hf + 48, 16)
-                qh0 = _bytes(w_row, KW // 2 + blk * 64 + 32 * hf, 16)
-                qh1 = _bytes(w_row, KW // 2 + blk * 64 + 32 * hf + 16, 16)
+                ql0 = _raw_bytes(w_row, blk * 128 + 64 * hf, 16)
+                ql1 = _raw_bytes(w_row, blk * 128 + 64 * hf + 16, 16)
+                ql2 = _raw_bytes(w_row, blk * 128 + 64 * hf + 32, 16)
+                ql3 = _raw_bytes(w_row, blk * 128 + 64 * hf + 48, 16)
+                qh0 = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf, 16)
+                qh1 = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf + 16, 16)
                 for i in tl.static_range(8):
                     lo = _pick(i % 4, ql0, ql1, ql2, ql3)
                     hi = _pick(i % 2, qh0, qh1, qh0, qh1)
-                    u = ((lo >> (4 * (i // 4))) & 15) | (((hi >> (2 * (i // 2))) & 3) << 4)
                     sw = _pick(i // 4, sw0, sw1, sw0, sw1)
                     sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
-                    acc = _scaled_dot(acc, _exact_f32(u, 32, MAGIC), x_row, k + 128 * hf + 16 * i, d * sc, d,
-                                      ADT, 16, False)
+                    acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT), x_row, k + 128 * hf + 16 * i,
+                                      d * sc, ADT, 16)
     return acc
 
 
@@ -182,7 +174,7 @@ def _qlinear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     B, stride_xm, stride_wn, stride_ys, stride_ym,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT). Rows past
@@ -197,7 +189,7 @@ def _qlinear_kernel(
     w_row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = qdot(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_row, x_row, k_lo, k_hi, FMT, ADT, G, K, MAGIC)
+    acc = qdot(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_row, x_row, k_lo, k_hi, FMT, ADT, G, K)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[:, None]
     y = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
@@ -214,7 +206,6 @@ class QLinearConfig:
     group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
     num_warps: int = 4
     num_stages: int = 3
-    magic: bool = True  # integers -> fp32 by the 2^23 trick (qlinear._exact_f32), else a conversion; same values
 
     def k_step(self, qtype: str) -> int:
         return 32 * self.group if qtype == "Q8_0" else 256
@@ -254,12 +245,12 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
 _GPU_TABLE = {
     # H200 sweep on the repacked planes (bench/results/2026-11-30-h200-gguf-round2.md): the least summed
     # time over B = 1, 4, 16 per (shape, type); 19-47 % of copy bandwidth, far from the 80 % target.
-    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=2, num_stages=2, magic=True),
-    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3, magic=True),
-    (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3, magic=True),
-    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=4, num_warps=4, num_stages=3, magic=False),
-    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3, magic=False),
-    (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=32, split=1, group=1, num_warps=2, num_stages=2, magic=True),
+    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=2, num_stages=2),
+    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
+    (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
+    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=4, num_warps=4, num_stages=3),
+    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
+    (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=32, split=1, group=1, num_warps=2, num_stages=2),
 }
 
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
@@ -300,7 +291,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     fmt = block_format(weight.qtype).code
     has_bias = bias is not None
     b_arg = bias if has_bias else out
-    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group, MAGIC=cfg.magic,
+    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
                   BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
     if split == 1:

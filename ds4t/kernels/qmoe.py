@@ -33,7 +33,7 @@ def _qmoe_gate_up_kernel(
     wg_ptr, wu_ptr, sw_e, sw_n,
     act_ptr, sa_p,
     I, KTOP, E, D: tl.constexpr,
-    FMT: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
+    FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
@@ -50,8 +50,8 @@ def _qmoe_gate_up_kernel(
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         x_row = h_ptr + (p // KTOP) * sh_b
         zero = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, MAGIC)
-        acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, MAGIC)
+        acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+        acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -62,7 +62,7 @@ def _qmoe_down_kernel(
     wd_ptr, sw_e, sw_n,
     y_ptr, sy_p,
     D, E, I: tl.constexpr,
-    FMT: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
+    FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
@@ -76,20 +76,18 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, MAGIC)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
 @dataclasses.dataclass(frozen=True)
 class QMoEConfig:
     """Launch constants of a grouped GGUF kernel: the N tile cap (tile = max(16, min(cap, next_pow2(N)))),
-    Q8_0 blocks per K step (cap), warps and stages (None: Triton's default), the integer conversion
-    (:class:`ds4t.kernels.qlinear.QLinearConfig`'s ``magic``)."""
+    Q8_0 blocks per K step (cap), warps and stages (None: Triton's default)."""
     tile_n: int
     q8_group: int = 4
     num_warps: int = 4
     num_stages: int = 3
-    magic: bool = True
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -100,12 +98,12 @@ class QMoEConfig:
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={
         # H200 sweep (bench/results/2026-11-30-h200-gguf-round2.md), Qwen3-Next's experts (E=512 I=512 D=2048)
-        ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, magic=True),
-        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, magic=False),
-        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, magic=True),
-        ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, magic=False),
-        ("gate_up", "Q6_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, magic=True),
-        ("down", "Q6_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, magic=True),
+        ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+        ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+        ("gate_up", "Q6_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+        ("down", "Q6_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
     },
     gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
     interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1),
@@ -138,11 +136,11 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     BN, G = cfg.tiles(I, D, w_gate.qtype)
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
-        I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, MAGIC=cfg.magic, ADT=ADT, BM=16, BN=BN,
+        I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
-        D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, MAGIC=cfg.magic, ADT=ADT, BM=16, BN=BN,
+        D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
