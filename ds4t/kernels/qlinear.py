@@ -8,8 +8,10 @@ Shapes and dtypes
     returns [B, N]  fp32
 
 Arithmetic (defined in :mod:`ds4t.kernels.quant_blocks`): per row n and sub-block j of SB columns, in K
-order, ``acc += s[n, j] * (x_j . q_j) - mn[n, j] * sum(x_j)``, each sum in fp32 from zero, the block's
-integers converted exactly to A and the fp32 scales decoded from the block bytes in registers.
+order, ``acc = fma(s[n, j], x_j . q_j, acc)``, each dot in fp32 from zero (Q4_K: the mins once per block,
+``- dmin * sum_j m_j sum(x_j)`` from one MMA chain), the block's integers converted exactly to A (packed
+bit tricks on the GPU: :func:`ds4t.backend.int8_to`, ``nibbles_to``, ``six_bit_to``) and the fp32 scales
+decoded from the block bytes in registers.
 :func:`qdot` is that loop, shared with the MoE kernels (:mod:`ds4t.kernels.qmoe`). It reads the repacked
 planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-byte vector loads (32 or
 16 contiguous, aligned bytes a row), its scales with aligned 2- or 4-byte loads.
@@ -243,19 +245,19 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
 
 
 _GPU_TABLE = {
-    # H200 sweep on the repacked planes (bench/results/2026-11-30-h200-gguf-round2.md): the least summed
-    # time over B = 1, 4, 16 per (shape, type); 19-47 % of copy bandwidth, far from the 80 % target.
+    # H200 sweep with the packed integer conversions (bench/results/2026-11-30-h200-gguf-round3.md): the
+    # least summed time over B = 1, 4, 16 per (shape, type); 29-54 % of copy bandwidth.
     (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=2, num_stages=2),
     (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
     (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
     (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=4, num_warps=4, num_stages=3),
     (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
-    (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=32, split=1, group=1, num_warps=2, num_stages=2),
+    (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
 }
 
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
-    source="bench/results/2026-11-30-h200-gguf-round2.md (python bench/bench_gguf.py --sweep); other shapes: "
+    source="bench/results/2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py --sweep); other shapes: "
            "the rule (64-row tiles, split-K to ~264 programs)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 

@@ -39,21 +39,23 @@ Q6_K    256   210   16   ql 4-bit[256] @0, qh 2-bit[256] @128, sc int8[16] @192,
                          (q_i - 32), j = i // 16
 ======  ====  ====  ===  ===========================================================================
 
-**What a kernel computes** (one definition for every format; SB = the sub-block of one scale): per row n
-and sub-block j of SB columns,
+**What a kernel computes** (one definition for every format; SB = the sub-block of one scale): per row n,
+sub-blocks j of SB columns in K order,
 
-    y[b, n] = sum over j in K order of  s[n, j] * (x_j . q_j)  -  mn[n, j] * sum(x_j)
+    acc = fma(s[n, j], x_j . q_j, acc)                                   (every sub-block)
+    acc = fma(-dmin[n, b], sum over j in block b of m[n, j] * sum(x_j), acc)   (Q4_K, once per 256-block b)
 
 with ``x_j`` the activations of the sub-block rounded to the activation dtype A (``act_dtype``, the
 model dtype; never to an integer format), ``q_j`` the sub-block's integers (exact in A: at most 8 bits),
-``x_j . q_j`` and ``sum(x_j)`` summed in fp32 from zero, ``s = d * sc`` (Q8_0: ``d``) and ``mn = dmin * m``
-(Q4_K only; 0 otherwise) in fp32. Every one of those fp32 scales is exact (an 11-bit fp16 mantissa times
-an integer of at most 7 bits), and so is each dequantized weight ``s * q - mn`` up to its one final
-rounding: the weights the kernels use are bitwise the values ``gguf.quants.dequantize`` returns (fp32).
-The kernel's result differs from ``x . dequantize(w)`` only by fp32 summation order, so tests hold it
-to fp32 tolerances. A row's bits never depend on the other rows (the sums run along the row's own K in
-a fixed order; launch constants come from shapes and the format only), so batch and chunk invariance
-hold as for float weights.
+``x_j . q_j`` summed in fp32 from zero, ``s = d * sc`` (Q8_0: ``d``) in fp32; Q4_K's mins ``m`` (6-bit
+integers, exact in A) meet the activations in one MMA chain per block (every product ``m * x`` exact,
+the sums in fp32) that is scaled by the block's ``dmin`` once. Every fp32 scale is exact (an 11-bit fp16
+mantissa times an integer of at most 7 bits), and so is each dequantized weight ``s * q - dmin * m`` up
+to its one final rounding: the weights the kernels use are bitwise the values ``gguf.quants.dequantize``
+returns (fp32; the identity-matrix test checks it). The kernel's result differs from
+``x . dequantize(w)`` only by fp32 summation order, so tests hold it to fp32 tolerances. A row's bits
+never depend on the other rows (the sums run along the row's own K in a fixed order; launch constants
+come from shapes and the format only), so batch and chunk invariance hold as for float weights.
 
 Other GGUF types are dequantized at load (:mod:`ds4t.models.gguf`).
 """
