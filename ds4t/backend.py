@@ -188,27 +188,23 @@ def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
 
 # Packed exact conversions of small unsigned integers to bf16 (GPU): 0x4300 | u is the bf16 128 + u for
 # u < 128, so one LOP3 builds two of them in a 32-bit register and one packed bf16 subtraction removes
-# the 128 -- the same values as ``u.to(bf16)``, in ~1.5 instructions a value instead of the ~5 of a
-# byte extract, an int -> float conversion and a pack. Inputs are uint8 tensors; Triton hands the asm
-# four consecutive elements of a thread in one register ($4 / $5) and takes each output's four values
-# back in two registers (pack=4).
+# the 128 -- the same values as ``u.to(bf16)``, in ~2 instructions a value instead of the ~5 of a byte
+# extract, an int -> float conversion and a pack. Inputs are uint8 tensors; Triton hands the asm two
+# consecutive elements of a thread as one 16-bit register and takes each output's pair back in one
+# 32-bit register (pack=2). Two, not four: in the wgmma operand layout a thread's byte pairs come from
+# separate 16-bit shared-memory loads, and merging two of them cost ~6 PRMTs per four bytes (sm_90 SASS).
+# int8 (Q8_0, whose best configs use mma.sync's layout, loaded 8 bytes at a time) keeps four.
 _NIBBLES_BF16_ASM = tl.constexpr("""{
-.reg .b32 t0, t1, m;
+.reg .b32 t, m;
 mov.b32 m, 0x43004300;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, m, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, m, 0xEA;
+mov.b32 t, {$2, 0};
+prmt.b32 t, t, 0, 0x4140;
+lop3.b32 $0, t, 0x000F000F, m, 0xEA;
 sub.rn.bf16x2 $0, $0, m;
+shr.u32 t, t, 4;
+lop3.b32 $1, t, 0x000F000F, m, 0xEA;
 sub.rn.bf16x2 $1, $1, m;
-shr.u32 t0, t0, 4;
-shr.u32 t1, t1, 4;
-lop3.b32 $2, t0, 0x000F000F, m, 0xEA;
-lop3.b32 $3, t1, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $2, $2, m;
-sub.rn.bf16x2 $3, $3, m;
 }""")
-
 
 # int8 -> bf16: q ^ 0x80 = q + 128 in [0, 256) goes into the low byte of the fp32 2^23 (one PRMT), one
 # fp32 subtraction of 2^23 + 128 gives q, one packed F2FP two bf16 (exact: |q| <= 128).
@@ -227,8 +223,6 @@ sub.f32 f3, f3, 0f4B000080;
 cvt.rn.bf16x2.f32 $0, f1, f0;
 cvt.rn.bf16x2.f32 $1, f3, f2;
 }""")
-
-
 @triton.jit
 def int8_to(b, dtype: tl.constexpr):
     """int8 tile ``b`` (given as its uint8 bytes) as ``dtype`` values -128..127 (exact)."""
@@ -241,22 +235,21 @@ def int8_to(b, dtype: tl.constexpr):
 
 def _six_bit_asm(nib: int, pair: int) -> str:
     # u = nibble `nib` of the ql byte | bit pair `pair` of the qh byte << 4, in [0, 64); 0x4300 | u is the
-    # bf16 128 + u, minus 160 (0x4320) gives u - 32.
-    qh_shift = f"shl.b32 b, $3, {4 - 2 * pair};" if 2 * pair <= 4 else f"shr.u32 b, $3, {2 * pair - 4};"
+    # bf16 128 + u, minus 160 (0x4320) gives u - 32. Two bytes of each input ($1, $2) a call.
+    qh_shift = f"shl.b32 b, b, {4 - 2 * pair};" if 2 * pair <= 4 else f"shr.u32 b, b, {2 * pair - 4};"
     return f"""{{
-.reg .b32 a, b, u, t0, t1, m, c;
-shr.u32 a, $2, {4 * nib};
+.reg .b32 a, b, u, t, m, c;
+mov.b32 a, {{$1, 0}};
+mov.b32 b, {{$2, 0}};
+shr.u32 a, a, {4 * nib};
 {qh_shift}
 and.b32 b, b, 0x30303030;
 lop3.b32 u, a, 0x0F0F0F0F, b, 0xEA;
-prmt.b32 t0, u, 0, 0x4140;
-prmt.b32 t1, u, 0, 0x4342;
+prmt.b32 t, u, 0, 0x4140;
 mov.b32 m, 0x43004300;
 mov.b32 c, 0x43204320;
-or.b32 t0, t0, m;
-or.b32 t1, t1, m;
-sub.rn.bf16x2 $0, t0, c;
-sub.rn.bf16x2 $1, t1, c;
+or.b32 t, t, m;
+sub.rn.bf16x2 $0, t, c;
 }}"""
 
 
@@ -271,8 +264,8 @@ def six_bit_to(ql, qh, NIB: tl.constexpr, PAIR: tl.constexpr, dtype: tl.constexp
         u = ((ql.to(tl.int32) >> (4 * NIB)) & 15) | (((qh.to(tl.int32) >> (2 * PAIR)) & 3) << 4)
         out = cast((u - 32).to(tl.float32), dtype)
     else:
-        out = tl.inline_asm_elementwise(_SIX_BIT_ASMS[4 * NIB + PAIR], "=r,=r,r,r", [ql, qh], dtype=tl.bfloat16,
-                                        is_pure=True, pack=4)
+        out = tl.inline_asm_elementwise(_SIX_BIT_ASMS[4 * NIB + PAIR], "=r,h,h", [ql, qh], dtype=tl.bfloat16,
+                                        is_pure=True, pack=2)
     return out
 
 
@@ -284,8 +277,8 @@ def nibbles_to(b, dtype: tl.constexpr):
         lo = cast((w & 15).to(tl.float32), dtype)
         hi = cast((w >> 4).to(tl.float32), dtype)
     else:
-        lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASM, "=r,=r,=r,=r,r", [b],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASM, "=r,=r,h", [b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     return lo, hi
 
 
