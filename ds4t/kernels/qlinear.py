@@ -246,11 +246,11 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
 
 _GPU_TABLE = {
     # H200 sweep with the packed integer conversions (bench/results/2026-11-30-h200-gguf-round3.md): the
-    # least summed time over B = 1, 4, 16 per (shape, type); 29-54 % of copy bandwidth.
+    # least summed time over B = 1, 4, 16 per (shape, type); 28-52 % of copy bandwidth.
     (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=2, num_stages=2),
     (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
     (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
-    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=4, num_warps=4, num_stages=3),
+    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=4, num_stages=1),
     (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
     (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
 }

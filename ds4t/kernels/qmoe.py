@@ -99,11 +99,11 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={
         # H200 sweep (bench/results/2026-11-30-h200-gguf-round3.md), Qwen3-Next's experts (E=512 I=512 D=2048)
         ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
-        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
-        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3),
-        ("down", "Q4_K"): QMoEConfig(tile_n=128, q8_group=4, num_warps=2, num_stages=3),
-        ("gate_up", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=4, num_stages=3),
-        ("down", "Q6_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
+        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1),
+        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1),
+        ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3),
+        ("gate_up", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
+        ("down", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
     },
     gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
     interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1),
