@@ -2,7 +2,8 @@
 three families' expert shapes, for decode batches of 1 and 16 rows. Prints, per kernel config, the
 step time of ``moe_experts`` and the fraction of the copy bandwidth its weight bytes allow.
 
-    python bench/moe_tiles.py [--out DIR] [--fp8]
+    python bench/moe_tiles.py [--out DIR] [--fp8 [--warps 2,4,8] [--stages 2,3,4] [--routes f32]]
+                              [--shapes qwen3-next] [--ns 1,16]
 
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
 (kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES).
@@ -134,6 +135,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--rows", type=int, default=0, help="sweep the row-tile entries at this many rows")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="expert shapes to sweep (names)")
+    ap.add_argument("--ns", default="1,16", help="decode batches")
+    ap.add_argument("--warps", default="4", help="--fp8: warps per program to try")
+    ap.add_argument("--tiles-n", default="16,32,64", help="--fp8: N tiles to try")
+    ap.add_argument("--stages", default="3", help="--fp8: pipeline stages to try")
+    ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     args = ap.parse_args()
     if args.rows:
         return sweep_rows(args)
@@ -146,14 +153,14 @@ def main():
     default = dict(M.MOE_CONFIGS.gpu)
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
-    for name, E, k, D, I in SHAPES:
+    for name, E, k, D, I in [s_ for s_ in SHAPES if s_[0] in args.shapes.split(",")]:
         Et = E + 1
         wg = (torch.randn(Et, I, D, device=dev, generator=g) * 0.02).bfloat16()
         wu = (torch.randn(Et, I, D, device=dev, generator=g) * 0.02).bfloat16()
         wd = (torch.randn(Et, D, I, device=dev, generator=g) * 0.02).bfloat16()
         if fp8:
             wg, wu, wd = (quantize(w_.float(), (128, 128)) for w_ in (wg, wu, wd))
-        for n in (1, 16):
+        for n in [int(v) for v in args.ns.split(",")]:
             h = torch.randn(n, D, device=dev, generator=g)
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)]).int()
             w = torch.rand(n, k, device=dev, generator=g)
@@ -169,11 +176,13 @@ def main():
             for kernel in ("gate_up", "down"):
                 best = None
                 key_ = (kernel, "fp8") if fp8 else kernel
-                grid = (itertools.product(TILES_N[:3], (64, 128), (3,), ("f32", "tf32")) if fp8 else
-                        itertools.product(TILES_N, TILES_K, STAGES, ("direct",)))
-                for tn, tk, st, via in grid:
+                ints = lambda v: [int(x) for x in v.split(",")]   # noqa: E731
+                grid = (itertools.product(ints(args.tiles_n), (64, 128), ints(args.stages), args.routes.split(","),
+                                          ints(args.warps)) if fp8 else
+                        itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,)))
+                for tn, tk, st, via, wp in grid:
                     M.MOE_CONFIGS.gpu.update(default)
-                    M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=4, num_stages=st,
+                    M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=wp, num_stages=st,
                                                           fp8_route=via)
                     try:
                         out = run()
@@ -183,15 +192,19 @@ def main():
                         ms = _time(run)
                     except Exception as e:  # a config that does not compile (shared memory)
                         rows.append(dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
-                                         via=via, status=f"{type(e).__name__}"))
+                                         warps=wp, via=via, status=f"{type(e).__name__}"))
                         continue
-                    r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, via=via, us=ms * 1e3,
+                    r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, warps=wp, via=via,
+                             us=ms * 1e3,
                              ok=ok, inv=inv, status="ok", default_us=base_ms * 1e3)
                     rows.append(r)
+                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via}: {ms * 1e3:.1f} us"
+                          f" ok={ok} inv={inv}", flush=True)
                     if ok and inv and (best is None or ms < best[0]):
-                        best = (ms, tn, tk, st, via)
+                        best = (ms, tn, tk, st, via, wp)
                 if best:
-                    print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} stages={best[3]} route={best[4]}: "
+                    print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} warps={best[5]} stages={best[3]} "
+                          f"route={best[4]}: "
                           f"{best[0] * 1e3:.1f} us ({nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW over "
                           f"both kernels' bytes)", flush=True)
             with open(os.path.join(args.out, "moe_tiles.json"), "w") as f:
