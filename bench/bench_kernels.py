@@ -208,11 +208,16 @@ def candidates(K, N, fp8=False):
     return out
 
 
+FP8_ROUTES_SWEPT = ["f32"]
+"""Routes the FP8 sweep tries (``--fp8-routes``): "f32" by default -- in the first two sweeps (2026-11-30)
+"direct" lost everywhere by ~30 % and "tf32" by ~10 %; "fold" (not exact: the weight rounded once to bf16)
+is measured on request."""
+
+
 def fp8_candidates(K, N):
     """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries; swapped
-    operands (every bf16 sweep winner was). Routes (ds4t.backend.FP8_ROUTES): "f32" only -- in the
-    first two sweeps (2026-11-30) "direct" lost everywhere by ~30 % and "tf32" by ~10 %. Warps 1-2:
-    the third sweep's top configs all had 2 warps (of 2-8), 16-row tiles lost by ~2x.""" 
+    operands (every bf16 sweep winner was); routes :data:`FP8_ROUTES_SWEPT`. Warps 1-2: the third
+    sweep's top configs all had 2 warps (of 2-8), 16-row tiles lost by ~2x."""
     bk_scale = FP8_BLOCK[1]
     out = []
     for bn in (32, 64, 128):
@@ -227,8 +232,9 @@ def fp8_candidates(K, N):
                     if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
                         continue
                     for warps in (1, 2):
-                        out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
-                                                num_stages=stages, swap=True, fp8_route="f32"))
+                        for route in FP8_ROUTES_SWEPT:
+                            out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
+                                                    num_stages=stages, swap=True, fp8_route=route))
     return out
 
 
@@ -510,6 +516,7 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="FP8 weights (128x128 blocks, bf16 activations) at FP8_SHAPES instead of bf16 at LINEAR_SHAPES")
     ap.add_argument("--shapes", default=None, help="comma-separated KxN to run instead of the default shapes")
+    ap.add_argument("--fp8-routes", default="f32", help="--fp8 --sweep: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -532,6 +539,7 @@ def main():
 
     errors = {}
     fp8 = args.fp8
+    FP8_ROUTES_SWEPT[:] = args.fp8_routes.split(",")
     shapes = FP8_SHAPES if fp8 else LINEAR_SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]

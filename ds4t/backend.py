@@ -155,7 +155,7 @@ def cast(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2}
+FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3}
 """How a kernel turns fp8 weight tiles into MMA operands (a launch constant; every route is exact):
 
 * ``"direct"``: fp8 -> activation dtype A, A x A tensor-core MMA. On Hopper the fp8 -> bf16 convert
@@ -166,8 +166,14 @@ FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2}
   no pack back to 16 bits. A different MMA instruction, so its sums may differ in the last bit from
   the 16-bit routes: like every launch constant it is fixed per weight shape, never per batch.
 
-SASS counted with cuobjdump (Triton 3.9, sm_90); which is fastest is measured per weight shape
-(bench/bench_kernels.py --fp8 --sweep)."""
+* ``"fold"`` (A = bf16 or fp16 only): the weight ``fp8 * scale`` computed in fp32 and rounded once to A
+  (what a bf16 model holding the dequantized weight computes, e.g. transformers on a dequantized
+  checkpoint), multiplied into one accumulator over the whole K: no per-scale-block dot, wait and scaled
+  add. Not exact: each weight carries one rounding to A (2^-9 relative for bf16), the same size as the
+  activations' own; a kernel choosing it says so in its config table.
+
+The first three routes compute ``x . (fp8 * scale)`` with every product exact; SASS counted with cuobjdump
+(Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8 --sweep)."""
 
 
 @triton.jit
@@ -280,6 +286,13 @@ def nibbles_to(b, dtype: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASM, "=r,=r,h", [b],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     return lo, hi
+
+
+@triton.jit
+def fp8_scaled_to(w, s, dtype: tl.constexpr):
+    """fp8 tile ``w`` times fp32 scales ``s`` (broadcast against it), in fp32, rounded once to ``dtype``:
+    the operand of :data:`FP8_ROUTES` ``"fold"``."""
+    return cast(w.to(tl.float32) * s, dtype)
 
 
 @triton.jit

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_to, grid_dependency, mma, mma_tf32_exact,
-                          round_in_f32, scaled_add, timer, tl_dtype)
+from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_scaled_to, fp8_to, grid_dependency, mma,
+                          mma_tf32_exact, round_in_f32, scaled_add, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -251,11 +251,26 @@ def _linear_kernel(
         if HEADS:
             s_ptr += hid * SS_H
         s_rows = s_ptr + rn_ld * KB                                        # [BN] row starts
+        FOLD: tl.constexpr = FP8_ROUTE == 3
         for kb in range(0, K_PER_SPLIT, KSTEP):
-            p0 = tl.zeros(acc0.shape, dtype=tl.float32)
-            p1 = p0
-            p2 = p0
-            p3 = p0
+            j = (k0 + kb) // SCALE_BK
+            if not EVEN_K:
+                j = tl.minimum(j, KB - 1)   # a ragged last split may run past K: its products are 0
+            sc = tl.load(s_rows + j)
+            if SWAP:
+                sc2 = sc[:, None]
+            else:
+                sc2 = sc[None, :]
+            if FOLD:   # the scaled weight meets the accumulator directly: one MMA chain over K
+                p0 = acc0
+                p1 = acc1
+                p2 = acc2
+                p3 = acc3
+            else:
+                p0 = tl.zeros(acc0.shape, dtype=tl.float32)
+                p1 = p0
+                p2 = p0
+                p3 = p0
             for ks in tl.static_range(0, KSTEP, BLOCK_K):
                 if EVEN_K:
                     k_ok = None
@@ -266,7 +281,10 @@ def _linear_kernel(
                         wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
                     else:
                         wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-                wt = fp8_to(wt, W_DTYPE, FP8_ROUTE)   # exact (backend.FP8_ROUTES)
+                if FOLD:
+                    wt = fp8_scaled_to(wt, sc2, W_DTYPE)   # one rounding of fp8 * scale
+                else:
+                    wt = fp8_to(wt, W_DTYPE, FP8_ROUTE)   # exact (backend.FP8_ROUTES)
                 if CLAMP_ROWS:
                     p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, TF32)
                 else:
@@ -278,20 +296,18 @@ def _linear_kernel(
                     p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True, TF32)
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
-            j = (k0 + kb) // SCALE_BK
-            if not EVEN_K:
-                j = tl.minimum(j, KB - 1)   # a ragged last split may run past K: its products are 0
-            sc = tl.load(s_rows + j)
-            if SWAP:
-                sc2 = sc[:, None]
+            if FOLD:
+                acc0 = p0
+                acc1 = p1
+                acc2 = p2
+                acc3 = p3
             else:
-                sc2 = sc[None, :]
-            acc0 = scaled_add(acc0, p0, sc2)
-            if M_SUB >= 2:
-                acc1 = scaled_add(acc1, p1, sc2)
-            if M_SUB >= 4:
-                acc2 = scaled_add(acc2, p2, sc2)
-                acc3 = scaled_add(acc3, p3, sc2)
+                acc0 = scaled_add(acc0, p0, sc2)
+                if M_SUB >= 2:
+                    acc1 = scaled_add(acc1, p1, sc2)
+                if M_SUB >= 4:
+                    acc2 = scaled_add(acc2, p2, sc2)
+                    acc3 = scaled_add(acc3, p3, sc2)
     else:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
@@ -656,6 +672,9 @@ def _fp8_route(cfg: LinearConfig, act_dtype) -> int:
     if route == FP8_ROUTES["tf32"] and act_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"linear: fp8_route 'tf32' needs bf16 or fp16 activations (TF32 would round fp32 "
                          f"ones), got {act_dtype}")
+    if route == FP8_ROUTES["fold"] and act_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"linear: fp8_route 'fold' needs bf16 or fp16 activations (fp32 activations keep the "
+                         f"exact per-block product), got {act_dtype}")
     return route
 
 

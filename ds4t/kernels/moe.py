@@ -46,8 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_to, grid_dependency, mma, mma_tf32_exact,
-                          round_in_f32, scaled_add, sigmoid, timer, tl_dtype)
+from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_scaled_to, fp8_to, grid_dependency, mma,
+                          mma_tf32_exact, round_in_f32, scaled_add, sigmoid, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -166,16 +166,29 @@ def _moe_gate_up_kernel(
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(0, D, KSTEP):
-                pg = tl.zeros([BM, BN], dtype=tl.float32)
-                pu = tl.zeros([BM, BN], dtype=tl.float32)
+                j = kb // SBK
+                sg = tl.load(sg_ptr + s_row + j, mask=nm, other=0.0)
+                su = tl.load(su_ptr + s_row + j, mask=nm, other=0.0)
+                if FP8_ROUTE == 3:   # "fold": one accumulator over D
+                    pg = acc_g
+                    pu = acc_u
+                else:
+                    pg = tl.zeros([BM, BN], dtype=tl.float32)
+                    pu = tl.zeros([BM, BN], dtype=tl.float32)
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < D
                     a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
                     woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
                     wmask = km[:, None] & nm[None, :]
-                    wg = fp8_to(tl.load(wg_ptr + woff, mask=wmask, other=0.0), WDT, FP8_ROUTE)   # exact
-                    wu = fp8_to(tl.load(wu_ptr + woff, mask=wmask, other=0.0), WDT, FP8_ROUTE)
+                    wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
+                    wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
+                    if FP8_ROUTE == 3:
+                        wg = fp8_scaled_to(wg, sg[None, :], WDT)
+                        wu = fp8_scaled_to(wu, su[None, :], WDT)
+                    else:
+                        wg = fp8_to(wg, WDT, FP8_ROUTE)   # exact
+                        wu = fp8_to(wu, WDT, FP8_ROUTE)
                     if FP8_ROUTE == 2:
                         a = round_in_f32(a.to(tl.float32), WDT)
                         pg = mma_tf32_exact(a, wg, pg)
@@ -184,11 +197,12 @@ def _moe_gate_up_kernel(
                         a = cast(a.to(tl.float32), WDT)
                         pg = mma(a, wg, pg)
                         pu = mma(a, wu, pu)
-                j = kb // SBK
-                sg = tl.load(sg_ptr + s_row + j, mask=nm, other=0.0)
-                su = tl.load(su_ptr + s_row + j, mask=nm, other=0.0)
-                acc_g = scaled_add(acc_g, pg, sg[None, :])
-                acc_u = scaled_add(acc_u, pu, su[None, :])
+                if FP8_ROUTE == 3:
+                    acc_g = pg
+                    acc_u = pu
+                else:
+                    acc_g = scaled_add(acc_g, pg, sg[None, :])
+                    acc_u = scaled_add(acc_u, pu, su[None, :])
         else:
             for k0 in range(0, D, BK):
                 kk = k0 + tl.arange(0, BK)
@@ -233,20 +247,30 @@ def _moe_down_kernel(
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(0, I, KSTEP):
-                pd = tl.zeros([BM, BN], dtype=tl.float32)
+                sd = tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0)
+                if FP8_ROUTE == 3:   # "fold": one accumulator over I
+                    pd = acc
+                else:
+                    pd = tl.zeros([BM, BN], dtype=tl.float32)
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
                     a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :],
                                 other=0.0).to(tl.float32)
-                    w = fp8_to(tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
-                                       mask=km[:, None] & nm[None, :], other=0.0), WDT, FP8_ROUTE)
+                    w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
+                                mask=km[:, None] & nm[None, :], other=0.0)
+                    if FP8_ROUTE == 3:
+                        w = fp8_scaled_to(w, sd[None, :], WDT)
+                    else:
+                        w = fp8_to(w, WDT, FP8_ROUTE)
                     if FP8_ROUTE == 2:
                         pd = mma_tf32_exact(round_in_f32(a, WDT), w, pd)
                     else:
                         pd = mma(cast(a, WDT), w, pd)
-                sd = tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0)
-                acc = scaled_add(acc, pd, sd[None, :])
+                if FP8_ROUTE == 3:
+                    acc = pd
+                else:
+                    acc = scaled_add(acc, pd, sd[None, :])
         else:
             for k0 in range(0, I, BK):
                 kk = k0 + tl.arange(0, BK)
@@ -324,8 +348,8 @@ def _fp8_route(cfg: MoEConfig, act_dtype) -> int:
     route = FP8_ROUTES.get(cfg.fp8_route)
     if route is None:
         raise ValueError(f"moe_experts: fp8_route must be one of {sorted(FP8_ROUTES)}, got {cfg.fp8_route!r}")
-    if route == FP8_ROUTES["tf32"] and act_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"moe_experts: fp8_route 'tf32' needs bf16 or fp16 activations, got {act_dtype}")
+    if route in (FP8_ROUTES["tf32"], FP8_ROUTES["fold"]) and act_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_experts: fp8_route {cfg.fp8_route!r} needs bf16 or fp16 activations, got {act_dtype}")
     return route
 
 
@@ -394,7 +418,8 @@ def _config(kernel: str, fmt: tuple, B: int) -> MoEConfig:
     rows = MOE_CONFIGS(kernel, *fmt, "rows")
     if rows is None or B < rows.min_rows:
         return cfg
-    if (rows.fp8_route == "tf32") != (cfg.fp8_route == "tf32"):   # tf32: another MMA, other sums
+    same_sums = {"direct": "exact", "f32": "exact"}   # the exact 16-bit routes give the same bits
+    if same_sums.get(rows.fp8_route, rows.fp8_route) != same_sums.get(cfg.fp8_route, cfg.fp8_route):
         raise ValueError(f"moe {kernel}: a row tile must keep the decode config's MMA route ({cfg.fp8_route})")
     return rows
 

@@ -112,7 +112,7 @@ def test_config_never_sees_the_batch():
         assert cfg.split >= 1 and cfg.m_sub in (1, 2, 4) and cfg.evict in (0, 1, 2)
         if w_dtype == torch.float8_e4m3fn:   # (K, N, fp8, scale block, activation dtype)
             scale_bk, adt = fp8_key
-            assert scale_bk % cfg.block_k == 0 and cfg.fp8_route in ("direct", "f32", "tf32")
+            assert scale_bk % cfg.block_k == 0 and cfg.fp8_route in ("direct", "f32", "tf32", "fold")
             assert L._fp8_route(cfg, adt) >= 0
     for K, N in [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936), (200, 333), (7, 5)]:
         cfg = L._gpu_heuristic(K, N, 2)
@@ -482,7 +482,8 @@ def test_fp8_routes(device, adt):
     same MMA. Route "tf32" (bf16 activations only) is another MMA instruction: on the GPU its sums may
     differ in the last bit (in the interpreter too: numpy sums the same products in an order that
     follows the operands' memory layout), so it must match the reference and stay batch-invariant.
-    fp32 activations refuse "tf32" (TF32 would round them)."""
+    Route "fold" rounds each weight once to the activation dtype: it must equal that computation and
+    stay batch-invariant. fp32 activations refuse both."""
     import dataclasses
 
     x, w, b = _fp8_data(20, 300, 200, device=device, seed=5)
@@ -495,13 +496,21 @@ def test_fp8_routes(device, adt):
         y0, y1 = run("direct"), run("f32")
         assert not torch.isnan(y1).any() and torch.equal(y0, y1)
         if adt == torch.float32:
-            with pytest.raises(ValueError, match="tf32"):
-                run("tf32")
+            for route in ("tf32", "fold"):
+                with pytest.raises(ValueError, match=route):
+                    run(route)
             return
-        y2 = run("tf32")
-        assert all(torch.equal(y2[i:i + 1], run("tf32", x[i:i + 1])) for i in (0, 7, 19))
+        y2, y3 = run("tf32"), run("fold")
+        for route, y in (("tf32", y2), ("fold", y3)):
+            assert all(torch.equal(y[i:i + 1], run(route, x[i:i + 1])) for i in (0, 7, 19)), route
     ref = linear_ref(x, w, b, act_dtype=adt)
     assert ((y2 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    # "fold": the weight fp8 * scale rounded once to the activation dtype, then an fp32-accumulated
+    # product: equal to that computation up to summation order, and within the bf16 bound of the exact one
+    folded = x.to(adt).float() @ w.dequantize(torch.float32).to(adt).float().t() + b.float()
+    assert ((y3 - folded).abs().max() / folded.abs().max()).item() < 1e-5
+    assert ((y3 - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert not torch.equal(y3, y1)   # the rounding of the weight shows: fold is not the exact route
 
 
 # ----------------------------------------------------------------------------- row tiles (prefill chunks)

@@ -469,7 +469,8 @@ def test_fp8_moe_rows_invariant(case, adt, rows_path):
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_routes(adt):
     """The grouped kernels' fp8 routes (ds4t.backend.FP8_ROUTES): "f32" gives the bits of "direct";
-    "tf32" (bf16 activations) matches the reference and is row-invariant; fp32 activations refuse it."""
+    "tf32" and "fold" (bf16 activations) match the reference and are row-invariant, "fold" equals the
+    reference on weights rounded to the activation dtype; fp32 activations refuse both."""
     E, I, D, k = 6, 40, 200, 2
     wg, wu, wd = _fp8_weights(E, I, D, 51)
     ids, w = _routing(9, E - 1, k, seed=52)
@@ -484,13 +485,22 @@ def test_fp8_routes(adt):
     y0, y1 = run("direct"), run("f32")
     assert not torch.isnan(y1).any() and torch.equal(y0, y1)
     if adt == torch.float32:
-        with pytest.raises(ValueError, match="tf32"):
-            run("tf32")
+        for route in ("tf32", "fold"):
+            with pytest.raises(ValueError, match=route):
+                run(route)
         return
-    y2 = run("tf32")
-    assert all(torch.equal(y2[i:i + 1], run("tf32", slice(i, i + 1))) for i in (0, 4, 8))
     ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
-    assert ((y2 - ref).abs().max() / ref.abs().max()).item() <= FP8_TOL[adt]
+    for route in ("tf32", "fold"):
+        y = run(route)
+        assert not torch.isnan(y).any()
+        assert all(torch.equal(y[i:i + 1], run(route, slice(i, i + 1))) for i in (0, 4, 8)), route
+        assert ((y - ref).abs().max() / ref.abs().max()).item() <= FP8_TOL[adt], route
+    # "fold" is the reference on weights rounded once to the activation dtype (up to fp32 sums)
+    wf = [x.dequantize(torch.float32).to(adt) for x in (wg, wu, wd)]   # activations round to their dtype
+    folded = moe_experts_ref(h, ids, w, *wf, shared_expert=E - 1)
+    y3 = run("fold")
+    assert ((y3 - folded).abs().max() / folded.abs().max()).item() < 1e-4
+    assert not torch.equal(y3, y1)
 
 
 # ----------------------------------------------------------------------------- row tiles (prefill chunks)
