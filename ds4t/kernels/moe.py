@@ -430,9 +430,8 @@ def _unknown_kernel(kernel: str):
 MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
                 "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
-                # FP8: bench/results/2026-11-30-h200-fp8-round3.md (moe_tiles --fp8 with 2-8 warps, 2-4 stages)
-                ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32"),
-                ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=2, num_stages=3, fp8_route="f32"),
+                ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3, fp8_route="f32"),
+                ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32"),
                 # row tiles (prefill chunks; MoEConfig.min_rows, _config()): bf16 only, see below
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128),
