@@ -3,7 +3,8 @@
 Shapes and dtypes
     x, residual, z  [R, D]  any float dtype (fp32 / bf16 / fp16); rows R = batch (or batch*heads)
     weight          [D]     any float dtype, applied in fp32
-    returns         fp32 [R, D]
+    returns         fp32 [R, D]; or ``out_dtype`` (bf16 / fp16), rounded to nearest even as it is stored:
+                    the values a consumer rounding the fp32 output to that dtype would read, half the bytes
 
 Math (all in fp32):  x̂ = x * rsqrt(mean(x², over D) + eps)
     rms_norm        y = x̂ · w            (zero_centered: y = x̂ · (1 + w), Qwen3-Next)
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
+from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.tensors import fp32_out, rows_view
@@ -132,10 +133,11 @@ def _norm_kernel(
             else:
                 z = tl.load(z_row + cc, mask=m, other=0.0).to(tl.float32)
             y = y * (z * sigmoid(z))
-        tl.store(y_row + cc, y, mask=m)
+        tl.store(y_row + cc, cast(y, y_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=None, summed=None):
+def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=None, summed=None,
+            out_dtype=torch.float32):
     x = rows_view(x, "x")
     R, D = x.shape
     if weight.shape != (D,):
@@ -149,7 +151,9 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
         z = rows_view(z, "z")
         if z.shape != x.shape:
             raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
-    y = fp32_out(out, (R, D), x.device)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    y = fp32_out(out, (R, D), x.device, dtype=out_dtype)
     if residual is not None:
         summed = fp32_out(summed, (R, D), x.device, "summed")
     if R == 0:
@@ -170,40 +174,44 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = False,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 [B, D] = x̂ · w (or x̂ · (1 + w) when zero_centered); x [B, D] any float, w [D]."""
-    return _launch(x, weight, eps, zero_centered=zero_centered, out=out)[0]
+             out: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, D] = x̂ · w (or x̂ · (1 + w) when zero_centered) in fp32, stored as ``out_dtype``; x [B, D] any
+    float, w [D]."""
+    return _launch(x, weight, eps, zero_centered=zero_centered, out=out, out_dtype=out_dtype)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 zero_centered: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(normed, summed), both fp32 [B, D]: summed = x + residual in fp32, normed = rms_norm(summed)."""
-    return _launch(x, weight, eps, residual=residual, zero_centered=zero_centered)
+                 zero_centered: bool = False, out_dtype: torch.dtype = torch.float32
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(normed, summed) [B, D]: summed = x + residual in fp32 (stored fp32), normed = rms_norm(summed)
+    stored as ``out_dtype``."""
+    return _launch(x, weight, eps, residual=residual, zero_centered=zero_centered, out_dtype=out_dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 [R, D] = x̂ · w · silu(z) (plain weight). For per-head norms pass [B*H, D] views."""
-    return _launch(x, weight, eps, z=z, out=out)[0]
+                   out: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[R, D] = x̂ · w · silu(z) (plain weight) in fp32, stored as ``out_dtype``. For per-head norms pass
+    [B*H, D] views."""
+    return _launch(x, weight, eps, z=z, out=out, out_dtype=out_dtype)[0]
 
 
 # ----------------------------------------------------------------------------------------------
 # References
 # ----------------------------------------------------------------------------------------------
-def rms_norm_ref(x, weight, eps, *, zero_centered=False):
+def rms_norm_ref(x, weight, eps, *, zero_centered=False, out=None, out_dtype=torch.float32):
     xf = x.float()
     xh = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     w = weight.float()
-    return xh * ((1.0 + w) if zero_centered else w)
+    return (xh * ((1.0 + w) if zero_centered else w)).to(out_dtype)
 
 
-def add_rms_norm_ref(x, residual, weight, eps, *, zero_centered=False):
+def add_rms_norm_ref(x, residual, weight, eps, *, zero_centered=False, out_dtype=torch.float32):
     s = x.float() + residual.float()
-    return rms_norm_ref(s, weight, eps, zero_centered=zero_centered), s
+    return rms_norm_ref(s, weight, eps, zero_centered=zero_centered, out_dtype=out_dtype), s
 
 
-def gated_rms_norm_ref(x, z, weight, eps):
-    return rms_norm_ref(x, weight, eps) * torch.nn.functional.silu(z.float())
+def gated_rms_norm_ref(x, z, weight, eps, *, out=None, out_dtype=torch.float32):
+    return (rms_norm_ref(x, weight, eps) * torch.nn.functional.silu(z.float())).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

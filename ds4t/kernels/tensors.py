@@ -18,14 +18,15 @@ def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def fp32_out(out: Optional[torch.Tensor], shape: Sequence[int], device, name: str = "out") -> torch.Tensor:
-    """A new fp32 tensor of ``shape``, or ``out`` checked to be one (unit last stride; other
-    strides free, e.g. a column slice of a wider buffer)."""
+def fp32_out(out: Optional[torch.Tensor], shape: Sequence[int], device, name: str = "out",
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A new ``dtype`` (fp32 unless asked) tensor of ``shape``, or ``out`` checked to be one (unit last
+    stride; other strides free, e.g. a column slice of a wider buffer)."""
     shape = tuple(shape)
     if out is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    if tuple(out.shape) != shape or out.dtype != torch.float32 or (len(shape) and out.stride(-1) != 1):
-        raise ValueError(f"{name} must be fp32 {list(shape)} with unit last stride, got {out.dtype} "
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or (len(shape) and out.stride(-1) != 1):
+        raise ValueError(f"{name} must be {dtype} {list(shape)} with unit last stride, got {out.dtype} "
                          f"{list(out.shape)}")
     return out
 

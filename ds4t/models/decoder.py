@@ -113,24 +113,42 @@ class DecoderModel(Model):
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         raise NotImplementedError
 
+    def norm_dtype(self, i: int, site: str) -> torch.dtype:
+        """The dtype of the norm output that feeds layer ``i``'s ``site`` ("mixer" or "ffn"): the model's
+        activation dtype (bf16 / fp16 models) when every kernel reading that tensor rounds it to that dtype
+        first -- linears and fused projections on weights of the model dtype, FP8 or GGUF blocks, the MoE
+        experts -- else fp32. The norm rounds to nearest even as it stores, so those consumers read the very
+        values they would have rounded to, from half the bytes. An MoE router kept in fp32 (DeepSeek-V3,
+        GLM-4.5 load ``gate.weight`` so) reads the norm output unrounded: those FFN inputs stay fp32."""
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return torch.float32
+        if site == "ffn" and i < len(self.layers):
+            router = getattr(getattr(self.layers[i], "ffn", None), "router", None)
+            if router is not None and router.dtype != self.dtype:
+                return torch.float32
+        return self.dtype
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits fp32 [len(out_rows), vocab]. With ``batch.hidden_rows`` set, ``batch.hidden`` gets the
         final-norm output (the LM head's input) of those rows, fp32 [len(hidden_rows), D]: what an MTP
         head reads."""
         zc, tp = self.zero_centered_norms, self.tp
         h = ops.embedding(batch.tokens, self.embed) if tp is None else tp.embedding(batch.tokens, self.embed)
-        x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc)
+        x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc, out_dtype=self.norm_dtype(0, "mixer"))
         res = h
         for i in range(self.num_layers):
             out = self.mixer(i, x, batch)
             if tp is not None:
                 out = tp.reduce(out)
-            x, res = ops.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc)
+            x, res = ops.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc,
+                                      out_dtype=self.norm_dtype(i, "ffn"))
             out = self.ffn(i, x, batch)
             if tp is not None:
                 out = tp.reduce(out)
-            nxt = self.input_norms[i + 1] if i + 1 < self.num_layers else self.final_norm
-            x, res = ops.add_rms_norm(out, res, nxt, self.eps, zero_centered=zc)
+            last = i + 1 == self.num_layers   # the final norm's output stays fp32: MTP heads read it as hidden
+            x, res = ops.add_rms_norm(out, res, self.final_norm if last else self.input_norms[i + 1], self.eps,
+                                      zero_centered=zc,
+                                      out_dtype=torch.float32 if last else self.norm_dtype(i + 1, "mixer"))
         if batch.hidden_rows is not None:
             batch.hidden = x.index_select(0, batch.hidden_rows)
         if batch.out_rows.shape[0] != x.shape[0]:
@@ -154,11 +172,12 @@ class DecoderModel(Model):
         e = ops.rms_norm(emb, m.enorm, eps, zero_centered=zc)
         hh = ops.rms_norm(hidden, m.hnorm, eps, zero_centered=zc)
         res = ops.linear(torch.cat([e, hh], dim=1), m.eh_proj)
-        x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc)
+        x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc, out_dtype=self.norm_dtype(L, "mixer"))
         out = self.mixer(L, x, batch)
         if tp is not None:
             out = tp.reduce(out)
-        x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc)
+        x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc,
+                                  out_dtype=self.norm_dtype(L, "ffn"))
         out = self.ffn(L, x, batch)
         if tp is not None:
             out = tp.reduce(out)

@@ -332,7 +332,7 @@ class DeepseekModel(DecoderModel):
         if not self._per_session(segs):
             return ffn(w, x, self.router_cfg)
         rows = [slice(s.start_row, s.start_row + s.n) for s in segs]
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)   # x may be bf16 (norm_dtype)
         if isinstance(w, DenseMLP):
             for r in rows:
                 out[r] = swiglu(x[r], w.gate_up, w.down)
