@@ -711,7 +711,13 @@ def main():
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (tiny presets)")
+    ap.add_argument("--wide-norms", action="store_true",
+                    help="A/B only: every norm writes fp32, as before DecoderModel.norm_dtype (a bf16 model's norms "
+                         "write bf16 where every reader rounds to it)")
     args = ap.parse_args()
+    if args.wide_norms:
+        from ds4t.models.decoder import DecoderModel
+        DecoderModel.norm_dtype = lambda self, i, site: torch.float32
     global DEVICE
     DEVICE = torch.device(args.device)
     twin.ATTENTION_IMPL = args.twin_attention
