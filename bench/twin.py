@@ -149,20 +149,20 @@ def linear_heads(x, weight, *, out=None, act_dtype=None):
 # ----------------------------------------------------------------------------------------------
 # norms, elementwise, embedding, RoPE
 # ----------------------------------------------------------------------------------------------
-def rms_norm(x, weight, eps, *, zero_centered=False, out=None):
-    """``F.rms_norm`` in fp32; x̂·(1 + w) when ``zero_centered``."""
+def rms_norm(x, weight, eps, *, zero_centered=False, out=None, out_dtype=torch.float32):
+    """``F.rms_norm`` in fp32 (stored as ``out_dtype``); x̂·(1 + w) when ``zero_centered``."""
     w = weight.float()
-    y = F.rms_norm(x.float(), (x.shape[-1],), 1.0 + w if zero_centered else w, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), 1.0 + w if zero_centered else w, eps).to(out_dtype)
     return _out(y, out)
 
 
-def add_rms_norm(x, residual, weight, eps, *, zero_centered=False):
+def add_rms_norm(x, residual, weight, eps, *, zero_centered=False, out_dtype=torch.float32):
     s = x.float() + residual.float()
-    return rms_norm(s, weight, eps, zero_centered=zero_centered), s
+    return rms_norm(s, weight, eps, zero_centered=zero_centered, out_dtype=out_dtype), s
 
 
-def gated_rms_norm(x, z, weight, eps, *, out=None):
-    return _out(rms_norm(x, weight, eps) * F.silu(z.float()), out)
+def gated_rms_norm(x, z, weight, eps, *, out=None, out_dtype=torch.float32):
+    return _out((rms_norm(x, weight, eps) * F.silu(z.float())).to(out_dtype), out)
 
 
 def silu_mul(gate, up, *, out=None):

@@ -338,6 +338,13 @@ def recording(timed: bool = False) -> Iterator[List[OpCall]]:
         del _RECORDERS[i], _TIMED[i]
 
 
+ADVISORY_KWARGS = ("out_dtype",)
+"""Keywords an override may leave out of its signature: storage hints whose readers get the same values
+either way. A model asks a norm for ``out_dtype=torch.bfloat16`` only where every reader rounds the
+output to bf16 (``DecoderModel.norm_dtype``), so an override that returns fp32 feeds them the same
+values; a call drops these keywords for an override that cannot take them."""
+
+
 def _call_override(o: Op, fn: Callable, args, kwargs):
     try:
         sig = inspect.signature(fn)
@@ -346,6 +353,14 @@ def _call_override(o: Op, fn: Callable, args, kwargs):
     try:
         sig.bind(*args, **kwargs)
     except TypeError as e:
+        trimmed = {k: v for k, v in kwargs.items() if k not in ADVISORY_KWARGS}
+        if len(trimmed) < len(kwargs):
+            try:
+                sig.bind(*args, **trimmed)
+            except TypeError:
+                pass
+            else:
+                return fn(*args, **trimmed)
         passed = ", ".join([f"<{type(a).__name__}>" for a in args] + [f"{k}=..." for k in kwargs])
         raise TypeError(f"override of op {o.name!r} by {describe(fn)}{sig} cannot take the call "
                         f"{o.name}({passed}): {e}. The op's signature is "

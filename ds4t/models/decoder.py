@@ -130,27 +130,33 @@ class DecoderModel(Model):
                 return torch.float32
         return self.dtype
 
+    def _narrow(self, i: int, site: str) -> dict:
+        """The norm call's keywords for :meth:`norm_dtype`: none for fp32 (the call as it always was, so
+        an op override written against that signature runs unchanged), else ``out_dtype`` (an advisory
+        keyword: ``ds4t.kernels.registry.ADVISORY_KWARGS``)."""
+        dt = self.norm_dtype(i, site)
+        return {} if dt == torch.float32 else {"out_dtype": dt}
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits fp32 [len(out_rows), vocab]. With ``batch.hidden_rows`` set, ``batch.hidden`` gets the
         final-norm output (the LM head's input) of those rows, fp32 [len(hidden_rows), D]: what an MTP
         head reads."""
         zc, tp = self.zero_centered_norms, self.tp
         h = ops.embedding(batch.tokens, self.embed) if tp is None else tp.embedding(batch.tokens, self.embed)
-        x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc, out_dtype=self.norm_dtype(0, "mixer"))
+        x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc, **self._narrow(0, "mixer"))
         res = h
         for i in range(self.num_layers):
             out = self.mixer(i, x, batch)
             if tp is not None:
                 out = tp.reduce(out)
             x, res = ops.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc,
-                                      out_dtype=self.norm_dtype(i, "ffn"))
+                                      **self._narrow(i, "ffn"))
             out = self.ffn(i, x, batch)
             if tp is not None:
                 out = tp.reduce(out)
             last = i + 1 == self.num_layers   # the final norm's output stays fp32: MTP heads read it as hidden
             x, res = ops.add_rms_norm(out, res, self.final_norm if last else self.input_norms[i + 1], self.eps,
-                                      zero_centered=zc,
-                                      out_dtype=torch.float32 if last else self.norm_dtype(i + 1, "mixer"))
+                                      zero_centered=zc, **({} if last else self._narrow(i + 1, "mixer")))
         if batch.hidden_rows is not None:
             batch.hidden = x.index_select(0, batch.hidden_rows)
         if batch.out_rows.shape[0] != x.shape[0]:
@@ -174,12 +180,11 @@ class DecoderModel(Model):
         e = ops.rms_norm(emb, m.enorm, eps, zero_centered=zc)
         hh = ops.rms_norm(hidden, m.hnorm, eps, zero_centered=zc)
         res = ops.linear(torch.cat([e, hh], dim=1), m.eh_proj)
-        x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc, out_dtype=self.norm_dtype(L, "mixer"))
+        x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc, **self._narrow(L, "mixer"))
         out = self.mixer(L, x, batch)
         if tp is not None:
             out = tp.reduce(out)
-        x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc,
-                                  out_dtype=self.norm_dtype(L, "ffn"))
+        x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc, **self._narrow(L, "ffn"))
         out = self.ffn(L, x, batch)
         if tp is not None:
             out = tp.reduce(out)

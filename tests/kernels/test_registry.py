@@ -82,6 +82,28 @@ def test_override_with_a_wrong_signature_fails_at_call_time(model):
         override("linear", 3)
 
 
+def test_an_override_may_ignore_advisory_keywords():
+    """A norm override written against the fp32 signature (no ``out_dtype``) still runs in a bf16 model,
+    whose norms ask for bf16 outputs where every reader rounds to bf16 anyway: the registry drops the
+    advisory keyword for it, and the logits are those of the stock kernels (their readers round the
+    override's fp32 output to the same bf16 values). A keyword that is not advisory still fails."""
+    bf16 = ds4t.load("tiny-qwen", dtype=torch.bfloat16)
+    assert "out_dtype" in registry.ADVISORY_KWARGS
+    seen = []
+
+    def fp32_norm(x, residual, weight, eps, *, zero_centered=False):
+        seen.append(x.shape)
+        return NM.add_rms_norm(x, residual, weight, eps, zero_centered=zero_centered)
+
+    before = _logits(bf16)
+    with override("add_rms_norm", fp32_norm):
+        during = _logits(bf16)
+    assert seen and torch.equal(during, before)
+    with override("add_rms_norm", fp32_norm):
+        with pytest.raises(TypeError, match="cannot take the call"):
+            ops.add_rms_norm(torch.ones(1, 4), torch.ones(1, 4), torch.ones(4), 1e-6, unknown=1)
+
+
 def test_use_variants_checks_names_and_restores():
     default = registry.variant("linear")
     with use_variants({"linear": GPU}):
