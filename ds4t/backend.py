@@ -192,27 +192,15 @@ def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
     return out
 
 
-# Packed exact conversions of small unsigned integers to bf16 (GPU): 0x4300 | u is the bf16 128 + u for
-# u < 128, so one LOP3 builds two of them in a 32-bit register and one packed bf16 subtraction removes
-# the 128 -- the same values as ``u.to(bf16)``, in ~2 instructions a value instead of the ~5 of a byte
-# extract, an int -> float conversion and a pack. Inputs are uint8 tensors; Triton hands the asm two
-# consecutive elements of a thread as one 16-bit register and takes each output's pair back in one
-# 32-bit register (pack=2). Two, not four: in the wgmma operand layout a thread's byte pairs come from
-# separate 16-bit shared-memory loads, and merging two of them cost ~6 PRMTs per four bytes (sm_90 SASS).
-# int8 (Q8_0, whose best configs use mma.sync's layout, loaded 8 bytes at a time) keeps four.
-_NIBBLES_BF16_ASM = tl.constexpr("""{
-.reg .b32 t, m;
-mov.b32 m, 0x43004300;
-mov.b32 t, {$2, 0};
-prmt.b32 t, t, 0, 0x4140;
-lop3.b32 $0, t, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $0, $0, m;
-shr.u32 t, t, 4;
-lop3.b32 $1, t, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $1, $1, m;
-}""")
-
-# int8 -> bf16: q ^ 0x80 = q + 128 in [0, 256) goes into the low byte of the fp32 2^23 (one PRMT), one
+# Packed exact conversions of the GGUF kernels' small integers to bf16 on the GPU (the interpreter and
+# other dtypes convert plainly: the same values). 0x4300 | u is the bf16 128 + u for u < 128, so one
+# LOP3 builds two of them in a 32-bit register and one packed bf16 subtraction removes the bias: ~2
+# instructions a value instead of the ~5 of a byte extract, an int -> float conversion and a pack.
+# Inputs are uint8 tensors; Triton hands an asm block ``pack`` consecutive elements of a thread in one
+# register and takes each output's values back packed (two bf16 a 32-bit register).
+#
+# int8 -> bf16 (four bytes a call: Q8_0's best configs use mma.sync's layout, loaded 8 bytes at a time):
+# q ^ 0x80 = q + 128 in [0, 256) goes into the low byte of the fp32 2^23 (one PRMT), one
 # fp32 subtraction of 2^23 + 128 gives q, one packed F2FP two bf16 (exact: |q| <= 128).
 _INT8_BF16_ASM = tl.constexpr("""{
 .reg .b32 u, m, f0, f1, f2, f3;
@@ -229,6 +217,8 @@ sub.f32 f3, f3, 0f4B000080;
 cvt.rn.bf16x2.f32 $0, f1, f0;
 cvt.rn.bf16x2.f32 $1, f3, f2;
 }""")
+
+
 @triton.jit
 def int8_to(b, dtype: tl.constexpr):
     """int8 tile ``b`` (given as its uint8 bytes) as ``dtype`` values -128..127 (exact)."""
@@ -273,6 +263,22 @@ def six_bit_to(ql, qh, NIB: tl.constexpr, PAIR: tl.constexpr, dtype: tl.constexp
         out = tl.inline_asm_elementwise(_SIX_BIT_ASMS[4 * NIB + PAIR], "=r,h,h", [ql, qh], dtype=tl.bfloat16,
                                         is_pure=True, pack=2)
     return out
+
+
+# Nibbles: two bytes a call (pack=2) -- in the wgmma operand layout a thread's byte pairs come from
+# separate 16-bit shared-memory loads, and merging two of them into one register cost ~6 PRMTs per four
+# bytes (sm_90 SASS).
+_NIBBLES_BF16_ASM = tl.constexpr("""{
+.reg .b32 t, m;
+mov.b32 m, 0x43004300;
+mov.b32 t, {$2, 0};
+prmt.b32 t, t, 0, 0x4140;
+lop3.b32 $0, t, 0x000F000F, m, 0xEA;
+sub.rn.bf16x2 $0, $0, m;
+shr.u32 t, t, 4;
+lop3.b32 $1, t, 0x000F000F, m, 0xEA;
+sub.rn.bf16x2 $1, $1, m;
+}""")
 
 
 @triton.jit
