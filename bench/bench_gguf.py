@@ -15,7 +15,7 @@
    bench_fp8.bench_model.
 
 4. Sweep (``--sweep``, one call of a few minutes on an H200): per GGUF type, a small grid of launch configs
-   (N tile, warps, stages, split-K, Q8_0 blocks a step, the integer conversion) of the quantized linear at
+   (N tile, warps, stages, split-K, Q8_0 blocks a step) of the quantized linear at
    SHAPES and of each grouped MoE kernel (gate_up, down) at MOE, all compiled first in ``--workers``
    processes; each checked (max error against gguf-py's dequantize on 256 weight rows / 3 MoE rows, rows
    alone == rows in a batch of 16, bitwise) and timed at B = 1, 4, 16 (linear: all at B = 1, the fastest 4
