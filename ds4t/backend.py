@@ -176,6 +176,30 @@ The first three routes compute ``x . (fp8 * scale)`` with every product exact; S
 (Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8 --sweep)."""
 
 
+def fp8_route(what: str, route: str, act_dtype) -> int:
+    """The launch constant of fp8 route ``route`` (:data:`FP8_ROUTES`) for activations of ``act_dtype``;
+    ValueError naming ``what`` (the op) for an unknown route or one the activation dtype cannot take
+    ("tf32" would round fp32 activations, "fold" keeps them exact only per block)."""
+    code = FP8_ROUTES.get(route)
+    if code is None:
+        raise ValueError(f"{what}: fp8_route must be one of {sorted(FP8_ROUTES)}, got {route!r}")
+    if route in ("tf32", "fold") and act_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{what}: fp8_route {route!r} needs bf16 or fp16 activations, got {act_dtype}")
+    return code
+
+
+@triton.jit
+def fp8_operand(w, s, dtype: tl.constexpr, ROUTE: tl.constexpr):
+    """An fp8 (e4m3) weight tile as the MMA operand of :data:`FP8_ROUTES` route ROUTE for activation
+    dtype ``dtype``; ``s`` the tile's fp32 scales broadcast against it, used by "fold" only (the other
+    routes scale each block's dot afterwards)."""
+    if ROUTE == 3:
+        out = fp8_scaled_to(w, s, dtype)
+    else:
+        out = fp8_to(w, dtype, ROUTE)
+    return out
+
+
 @triton.jit
 def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
     """An fp8 (e4m3) weight tile as the MMA operand of :data:`FP8_ROUTES` route ROUTE for activation

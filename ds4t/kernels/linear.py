@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_scaled_to, fp8_to, grid_dependency, mma,
-                          mma_tf32_exact, round_in_f32, scaled_add, timer, tl_dtype)
+from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_route, grid_dependency, mma, mma_tf32_exact,
+                          round_in_f32, scaled_add, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -281,10 +281,7 @@ def _linear_kernel(
                         wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
                     else:
                         wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-                if FOLD:
-                    wt = fp8_scaled_to(wt, sc2, W_DTYPE)   # one rounding of fp8 * scale
-                else:
-                    wt = fp8_to(wt, W_DTYPE, FP8_ROUTE)   # exact (backend.FP8_ROUTES)
+                wt = fp8_operand(wt, sc2, W_DTYPE, FP8_ROUTE)   # exact but for "fold" (backend.FP8_ROUTES)
                 if CLAMP_ROWS:
                     p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, TF32)
                 else:
@@ -666,16 +663,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
 
 
 def _fp8_route(cfg: LinearConfig, act_dtype) -> int:
-    route = FP8_ROUTES.get(cfg.fp8_route)
-    if route is None:
-        raise ValueError(f"linear: fp8_route must be one of {sorted(FP8_ROUTES)}, got {cfg.fp8_route!r}")
-    if route == FP8_ROUTES["tf32"] and act_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"linear: fp8_route 'tf32' needs bf16 or fp16 activations (TF32 would round fp32 "
-                         f"ones), got {act_dtype}")
-    if route == FP8_ROUTES["fold"] and act_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"linear: fp8_route 'fold' needs bf16 or fp16 activations (fp32 activations keep the "
-                         f"exact per-block product), got {act_dtype}")
-    return route
+    return fp8_route("linear", cfg.fp8_route, act_dtype)
 
 
 def _check_args(x, weight, bias, out):

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, cast, fp8_scaled_to, fp8_to, grid_dependency, mma,
-                          mma_tf32_exact, round_in_f32, scaled_add, sigmoid, timer, tl_dtype)
+from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_route, grid_dependency, mma, mma_tf32_exact,
+                          round_in_f32, scaled_add, sigmoid, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -183,12 +183,8 @@ def _moe_gate_up_kernel(
                     wmask = km[:, None] & nm[None, :]
                     wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
                     wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
-                    if FP8_ROUTE == 3:
-                        wg = fp8_scaled_to(wg, sg[None, :], WDT)
-                        wu = fp8_scaled_to(wu, su[None, :], WDT)
-                    else:
-                        wg = fp8_to(wg, WDT, FP8_ROUTE)   # exact
-                        wu = fp8_to(wu, WDT, FP8_ROUTE)
+                    wg = fp8_operand(wg, sg[None, :], WDT, FP8_ROUTE)   # exact but for "fold"
+                    wu = fp8_operand(wu, su[None, :], WDT, FP8_ROUTE)
                     if FP8_ROUTE == 2:
                         a = round_in_f32(a.to(tl.float32), WDT)
                         pg = mma_tf32_exact(a, wg, pg)
@@ -259,10 +255,7 @@ def _moe_down_kernel(
                                 other=0.0).to(tl.float32)
                     w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
                                 mask=km[:, None] & nm[None, :], other=0.0)
-                    if FP8_ROUTE == 3:
-                        w = fp8_scaled_to(w, sd[None, :], WDT)
-                    else:
-                        w = fp8_to(w, WDT, FP8_ROUTE)
+                    w = fp8_operand(w, sd[None, :], WDT, FP8_ROUTE)
                     if FP8_ROUTE == 2:
                         pd = mma_tf32_exact(round_in_f32(a, WDT), w, pd)
                     else:
@@ -345,12 +338,7 @@ def _unit_k(w: FP8Weight) -> FP8Weight:
 
 
 def _fp8_route(cfg: MoEConfig, act_dtype) -> int:
-    route = FP8_ROUTES.get(cfg.fp8_route)
-    if route is None:
-        raise ValueError(f"moe_experts: fp8_route must be one of {sorted(FP8_ROUTES)}, got {cfg.fp8_route!r}")
-    if route in (FP8_ROUTES["tf32"], FP8_ROUTES["fold"]) and act_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"moe_experts: fp8_route {cfg.fp8_route!r} needs bf16 or fp16 activations, got {act_dtype}")
-    return route
+    return fp8_route("moe_experts", cfg.fp8_route, act_dtype)
 
 
 def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int] = None):
