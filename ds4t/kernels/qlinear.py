@@ -93,11 +93,11 @@ def _x_tile(x_row, k, SB: tl.constexpr, ADT: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(acc, q, x_row, k, s, ADT: tl.constexpr, SB: tl.constexpr):
-    """acc [BN, BM] + s * (q . x) over the SB columns k .. k + SB, rounded once (an FMA).
-
-    q [BN, SB] the sub-block's integers in ADT (exact); s [BN] fp32. The dot starts from zero in fp32."""
-    p = mma(q, _x_tile(x_row, k, SB, ADT), tl.zeros(acc.shape, dtype=tl.float32))
+def _scaled_dot(acc, q, xt, s):
+    """acc [BN, BM] + s * (q . xt), rounded once (an FMA): q [BN, SB] a sub-block's integers in the
+    activation dtype (exact), xt [SB, BM] its activations (:func:`_x_tile`), s [BN] fp32. The dot starts
+    from zero in fp32."""
+    p = mma(q, xt, tl.zeros(acc.shape, dtype=tl.float32))
     return scaled_add(acc, p, s[:, None])
 
 
@@ -118,7 +118,7 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
             for g in tl.static_range(G):
                 kg = k + 32 * g
                 d = tl.load((w_row + KW + kg // 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
-                acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), x_row, kg, d, ADT, 32)
+                acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), _x_tile(x_row, kg, 32, ADT), d)
     elif FMT == 1:
         # planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks 2c low nibbles, 2c + 1 high),
         # header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales and mins)
@@ -139,8 +139,7 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
                     sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
                     xt = _x_tile(x_row, k + 64 * c + 32 * h, 32, ADT)
                     q = lo if h == 0 else hi
-                    p = mma(q, xt, tl.zeros(acc.shape, dtype=tl.float32))
-                    acc = scaled_add(acc, p, (d * sc.to(tl.float32))[:, None])
+                    acc = _scaled_dot(acc, q, xt, d * sc.to(tl.float32))
                     acc_m = mma(tl.broadcast_to(cast(m.to(tl.float32), ADT)[:, None], q.shape), xt, acc_m)
             acc = scaled_add(acc, acc_m, -dmin[:, None])
     else:
@@ -166,8 +165,8 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
                     hi = _pick(i % 2, qh0, qh1, qh0, qh1)
                     sw = _pick(i // 4, sw0, sw1, sw0, sw1)
                     sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
-                    acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT), x_row, k + 128 * hf + 16 * i,
-                                      d * sc, ADT, 16)
+                    acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT),
+                                      _x_tile(x_row, k + 128 * hf + 16 * i, 16, ADT), d * sc)
     return acc
 
 
