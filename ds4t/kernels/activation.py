@@ -20,7 +20,7 @@ import triton.language as tl
 from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
-from ds4t.kernels.tensors import fp32_out, rows_view
+from ds4t.kernels.tensors import float_out, rows_view
 
 __all__ = ["silu_mul", "sigmoid_mul", "add", "silu_mul_ref", "sigmoid_mul_ref", "add_ref"]
 
@@ -72,7 +72,7 @@ def _binary(a, b, out, op, names):
     if a.shape != b.shape:
         raise ValueError(f"{names[0]} {tuple(a.shape)} and {names[1]} {tuple(b.shape)} differ in shape")
     R, C = a.shape
-    out = fp32_out(out, (R, C), a.device)
+    out = float_out(out, (R, C), a.device)
     if R == 0 or C == 0:
         return out
     cfg = ACTIVATION_CONFIGS(C)

@@ -34,7 +34,7 @@ import triton.language as tl
 from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
-from ds4t.kernels.tensors import fp32_out, rows_view
+from ds4t.kernels.tensors import float_out, rows_view
 
 __all__ = [
     "rms_norm", "add_rms_norm", "gated_rms_norm",
@@ -157,9 +157,9 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
             raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    y = fp32_out(out, (R, D), x.device, dtype=out_dtype)
+    y = float_out(out, (R, D), x.device, dtype=out_dtype)
     if residual is not None:
-        summed = fp32_out(summed, (R, D), x.device, "summed")
+        summed = float_out(summed, (R, D), x.device, "summed")
     if R == 0:
         return y, summed
     cfg = NORM_CONFIGS(D)

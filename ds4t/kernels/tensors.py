@@ -18,7 +18,7 @@ def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def fp32_out(out: Optional[torch.Tensor], shape: Sequence[int], device, name: str = "out",
+def float_out(out: Optional[torch.Tensor], shape: Sequence[int], device, name: str = "out",
              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A new ``dtype`` (fp32 unless asked) tensor of ``shape``, or ``out`` checked to be one (unit last
     stride; other strides free, e.g. a column slice of a wider buffer)."""
