@@ -179,7 +179,8 @@ The first three routes compute ``x . (fp8 * scale)`` with every product exact; S
 def fp8_route(what: str, route: str, act_dtype) -> int:
     """The launch constant of fp8 route ``route`` (:data:`FP8_ROUTES`) for activations of ``act_dtype``;
     ValueError naming ``what`` (the op) for an unknown route or one the activation dtype cannot take
-    ("tf32" would round fp32 activations, "fold" keeps them exact only per block)."""
+    ("tf32" would round fp32 activations; "fold" rounds every weight, which the fp32 path, held to the
+    fp32 oracle bound with exact products, does not allow)."""
     code = FP8_ROUTES.get(route)
     if code is None:
         raise ValueError(f"{what}: fp8_route must be one of {sorted(FP8_ROUTES)}, got {route!r}")
