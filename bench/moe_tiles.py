@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--tiles-n", default="16,32,64", help="--fp8: N tiles to try")
     ap.add_argument("--stages", default="3", help="--fp8: pipeline stages to try")
     ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
+    ap.add_argument("--tiles-k", default="64,128", help="--fp8: K tiles to try")
+    ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")
     args = ap.parse_args()
     if args.rows:
         return sweep_rows(args)
@@ -177,13 +179,13 @@ def main():
                 best = None
                 key_ = (kernel, "fp8") if fp8 else kernel
                 ints = lambda v: [int(x) for x in v.split(",")]   # noqa: E731
-                grid = (itertools.product(ints(args.tiles_n), (64, 128), ints(args.stages), args.routes.split(","),
-                                          ints(args.warps)) if fp8 else
-                        itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,)))
-                for tn, tk, st, via, wp in grid:
+                grid = (itertools.product(ints(args.tiles_n), ints(args.tiles_k), ints(args.stages),
+                                          args.routes.split(","), ints(args.warps), ints(args.swaps)) if fp8 else
+                        itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,), (0,)))
+                for tn, tk, st, via, wp, sw in grid:
                     M.MOE_CONFIGS.gpu.update(default)
                     M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=wp, num_stages=st,
-                                                          fp8_route=via)
+                                                          fp8_route=via, swap=bool(sw))
                     try:
                         out = run()
                         ok = bool(((out - ref).abs().max() / ref.abs().max()).item() < 2e-2)
@@ -192,19 +194,20 @@ def main():
                         ms = _time(run)
                     except Exception as e:  # a config that does not compile (shared memory)
                         rows.append(dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
-                                         warps=wp, via=via, status=f"{type(e).__name__}"))
+                                         warps=wp, via=via, swap=sw, status=f"{type(e).__name__}"))
                         continue
                     r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, warps=wp, via=via,
-                             us=ms * 1e3,
+                             swap=sw, us=ms * 1e3,
                              ok=ok, inv=inv, status="ok", default_us=base_ms * 1e3)
                     rows.append(r)
-                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via}: {ms * 1e3:.1f} us"
+                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via} swap={sw}: "
+                          f"{ms * 1e3:.1f} us"
                           f" ok={ok} inv={inv}", flush=True)
                     if ok and inv and (best is None or ms < best[0]):
-                        best = (ms, tn, tk, st, via, wp)
+                        best = (ms, tn, tk, st, via, wp, sw)
                 if best:
                     print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} warps={best[5]} stages={best[3]} "
-                          f"route={best[4]}: "
+                          f"route={best[4]} swap={best[6]}: "
                           f"{best[0] * 1e3:.1f} us ({nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW over "
                           f"both kernels' bytes)", flush=True)
             with open(os.path.join(args.out, "moe_tiles.json"), "w") as f:
@@ -218,11 +221,13 @@ def main():
         tot = {}
         for r in rows:
             if r["kernel"] == kernel and r["status"] == "ok" and r["ok"] and r["inv"]:
-                key = (r["tile_n"], r["tile_k"], r["stages"], r["via"])
+                key = (r["tile_n"], r["tile_k"], r["stages"], r["via"], r["warps"], r["swap"])
                 tot.setdefault(key, []).append(r["us"])
-        full = {k_: sum(v) for k_, v in tot.items() if len(v) == 2 * len(SHAPES)}
+        cells = len({(r["shape"], r["n"]) for r in rows})
+        full = {k_: sum(v) for k_, v in tot.items() if len(v) == cells}
         for key, us in sorted(full.items(), key=lambda t: t[1])[:6]:
-            print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} route={key[3]}: {us:8.1f}")
+            print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} route={key[3]} warps={key[4]} "
+                  f"swap={key[5]}: {us:8.1f}")
 
 
 if __name__ == "__main__":

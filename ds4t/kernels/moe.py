@@ -80,6 +80,54 @@ def _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, b, j, mask, KTOP: tl.constexpr, GA
 
 
 @triton.jit
+def _pair_dot(a, w, acc, SWAP: tl.constexpr, TF32: tl.constexpr):
+    """acc + the dot of a pair tile a [BM, BK] with a weight tile: w [BK, BN] -> acc [BM, BN], or with
+    SWAP w [BN, BK] -> acc [BN, BM] (the weight rows are the MMA's M operand: a decode tile has few
+    pairs, and a weight tile can fill the instruction's M side). TF32: fp32 tiles exact in TF32
+    (FP8 route "tf32"), else tiles of one 16-bit dtype (or IEEE fp32)."""
+    if SWAP:
+        if TF32:
+            acc = mma_tf32_exact(w, tl.trans(a), acc)
+        else:
+            acc = mma(w, tl.trans(a), acc)
+    else:
+        if TF32:
+            acc = mma_tf32_exact(a, w, acc)
+        else:
+            acc = mma(a, w, acc)
+    return acc
+
+
+@triton.jit
+def _w_tile(w_ptr, base, n, nm, kk, km, sw_n, sw_k, SWAP: tl.constexpr):
+    """The weight tile of rows n, columns kk: [BK, BN], or [BN, BK] with SWAP; masked entries 0."""
+    if SWAP:
+        w = tl.load(w_ptr + base + n[:, None] * sw_n + kk[None, :] * sw_k, mask=nm[:, None] & km[None, :], other=0.0)
+    else:
+        w = tl.load(w_ptr + base + n[None, :] * sw_n + kk[:, None] * sw_k, mask=km[:, None] & nm[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _row_vec(v, SWAP: tl.constexpr):
+    """A per-weight-row vector [BN] broadcast against the accumulator ([BM, BN], or [BN, BM] with SWAP)."""
+    if SWAP:
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
+def _store_tile(ptr, p, sp, n, qm, nm, val, SWAP: tl.constexpr):
+    """out[p, n] = val for the tile's pairs p (rows of the buffer) and weight rows n."""
+    if SWAP:
+        tl.store(ptr + p[None, :] * sp + n[:, None], val, mask=qm[None, :] & nm[:, None])
+    else:
+        tl.store(ptr + p[:, None] * sp + n[None, :], val, mask=qm[:, None] & nm[None, :])
+
+
+@triton.jit
 def _moe_group_kernel(
     ids_ptr, si_b, order_ptr, bounds_ptr, P, SHARED,
     KTOP: tl.constexpr, KT: tl.constexpr, BP: tl.constexpr,
@@ -144,77 +192,72 @@ def _moe_gate_up_kernel(
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr, ACT_ROUNDED: tl.constexpr,
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
-    FP8_ROUTE: tl.constexpr = 0,
+    FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
     columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
-    accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`."""
+    accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SWAP: the tiles
+    are computed transposed (:func:`_pair_dot`); a pair's K order is the same."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
+    TF32: tl.constexpr = FP8_ROUTE == 2
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         b = p // KTOP
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:
+            acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = acc_g
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(0, D, KSTEP):
                 j = kb // SBK
-                sg = tl.load(sg_ptr + s_row + j, mask=nm, other=0.0)
-                su = tl.load(su_ptr + s_row + j, mask=nm, other=0.0)
+                sg = _row_vec(tl.load(sg_ptr + s_row + j, mask=nm, other=0.0), SWAP)
+                su = _row_vec(tl.load(su_ptr + s_row + j, mask=nm, other=0.0), SWAP)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over D
                     pg = acc_g
                     pu = acc_u
                 else:
-                    pg = tl.zeros([BM, BN], dtype=tl.float32)
-                    pu = tl.zeros([BM, BN], dtype=tl.float32)
+                    pg = tl.zeros(acc_g.shape, dtype=tl.float32)
+                    pu = pg
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < D
                     a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-                    woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
-                    wmask = km[:, None] & nm[None, :]
-                    wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
-                    wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
-                    wg = fp8_operand(wg, sg[None, :], WDT, FP8_ROUTE)   # exact but for "fold"
-                    wu = fp8_operand(wu, su[None, :], WDT, FP8_ROUTE)
-                    if FP8_ROUTE == 2:
+                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), sg, WDT, FP8_ROUTE)
+                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), su, WDT, FP8_ROUTE)
+                    if TF32:
                         a = round_in_f32(a.to(tl.float32), WDT)
-                        pg = mma_tf32_exact(a, wg, pg)
-                        pu = mma_tf32_exact(a, wu, pu)
                     else:
                         a = cast(a.to(tl.float32), WDT)
-                        pg = mma(a, wg, pg)
-                        pu = mma(a, wu, pu)
+                    pg = _pair_dot(a, wg, pg, SWAP, TF32)
+                    pu = _pair_dot(a, wu, pu, SWAP, TF32)
                 if FP8_ROUTE == 3:
                     acc_g = pg
                     acc_u = pu
                 else:
-                    acc_g = scaled_add(acc_g, pg, sg[None, :])
-                    acc_u = scaled_add(acc_u, pu, su[None, :])
+                    acc_g = scaled_add(acc_g, pg, sg)
+                    acc_u = scaled_add(acc_u, pu, su)
         else:
             for k0 in range(0, D, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < D
                 a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
                 a = cast(a.to(tl.float32), WDT)
-                woff = wbase + n[None, :] * sw_n + kk[:, None] * sw_k
-                wmask = km[:, None] & nm[None, :]
-                wg = tl.load(wg_ptr + woff, mask=wmask, other=0.0)
-                wu = tl.load(wu_ptr + woff, mask=wmask, other=0.0)
-                acc_g = mma(a, wg, acc_g)
-                acc_u = mma(a, wu, acc_u)
+                acc_g = _pair_dot(a, _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc_g, SWAP, False)
+                acc_u = _pair_dot(a, _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc_u, SWAP, False)
         act = _silu(acc_g) * acc_u
         if ACT_ROUNDED:   # a 16-bit act buffer: rounded here as the down kernel would round each load
             act = cast(act, WDT)
-        tl.store(act_ptr + p[:, None] * sa_p + n[None, :], act, mask=qm[:, None] & nm[None, :])
+        _store_tile(act_ptr, p, sa_p, n, qm, nm, act, SWAP)
 
 
 @triton.jit
@@ -226,7 +269,7 @@ def _moe_down_kernel(
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
-    FP8_ROUTE: tl.constexpr = 0,
+    FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]."""
     grid_dependency()
@@ -235,45 +278,46 @@ def _moe_down_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
     wbase = e.to(tl.int64) * sw_e
+    TF32: tl.constexpr = FP8_ROUTE == 2
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(0, I, KSTEP):
-                sd = tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0)
+                sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0), SWAP)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over I
                     pd = acc
                 else:
-                    pd = tl.zeros([BM, BN], dtype=tl.float32)
+                    pd = tl.zeros(acc.shape, dtype=tl.float32)
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
                     a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :],
                                 other=0.0).to(tl.float32)
-                    w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
-                                mask=km[:, None] & nm[None, :], other=0.0)
-                    w = fp8_operand(w, sd[None, :], WDT, FP8_ROUTE)
-                    if FP8_ROUTE == 2:
-                        pd = mma_tf32_exact(round_in_f32(a, WDT), w, pd)
+                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), sd, WDT, FP8_ROUTE)
+                    if TF32:
+                        a = round_in_f32(a, WDT)
                     else:
-                        pd = mma(cast(a, WDT), w, pd)
+                        a = cast(a, WDT)
+                    pd = _pair_dot(a, w, pd, SWAP, TF32)
                 if FP8_ROUTE == 3:
                     acc = pd
                 else:
-                    acc = scaled_add(acc, pd, sd[None, :])
+                    acc = scaled_add(acc, pd, sd)
         else:
             for k0 in range(0, I, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
                 a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
                 a = cast(a.to(tl.float32), WDT)
-                w = tl.load(wd_ptr + wbase + n[None, :] * sw_n + kk[:, None] * sw_k,
-                            mask=km[:, None] & nm[None, :], other=0.0)
-                acc = mma(a, w, acc)
-        tl.store(y_ptr + p[:, None] * sy_p + n[None, :], acc, mask=qm[:, None] & nm[None, :])
+                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc, SWAP, False)
+        _store_tile(y_ptr, p, sy_p, n, qm, nm, acc, SWAP)
 
 
 @triton.jit
@@ -374,6 +418,7 @@ class MoEConfig:
     fp8_route: str = "direct"   # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
+    swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -571,7 +616,8 @@ def moe_experts(
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         act, act.stride(0),
         D, I, KT, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded, **kw, **LAUNCH,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
+        SWAP=cfg.swap, **kw, **LAUNCH,
     )
     # 3. down
     cfg = _config("down", fmt, B)
@@ -585,7 +631,7 @@ def moe_experts(
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(0),
         D, I, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, **kw, **LAUNCH,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, SWAP=cfg.swap, **kw, **LAUNCH,
     )
     return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
 

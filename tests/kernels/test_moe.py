@@ -503,6 +503,39 @@ def test_fp8_routes(adt):
     assert not torch.equal(y3, y1)
 
 
+@pytest.mark.parametrize("fmt,route,adt", [
+    ("bf16", "direct", None),
+    ("fp8", "f32", torch.float32),
+    ("fp8", "f32", torch.bfloat16),
+    ("fp8", "tf32", torch.bfloat16),
+], ids=str)
+def test_swapped_tiles(fmt, route, adt):
+    """``MoEConfig(swap=True)`` (the weight rows as the MMA's M side): the reference within the dtype's
+    bound, NaN-poisoned outputs overwritten, and each row alone bitwise what it is in a batch in which
+    two experts hold more than one 16-pair tile (ragged D and I)."""
+    E, I, D, k, B = 6, 40, 200, 3, 24
+    if fmt == "fp8":
+        wg, wu, wd = _fp8_weights(E, I, D, 71)
+        tol = FP8_TOL[adt]
+    else:
+        wg, wu, wd = _weights(E, I, D, torch.bfloat16, 71)
+        tol = TOL[torch.bfloat16]
+    ids, w = _routing(B, E - 1, k, seed=72)
+    h = torch.randn(B, D, generator=gen(73))
+    cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=True, num_warps=2)
+
+    def run(rows=slice(None)):
+        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *f: cfg):
+            return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
+                               out=poisoned((h[rows].shape[0], D)))
+
+    y = run()
+    assert not torch.isnan(y).any()
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() <= tol
+    assert all(torch.equal(y[i:i + 1], run(slice(i, i + 1))) for i in (0, 11, 23))
+
+
 # ----------------------------------------------------------------------------- row tiles (prefill chunks)
 
 def _row_tile_run(fmt, row_cfg, device, B=24):
