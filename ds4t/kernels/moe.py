@@ -463,8 +463,10 @@ def _unknown_kernel(kernel: str):
 MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
                 "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
-                ("gate_up", "fp8"): MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3, fp8_route="f32"),
-                ("down", "fp8"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, fp8_route="f32"),
+                ("gate_up", "fp8"): MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32",
+                                              swap=True),
+                ("down", "fp8"): MoEConfig(tile_n=128, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32",
+                                           swap=True),
                 # row tiles (prefill chunks; MoEConfig.min_rows, _config()): bf16 only, see below
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128),
