@@ -129,23 +129,19 @@ def _store_tile(ptr, p, sp, n, qm, nm, val, SWAP: tl.constexpr):
 
 @triton.jit
 def _moe_group_kernel(
-    ids_ptr, si_b, order_ptr, bounds_ptr, experts_ptr, P, SHARED, NSLOTS,
-    KTOP: tl.constexpr, KT: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
+    ids_ptr, si_b, order_ptr, bounds_ptr, P, SHARED,
+    KTOP: tl.constexpr, KT: tl.constexpr, BP: tl.constexpr,
 ):
-    """Program e: bounds[e] = #pairs with expert < e, bounds[e+1] (last program) = P, the pairs of
-    expert e in pair order at order[bounds[e]:], and, if e was chosen, experts[slot] = e where slot =
-    #chosen experts < e (from a histogram of the pairs' experts, which every program makes alike); the
-    last program fills experts[#chosen:NSLOTS] with -1. Two scans of the pairs; nothing shared
-    between programs, so no atomics and no ordering between programs."""
+    """Program e: bounds[e] = #pairs with expert < e, bounds[e+1] (last program) = P, and the pairs
+    of expert e in pair order at order[bounds[e]:]. Two scans of the pairs; nothing shared between
+    programs, so no atomics and no ordering between programs."""
     grid_dependency()
     e = tl.program_id(0)
     start = 0
-    hist = tl.zeros([2 * BE], dtype=tl.int32)
     for p0 in range(0, P, BP):
         p = p0 + tl.arange(0, BP)
         pe = _pair_expert(ids_ptr, si_b, (p // KT).to(tl.int64), p % KT, p < P, KTOP, SHARED)
         start += tl.sum(((pe >= 0) & (pe < e)).to(tl.int32), axis=0)
-        hist += tl.histogram(tl.where(pe >= 0, pe, BE), 2 * BE)   # skipped pairs land in bin BE >= E
     tl.store(bounds_ptr + e, start)
     pos = start
     for p0 in range(0, P, BP):
@@ -155,25 +151,32 @@ def _moe_group_kernel(
         at = pos + tl.cumsum(hit, axis=0) - 1
         tl.store(order_ptr + at, p, mask=hit > 0)
         pos += tl.sum(hit, axis=0)
-    ev = tl.arange(0, 2 * BE)
-    chosen = (hist > 0) & (ev < BE)
-    slot = tl.sum((chosen & (ev < e)).to(tl.int32), axis=0)
-    if pos > start:
-        tl.store(experts_ptr + slot, e)
     if e == tl.num_programs(0) - 1:
         tl.store(bounds_ptr + e + 1, pos)   # pairs with a valid expert: skipped ones (-1) are never listed
-        n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
-        tl.store(experts_ptr + ev, -1, mask=(ev >= n_chosen) & (ev < NSLOTS))
 
 
 @triton.jit
-def _program_expert(experts_ptr, bounds_ptr):
-    """(expert, first pair, end pair) of this program: slot i = program_id(0) runs ``experts[i]`` (the
-    i-th chosen expert in id order, from :func:`group_pairs`); a slot past the chosen experts (-1) runs
-    zero iterations. An expert's arithmetic does not depend on the slot that runs it."""
-    e = tl.load(experts_ptr + tl.program_id(0))
-    ok = e >= 0
-    e = tl.maximum(e, 0)
+def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: tl.constexpr):
+    """(expert, first pair, end pair) of this program (program_id(0) = slot i).
+
+    DEVICE_LIST: slot i runs the i-th chosen expert in id order, found from ``bounds`` on the device
+    (a grid of min(E, P) slots, not E: at decode sizes most experts are unchosen, and thousands of
+    programs that only exit cost the H200 more than the work itself). A slot past the chosen experts
+    runs zero iterations. Otherwise slot i runs ``experts[i]`` (the interpreter's host-made list).
+    Either way an expert's arithmetic does not depend on the slot that runs it."""
+    i = tl.program_id(0)
+    if DEVICE_LIST:
+        ev = tl.arange(0, BE)
+        lo = tl.load(bounds_ptr + ev, mask=ev < E, other=0)
+        hi = tl.load(bounds_ptr + ev + 1, mask=ev < E, other=0)
+        chosen = (hi > lo).to(tl.int32)
+        slot = tl.cumsum(chosen, axis=0) - 1
+        e = tl.max(tl.where((chosen > 0) & (slot == i), ev, -1), axis=0)
+        ok = e >= 0
+        e = tl.maximum(e, 0)
+    else:
+        e = tl.load(experts_ptr + i)
+        ok = e >= 0
     start = tl.load(bounds_ptr + e).to(tl.int32)
     end = tl.load(bounds_ptr + e + 1).to(tl.int32)
     end = tl.where(ok, end, start)
@@ -185,9 +188,9 @@ def _moe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
     act_ptr, sa_p,
-    D, I, KTOP,
+    D, I, KTOP, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    ACT_ROUNDED: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr, ACT_ROUNDED: tl.constexpr,
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
@@ -197,7 +200,7 @@ def _moe_gate_up_kernel(
     accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SWAP: the tiles
     are computed transposed (:func:`_pair_dot`); a pair's K order is the same."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr)
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
@@ -262,14 +265,15 @@ def _moe_down_kernel(
     act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
     wd_ptr, sw_e, sw_n, sw_k,
     y_ptr, sy_p,
-    D, I,
+    D, I, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr)
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
@@ -386,26 +390,21 @@ def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int
 
     ids [B, k] int32/int64 (row stride any, unit column stride when k > 1); with ``shared_expert``
     every row has one more pair, rank k, naming that expert. Pairs are numbered p = b·KT + j.
-    Returns (order int32 [B·KT], bounds int32 [E+1], experts int32 [min(E, B·KT)]): the pairs of expert
-    e, in pair order, are ``order[bounds[e]:bounds[e+1]]`` (a stable sort of the pairs by expert);
-    ``experts`` lists the chosen experts in id order, then -1: the grouped kernels' slot i runs
-    ``experts[i]``, found with one load (a scan of ``bounds`` in every program cost each program a
-    dependent round trip and a 512-wide cumsum before its first weight load)."""
+    Returns (order int32 [B·KT], bounds int32 [E+1]): the pairs of expert e, in pair order, are
+    ``order[bounds[e]:bounds[e+1]]`` (a stable sort of the pairs by expert)."""
     B, k = ids.shape
     KT = k + (shared_expert is not None)
     P = B * KT
     order = torch.empty((P,), dtype=torch.int32, device=ids.device)
     bounds = torch.empty((num_experts + 1,), dtype=torch.int32, device=ids.device)
-    experts = torch.empty((min(num_experts, P),), dtype=torch.int32, device=ids.device)
     if P == 0:
         bounds.zero_()
-        return order, bounds, experts
+        return order, bounds
     _moe_group_kernel[(num_experts,)](
-        ids, ids.stride(0), order, bounds, experts, P, -1 if shared_expert is None else int(shared_expert),
-        experts.shape[0], KTOP=k, KT=KT, BP=min(1024, triton.next_power_of_2(P)),
-        BE=triton.next_power_of_2(num_experts), **LAUNCH,
+        ids, ids.stride(0), order, bounds, P, -1 if shared_expert is None else int(shared_expert),
+        KTOP=k, KT=KT, BP=min(1024, triton.next_power_of_2(P)), **LAUNCH,
     )
-    return order, bounds, experts
+    return order, bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,7 +575,7 @@ def moe_experts(
             return out
     P = B * KT
     # 1. group pairs by expert on the device (pairs of an expert in pair order)
-    order, bounds, experts = group_pairs(ids, E, shared_expert)
+    order, bounds = group_pairs(ids, E, shared_expert)
     # silu(g)·u is rounded to A before the down product: with a 16-bit A the gate/up kernel stores it
     # rounded (half the bytes the down kernel reads once per D tile; same bits).
     act_rounded = not gguf and adt in (torch.bfloat16, torch.float16)
@@ -586,16 +585,23 @@ def moe_experts(
     fmt = ("fp8",) if fp8 else ()
     sbk = w_gate.block_k if fp8 else 0
     wg_t, wu_t, wd_t = (w.data for w in (w_gate, w_up, w_down)) if fp8 else (w_gate, w_up, w_down)
-    # Programs run over slots of the device-made expert list. Variant "gpu": all min(E, P) slots (no
-    # host sync, so the step can be captured in a CUDA graph; slots past the chosen experts exit).
-    # Variant "host_list" (and "interp" where its tiles do not fit; tensors are on the host there): only
-    # the chosen experts' slots, counted on the host. Either way each expert's computation is the same.
-    n_slots = experts.shape[0] if path == GPU else int((experts >= 0).sum())
+    # Programs run over slots of chosen experts. Variant "gpu": min(E, P) slots, each finding its
+    # expert from ``bounds`` on the device (no host sync, so the step can be captured in a CUDA
+    # graph). Variant "host_list" (and "interp" where its tiles do not fit; tensors are on the host
+    # there): a host-made list of the chosen experts. Either way each expert's computation is the
+    # same: exactness holds.
+    device_list = path == GPU
+    if device_list:
+        experts, n_slots = bounds, min(E, P)
+    else:
+        experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
+        n_slots = int(experts.shape[0])
     if gguf:   # 2. and 3. over GGUF blocks
         from ds4t.kernels import qmoe
 
-        qmoe.launch(h, order, bounds, experts, n_slots, w_gate, w_up, w_down, act, y, KT, adt)
+        qmoe.launch(h, order, bounds, experts, n_slots, device_list, w_gate, w_up, w_down, act, y, KT, adt)
         return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
+    BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
     cfg = _config("gate_up", fmt, B)
     BN, BK = cfg.tiles(I, D, sbk)
@@ -611,8 +617,8 @@ def moe_experts(
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         act, act.stride(0),
-        D, I, KT,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, ACT_ROUNDED=act_rounded,
+        D, I, KT, E,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
         SWAP=cfg.swap, **kw, **LAUNCH,
     )
     # 3. down
@@ -626,8 +632,8 @@ def moe_experts(
         act, act.stride(0), order, bounds, experts,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(0),
-        D, I,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, SWAP=cfg.swap, **kw, **LAUNCH,
+        D, I, E,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, SWAP=cfg.swap, **kw, **LAUNCH,
     )
     return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
 

@@ -32,15 +32,15 @@ def _qmoe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n,
     act_ptr, sa_p,
-    I, KTOP, D: tl.constexpr,
+    I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
     constexpr because the planes of a row start at offsets made from it."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr)
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
     w_off = e.to(tl.int64) * sw_e + tl.minimum(n, I - 1).to(tl.int64) * sw_n
@@ -61,14 +61,14 @@ def _qmoe_down_kernel(
     act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
     wd_ptr, sw_e, sw_n,
     y_ptr, sy_p,
-    D, I: tl.constexpr,
+    D, E, I: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     row_bytes(I)])."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr)
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < D
     w_row = wd_ptr + e.to(tl.int64) * sw_e + tl.minimum(n, D - 1).to(tl.int64) * sw_n
@@ -122,24 +122,25 @@ def check_weights(w_gate, w_up, w_down) -> None:
         raise ValueError("w_gate, w_up, w_down must share one act_dtype")
 
 
-def launch(h, order, bounds, experts, n_slots: int, w_gate: GGUFWeight, w_up: GGUFWeight,
+def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: GGUFWeight, w_up: GGUFWeight,
            w_down: GGUFWeight, act, y, KT: int, adt: torch.dtype) -> None:
     """Steps 2 and 3 of :func:`ds4t.kernels.moe.moe_experts` (gate/up into ``act`` [P, I], down into
-    ``y`` [P, D], both fp32) for GGUF experts, over pairs already grouped (``order``, ``bounds``, ``experts``: :func:`ds4t.kernels.moe.group_pairs`)."""
-    _, I, D = w_gate.shape
+    ``y`` [P, D], both fp32) for GGUF experts, over pairs already grouped (``order``, ``bounds``)."""
+    E, I, D = w_gate.shape
     wg, wu, wd = (w.data if w.data.stride(-1) == 1 else w.data.contiguous() for w in (w_gate, w_up, w_down))
     if wg.stride() != wu.stride():
         wg, wu = wg.contiguous(), wu.contiguous()
+    BE = triton.next_power_of_2(E)
     ADT = tl_dtype(adt)
     cfg = QMOE_CONFIGS("gate_up", w_gate.qtype)
     BN, G = cfg.tiles(I, D, w_gate.qtype)
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
-        I, KT, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        **launch_kwargs(cfg), **LAUNCH)
+        I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
-        D, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        **launch_kwargs(cfg), **LAUNCH)
+        D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
