@@ -142,6 +142,7 @@ def main():
     ap.add_argument("--stages", default="3", help="--fp8: pipeline stages to try")
     ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     ap.add_argument("--tiles-k", default="64,128", help="--fp8: K tiles to try")
+    ap.add_argument("--kernels", default="gate_up,down", help="the grouped kernels to sweep (decode)")
     ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")
     args = ap.parse_args()
     if args.rows:
@@ -175,7 +176,7 @@ def main():
             base_ms = _time(run)
             print(f"{name} N={n}: {used} experts, {nbytes / 1e6:.0f} MB, default {base_ms * 1e3:.1f} us "
                   f"({nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW)", flush=True)
-            for kernel in ("gate_up", "down"):
+            for kernel in args.kernels.split(","):
                 best = None
                 key_ = (kernel, "fp8") if fp8 else kernel
                 ints = lambda v: [int(x) for x in v.split(",")]   # noqa: E731
@@ -217,7 +218,7 @@ def main():
     M.MOE_CONFIGS.gpu.update(default)
     # the best config per kernel by the summed time over every shape and N (one table for all)
     print("\nsummed over shapes and N (us), best 6 per kernel:")
-    for kernel in ("gate_up", "down"):
+    for kernel in args.kernels.split(","):
         tot = {}
         for r in rows:
             if r["kernel"] == kernel and r["status"] == "ok" and r["ok"] and r["inv"]:
