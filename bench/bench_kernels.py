@@ -55,6 +55,9 @@ LINEAR_SHAPES = [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936)]  #
 FP8_SHAPES = [(7168, 18432), (18432, 7168), (16384, 7168), (1536, 24576)]
 FP8_BLOCK = (128, 128)
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
+SWEEP_X = [torch.float32]
+"""The storage dtype of x the sweep times configs with (``--sweep-x``; a model whose producer writes bf16
+hands its linears bf16 x)."""
 TEST_FILES = ["tests/kernels"]   # every kernel's tests (inputs follow the kernels' device: tests/kernels/devices.py)
 
 
@@ -378,7 +381,7 @@ def sweep_shape(case, errors, topk=4):
             continue
         try:
             err, inv = case.check(c)
-            ms1, how = time_calls(case.ds4t_fns(1, c))
+            ms1, how = time_calls(case.ds4t_fns(1, c, SWEEP_X[0]))
             res.append(dict(K=K, N=N, config=cfg_str(c), cfg=c, err=err, inv=inv, ms_b1=ms1,
                             tbs_b1=case.wbytes / (ms1 * 1e-3) / 1e12, status="ok" if err < 1e-3 and inv else "BAD"))
         except Exception as e:
@@ -386,7 +389,7 @@ def sweep_shape(case, errors, topk=4):
             res.append(dict(K=K, N=N, config=cfg_str(c), status=f"error: {type(e).__name__}: {str(e)[:80]}"))
     good = sorted([r for r in res if r["status"] == "ok"], key=lambda r: r["ms_b1"])
     for r in good[:topk]:
-        r["ms_b16"], _ = time_calls(case.ds4t_fns(16, r["cfg"]))
+        r["ms_b16"], _ = time_calls(case.ds4t_fns(16, r["cfg"], SWEEP_X[0]))
         r["tbs_b16"] = case.wbytes / (r["ms_b16"] * 1e-3) / 1e12
     best = min(good[:topk], key=lambda r: max(r["ms_b1"], r["ms_b16"]))["cfg"] if good else None
     return res, best
@@ -517,6 +520,8 @@ def main():
                     help="FP8 weights (128x128 blocks, bf16 activations) at FP8_SHAPES instead of bf16 at LINEAR_SHAPES")
     ap.add_argument("--shapes", default=None, help="comma-separated KxN to run instead of the default shapes")
     ap.add_argument("--fp8-routes", default="f32", help="--fp8 --sweep: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
+    ap.add_argument("--sweep-x", default="float32", choices=["float32", "bfloat16"],
+                    help="--sweep: the dtype x is stored in while configs are timed")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -540,6 +545,7 @@ def main():
     errors = {}
     fp8 = args.fp8
     FP8_ROUTES_SWEPT[:] = args.fp8_routes.split(",")
+    SWEEP_X[0] = getattr(torch, args.sweep_x)
     shapes = FP8_SHAPES if fp8 else LINEAR_SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
