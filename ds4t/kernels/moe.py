@@ -475,14 +475,16 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     gpu_rule=lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
-           "bench/results/2026-11-30-h200-fp8-kernels.md (FP8 weights)")
+           "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
 weights, plus a row-tile entry (key + ("rows",)) for launches of many rows; the tiles follow from the
 weight shape (:meth:`MoEConfig.tiles`). Chosen by
 ``bench/moe_tiles.py`` on an H200 (2026-11-29, 48 configs per kernel at the three families' expert
-shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. FP8 entries: the best
-summed time of 12 configs per kernel (``bench/moe_tiles.py --fp8``, 2026-11-30): the "f32" route,
-15-30 % faster than the bf16 tiles with direct conversion. Row entries: the best summed time of 16
+shapes, N = 1 and 16): the best summed time; 4-15 % faster than 64/64 tiles. FP8 entries: swapped
+tiles (``MoEConfig.swap``: 32 weight rows for gate_up, 128 for down, 2 warps, the "f32" route), the best
+summed time of ``bench/moe_tiles.py --fp8 --swaps 1`` (2026-12-01, 8-48 configs per kernel): 5-13 % under
+the unswapped 4-warp tiles at N = 16 (87-90 % of copy bandwidth at the GLM-4.5 / DeepSeek-V3 shapes), which
+had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row entries: the best summed time of 16
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
 equal to the decode tiles in bf16; none for FP8, where every row config of that sweep changed a row's
 bits (bench/results/2026-11-30-h200-prefill.md)."""
