@@ -29,6 +29,8 @@ How it runs (no host synchronisation; every grid comes from shapes):
    tiles of BLOCK_M = 16 rows, K (= D) in fixed BK steps, and writes silu(g)·u for its I columns to a
    per-pair buffer act [P, I].
 3. ``_moe_down_kernel``, grid (min(E, P), cdiv(D, BN)): the same over I, writes y [P, D] (= [B, KT, D]).
+   With ``MoEConfig.swap`` (the FP8 table's choice) both kernels compute a tile as w [BN, BK] @ h^T
+   [BK, BM]: a decode tile has one or two real pairs, and the weight rows fill the MMA's M side.
 4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
 
 Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
