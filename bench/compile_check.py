@@ -19,6 +19,7 @@ linear and moe_experts, are recorded unless --no-fp8.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -83,10 +84,12 @@ def record_fp8() -> None:
         ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
         wts = torch.rand(3, 2, generator=g)
         rule = M.MOE_CONFIGS.interp_rule
+        gpu_entry = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)  # noqa: E731
+        split = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
+            gpu_entry(kernel, *fmt), split=2 if kernel == "gate_up" else 1)
         try:
-            for gpu_tiles in (False, True):
-                if gpu_tiles:
-                    M.MOE_CONFIGS.interp_rule = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)
+            for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, a split gate_up
+                M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)
         finally:

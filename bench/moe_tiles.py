@@ -2,11 +2,13 @@
 three families' expert shapes, for decode batches of 1 and 16 rows. Prints, per kernel config, the
 step time of ``moe_experts`` and the fraction of the copy bandwidth its weight bytes allow.
 
-    python bench/moe_tiles.py [--out DIR] [--fp8 [--warps 2,4,8] [--stages 2,3,4] [--routes f32]]
-                              [--shapes qwen3-next] [--ns 1,16]
+    python bench/moe_tiles.py [--out DIR] [--fp8 [--warps 2,4,8] [--stages 2,3,4] [--routes f32]
+                              [--swaps 0,1] [--splits 1,2,4] [--tiles-n 32,64] [--tiles-k 64,128]]
+                              [--shapes qwen3-next] [--ns 1,16] [--kernels gate_up]
 
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
-(kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES).
+(kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES);
+``--swaps`` the operand order (``MoEConfig.swap``), ``--splits`` gate_up's K splits (``MoEConfig.split``).
 
 ``--rows R``: the row-tile entries (key + ("rows",)) for a prefill chunk of R rows instead: pairs per
 tile (block_m), N / K tiles and warps, with the decode entries unchanged; each config's rows 0 and
@@ -143,6 +145,7 @@ def main():
     ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     ap.add_argument("--tiles-k", default="64,128", help="--fp8: K tiles to try")
     ap.add_argument("--kernels", default="gate_up,down", help="the grouped kernels to sweep (decode)")
+    ap.add_argument("--splits", default="1", help="--fp8: K splits of gate_up to try (MoEConfig.split; down: 1)")
     ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")
     args = ap.parse_args()
     if args.rows:
@@ -180,13 +183,14 @@ def main():
                 best = None
                 key_ = (kernel, "fp8") if fp8 else kernel
                 ints = lambda v: [int(x) for x in v.split(",")]   # noqa: E731
+                splits = ints(args.splits) if kernel == "gate_up" else [1]
                 grid = (itertools.product(ints(args.tiles_n), ints(args.tiles_k), ints(args.stages),
-                                          args.routes.split(","), ints(args.warps), ints(args.swaps)) if fp8 else
-                        itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,), (0,)))
-                for tn, tk, st, via, wp, sw in grid:
+                                          args.routes.split(","), ints(args.warps), ints(args.swaps), splits)
+                        if fp8 else itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,), (0,), (1,)))
+                for tn, tk, st, via, wp, sw, sp in grid:
                     M.MOE_CONFIGS.gpu.update(default)
                     M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=wp, num_stages=st,
-                                                          fp8_route=via, swap=bool(sw))
+                                                          fp8_route=via, swap=bool(sw), split=sp)
                     try:
                         out = run()
                         ok = bool(((out - ref).abs().max() / ref.abs().max()).item() < 2e-2)
@@ -195,20 +199,20 @@ def main():
                         ms = _time(run)
                     except Exception as e:  # a config that does not compile (shared memory)
                         rows.append(dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
-                                         warps=wp, via=via, swap=sw, status=f"{type(e).__name__}"))
+                                         warps=wp, via=via, swap=sw, split=sp, status=f"{type(e).__name__}"))
                         continue
                     r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, warps=wp, via=via,
-                             swap=sw, us=ms * 1e3,
+                             swap=sw, split=sp, us=ms * 1e3,
                              ok=ok, inv=inv, status="ok", default_us=base_ms * 1e3)
                     rows.append(r)
-                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via} swap={sw}: "
+                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via} swap={sw} split={sp}: "
                           f"{ms * 1e3:.1f} us"
                           f" ok={ok} inv={inv}", flush=True)
                     if ok and inv and (best is None or ms < best[0]):
-                        best = (ms, tn, tk, st, via, wp, sw)
+                        best = (ms, tn, tk, st, via, wp, sw, sp)
                 if best:
                     print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} warps={best[5]} stages={best[3]} "
-                          f"route={best[4]} swap={best[6]}: "
+                          f"route={best[4]} swap={best[6]} split={best[7]}: "
                           f"{best[0] * 1e3:.1f} us ({nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW over "
                           f"both kernels' bytes)", flush=True)
             with open(os.path.join(args.out, "moe_tiles.json"), "w") as f:
@@ -222,13 +226,13 @@ def main():
         tot = {}
         for r in rows:
             if r["kernel"] == kernel and r["status"] == "ok" and r["ok"] and r["inv"]:
-                key = (r["tile_n"], r["tile_k"], r["stages"], r["via"], r["warps"], r["swap"])
+                key = (r["tile_n"], r["tile_k"], r["stages"], r["via"], r["warps"], r["swap"], r.get("split", 1))
                 tot.setdefault(key, []).append(r["us"])
         cells = len({(r["shape"], r["n"]) for r in rows})
         full = {k_: sum(v) for k_, v in tot.items() if len(v) == cells}
         for key, us in sorted(full.items(), key=lambda t: t[1])[:6]:
             print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} route={key[3]} warps={key[4]} "
-                  f"swap={key[5]}: {us:8.1f}")
+                  f"swap={key[5]} split={key[6]}: {us:8.1f}")
 
 
 if __name__ == "__main__":

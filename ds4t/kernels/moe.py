@@ -130,6 +130,25 @@ def _store_tile(ptr, p, sp, n, qm, nm, val, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT: tl.constexpr):
+    """fp32 [BM, BK] activations silu(g) * u of pairs p, columns kk, for the down product: loaded as the
+    gate/up kernel stored them, or (GU_SPLIT > 1) made from its split partials g = act[0, p, kk] +
+    act[1, p, kk] + ... and u likewise at column I + kk, added in split order."""
+    ptrs = act_ptr + p[:, None] * sa_p + kk[None, :]
+    m = qm[:, None] & km[None, :]
+    if GU_SPLIT > 1:
+        g = tl.load(ptrs, mask=m, other=0.0)
+        u = tl.load(ptrs + I, mask=m, other=0.0)
+        for s in tl.static_range(1, GU_SPLIT):
+            g = g + tl.load(ptrs + s * sa_s, mask=m, other=0.0)
+            u = u + tl.load(ptrs + s * sa_s + I, mask=m, other=0.0)
+        a = _silu(g) * u
+    else:
+        a = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+    return a
+
+
+@triton.jit
 def _moe_group_kernel(
     ids_ptr, si_b, order_ptr, bounds_ptr, P, SHARED,
     KTOP: tl.constexpr, KT: tl.constexpr, BP: tl.constexpr,
@@ -195,15 +214,26 @@ def _moe_gate_up_kernel(
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr, ACT_ROUNDED: tl.constexpr,
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
 ):
     """FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
     columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
     accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SWAP: the tiles
-    are computed transposed (:func:`_pair_dot`); a pair's K order is the same."""
+    are computed transposed (:func:`_pair_dot`); a pair's K order is the same.
+
+    SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
+    (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
+    sa_p); the down kernel adds the SPLIT partials in split order and applies silu(g) * u itself."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
+    if SPLIT > 1:
+        k_lo = tl.program_id(2) * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, D)
+    else:
+        k_lo = 0
+        k_hi = D
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
@@ -220,7 +250,7 @@ def _moe_gate_up_kernel(
         acc_u = acc_g
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
-            for kb in range(0, D, KSTEP):
+            for kb in range(k_lo, k_hi, KSTEP):
                 j = kb // SBK
                 sg = _row_vec(tl.load(sg_ptr + s_row + j, mask=nm, other=0.0), SWAP)
                 su = _row_vec(tl.load(su_ptr + s_row + j, mask=nm, other=0.0), SWAP)
@@ -249,17 +279,22 @@ def _moe_gate_up_kernel(
                     acc_g = scaled_add(acc_g, pg, sg)
                     acc_u = scaled_add(acc_u, pu, su)
         else:
-            for k0 in range(0, D, BK):
+            for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < D
                 a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
                 a = cast(a.to(tl.float32), WDT)
                 acc_g = _pair_dot(a, _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc_g, SWAP, False)
                 acc_u = _pair_dot(a, _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc_u, SWAP, False)
-        act = _silu(acc_g) * acc_u
-        if ACT_ROUNDED:   # a 16-bit act buffer: rounded here as the down kernel would round each load
-            act = cast(act, WDT)
-        _store_tile(act_ptr, p, sa_p, n, qm, nm, act, SWAP)
+        if SPLIT > 1:
+            part = act_ptr + tl.program_id(2) * sa_s
+            _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
+            _store_tile(part + I, p, sa_p, n, qm, nm, acc_u, SWAP)
+        else:
+            act = _silu(acc_g) * acc_u
+            if ACT_ROUNDED:   # a 16-bit act buffer: rounded here as the down kernel would round each load
+                act = cast(act, WDT)
+            _store_tile(act_ptr, p, sa_p, n, qm, nm, act, SWAP)
 
 
 @triton.jit
@@ -272,8 +307,10 @@ def _moe_down_kernel(
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
+    GU_SPLIT: tl.constexpr = 1, sa_s=0,
 ):
-    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]."""
+    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)].
+    GU_SPLIT > 1: act holds the gate/up kernel's split partials (:func:`_act_tile`)."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
@@ -300,8 +337,7 @@ def _moe_down_kernel(
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
-                    a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :],
-                                other=0.0).to(tl.float32)
+                    a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT)
                     w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), sd, WDT, FP8_ROUTE)
                     if TF32:
                         a = round_in_f32(a, WDT)
@@ -316,8 +352,7 @@ def _moe_down_kernel(
             for k0 in range(0, I, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
-                a = tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-                a = cast(a.to(tl.float32), WDT)
+                a = cast(_act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT), WDT)
                 acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc, SWAP, False)
         _store_tile(y_ptr, p, sy_p, n, qm, nm, acc, SWAP)
 
@@ -421,6 +456,7 @@ class MoEConfig:
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
+    split: int = 1              # gate_up only: K (= D) splits on loop-step boundaries, summed by the down kernel
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -436,6 +472,15 @@ class MoEConfig:
 def k_step(K: int, BK: int, scale_bk: int) -> int:
     """Columns per K-loop step of an FP8 grouped kernel: one scale block, min(scale_bk, K rounded up to BK)."""
     return min(scale_bk, triton.cdiv(K, BK) * BK)
+
+
+def k_per_split(K: int, split: int, step: int) -> int:
+    """Columns per split of the gate/up kernel's K: whole loop steps of ``step`` columns (from K and the
+    config only). Raises when the split would leave a split empty."""
+    kps = triton.cdiv(triton.cdiv(K, split), step) * step
+    if split > 1 and triton.cdiv(K, kps) != split:
+        raise ValueError(f"moe gate_up: split={split} of K={K} in steps of {step} leaves a split empty")
+    return kps
 
 
 _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
@@ -456,6 +501,8 @@ def _config(kernel: str, fmt: tuple, B: int) -> MoEConfig:
     same_sums = {"direct": "exact", "f32": "exact"}   # the exact 16-bit routes give the same bits
     if same_sums.get(rows.fp8_route, rows.fp8_route) != same_sums.get(cfg.fp8_route, cfg.fp8_route):
         raise ValueError(f"moe {kernel}: a row tile must keep the decode config's MMA route ({cfg.fp8_route})")
+    if rows.split != cfg.split:
+        raise ValueError(f"moe {kernel}: a row tile must keep the decode config's K split ({cfg.split})")
     return rows
 
 
@@ -583,7 +630,12 @@ def moe_experts(
     # silu(g)·u is rounded to A before the down product: with a 16-bit A the gate/up kernel stores it
     # rounded (half the bytes the down kernel reads once per D tile; same bits).
     act_rounded = not gguf and adt in (torch.bfloat16, torch.float16)
-    act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
+    gu_cfg = None if gguf else _config("gate_up", ("fp8",) if fp8 else (), B)
+    split = 1 if gguf else gu_cfg.split
+    if split > 1:   # fp32 partials [split, P, 2I] (g, then u), summed by the down kernel
+        act = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev)
+    else:
+        act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
     y = torch.empty((P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
     fmt = ("fp8",) if fp8 else ()
@@ -607,20 +659,24 @@ def moe_experts(
         return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
-    cfg = _config("gate_up", fmt, B)
+    cfg = gu_cfg
     BN, BK = cfg.tiles(I, D, sbk)
     if cfg.block_m > BLOCK_M and adt in (torch.bfloat16, torch.float16) and h.dtype == torch.float32:
         # A row tile reads h once per N tile: round it to A here, once (round to nearest even, what
         # the kernel's cast does to every load), and each program reads half the bytes; same bits.
         h = h.to(adt)
     kw = launch_kwargs(cfg)
+    step = BK
     if fp8:
+        step = k_step(D, BK, sbk)
         kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
-                  SBK=sbk, KSTEP=k_step(D, BK, sbk), FP8_ROUTE=_fp8_route(cfg, adt))
-    _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
+                  SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
+    if split > 1:
+        kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=act.stride(0))
+    _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN), split)](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
-        act, act.stride(0),
+        act, act.stride(-2),
         D, I, KT, E,
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
         SWAP=cfg.swap, **kw, **LAUNCH,
@@ -632,8 +688,10 @@ def moe_experts(
     if fp8:
         kw.update(sd_ptr=w_down.scale, ss_e=w_down.scale.stride(0), ss_n=w_down.scale.stride(1),
                   SBK=sbk, KSTEP=k_step(I, BK, sbk), FP8_ROUTE=_fp8_route(cfg, adt))
+    if split > 1:
+        kw.update(GU_SPLIT=split, sa_s=act.stride(0))
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
-        act, act.stride(0), order, bounds, experts,
+        act, act.stride(-2), order, bounds, experts,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(0),
         D, I, E,

@@ -536,6 +536,55 @@ def test_swapped_tiles(fmt, route, adt):
     assert all(torch.equal(y[i:i + 1], run(slice(i, i + 1))) for i in (0, 11, 23))
 
 
+@pytest.mark.parametrize("fmt,route,adt,split,swap", [
+    ("bf16", "direct", None, 2, False),
+    ("bf16", "direct", None, 3, True),
+    ("fp8", "f32", torch.float32, 2, True),
+    ("fp8", "f32", torch.bfloat16, 3, True),
+    ("fp8", "tf32", torch.bfloat16, 2, False),
+], ids=str)
+def test_split_gate_up(fmt, route, adt, split, swap):
+    """``MoEConfig(split=S)`` on gate_up (K in S parts whose fp32 partials the down kernel adds in order):
+    the reference within the dtype's bound, NaN-poisoned outputs overwritten, each row alone bitwise what
+    it is in a batch (two experts with more than one 16-pair tile; D = 520: a ragged last split). The down
+    entry is the same config without a split."""
+    E, I, D, k, B = 6, 40, 520, 3, 24
+    if fmt == "fp8":
+        wg, wu, wd = _fp8_weights(E, I, D, 81)
+        tol = FP8_TOL[adt]
+    else:
+        wg, wu, wd = _weights(E, I, D, torch.bfloat16, 81)
+        tol = TOL[torch.bfloat16]
+    ids, w = _routing(B, E - 1, k, seed=82)
+    h = torch.randn(B, D, generator=gen(83))
+    gu = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap, split=split)
+    dn = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap)
+
+    def run(rows=slice(None), cfg=gu):
+        with use_variants({"moe_experts": GPU}), \
+                M.MOE_CONFIGS.forced(lambda kernel, *f: cfg if kernel == "gate_up" else dn):
+            return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
+                               out=poisoned((h[rows].shape[0], D)))
+
+    y = run()
+    assert not torch.isnan(y).any()
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() <= tol
+    assert all(torch.equal(y[i:i + 1], run(slice(i, i + 1))) for i in (0, 11, 23))
+    assert ((y - run(cfg=dn)).abs().max() / ref.abs().max()).item() <= tol   # the unsplit sums: close
+
+
+def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
+    with pytest.raises(ValueError, match="empty"):
+        M.k_per_split(256, 3, 128)
+    assert M.k_per_split(520, 3, 64) == 192 and M.k_per_split(2048, 2, 128) == 1024
+    base = M.MoEConfig(tile_n=32, tile_k=64, split=2)
+    rows = M.MoEConfig(tile_n=64, tile_k=64, block_m=32, min_rows=8)
+    with M.MOE_CONFIGS.forced(lambda kernel, *f: rows if f[-1:] == ("rows",) else base):
+        with pytest.raises(ValueError, match="split"):
+            M._config("gate_up", (), 16)
+
+
 # ----------------------------------------------------------------------------- row tiles (prefill chunks)
 
 def _row_tile_run(fmt, row_cfg, device, B=24):
