@@ -102,6 +102,84 @@ def _scaled_dot(acc, q, xt, s):
 
 
 @triton.jit
+def _q8_0_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr):
+    """acc + the G Q8_0 blocks of columns k .. k + 32 G, in K order. Planes: q int8 [KW] @0, d fp16
+    [KW / 32] @KW."""
+    for g in tl.static_range(G):
+        kg = k + 32 * g
+        d = tl.load((w_row + KW + kg // 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), _x_tile(x_row, kg, 32, ADT), d)
+    return acc
+
+
+@triton.jit
+def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
+    """acc + the Q4_K 256-block at column k. Planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks
+    2c low nibbles, 2c + 1 high), header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales
+    and mins)."""
+    hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
+    w0 = tl.load(hdr)
+    w1 = tl.load(hdr + 1)
+    w2 = tl.load(hdr + 2)
+    w3 = tl.load(hdr + 3)
+    d = _f16_bits(w0)
+    dmin = _f16_bits(w0 >> 16)
+    # the mins: sum_j m_j * (x_j . 1) as one MMA chain over the block (m_j broadcast along its
+    # sub-block; small integers, exact in ADT), scaled by dmin once per block
+    acc_m = tl.zeros(acc.shape, dtype=tl.float32)
+    for c in tl.static_range(4):
+        lo, hi = nibbles_to(_raw_bytes(w_row, k // 2 + 32 * c, 32), ADT)   # exact in ADT
+        for h in tl.static_range(2):
+            sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
+            xt = _x_tile(x_row, k + 64 * c + 32 * h, 32, ADT)
+            q = lo if h == 0 else hi
+            acc = _scaled_dot(acc, q, xt, d * sc.to(tl.float32))
+            acc_m = mma(tl.broadcast_to(cast(m.to(tl.float32), ADT)[:, None], q.shape), xt, acc_m)
+    return scaled_add(acc, acc_m, -dmin[:, None])
+
+
+@triton.jit
+def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
+    """acc + the Q6_K 256-block at column k. Planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8
+    [KW / 16] @3 KW / 4, d fp16 [KW / 256] after. Element e of half hf of a block: low 4 bits in ql byte
+    64 hf + e % 64 (nibble e // 64), high 2 in qh byte 32 hf + e % 32 (bits 2 (e // 32)): sub-block
+    i = e // 16 of the half reads 16-byte ql run i % 4 and qh run i % 2, each loaded once per half."""
+    blk = k // 256
+    d = tl.load((w_row + (3 * KW // 4 + KW // 16) + blk * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    scw = (w_row + 3 * KW // 4 + blk * 16).to(tl.pointer_type(tl.int32))
+    for hf in tl.static_range(2):
+        sw0 = tl.load(scw + 2 * hf)
+        sw1 = tl.load(scw + 2 * hf + 1)
+        ql0 = _raw_bytes(w_row, blk * 128 + 64 * hf, 16)
+        ql1 = _raw_bytes(w_row, blk * 128 + 64 * hf + 16, 16)
+        ql2 = _raw_bytes(w_row, blk * 128 + 64 * hf + 32, 16)
+        ql3 = _raw_bytes(w_row, blk * 128 + 64 * hf + 48, 16)
+        qh0 = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf, 16)
+        qh1 = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf + 16, 16)
+        for i in tl.static_range(8):
+            lo = _pick(i % 4, ql0, ql1, ql2, ql3)
+            hi = _pick(i % 2, qh0, qh1, qh0, qh1)
+            sw = _pick(i // 4, sw0, sw1, sw0, sw1)
+            sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
+            acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT),
+                              _x_tile(x_row, k + 128 * hf + 16 * i, 16, ADT), d * sc)
+    return acc
+
+
+@triton.jit
+def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr):
+    """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K: one
+    256-block)."""
+    if FMT == 0:
+        acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
+    elif FMT == 1:
+        acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW)
+    else:
+        acc = _q6_k_step(acc, w_row, x_row, k, ADT, KW)
+    return acc
+
+
+@triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
          KW: tl.constexpr):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
@@ -112,62 +190,24 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. The integers become
     ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``six_bit_to`` (packed bit tricks
     on the GPU, plain conversions in the interpreter: the same exact values)."""
-    if FMT == 0:
-        # planes: q int8 [KW] @0, d fp16 [KW / 32] @KW
-        for k in range(k_lo, k_hi, 32 * G):
-            for g in tl.static_range(G):
-                kg = k + 32 * g
-                d = tl.load((w_row + KW + kg // 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
-                acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), _x_tile(x_row, kg, 32, ADT), d)
-    elif FMT == 1:
-        # planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks 2c low nibbles, 2c + 1 high),
-        # header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales and mins)
-        for k in range(k_lo, k_hi, 256):
-            hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
-            w0 = tl.load(hdr)
-            w1 = tl.load(hdr + 1)
-            w2 = tl.load(hdr + 2)
-            w3 = tl.load(hdr + 3)
-            d = _f16_bits(w0)
-            dmin = _f16_bits(w0 >> 16)
-            # the mins: sum_j m_j * (x_j . 1) as one MMA chain over the block (m_j broadcast along its
-            # sub-block; small integers, exact in ADT), scaled by dmin once per block
-            acc_m = tl.zeros(acc.shape, dtype=tl.float32)
-            for c in tl.static_range(4):
-                lo, hi = nibbles_to(_raw_bytes(w_row, k // 2 + 32 * c, 32), ADT)   # exact in ADT
-                for h in tl.static_range(2):
-                    sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
-                    xt = _x_tile(x_row, k + 64 * c + 32 * h, 32, ADT)
-                    q = lo if h == 0 else hi
-                    acc = _scaled_dot(acc, q, xt, d * sc.to(tl.float32))
-                    acc_m = mma(tl.broadcast_to(cast(m.to(tl.float32), ADT)[:, None], q.shape), xt, acc_m)
-            acc = scaled_add(acc, acc_m, -dmin[:, None])
-    else:
-        # planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8 [KW / 16] @3 KW / 4, d fp16 [KW / 256] after.
-        # Element e of half hf of a block: low 4 bits in ql byte 64 hf + e % 64 (nibble e // 64), high 2 in
-        # qh byte 32 hf + e % 32 (bits 2 (e // 32)): sub-block i = e // 16 of the half reads 16-byte ql
-        # run i % 4 and qh run i % 2, each loaded once per half.
-        for k in range(k_lo, k_hi, 256):
-            blk = k // 256
-            d = tl.load((w_row + (3 * KW // 4 + KW // 16) + blk * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-            scw = (w_row + 3 * KW // 4 + blk * 16).to(tl.pointer_type(tl.int32))
-            for hf in tl.static_range(2):
-                sw0 = tl.load(scw + 2 * hf)
-                sw1 = tl.load(scw + 2 * hf + 1)
-                ql0 = _raw_bytes(w_row, blk * 128 + 64 * hf, 16)
-                ql1 = _raw_bytes(w_row, blk * 128 + 64 * hf + 16, 16)
-                ql2 = _raw_bytes(w_row, blk * 128 + 64 * hf + 32, 16)
-                ql3 = _raw_bytes(w_row, blk * 128 + 64 * hf + 48, 16)
-                qh0 = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf, 16)
-                qh1 = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf + 16, 16)
-                for i in tl.static_range(8):
-                    lo = _pick(i % 4, ql0, ql1, ql2, ql3)
-                    hi = _pick(i % 2, qh0, qh1, qh0, qh1)
-                    sw = _pick(i // 4, sw0, sw1, sw0, sw1)
-                    sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
-                    acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT),
-                                      _x_tile(x_row, k + 128 * hf + 16 * i, 16, ADT), d * sc)
+    STEP: tl.constexpr = 32 * G if FMT == 0 else 256
+    for k in range(k_lo, k_hi, STEP):
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW)
     return acc
+
+
+@triton.jit
+def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr,
+              G: tl.constexpr, KW: tl.constexpr):
+    """(:func:`qdot` of w_row, :func:`qdot` of w2_row) in one loop: each K step of the one weight, then
+    of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
+    order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
+    kernel computes)."""
+    STEP: tl.constexpr = 32 * G if FMT == 0 else 256
+    for k in range(k_lo, k_hi, STEP):
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW)
+        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW)
+    return acc, acc2
 
 
 @triton.jit(do_not_specialize=["B"])

@@ -23,7 +23,7 @@ from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
-from ds4t.kernels.qlinear import _q8_group, qdot
+from ds4t.kernels.qlinear import _q8_group, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
 
@@ -50,8 +50,7 @@ def _qmoe_gate_up_kernel(
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         x_row = h_ptr + (p // KTOP) * sh_b
         zero = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
-        acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+        acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
