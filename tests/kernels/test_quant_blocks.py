@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +17,7 @@ from ds4t.kernels import weights
 from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
-from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, qlinear_config
+from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, qdot, qdot_pair, qlinear_config
 from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, dequantize, quantize, quantize_numpy, repack,
                                        unpack)
 from tests.kernels.invariance import assert_rows_invariant, poisoned
@@ -276,3 +278,48 @@ def test_moe_weight_errors():
         moe_experts(h, ids, wts, wg, random_blocks(tuple(wu.shape), "Q6_K", 0), wd)
     with pytest.raises(TypeError, match="cannot mix"):
         moe_experts(h, ids, wts, wg, wu, wd.dequantize())
+
+
+@triton.jit
+def _qdot_probe(w_ptr, w2_ptr, x_ptr, out_ptr, stride_w, stride_x, K: tl.constexpr, FMT: tl.constexpr,
+                ADT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, PAIR: tl.constexpr):
+    """out[0] = x . w and out[1] = x . w2 ([BN, 16] tiles), by two qdot calls or (PAIR) one qdot_pair."""
+    n = tl.arange(0, BN)
+    m = tl.arange(0, 16)
+    w_row = w_ptr + n.to(tl.int64) * stride_w
+    w2_row = w2_ptr + n.to(tl.int64) * stride_w
+    x_row = x_ptr + m.to(tl.int64) * stride_x
+    zero = tl.zeros((BN, 16), dtype=tl.float32)
+    if PAIR:
+        a, b = qdot_pair(zero, zero, w_row, w2_row, x_row, 0, K, FMT, ADT, G, K)
+    else:
+        a = qdot(zero, w_row, x_row, 0, K, FMT, ADT, G, K)
+        b = qdot(zero, w2_row, x_row, 0, K, FMT, ADT, G, K)
+    o = out_ptr + n[:, None] * 16 + m[None, :]
+    tl.store(o, a)
+    tl.store(o + BN * 16, b)
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_qdot_pair_is_two_qdots_bitwise(qtype, adt):
+    """The MoE gate/up kernel's interleaved loop (qdot_pair) gives each weight exactly qdot's bits; control:
+    a pair whose second weight differs in one block changes only the second result."""
+    from ds4t.backend import tl_dtype
+
+    K, BN = 512, 32
+    w, w2 = (random_blocks((BN, K), qtype, seed, exp=(-3, -2)) for seed in (31, 32))
+    x = _x(16, K, 33)
+    code, G = FORMATS[qtype].code, (4 if qtype == "Q8_0" else 1)
+
+    def run(a, b, pair):
+        out = poisoned((2, BN, 16), device=DEV)
+        _qdot_probe[(1,)](a.data, b.data, x, out, a.data.stride(0), x.stride(0), K=K, FMT=code, ADT=tl_dtype(adt),
+                          G=G, BN=BN, PAIR=pair)
+        return out
+
+    two, pair = run(w, w2, False), run(w, w2, True)
+    assert not torch.isnan(pair).any() and torch.equal(two, pair)
+    w3 = random_blocks((BN, K), qtype, 34, exp=(-3, -2))
+    other = run(w, w3, True)
+    assert torch.equal(other[0], pair[0]) and not torch.equal(other[1], pair[1])
