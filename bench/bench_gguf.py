@@ -175,8 +175,9 @@ def linear_grid(K: int, N: int, qt: str):
 
 def moe_grid(kernel: str, qt: str):
     """The configs tried for one grouped kernel and type (the other kernel keeps its table config)."""
-    out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st)
-           for bn in (16, 32, 64, 128) for w, st in ((2, 1), (2, 3), (4, 1), (4, 3)) for g in ((4, 8) if qt == "Q8_0" else (4,))]
+    out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st, interleave=il)
+           for bn in (16, 32, 64, 128) for w, st in ((2, 1), (2, 3), (4, 1), (4, 3)) for g in ((4, 8) if qt == "Q8_0" else (4,))
+           for il in ((True, False) if kernel == "gate_up" else (True,))]
     base = QMOE_CONFIGS(kernel, qt)
     return list(dict.fromkeys(out + [base]))
 

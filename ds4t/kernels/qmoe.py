@@ -34,9 +34,11 @@ def _qmoe_gate_up_kernel(
     act_ptr, sa_p,
     I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
+    INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
+    whole K loop after the other; the same bits either way.
     wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
     constexpr because the planes of a row start at offsets made from it."""
     grid_dependency()
@@ -50,7 +52,11 @@ def _qmoe_gate_up_kernel(
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         x_row = h_ptr + (p // KTOP) * sh_b
         zero = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+        if INTERLEAVE:
+            acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+        else:
+            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -87,6 +93,7 @@ class QMoEConfig:
     q8_group: int = 4
     num_warps: int = 4
     num_stages: int = 3
+    interleave: bool = True   # gate_up: gate and up step through K together (same bits; not yet timed on a GPU)
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -136,7 +143,7 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](

@@ -272,6 +272,21 @@ def _moe_case(qg, qd, adt):
         assert torch.equal(one[0], o[i])
 
 
+def test_moe_interleave_changes_no_bit():
+    """QMoEConfig.interleave (gate and up through K together, or one after the other): the same bits."""
+    from ds4t.kernels import qmoe
+
+    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q8_0", seed=11)
+    E = wg.shape[0]
+    outs = []
+    for il in (True, False):
+        cfg = qmoe.QMoEConfig(tile_n=32, q8_group=4, interleave=il)
+        with use_variants({"moe_experts": "gpu"}), qmoe.QMOE_CONFIGS.forced(lambda kernel, qt: cfg):
+            outs.append(moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16,
+                                    out=poisoned((h.shape[0], h.shape[1]), device=DEV)))
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
+
+
 def test_moe_weight_errors():
     h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q6_K", seed=1)
     with pytest.raises(ValueError, match="one GGUF type"):
