@@ -1,5 +1,7 @@
 """Routed MoE experts: vs reference (per-dtype tolerances, odd shapes), vs HF's experts module,
 NaN-poisoned outputs, and row batch invariance with rows sharing experts."""
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -503,29 +505,23 @@ def test_fp8_routes(adt):
     assert not torch.equal(y3, y1)
 
 
-@pytest.mark.parametrize("fmt,route,adt", [
-    ("bf16", "direct", None),
-    ("fp8", "f32", torch.float32),
-    ("fp8", "f32", torch.bfloat16),
-    ("fp8", "tf32", torch.bfloat16),
-], ids=str)
-def test_swapped_tiles(fmt, route, adt):
-    """``MoEConfig(swap=True)`` (the weight rows as the MMA's M side): the reference within the dtype's
-    bound, NaN-poisoned outputs overwritten, and each row alone bitwise what it is in a batch in which
-    two experts hold more than one 16-pair tile (ragged D and I)."""
-    E, I, D, k, B = 6, 40, 200, 3, 24
+def _config_case(fmt, adt, D, seed, gate_up, down):
+    """moe_experts with ``gate_up`` / ``down`` forced (grouped kernels): the reference within the dtype's
+    bound, NaN-poisoned outputs overwritten, and each row alone bitwise what it is in a batch in which two
+    experts hold more than one 16-pair tile (I = 40, ragged D). Returns (y, run)."""
+    E, I, k, B = 6, 40, 3, 24
     if fmt == "fp8":
-        wg, wu, wd = _fp8_weights(E, I, D, 71)
+        wg, wu, wd = _fp8_weights(E, I, D, seed)
         tol = FP8_TOL[adt]
     else:
-        wg, wu, wd = _weights(E, I, D, torch.bfloat16, 71)
+        wg, wu, wd = _weights(E, I, D, torch.bfloat16, seed)
         tol = TOL[torch.bfloat16]
-    ids, w = _routing(B, E - 1, k, seed=72)
-    h = torch.randn(B, D, generator=gen(73))
-    cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=True, num_warps=2)
+    ids, w = _routing(B, E - 1, k, seed=seed + 1)
+    h = torch.randn(B, D, generator=gen(seed + 2))
 
-    def run(rows=slice(None)):
-        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *f: cfg):
+    def run(rows=slice(None), gu=gate_up):
+        with use_variants({"moe_experts": GPU}), \
+                M.MOE_CONFIGS.forced(lambda kernel, *f: gu if kernel == "gate_up" else down):
             return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
                                out=poisoned((h[rows].shape[0], D)))
 
@@ -534,6 +530,19 @@ def test_swapped_tiles(fmt, route, adt):
     ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
     assert ((y - ref).abs().max() / ref.abs().max()).item() <= tol
     assert all(torch.equal(y[i:i + 1], run(slice(i, i + 1))) for i in (0, 11, 23))
+    return y, run, ref, tol
+
+
+@pytest.mark.parametrize("fmt,route,adt", [
+    ("bf16", "direct", None),
+    ("fp8", "f32", torch.float32),
+    ("fp8", "f32", torch.bfloat16),
+    ("fp8", "tf32", torch.bfloat16),
+], ids=str)
+def test_swapped_tiles(fmt, route, adt):
+    """``MoEConfig(swap=True)`` (the weight rows as the MMA's M side) on both kernels: see _config_case."""
+    cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=True, num_warps=2)
+    _config_case(fmt, adt, 200, 71, cfg, cfg)
 
 
 @pytest.mark.parametrize("fmt,route,adt,split,swap", [
@@ -544,34 +553,11 @@ def test_swapped_tiles(fmt, route, adt):
     ("fp8", "tf32", torch.bfloat16, 2, False),
 ], ids=str)
 def test_split_gate_up(fmt, route, adt, split, swap):
-    """``MoEConfig(split=S)`` on gate_up (K in S parts whose fp32 partials the down kernel adds in order):
-    the reference within the dtype's bound, NaN-poisoned outputs overwritten, each row alone bitwise what
-    it is in a batch (two experts with more than one 16-pair tile; D = 520: a ragged last split). The down
-    entry is the same config without a split."""
-    E, I, D, k, B = 6, 40, 520, 3, 24
-    if fmt == "fp8":
-        wg, wu, wd = _fp8_weights(E, I, D, 81)
-        tol = FP8_TOL[adt]
-    else:
-        wg, wu, wd = _weights(E, I, D, torch.bfloat16, 81)
-        tol = TOL[torch.bfloat16]
-    ids, w = _routing(B, E - 1, k, seed=82)
-    h = torch.randn(B, D, generator=gen(83))
-    gu = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap, split=split)
+    """``MoEConfig(split=S)`` on gate_up (K in S parts whose fp32 partials the down kernel adds in order;
+    D = 520: a ragged last split): see _config_case; and close to the unsplit sums."""
     dn = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap)
-
-    def run(rows=slice(None), cfg=gu):
-        with use_variants({"moe_experts": GPU}), \
-                M.MOE_CONFIGS.forced(lambda kernel, *f: cfg if kernel == "gate_up" else dn):
-            return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
-                               out=poisoned((h[rows].shape[0], D)))
-
-    y = run()
-    assert not torch.isnan(y).any()
-    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
-    assert ((y - ref).abs().max() / ref.abs().max()).item() <= tol
-    assert all(torch.equal(y[i:i + 1], run(slice(i, i + 1))) for i in (0, 11, 23))
-    assert ((y - run(cfg=dn)).abs().max() / ref.abs().max()).item() <= tol   # the unsplit sums: close
+    y, run, ref, tol = _config_case(fmt, adt, 520, 81, dataclasses.replace(dn, split=split), dn)
+    assert ((y - run(gu=dn)).abs().max() / ref.abs().max()).item() <= tol
 
 
 def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
