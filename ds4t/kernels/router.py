@@ -63,9 +63,20 @@ ROUTER_CONFIGS: ConfigTable[RouterConfig] = ConfigTable(
 @triton.jit
 def _take_max(x, avail, cols, BIG: tl.constexpr):
     """Per row of x [R, C] among the ``avail`` columns: (max value, first column holding it, avail
-    without that column). Works when the max is -inf (a separate mask, not a sentinel value)."""
-    m = tl.max(tl.where(avail, x, float("-inf")), axis=1)
-    idx = tl.min(tl.where(avail & (x == m[:, None]), cols[None, :], BIG), axis=1)
+    without that column). Works when the max is -inf (a separate mask, not a sentinel value).
+
+    One reduction, not two (a max, then a min over the columns holding it): each value becomes an int64
+    key, its fp32 bits made order-preserving (negatives' magnitude bits flipped; -0.0 first made +0.0,
+    which compares equal to it) above ``BIG - 1 - column``, so the largest key is the largest value at
+    its lowest column. A max of integers is exact in any order: the same value and column as the two
+    reductions give (x without NaNs). The value is decoded from the key."""
+    b = (x + 0.0).to(tl.int32, bitcast=True)
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    key = (b.to(tl.int64) << 32) | (BIG - 1 - cols[None, :]).to(tl.int64)
+    km = tl.max(tl.where(avail, key, -9223372036854775807 - 1), axis=1)
+    idx = (BIG - 1 - (km & 0xFFFFFFFF)).to(tl.int32)
+    hb = (km >> 32).to(tl.int32)
+    m = tl.where(hb < 0, hb ^ 0x7FFFFFFF, hb).to(tl.float32, bitcast=True)
     avail = avail & (cols[None, :] != idx[:, None])
     return m, idx, avail
 
@@ -91,20 +102,15 @@ def _softmax_topk_kernel(
     e = tl.exp(x - m[:, None])
     den = tl.sum(e, axis=1)
     p = e / den[:, None]
-    # Top-k on the probabilities (HF: topk(softmax)), descending, ties to the lower index. Chosen
-    # (and padded) columns are set to -1, below every probability.
-    if EVEN_E:
-        pa = p
-    else:
-        pa = tl.where(c2 < E, p, -1.0)
+    # Top-k on the probabilities (HF: topk(softmax)), descending, ties to the lower index; chosen and
+    # padded columns leave ``avail``.
+    avail = (c2 < E) & (rl >= 0)
     kc2 = tl.arange(0, BK)[None, :]
     id_row = id_ptr + r1 * K
     wk = tl.zeros([ROWS, BK], dtype=tl.float32)
     tot = tl.zeros([ROWS], dtype=tl.float32)
     for j in tl.static_range(K):
-        v = tl.max(pa, axis=1)
-        idx = tl.min(tl.where(pa == v[:, None], c2, BE), axis=1)
-        pa = tl.where(c2 == idx[:, None], -1.0, pa)
+        v, idx, avail = _take_max(p, avail, tl.arange(0, BE), BE)
         tot = tot + v  # rank order
         wk = tl.where(kc2 == j, v[:, None], wk)
         tl.store(id_row + j, idx, mask=rok)

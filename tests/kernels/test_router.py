@@ -2,12 +2,15 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4t.backend import default_device
 from ds4t.kernels.router import (
     DROPPED_SCORE,
+    _take_max,
     router_sigmoid_grouped,
     router_sigmoid_grouped_ref,
     router_softmax_topk,
@@ -278,3 +281,39 @@ def test_bad_args():
         router_softmax_topk(torch.randn(2, 4), 5, True)
     with pytest.raises(ValueError):
         router_sigmoid_grouped(torch.randn(2, 9), torch.zeros(9), 2, 2, 1, True, 1.0)
+
+
+# ----------------------------------------------------------------------------- the selection step
+
+
+@triton.jit
+def _take_max_probe(x_ptr, avail_ptr, m_ptr, i_ptr, C: tl.constexpr, STEPS: tl.constexpr):
+    cols = tl.arange(0, C)
+    x = tl.load(x_ptr + cols)[None, :]
+    avail = (tl.load(avail_ptr + cols) != 0)[None, :]
+    for j in tl.static_range(STEPS):
+        m, idx, avail = _take_max(x, avail, cols, C)
+        tl.store(m_ptr + j + tl.arange(0, 1), m)
+        tl.store(i_ptr + j + tl.arange(0, 1), idx)
+
+
+def test_take_max_is_max_value_at_its_lowest_column():
+    """The routers' selection step (one int64-key reduction): the largest available value, ties (-0.0 and
+    +0.0 among them) to the lowest column, negatives and -inf ordered as floats, unavailable columns
+    never chosen; step by step against a plain reference."""
+    x = torch.tensor([-0.5, 3.0, -0.0, 0.0, 3.0, float("-inf"), -7.25, 1e-30, -1e-30, 0.0, float("-inf"), 2.0,
+                      -3.0, 3.0, 1.5, -0.5])
+    avail = torch.ones(16, dtype=torch.int32)
+    avail[13] = 0                                  # a maximum that is not available
+    m = torch.full((16,), float("nan"))
+    i = torch.full((16,), -1, dtype=torch.int32)
+    dev = default_device()
+    xm, av, mm, ii = (t.to(dev) for t in (x, avail, m, i))
+    _take_max_probe[(1,)](xm, av, mm, ii, C=16, STEPS=15)
+    ref_i, left = [], [c for c in range(16) if avail[c]]
+    for _ in range(15):
+        best = max(left, key=lambda c: (float(x[c]), -c))
+        ref_i.append(best)
+        left.remove(best)
+    assert ii.cpu().tolist()[:15] == ref_i
+    assert torch.equal(mm.cpu()[:15].abs(), x[ref_i].abs()) and torch.equal(mm.cpu()[:15], x[ref_i] + 0.0)
