@@ -86,9 +86,9 @@ def record_fp8() -> None:
         rule = M.MOE_CONFIGS.interp_rule
         gpu_entry = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)  # noqa: E731
         split = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
-            gpu_entry(kernel, *fmt), split=2 if kernel == "gate_up" else 1)
+            gpu_entry(kernel, *fmt), split=2)
         try:
-            for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, a split gate_up
+            for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, split K
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)

@@ -8,7 +8,7 @@ step time of ``moe_experts`` and the fraction of the copy bandwidth its weight b
 
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
 (kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES);
-``--swaps`` the operand order (``MoEConfig.swap``), ``--splits`` gate_up's K splits (``MoEConfig.split``).
+``--swaps`` the operand order (``MoEConfig.swap``), ``--splits`` the K splits (``MoEConfig.split``).
 
 ``--rows R``: the row-tile entries (key + ("rows",)) for a prefill chunk of R rows instead: pairs per
 tile (block_m), N / K tiles and warps, with the decode entries unchanged; each config's rows 0 and
@@ -145,7 +145,7 @@ def main():
     ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     ap.add_argument("--tiles-k", default="64,128", help="--fp8: K tiles to try")
     ap.add_argument("--kernels", default="gate_up,down", help="the grouped kernels to sweep (decode)")
-    ap.add_argument("--splits", default="1", help="--fp8: K splits of gate_up to try (MoEConfig.split; down: 1)")
+    ap.add_argument("--splits", default="1", help="--fp8: K splits to try (MoEConfig.split)")
     ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")
     args = ap.parse_args()
     if args.rows:
@@ -183,7 +183,7 @@ def main():
                 best = None
                 key_ = (kernel, "fp8") if fp8 else kernel
                 ints = lambda v: [int(x) for x in v.split(",")]   # noqa: E731
-                splits = ints(args.splits) if kernel == "gate_up" else [1]
+                splits = ints(args.splits)
                 grid = (itertools.product(ints(args.tiles_n), ints(args.tiles_k), ints(args.stages),
                                           args.routes.split(","), ints(args.warps), ints(args.swaps), splits)
                         if fp8 else itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,), (0,), (1,)))

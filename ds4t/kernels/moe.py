@@ -31,6 +31,10 @@ How it runs (no host synchronisation; every grid comes from shapes):
 3. ``_moe_down_kernel``, grid (min(E, P), cdiv(D, BN)): the same over I, writes y [P, D] (= [B, KT, D]).
    With ``MoEConfig.swap`` (the FP8 table's choice) both kernels compute a tile as w [BN, BK] @ h^T
    [BK, BM]: a decode tile has one or two real pairs, and the weight rows fill the MMA's M side.
+   With ``MoEConfig.split = S`` a kernel's grid gets an axis of S splits of its K (whole loop steps);
+   each stores fp32 partials and the next kernel adds them in split order (gate_up's: the down kernel,
+   before silu(g)·u; down's: the combine, before the routing weight): more programs for the few experts
+   of a decode step, no extra launch. Like every field it is fixed per key, never per batch.
 4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
 
 Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
@@ -127,6 +131,18 @@ def _store_tile(ptr, p, sp, n, qm, nm, val, SWAP: tl.constexpr):
         tl.store(ptr + p[None, :] * sp + n[:, None], val, mask=qm[None, :] & nm[:, None])
     else:
         tl.store(ptr + p[:, None] * sp + n[None, :], val, mask=qm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _split_range(K, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr):
+    """Columns [k_lo, k_hi) of K this program sums: split program_id(2) of SPLIT, or all of K."""
+    if SPLIT > 1:
+        k_lo = tl.program_id(2) * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    else:
+        k_lo = 0
+        k_hi = K
+    return k_lo, k_hi
 
 
 @triton.jit
@@ -228,12 +244,7 @@ def _moe_gate_up_kernel(
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
-    if SPLIT > 1:
-        k_lo = tl.program_id(2) * K_PER_SPLIT
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, D)
-    else:
-        k_lo = 0
-        k_hi = D
+    k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
@@ -307,10 +318,12 @@ def _moe_down_kernel(
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
-    GU_SPLIT: tl.constexpr = 1, sa_s=0,
+    GU_SPLIT: tl.constexpr = 1, sa_s=0, SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)].
-    GU_SPLIT > 1: act holds the gate/up kernel's split partials (:func:`_act_tile`)."""
+    GU_SPLIT > 1: act holds the gate/up kernel's split partials (:func:`_act_tile`). SPLIT > 1 (grid axis
+    2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
+    kernel adds in split order."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
@@ -318,6 +331,7 @@ def _moe_down_kernel(
     nm = n < D
     wbase = e.to(tl.int64) * sw_e
     TF32: tl.constexpr = FP8_ROUTE == 2
+    k_lo, k_hi = _split_range(I, SPLIT, K_PER_SPLIT)
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
@@ -328,7 +342,7 @@ def _moe_down_kernel(
             acc = tl.zeros([BM, BN], dtype=tl.float32)
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
-            for kb in range(0, I, KSTEP):
+            for kb in range(k_lo, k_hi, KSTEP):
                 sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0), SWAP)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over I
                     pd = acc
@@ -349,21 +363,23 @@ def _moe_down_kernel(
                 else:
                     acc = scaled_add(acc, pd, sd)
         else:
-            for k0 in range(0, I, BK):
+            for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
                 a = cast(_act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT), WDT)
                 acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc, SWAP, False)
-        _store_tile(y_ptr, p, sy_p, n, qm, nm, acc, SWAP)
+        _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
 
 
 @triton.jit
 def _moe_combine_kernel(
     y_ptr, sy_p, w_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED, out_ptr, so_b, B, D,
     KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+    SPLIT: tl.constexpr = 1, sy_s=0,
 ):
     """out[b] = sum over ranks j in order of w[b, j] * y[b, j]; a skipped pair (expert -1) adds 0 and its
-    y row, never written, is not read."""
+    y row, never written, is not read. SPLIT > 1: y[b, j] = y_0 + y_1 + ... , the down kernel's split
+    partials (stride sy_s) added in split order."""
     grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -374,7 +390,10 @@ def _moe_combine_kernel(
     for j in tl.static_range(KT):
         wj = _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, r64, j, rm, KTOP, GATED)
         ok = _pair_expert(ids_ptr, si_b, r64, j, rm, KTOP, SHARED) >= 0
-        yj = tl.load(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], mask=m2 & ok[:, None], other=0.0)
+        yp = y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :]
+        yj = tl.load(yp, mask=m2 & ok[:, None], other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            yj = yj + tl.load(yp + s * sy_s, mask=m2 & ok[:, None], other=0.0)
         acc = acc + tl.where(ok, wj, 0.0)[:, None] * yj
     tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
 
@@ -456,7 +475,7 @@ class MoEConfig:
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
-    split: int = 1              # gate_up only: K (= D) splits on loop-step boundaries, summed by the down kernel
+    split: int = 1              # K splits on loop-step boundaries: gate_up's summed by the down kernel, down's by the combine
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -475,11 +494,11 @@ def k_step(K: int, BK: int, scale_bk: int) -> int:
 
 
 def k_per_split(K: int, split: int, step: int) -> int:
-    """Columns per split of the gate/up kernel's K: whole loop steps of ``step`` columns (from K and the
+    """Columns per split of a grouped kernel's K: whole loop steps of ``step`` columns (from K and the
     config only). Raises when the split would leave a split empty."""
     kps = triton.cdiv(triton.cdiv(K, split), step) * step
     if split > 1 and triton.cdiv(K, kps) != split:
-        raise ValueError(f"moe gate_up: split={split} of K={K} in steps of {step} leaves a split empty")
+        raise ValueError(f"moe_experts: split={split} of K={K} in steps of {step} leaves a split empty")
     return kps
 
 
@@ -636,7 +655,9 @@ def moe_experts(
         act = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev)
     else:
         act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
-    y = torch.empty((P, D), dtype=torch.float32, device=dev)
+    dn_cfg = None if gguf else _config("down", ("fp8",) if fp8 else (), B)
+    dn_split = 1 if gguf else dn_cfg.split
+    y = torch.empty((dn_split, P, D) if dn_split > 1 else (P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
     fmt = ("fp8",) if fp8 else ()
     sbk = w_gate.block_k if fp8 else 0
@@ -682,18 +703,22 @@ def moe_experts(
         SWAP=cfg.swap, **kw, **LAUNCH,
     )
     # 3. down
-    cfg = _config("down", fmt, B)
+    cfg = dn_cfg
     BN, BK = cfg.tiles(D, I, sbk)
     kw = launch_kwargs(cfg)
+    step = BK
     if fp8:
+        step = k_step(I, BK, sbk)
         kw.update(sd_ptr=w_down.scale, ss_e=w_down.scale.stride(0), ss_n=w_down.scale.stride(1),
-                  SBK=sbk, KSTEP=k_step(I, BK, sbk), FP8_ROUTE=_fp8_route(cfg, adt))
+                  SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
     if split > 1:
         kw.update(GU_SPLIT=split, sa_s=act.stride(0))
-    _moe_down_kernel[(n_slots, triton.cdiv(D, BN))](
+    if dn_split > 1:
+        kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
+    _moe_down_kernel[(n_slots, triton.cdiv(D, BN), dn_split)](
         act, act.stride(-2), order, bounds, experts,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
-        y, y.stride(0),
+        y, y.stride(-2),
         D, I, E,
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, SWAP=cfg.swap, **kw, **LAUNCH,
     )
@@ -701,13 +726,15 @@ def moe_experts(
 
 
 def _combine(y, weights, gate, sg, ids, SHARED, out, B: int, D: int, k: int, KT: int, GATED: bool) -> torch.Tensor:
-    """4. the rank-ordered combine of the per-pair outputs y [B * KT, D] into out [B, D]
-    (MOE_COMBINE_CONFIGS); pairs whose expert id is -1 (another rank's, under tensor parallel) add 0."""
+    """4. the rank-ordered combine of the per-pair outputs y [B * KT, D] (or the down kernel's split
+    partials [S, B * KT, D]) into out [B, D] (MOE_COMBINE_CONFIGS); pairs whose expert id is -1 (another
+    rank's, under tensor parallel) add 0."""
     cfg = MOE_COMBINE_CONFIGS(D)
     ROWS, BD = cfg.rows, cfg.block_d
+    split = dict(SPLIT=y.shape[0], sy_s=y.stride(0)) if y.dim() == 3 else {}
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
-        y, y.stride(0), weights, weights.stride(0), gate, sg, ids, ids.stride(0), SHARED, out, out.stride(0), B, D,
-        KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD, **LAUNCH,
+        y, y.stride(-2), weights, weights.stride(0), gate, sg, ids, ids.stride(0), SHARED, out, out.stride(0), B, D,
+        KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD, **split, **LAUNCH,
     )
     return out
 

@@ -505,11 +505,11 @@ def test_fp8_routes(adt):
     assert not torch.equal(y3, y1)
 
 
-def _config_case(fmt, adt, D, seed, gate_up, down):
+def _config_case(fmt, adt, D, I, seed, gate_up, down):
     """moe_experts with ``gate_up`` / ``down`` forced (grouped kernels): the reference within the dtype's
     bound, NaN-poisoned outputs overwritten, and each row alone bitwise what it is in a batch in which two
-    experts hold more than one 16-pair tile (I = 40, ragged D). Returns (y, run)."""
-    E, I, k, B = 6, 40, 3, 24
+    experts hold more than one 16-pair tile. Returns (y, run, ref, tol)."""
+    E, k, B = 6, 3, 24
     if fmt == "fp8":
         wg, wu, wd = _fp8_weights(E, I, D, seed)
         tol = FP8_TOL[adt]
@@ -519,9 +519,9 @@ def _config_case(fmt, adt, D, seed, gate_up, down):
     ids, w = _routing(B, E - 1, k, seed=seed + 1)
     h = torch.randn(B, D, generator=gen(seed + 2))
 
-    def run(rows=slice(None), gu=gate_up):
+    def run(rows=slice(None), gu=gate_up, dn=down):
         with use_variants({"moe_experts": GPU}), \
-                M.MOE_CONFIGS.forced(lambda kernel, *f: gu if kernel == "gate_up" else down):
+                M.MOE_CONFIGS.forced(lambda kernel, *f: gu if kernel == "gate_up" else dn):
             return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
                                out=poisoned((h[rows].shape[0], D)))
 
@@ -542,22 +542,26 @@ def _config_case(fmt, adt, D, seed, gate_up, down):
 def test_swapped_tiles(fmt, route, adt):
     """``MoEConfig(swap=True)`` (the weight rows as the MMA's M side) on both kernels: see _config_case."""
     cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=True, num_warps=2)
-    _config_case(fmt, adt, 200, 71, cfg, cfg)
+    _config_case(fmt, adt, 200, 40, 71, cfg, cfg)
 
 
-@pytest.mark.parametrize("fmt,route,adt,split,swap", [
-    ("bf16", "direct", None, 2, False),
-    ("bf16", "direct", None, 3, True),
-    ("fp8", "f32", torch.float32, 2, True),
-    ("fp8", "f32", torch.bfloat16, 3, True),
-    ("fp8", "tf32", torch.bfloat16, 2, False),
+@pytest.mark.parametrize("fmt,route,adt,split,swap,where", [
+    ("bf16", "direct", None, 2, False, "gate_up"),
+    ("bf16", "direct", None, 3, True, "down"),
+    ("fp8", "f32", torch.float32, 2, True, "both"),
+    ("fp8", "f32", torch.bfloat16, 3, True, "gate_up"),
+    ("fp8", "f32", torch.bfloat16, 2, True, "down"),
+    ("fp8", "tf32", torch.bfloat16, 2, False, "both"),
 ], ids=str)
-def test_split_gate_up(fmt, route, adt, split, swap):
-    """``MoEConfig(split=S)`` on gate_up (K in S parts whose fp32 partials the down kernel adds in order;
-    D = 520: a ragged last split): see _config_case; and close to the unsplit sums."""
-    dn = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap)
-    y, run, ref, tol = _config_case(fmt, adt, 520, 81, dataclasses.replace(dn, split=split), dn)
-    assert ((y - run(gu=dn)).abs().max() / ref.abs().max()).item() <= tol
+def test_split_k(fmt, route, adt, split, swap, where):
+    """``MoEConfig(split=S)`` (K in S parts whose fp32 partials the next kernel adds in split order: the down
+    kernel gate_up's, the combine down's; D = 520 and I = 300: ragged last splits): see _config_case; and
+    close to the unsplit sums."""
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap)
+    cut = dataclasses.replace(base, split=split)
+    gu, dn = (cut if where in ("gate_up", "both") else base), (cut if where in ("down", "both") else base)
+    y, run, ref, tol = _config_case(fmt, adt, 520, 300, 81, gu, dn)
+    assert ((y - run(gu=base, dn=base)).abs().max() / ref.abs().max()).item() <= tol
 
 
 def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
