@@ -92,3 +92,17 @@ def test_row_tiles_control_a_changed_k_order_is_caught(monkeypatch):
     with _row_tiles(monkeypatch, k_tile_changes=True):
         rep = run_chunk_check(ds4t.load("tiny-qwen"), PROMPT, chunks=(1,), in_batch=False)
     assert not rep.ok and "logits differ from the whole prompt" in rep.first_mismatch
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-glm"])
+def test_fp8_moe_table_tiles_keep_chunk_invariance(preset):
+    """The GPU's FP8 MoE entries (swapped tiles: the weight rows on the MMA's M side) forced in the
+    interpreter on an FP8 model: whole prompt, chunks and token-by-token decoding give the same bits."""
+    from ds4t.kernels import moe as M
+    from ds4t.kernels.registry import GPU, use_variants
+
+    table = dict(M.MOE_CONFIGS.gpu)
+    assert table[("gate_up", "fp8")].swap and table[("down", "fp8")].swap
+    with M.MOE_CONFIGS.forced(lambda kernel, *f: table.get((kernel, *f))), use_variants({"moe_experts": GPU}):
+        rep = run_chunk_check(ds4t.load(preset, quantize="fp8"), PROMPT, chunks=(1, 5, len(PROMPT)))
+    assert rep.ok, rep.first_mismatch
