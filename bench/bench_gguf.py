@@ -164,11 +164,12 @@ def linear_grid(K: int, N: int, qt: str):
     """The linear configs tried for one (shape, type): 32- to 128-row tiles, split-K 1 or 2 (the FP8
     sweeps' winners split K = 7168 in two), 2 or 4 warps (FP8's winners had 2), 1-4 stages (1: no
     cp.async pipeline: the bytes load to registers, fewer instructions), Q8_0 at 4 and
-    8 blocks a step; plus the table's config."""
+    8 blocks a step, 32- / 64-row tiles also in pairs (``pair``); plus the table's config."""
     groups = sorted({_q8_group(K, 4), _q8_group(K, 8)}) if qt == "Q8_0" else [1]
-    out = [QLinearConfig(block_n=bn, split=sp, group=g, num_warps=w, num_stages=st)
+    out = [QLinearConfig(block_n=bn, split=sp, group=g, num_warps=w, num_stages=st, pair=pr)
            for bn, sp in ((32, 1), (32, 2), (64, 1), (64, 2), (128, 1))
-           for w, st in ((2, 1), (2, 2), (2, 3), (4, 1), (4, 3), (4, 4)) for g in groups]
+           for w, st in ((2, 1), (2, 2), (2, 3), (4, 1), (4, 3), (4, 4)) for g in groups
+           for pr in ((False, True) if bn <= 64 else (False,))]
     base = QLINEAR_CONFIGS(K, N, qt, torch.bfloat16)   # the table's (or rule's) current choice
     return list(dict.fromkeys(out + [base]))
 

@@ -216,21 +216,37 @@ def _qlinear_kernel(
     B, stride_xm, stride_wn, stride_ys, stride_ym,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False,
 ):
-    """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N), SPLIT). Rows past
-    B and weight rows past N load in-bounds rows (clamped) and are never stored."""
+    """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N * (1 + PAIR)), SPLIT).
+    Rows past B and weight rows past N load in-bounds rows (clamped) and are never stored. PAIR: the
+    program owns two adjacent N tiles and steps through K on both at once (:func:`qdot_pair`: two
+    independent MMA / scale chains on the same activation tiles; each tile's bits as alone)."""
     grid_dependency()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = x_ptr + tl.minimum(rm, B - 1).to(tl.int64) * stride_xm
-    w_row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = qdot(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_row, x_row, k_lo, k_hi, FMT, ADT, G, K)
+    zero = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PAIR:
+        rn = 2 * pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn2 = rn + BLOCK_N
+        acc, acc2 = qdot_pair(zero, zero, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn,
+                              w_ptr + tl.minimum(rn2, N - 1).to(tl.int64) * stride_wn, x_row, k_lo, k_hi,
+                              FMT, ADT, G, K)
+        _store_tile(acc2, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn2, B, N, HAS_BIAS)
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = qdot(zero, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn, x_row, k_lo, k_hi, FMT, ADT, G, K)
+    _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[split pid_s][rm, rn] = acc^T (+ bias[rn]) for rows < B, weight rows < N."""
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[:, None]
     y = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
@@ -247,6 +263,7 @@ class QLinearConfig:
     group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
     num_warps: int = 4
     num_stages: int = 3
+    pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits; not yet timed on a GPU)
 
     def k_step(self, qtype: str) -> int:
         return 32 * self.group if qtype == "Q8_0" else 256
@@ -333,8 +350,8 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     has_bias = bias is not None
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, **launch_kwargs(cfg))
-    grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, **launch_kwargs(cfg))
+    grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:
         _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
                               HAS_BIAS=has_bias, **consts, **LAUNCH)

@@ -3,6 +3,7 @@
 outputs, row batch invariance (hypothesis) with a negative control."""
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -174,6 +175,20 @@ def test_gpu_paths_match_reference(qtype, cfg):
     b = torch.randn(50).to(DEV)
     y = linear(x, w, b, config=cfg, out=poisoned((4, 50), device=DEV))
     assert _rel(y, linear_ref(x, w, b)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_linear_pair_changes_no_bit(qtype):
+    """QLinearConfig.pair (two adjacent N tiles per program, stepped through K together): the bits of the
+    unpaired launch, with a bias, split K and N = 80 (three 32-row tiles: the last pair half outside)."""
+    K, N, B = 512, 80, 5
+    w = random_blocks((N, K), qtype, 41)
+    x = _x(B, K, 42, torch.bfloat16)
+    bias = _x(1, N, 43)[0]
+    base = QLinearConfig(block_n=32, split=2, group=4 if qtype == "Q8_0" else 1)
+    outs = [linear(x, w, bias, config=dataclasses.replace(base, pair=pr), out=poisoned((B, N), device=DEV))
+            for pr in (False, True)]
+    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])
 
 
 def test_config_never_sees_the_batch():
