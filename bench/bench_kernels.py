@@ -250,8 +250,10 @@ def cfg_str(c):
 # Variants of each shape's table config timed beside it (--variants). Run 2 (2026-11-29) tried
 # m_sub 2 / 4 (one weight-tile read for 32 / 64 rows): m_sub=2 lifts B=64 by ~20% but costs
 # 5-45% at B <= 16, m_sub=4 is 2-4x slower everywhere (x tiles in shared memory). Now: the
-# weight loads' cache hint (evict_first today), alone and with m_sub=2.
-VARIANTS = {"ds4t-ev0": dict(evict=0), "ds4t-ev2": dict(evict=2), "ds4t-m2ev0": dict(m_sub=2, evict=0)}
+# weight loads' cache hint (evict_first today), alone and with m_sub=2; and the split-K sum fused into the
+# last split of each tile (LinearConfig.fused_sum: no second launch; the same bits; only for split configs).
+VARIANTS = {"ds4t-ev0": dict(evict=0), "ds4t-ev2": dict(evict=2), "ds4t-m2ev0": dict(m_sub=2, evict=0),
+            "ds4t-fused": dict(fused_sum=True)}
 
 
 def table_config(K, N, fp8=False):
@@ -264,7 +266,8 @@ def table_config(K, N, fp8=False):
 def variant_cfgs(K, N, fp8=False):
     import dataclasses
     base = table_config(K, N, fp8)
-    return [(name, dataclasses.replace(base, **kw)) for name, kw in VARIANTS.items()]
+    return [(name, dataclasses.replace(base, **kw)) for name, kw in VARIANTS.items()
+            if base.split > 1 or "fused_sum" not in kw]
 
 
 def _compile_worker(jobs):

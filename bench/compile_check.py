@@ -75,8 +75,11 @@ def record_fp8() -> None:
             b = torch.randn(N, generator=g)
             for cfg in (None, L._gpu_fp8_heuristic(K, N, 128),
                         L.LinearConfig(block_n=64, block_k=64, split=2, swap=False, m_sub=2),
-                        L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4)):
+                        L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4),
+                        L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4, fused_sum=True)):
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
+            L.linear(x, w.dequantize(torch.bfloat16), b,   # a 16-bit weight with the fused split-K sum
+                     config=L.LinearConfig(block_n=64, block_k=64, split=2, swap=True, fused_sum=True))
         xh = torch.randn(3, 4, 128, generator=g)
         L.linear_heads(xh, quantize(torch.randn(4, 96, 128, generator=g) / 128 ** 0.5), act_dtype=adt)
         E, I, D = 5, 136, 300

@@ -167,6 +167,7 @@ def _linear_kernel(
     HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0,
+    FUSED_SUM: tl.constexpr = False, out_ptr=None, stride_om=0, cnt_ptr=None,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -189,6 +190,11 @@ def _linear_kernel(
     dot starts from zero, sums its BLOCK_K sub-tiles in K order in fp32, and is then added to the
     accumulator times that block's per-row scale: ``acc += scale[n, j] * dot_j``. Split-K splits
     on scale-block boundaries (K_PER_SPLIT is a multiple of KSTEP).
+
+    FUSED_SUM (split-K only; ``LinearConfig.fused_sum``): y holds the fp32 partials; the program that
+    finishes a tile's last split (a ticket from an atomic counter per tile, ``cnt_ptr``) adds the
+    tile's partials in split order 0..S-1, then the bias, into ``out`` -- the sums and order of
+    :func:`_splitk_sum_kernel`, without its launch -- and resets the counter for the next launch.
     """
     grid_dependency()
     pid_m = tl.program_id(0)
@@ -329,14 +335,51 @@ def _linear_kernel(
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
 
+    PART_BIAS: tl.constexpr = HAS_BIAS and not FUSED_SUM   # fused: the bias is added to the sum
+    part_ptr = y_ptr
     if SPLIT_K:
         y_ptr += pid_s * stride_ys
-    _store_sub_tile(acc0, b_ptr, y_ptr, rm0, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N, rl)
+    _store_sub_tile(acc0, b_ptr, y_ptr, rm0, rn, B, stride_ym, N, PART_BIAS, SWAP, EVEN_N, rl)
     if M_SUB >= 2:
-        _store_sub_tile(acc1, b_ptr, y_ptr, rm1, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N)
+        _store_sub_tile(acc1, b_ptr, y_ptr, rm1, rn, B, stride_ym, N, PART_BIAS, SWAP, EVEN_N)
     if M_SUB >= 4:
-        _store_sub_tile(acc2, b_ptr, y_ptr, rm2, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N)
-        _store_sub_tile(acc3, b_ptr, y_ptr, rm3, rn, B, stride_ym, N, HAS_BIAS, SWAP, EVEN_N)
+        _store_sub_tile(acc2, b_ptr, y_ptr, rm2, rn, B, stride_ym, N, PART_BIAS, SWAP, EVEN_N)
+        _store_sub_tile(acc3, b_ptr, y_ptr, rm3, rn, B, stride_ym, N, PART_BIAS, SWAP, EVEN_N)
+    if FUSED_SUM:
+        SPLIT: tl.constexpr = (K + K_PER_SPLIT - 1) // K_PER_SPLIT
+        tl.debug_barrier()   # every thread's partial stores precede the ticket (released with it)
+        tile = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.debug_barrier()
+            _sum_splits(part_ptr, stride_ys, stride_ym, b_ptr, out_ptr, stride_om, rm0, rn, B, N, SPLIT,
+                        HAS_BIAS, EVEN_N)
+            if M_SUB >= 2:
+                _sum_splits(part_ptr, stride_ys, stride_ym, b_ptr, out_ptr, stride_om, rm1, rn, B, N, SPLIT,
+                            HAS_BIAS, EVEN_N)
+            if M_SUB >= 4:
+                _sum_splits(part_ptr, stride_ys, stride_ym, b_ptr, out_ptr, stride_om, rm2, rn, B, N, SPLIT,
+                            HAS_BIAS, EVEN_N)
+                _sum_splits(part_ptr, stride_ys, stride_ym, b_ptr, out_ptr, stride_om, rm3, rn, B, N, SPLIT,
+                            HAS_BIAS, EVEN_N)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _sum_splits(p_ptr, stride_ps, stride_pm, b_ptr, y_ptr, stride_ym, rm, rn, B, N: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
+    """y[rm, rn] = ((p[0] + p[1]) + p[2]) + ... (+ bias): :func:`_splitk_sum_kernel`'s sum of one
+    [BLOCK_M, BLOCK_N] tile. The partials come from other programs: loaded past L1 (``.cg``)."""
+    if EVEN_N:
+        m = (rm < B)[:, None]
+    else:
+        m = (rm < B)[:, None] & (rn < N)[None, :]
+    offs = rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
+    acc = tl.load(p_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * stride_ps + offs, mask=m, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc, mask=m)
 
 
 @triton.jit
@@ -368,6 +411,7 @@ class LinearConfig:
     swap: bool = False  # compute (w @ x^T)^T
     m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
+    fused_sum: bool = False  # split-K: the tile's last split sums the partials (no second launch; same bits)
     fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
@@ -648,6 +692,14 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     grid = (m_tiles, triton.cdiv(N, t.block_n), split)
+    counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum else None
+    if counters is not None:
+        _linear_kernel[grid](
+            x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
+            N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, **tiles, **fp8,
+            FUSED_SUM=True, out_ptr=out, stride_om=out.stride(0), cnt_ptr=counters, **LAUNCH,
+        )
+        return out
     _linear_kernel[grid](
         x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
         N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, **tiles, **fp8, **LAUNCH,
@@ -664,6 +716,25 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
 
 def _fp8_route(cfg: LinearConfig, act_dtype) -> int:
     return fp8_route("linear", cfg.fp8_route, act_dtype)
+
+
+TILE_COUNTERS = 1 << 16
+"""Tiles a fused split-K launch may have (``LinearConfig.fused_sum``); a launch with more (a long prefill
+chunk on a wide weight) takes the two-kernel sum, which gives the same bits."""
+_COUNTERS: dict = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The zeroed int32 ticket counters of ``device`` and the current stream (kernels of one stream run
+    one after another, and each launch leaves its counters at 0), or None when ``tiles`` exceeds them.
+    Allocated once and kept: a captured CUDA graph holds their address."""
+    if tiles > TILE_COUNTERS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _check_args(x, weight, bias, out):

@@ -576,3 +576,34 @@ def test_table_row_tiles_keep_every_rows_bits(device):
     full = linear(x, w, b)
     for i in (0, 1, 127, 128, 299):
         assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w, b)), i
+
+
+# ----------------------------------------------------------------------------- fused split-K sum
+
+
+@pytest.mark.parametrize("fmt,cfg", [
+    ("bf16", LinearConfig(block_n=64, block_k=32, split=3, swap=True)),
+    ("fp32", LinearConfig(block_n=32, block_k=64, split=2, swap=False, m_sub=2)),
+    ("fp8", LinearConfig(block_n=32, block_k=64, split=2, swap=True, fp8_route="f32")),
+    ("fp8", LinearConfig(block_n=64, block_k=128, split=3, swap=True, m_sub=4, fp8_route="f32")),
+], ids=str)
+def test_fused_split_sum_is_the_two_kernel_sum_bitwise(device, monkeypatch, fmt, cfg):
+    """LinearConfig.fused_sum (the tile's last split adds the partials in split order, then the bias): the
+    bits of the separate sum kernel, with a bias, ragged K splits and N tiles, twice in a row (the counters
+    are left at 0), and the two-kernel fallback when the launch has more tiles than counters."""
+    import dataclasses
+
+    B, K, N = 37, 300, 200
+    if fmt == "fp8":
+        x, w, b = _fp8_data(B, K, N, torch.bfloat16, device=device, seed=7)
+    else:
+        x, w, b = _data(B, K, N, torch.bfloat16 if fmt == "bf16" else torch.float32, device=device, seed=7)
+    fused = dataclasses.replace(cfg, fused_sum=True)
+    two = linear(x, w, b, config=cfg, out=poisoned((B, N), device=device))
+    for _ in range(2):
+        one = linear(x, w, b, config=fused, out=poisoned((B, N), device=device))
+        assert not torch.isnan(one).any() and torch.equal(one, two)
+    assert L._COUNTERS and all(int(c.abs().sum()) == 0 for c in L._COUNTERS.values())
+    monkeypatch.setattr(L, "TILE_COUNTERS", 2)
+    assert torch.equal(linear(x, w, b, config=fused, out=poisoned((B, N), device=device)), two)
+    assert torch.equal(linear(x[:1], w, b, config=fused)[0], two[0])
