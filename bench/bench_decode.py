@@ -675,6 +675,8 @@ def summary(rows, log):
             f"{_fmt(r.get('hf_eager_ms'))} | {r['floor_ms']:.3f} | {vp} | {vt} |")
 
 
+_OVERRIDES = contextlib.ExitStack()   # --configs: held for the whole run
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", "--model", default="qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l")
@@ -709,6 +711,8 @@ def main():
                          "after it is skipped (the summary is still printed)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a native step at N=1 and 16")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
+    ap.add_argument("--configs", default=None,
+                    help="JSON file of GPU config-table entries to use instead (ds4t.kernels.config.overridden)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script (tiny presets)")
     ap.add_argument("--wide-norms", action="store_true",
@@ -736,6 +740,10 @@ def main():
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip() or "unknown"
     log("# ds4t decode benchmark")
+    if args.configs:
+        from ds4t.kernels.config import overridden
+        for table, key, cfg in _OVERRIDES.enter_context(overridden(args.configs)):
+            log(f"config override: {table.kernel} {key!r} -> {cfg}")
     where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke run)"
     log(f"commit {commit}; {where}; torch {torch.__version__}; "
         f"triton {__import__('triton').__version__}")

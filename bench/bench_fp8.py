@@ -18,6 +18,7 @@ Full results under ``--out`` (``fp8.md``, ``fp8.jsonl``); the short table is pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -33,6 +34,9 @@ import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth, exactness, step_floor_bytes  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402,F401  (bench_gguf and bench_tp import it from here)
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
+from ds4t.kernels.config import overridden  # noqa: E402
+
+_OVERRIDES = contextlib.ExitStack()   # --configs: held for the whole run
 from ds4t.kernels.weights import quantize  # noqa: E402
 
 
@@ -169,6 +173,8 @@ def main() -> int:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--configs", default=None,
+                    help="JSON file of GPU config-table entries to use instead (ds4t.kernels.config.overridden)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lines = []
@@ -176,6 +182,10 @@ def main() -> int:
     def log(s=""):
         print(s, flush=True)
         lines.append(s)
+
+    if args.configs:
+        for table, key, cfg in _OVERRIDES.enter_context(overridden(args.configs)):
+            log(f"config override: {table.kernel} {key!r} -> {cfg}")
 
     cuda = torch.device(args.device).type == "cuda"
     bw = copy_bandwidth("cuda") if cuda else 20e9

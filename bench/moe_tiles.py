@@ -8,7 +8,10 @@ step time of ``moe_experts`` and the fraction of the copy bandwidth its weight b
 
 ``--fp8``: block-scaled FP8 experts (128x128 blocks, bf16 activations), configs keyed
 (kernel, "fp8"), K tiles that divide the scale block, every fp8 route (ds4t.backend.FP8_ROUTES);
-``--swaps`` the operand order (``MoEConfig.swap``), ``--splits`` the K splits (``MoEConfig.split``).
+``--swaps`` the operand order (``MoEConfig.swap``), ``--splits`` the K splits (``MoEConfig.split``). The best
+summed config per kernel is written as ``best_configs.json``, the ``--configs`` format of bench_fp8 /
+bench_decode (``ds4t.kernels.config.overridden``), so one device call can sweep and then time the winner
+in a full model.
 
 ``--rows R``: the row-tile entries (key + ("rows",)) for a prefill chunk of R rows instead: pairs per
 tile (block_m), N / K tiles and warps, with the decode entries unchanged; each config's rows 0 and
@@ -222,6 +225,7 @@ def main():
     M.MOE_CONFIGS.gpu.update(default)
     # the best config per kernel by the summed time over every shape and N (one table for all)
     print("\nsummed over shapes and N (us), best 6 per kernel:")
+    best = []
     for kernel in args.kernels.split(","):
         tot = {}
         for r in rows:
@@ -230,9 +234,18 @@ def main():
                 tot.setdefault(key, []).append(r["us"])
         cells = len({(r["shape"], r["n"]) for r in rows})
         full = {k_: sum(v) for k_, v in tot.items() if len(v) == cells}
-        for key, us in sorted(full.items(), key=lambda t: t[1])[:6]:
+        ranked = sorted(full.items(), key=lambda t: t[1])
+        for key, us in ranked[:6]:
             print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} route={key[3]} warps={key[4]} "
                   f"swap={key[5]} split={key[6]}: {us:8.1f}")
+        if ranked:
+            k_ = ranked[0][0]
+            best.append({"key": [kernel, "fp8"] if fp8 else [kernel],
+                         "fields": dict(tile_n=k_[0], tile_k=k_[1], num_stages=k_[2], fp8_route=k_[3], num_warps=k_[4],
+                                        swap=bool(k_[5]), split=k_[6])})
+    # the winners as config overrides: python bench/bench_fp8.py --configs $OUT/best_configs.json ...
+    with open(os.path.join(args.out, "best_configs.json"), "w") as f:
+        json.dump({"moe": best}, f, indent=1)
 
 
 if __name__ == "__main__":

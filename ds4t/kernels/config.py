@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Dict, Generic, Hashable, TypeVar
+import importlib
+import json
+import pkgutil
+from typing import Callable, Dict, Generic, Hashable, List, TypeVar
 
 from ds4t.backend import INTERPRET
 
@@ -31,6 +34,12 @@ class ConfigTable(Generic[C]):
     gpu_rule: Callable[..., C]
     interp_rule: Callable[..., C]
     source: str   # the bench/results file (or the reason) behind the GPU entries
+    caches: List[Callable] = dataclasses.field(default_factory=list)
+    """lru-cached lookups built on this table (e.g. ``linear.linear_config``): cleared when it changes."""
+
+    def clear_caches(self) -> None:
+        for fn in self.caches:
+            fn.cache_clear()
 
     def __call__(self, *key) -> C:
         if INTERPRET:
@@ -45,7 +54,79 @@ class ConfigTable(Generic[C]):
         tiles in the interpreter this way)."""
         saved = self.gpu, self.gpu_rule, self.interp_rule
         self.gpu, self.gpu_rule, self.interp_rule = {}, rule, rule
+        self.clear_caches()
         try:
             yield self
         finally:
             self.gpu, self.gpu_rule, self.interp_rule = saved
+            self.clear_caches()
+
+
+def tables() -> Dict[str, ConfigTable]:
+    """Every :class:`ConfigTable` of the ``ds4t.kernels`` modules, by its ``kernel`` name."""
+    import ds4t.kernels
+
+    out = {}
+    for info in pkgutil.iter_modules(ds4t.kernels.__path__):
+        if not info.ispkg:
+            for v in vars(importlib.import_module(f"ds4t.kernels.{info.name}")).values():
+                if isinstance(v, ConfigTable):
+                    out[v.kernel] = v
+    return out
+
+
+def _key(key):
+    """A JSON key as the tables hold it: a list becomes a tuple (one element: the element itself) and
+    "torch.<dtype>" strings become that dtype."""
+    import torch
+
+    def one(v):
+        if isinstance(v, str) and v.startswith("torch."):
+            dt = getattr(torch, v[len("torch."):], None)
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"config override key: {v!r} is not a torch dtype")
+            return dt
+        return v
+
+    if isinstance(key, list):
+        return one(key[0]) if len(key) == 1 else tuple(one(v) for v in key)
+    return one(key)
+
+
+@contextlib.contextmanager
+def overridden(spec):
+    """GPU entries replaced for the duration of the block, from ``spec`` (a dict, or a path to a JSON file
+    holding one): ``{table kernel name: [{"key": [...], "fields": {...}}, ...]}``. Each entry's config is
+    the table's current one for ``key`` (entry or rule) with ``fields`` replaced, e.g.
+    ``{"moe": [{"key": ["gate_up", "fp8"], "fields": {"split": 2}}]}`` -- how a benchmark times a
+    candidate table entry without editing the code (``bench/bench_fp8.py --configs``). Keys hold
+    "torch.bfloat16"-style strings for dtypes. The interpreter reads its own rule, so this changes GPU
+    launches only. Unknown tables or fields raise before anything changes."""
+    if not isinstance(spec, dict):
+        with open(spec) as f:
+            spec = json.load(f)
+    known = tables()
+    plan = []
+    for name, entries in spec.items():
+        if name not in known:
+            raise KeyError(f"no config table {name!r}; tables: {sorted(known)}")
+        table = known[name]
+        for entry in entries:
+            key = _key(entry["key"])
+            base = table.gpu.get(key)
+            if base is None:
+                base = table.gpu_rule(*(key if isinstance(key, tuple) else (key,)))
+            if base is None:
+                raise KeyError(f"config table {name!r} has no entry or rule for key {entry['key']!r}")
+            plan.append((table, key, dataclasses.replace(base, **entry.get("fields", {}))))
+    saved = [(t, dict(t.gpu)) for t in {id(t): t for t, _, _ in plan}.values()]
+    try:
+        for table, key, cfg in plan:
+            table.gpu[key] = cfg
+            table.clear_caches()
+        yield plan
+    finally:
+        for table, gpu in saved:
+            table.gpu.clear()
+            table.gpu.update(gpu)
+            table.clear_caches()

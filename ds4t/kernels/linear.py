@@ -611,6 +611,9 @@ def linear_config(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = t
     return LINEAR_CONFIGS(K, N, w_dtype)
 
 
+LINEAR_CONFIGS.caches.append(linear_config)
+
+
 def linear_row_tiles(K: int, N: int, w_dtype: torch.dtype, x_dtype: torch.dtype = torch.float32,
                      w_block_k: int = 0) -> tuple:
     """The :class:`RowTile` s of a weight [N, K], keyed as :func:`linear_config`."""

@@ -323,6 +323,9 @@ def qlinear_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> QLinea
     return QLINEAR_CONFIGS(K, N, qtype, act_dtype)
 
 
+QLINEAR_CONFIGS.caches.append(qlinear_config)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher (called by ds4t.kernels.linear.linear)
 # ----------------------------------------------------------------------------------------------

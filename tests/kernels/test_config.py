@@ -129,3 +129,57 @@ def test_forced_overrides_both_rules_and_restores():
     with table.forced(lambda D: cfg):
         assert table(4096) is cfg
     assert (table.gpu, table.gpu_rule, table.interp_rule) == before
+
+
+# ----------------------------------------------------------------------------- overrides (benchmarks)
+
+
+def test_overridden_replaces_fields_then_restores_and_clears_caches(tmp_path):
+    """config.overridden: an entry's fields replaced on the table's current config (an entry, or the rule
+    for a key without one), dtype keys from "torch.*" strings, lru-cached lookups cleared on the way in
+    and out, everything restored after; from a dict or a JSON file."""
+    import json
+
+    import torch
+
+    from ds4t.kernels import linear as L
+    from ds4t.kernels import moe as M
+    from ds4t.kernels.config import overridden, tables
+
+    assert tables()["moe"] is M.MOE_CONFIGS and tables()["linear"] is L.LINEAR_CONFIGS
+    fp8_key = (300, 200, torch.float8_e4m3fn, 128, torch.bfloat16)   # not in the table: the rule's config
+    before_moe, before_gpu = M.MOE_CONFIGS.gpu[("gate_up", "fp8")], dict(L.LINEAR_CONFIGS.gpu)
+    rule_cfg = L.LINEAR_CONFIGS.gpu_rule(*fp8_key)
+    L.linear_config(300, 200, torch.float8_e4m3fn, torch.bfloat16, 128)   # cached
+    spec = {"moe": [{"key": ["gate_up", "fp8"], "fields": {"split": 2}}],
+            "linear": [{"key": [300, 200, "torch.float8_e4m3fn", 128, "torch.bfloat16"], "fields": {"split": 3}}]}
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(spec))
+    for arg in (spec, str(path)):
+        with overridden(arg) as plan:
+            assert len(plan) == 2
+            assert M.MOE_CONFIGS.gpu[("gate_up", "fp8")] == dataclasses.replace(before_moe, split=2)
+            assert L.LINEAR_CONFIGS.gpu[fp8_key] == dataclasses.replace(rule_cfg, split=3)
+            if not INTERPRET:   # the interpreter reads its own rule
+                assert L.linear_config(300, 200, torch.float8_e4m3fn, torch.bfloat16, 128).split == 3
+        assert M.MOE_CONFIGS.gpu[("gate_up", "fp8")] == before_moe and L.LINEAR_CONFIGS.gpu == before_gpu
+        assert L.linear_config.cache_info().currsize == 0
+
+
+def test_overridden_rejects_unknown_tables_fields_and_keys():
+    import torch  # noqa: F401
+
+    from ds4t.kernels import moe as M
+    from ds4t.kernels.config import overridden
+
+    before = dict(M.MOE_CONFIGS.gpu)
+    with pytest.raises(KeyError, match="no config table 'nope'"):
+        with overridden({"nope": []}):
+            pass
+    with pytest.raises(TypeError):
+        with overridden({"moe": [{"key": ["gate_up", "fp8"], "fields": {"no_such_field": 1}}]}):
+            pass
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        with overridden({"linear": [{"key": [1, 2, "torch.nonsense"], "fields": {}}]}):
+            pass
+    assert M.MOE_CONFIGS.gpu == before
