@@ -327,6 +327,23 @@ def fp8_scaled_to(w, s, dtype: tl.constexpr):
 
 
 @triton.jit
+def split_sum(ptrs, mask, stride, SPLIT: tl.constexpr, CG: tl.constexpr = False):
+    """fp32 ``p[0] + p[1] + ... + p[SPLIT-1]`` of the split-K partials at ``ptrs + s * stride`` (masked
+    entries 0), added left to right: the one order every consumer of split partials sums them in (the
+    linear's split-K sum, the grouped MoE kernels, the MoE combine), so a fused and a separate sum give
+    the same bits. CG: load past L1 (partials another program of the same launch just wrote)."""
+    if CG:
+        acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ptrs + s * stride, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        acc = tl.load(ptrs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ptrs + s * stride, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def scaled_add(acc, p, s):
     """acc + p * s rounded once (a fused multiply-add): how a block-scaled kernel adds a scale block's
     dot p times its scale s. Written as ``acc + p * s`` the compiler may or may not contract it into an

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_route, grid_dependency, mma, mma_tf32_exact,
-                          round_in_f32, scaled_add, timer, tl_dtype)
+                          round_in_f32, scaled_add, split_sum, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -373,10 +373,7 @@ def _sum_splits(p_ptr, stride_ps, stride_pm, b_ptr, y_ptr, stride_ym, rm, rn, B,
         m = (rm < B)[:, None]
     else:
         m = (rm < B)[:, None] & (rn < N)[None, :]
-    offs = rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-    acc = tl.load(p_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + s * stride_ps + offs, mask=m, other=0.0, cache_modifier=".cg")
+    acc = split_sum(p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :], m, stride_ps, SPLIT, True)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc, mask=m)
@@ -390,9 +387,7 @@ def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps, stride_ym,
     grid_dependency()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    acc = split_sum(p_ptr + offs, mask, stride_ps, SPLIT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + (offs // N).to(tl.int64) * stride_ym + offs % N, acc, mask=mask)
@@ -696,17 +691,14 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     grid = (m_tiles, triton.cdiv(N, t.block_n), split)
     counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum else None
-    if counters is not None:
-        _linear_kernel[grid](
-            x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-            N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, **tiles, **fp8,
-            FUSED_SUM=True, out_ptr=out, stride_om=out.stride(0), cnt_ptr=counters, **LAUNCH,
-        )
-        return out
+    fused = {} if counters is None else dict(FUSED_SUM=True, out_ptr=out, stride_om=out.stride(0), cnt_ptr=counters)
     _linear_kernel[grid](
         x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=False, **tiles, **fp8, **LAUNCH,
+        N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias and counters is not None, **tiles, **fp8,
+        **fused, **LAUNCH,
     )
+    if counters is not None:   # the kernel summed the partials into out
+        return out
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
     block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))

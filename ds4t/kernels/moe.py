@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_route, grid_dependency, mma, mma_tf32_exact,
-                          round_in_f32, scaled_add, sigmoid, timer, tl_dtype)
+                          round_in_f32, scaled_add, sigmoid, split_sum, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -153,12 +153,7 @@ def _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT: tl.constexpr):
     ptrs = act_ptr + p[:, None] * sa_p + kk[None, :]
     m = qm[:, None] & km[None, :]
     if GU_SPLIT > 1:
-        g = tl.load(ptrs, mask=m, other=0.0)
-        u = tl.load(ptrs + I, mask=m, other=0.0)
-        for s in tl.static_range(1, GU_SPLIT):
-            g = g + tl.load(ptrs + s * sa_s, mask=m, other=0.0)
-            u = u + tl.load(ptrs + s * sa_s + I, mask=m, other=0.0)
-        a = _silu(g) * u
+        a = _silu(split_sum(ptrs, m, sa_s, GU_SPLIT)) * split_sum(ptrs + I, m, sa_s, GU_SPLIT)
     else:
         a = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
     return a
@@ -390,10 +385,7 @@ def _moe_combine_kernel(
     for j in tl.static_range(KT):
         wj = _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, r64, j, rm, KTOP, GATED)
         ok = _pair_expert(ids_ptr, si_b, r64, j, rm, KTOP, SHARED) >= 0
-        yp = y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :]
-        yj = tl.load(yp, mask=m2 & ok[:, None], other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            yj = yj + tl.load(yp + s * sy_s, mask=m2 & ok[:, None], other=0.0)
+        yj = split_sum(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], m2 & ok[:, None], sy_s, SPLIT)
         acc = acc + tl.where(ok, wj, 0.0)[:, None] * yj
     tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
 
@@ -649,17 +641,16 @@ def moe_experts(
     # silu(g)·u is rounded to A before the down product: with a 16-bit A the gate/up kernel stores it
     # rounded (half the bytes the down kernel reads once per D tile; same bits).
     act_rounded = not gguf and adt in (torch.bfloat16, torch.float16)
-    gu_cfg = None if gguf else _config("gate_up", ("fp8",) if fp8 else (), B)
+    fmt = ("fp8",) if fp8 else ()
+    gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B), _config("down", fmt, B))
     split = 1 if gguf else gu_cfg.split
     if split > 1:   # fp32 partials [split, P, 2I] (g, then u), summed by the down kernel
         act = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev)
     else:
         act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
-    dn_cfg = None if gguf else _config("down", ("fp8",) if fp8 else (), B)
     dn_split = 1 if gguf else dn_cfg.split
     y = torch.empty((dn_split, P, D) if dn_split > 1 else (P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
-    fmt = ("fp8",) if fp8 else ()
     sbk = w_gate.block_k if fp8 else 0
     wg_t, wu_t, wd_t = (w.data for w in (w_gate, w_up, w_down)) if fp8 else (w_gate, w_up, w_down)
     # Programs run over slots of chosen experts. Variant "gpu": min(E, P) slots, each finding its
