@@ -55,9 +55,6 @@ LINEAR_SHAPES = [(4096, 14336), (14336, 4096), (2048, 12288), (2048, 151936)]  #
 FP8_SHAPES = [(7168, 18432), (18432, 7168), (16384, 7168), (1536, 24576)]
 FP8_BLOCK = (128, 128)
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
-SWEEP_X = [torch.float32]
-"""The storage dtype of x the sweep times configs with (``--sweep-x``; a model whose producer writes bf16
-hands its linears bf16 x)."""
 TEST_FILES = ["tests/kernels"]   # every kernel's tests (inputs follow the kernels' device: tests/kernels/devices.py)
 
 
@@ -375,7 +372,9 @@ class LinearCase:
         return err, inv
 
 
-def sweep_shape(case, errors, topk=4):
+def sweep_shape(case, errors, x_dtype=torch.float32, topk=4):
+    """Every candidate config of one shape, timed at B = 1 (then B = 16 for the fastest) with x stored in
+    ``x_dtype`` (``--sweep-x``: a model whose producer writes bf16 hands its linears bf16 x)."""
     K, N = case.K, case.N
     res = []
     for c in candidates(K, N, case.fp8):
@@ -384,7 +383,7 @@ def sweep_shape(case, errors, topk=4):
             continue
         try:
             err, inv = case.check(c)
-            ms1, how = time_calls(case.ds4t_fns(1, c, SWEEP_X[0]))
+            ms1, how = time_calls(case.ds4t_fns(1, c, x_dtype))
             res.append(dict(K=K, N=N, config=cfg_str(c), cfg=c, err=err, inv=inv, ms_b1=ms1,
                             tbs_b1=case.wbytes / (ms1 * 1e-3) / 1e12, status="ok" if err < 1e-3 and inv else "BAD"))
         except Exception as e:
@@ -392,7 +391,7 @@ def sweep_shape(case, errors, topk=4):
             res.append(dict(K=K, N=N, config=cfg_str(c), status=f"error: {type(e).__name__}: {str(e)[:80]}"))
     good = sorted([r for r in res if r["status"] == "ok"], key=lambda r: r["ms_b1"])
     for r in good[:topk]:
-        r["ms_b16"], _ = time_calls(case.ds4t_fns(16, r["cfg"], SWEEP_X[0]))
+        r["ms_b16"], _ = time_calls(case.ds4t_fns(16, r["cfg"], x_dtype))
         r["tbs_b16"] = case.wbytes / (r["ms_b16"] * 1e-3) / 1e12
     best = min(good[:topk], key=lambda r: max(r["ms_b1"], r["ms_b16"]))["cfg"] if good else None
     return res, best
@@ -548,7 +547,6 @@ def main():
     errors = {}
     fp8 = args.fp8
     FP8_ROUTES_SWEPT[:] = args.fp8_routes.split(",")
-    SWEEP_X[0] = getattr(torch, args.sweep_x)
     shapes = FP8_SHAPES if fp8 else LINEAR_SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
@@ -584,7 +582,7 @@ def main():
         if args.variants:
             cfgs += [(n, c) for n, c in variant_cfgs(K, N, fp8) if (K, N, c) not in errors]
         if args.sweep:
-            res, best = sweep_shape(case, errors)
+            res, best = sweep_shape(case, errors, getattr(torch, args.sweep_x))
             sweep_rows += res
             if best is not None:
                 best_cfgs[(K, N)] = best
