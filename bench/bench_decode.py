@@ -480,7 +480,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
     if args.profile:
         if paths[0] is not None:
             model.native_path = paths[0]
-        for n in (1, 16):
+        for n in ns:
             prof, total_us = profile_step(model, n, ctxs[0])
             step = next((r["native_ms"] for r in mine if r["n"] == n and "native_ms" in r), float("nan"))
             log(f"\n### {name}: profile of an eager native step, N={n} (torch.profiler, GPU time)\n")
@@ -709,7 +709,7 @@ def main():
                     help="seconds from the start by which the run should end: HF static runs that would end later "
                          f"than {RESERVE_S:.0f} s per model still to run are skipped, and a model that would start "
                          "after it is skipped (the summary is still printed)")
-    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of a native step at N=1 and 16")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of an eager native step at each --ns")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--configs", default=None,
                     help="JSON file of GPU config-table entries to use instead (ds4t.kernels.config.overridden)")

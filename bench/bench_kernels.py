@@ -245,12 +245,16 @@ def cfg_str(c):
 
 
 # Variants of each shape's table config timed beside it (--variants). Run 2 (2026-11-29) tried
-# m_sub 2 / 4 (one weight-tile read for 32 / 64 rows): m_sub=2 lifts B=64 by ~20% but costs
-# 5-45% at B <= 16, m_sub=4 is 2-4x slower everywhere (x tiles in shared memory). Now: the
-# weight loads' cache hint (evict_first today), alone and with m_sub=2; and the split-K sum fused into the
-# last split of each tile (LinearConfig.fused_sum: no second launch; the same bits; only for split configs).
-VARIANTS = {"ds4t-ev0": dict(evict=0), "ds4t-ev2": dict(evict=2), "ds4t-m2ev0": dict(m_sub=2, evict=0),
-            "ds4t-fused": dict(fused_sum=True)}
+# m_sub 2 / 4 when every launch took all its sub-tiles: m_sub=2 lifted B=64 by ~20% but cost 5-45% at
+# B <= 16. A launch now takes only the sub-tiles its rows fill (linear.launch_m_sub), so m_sub is
+# timed again. The weight loads' cache hint (evict 0 / 2) and the fused split-K sum were timed on
+# 2026-12-01 (bench/results/2026-12-01-h200-fp8-options.md): no gain / 5-25 % slower.
+VARIANTS = {"ds4t-m2": dict(m_sub=2), "ds4t-m4": dict(m_sub=4), "ds4t-fused": dict(fused_sum=True)}
+
+
+def _inv_word(inv) -> str:
+    """The summary's word for a row-invariance check: None means not checked (the x-bf16 rows)."""
+    return "inv-unchecked" if inv is None else ("inv" if inv else "NOT-inv")
 
 
 def table_config(K, N, fp8=False):
@@ -408,7 +412,7 @@ def bench_linear(case, cfgs, copy_bw):
             rows.append(dict(K=case.K, N=case.N, B=B, impl=name, config=cfg_str(cfg), ms=ms, timing=how,
                              bytes=nbytes, gbs=nbytes / (ms * 1e-3) / 1e9, frac=nbytes / (ms * 1e-3) / copy_bw,
                              invariant=inv))
-            if case.fp8 and name == cfgs[-1][0]:
+            if case.fp8:
                 # The same config fed activations already rounded to bf16 (same bits: the kernel's
                 # rounding is then a no-op): what a producer that writes bf16 would buy.
                 ms, how = time_calls(case.ds4t_fns(B, cfg, torch.bfloat16))
@@ -651,7 +655,7 @@ def main():
     log(f"copy {bw / 1e12:.3f} TB/s")
     for K, N in shapes:
         for B in (1, 16, 64):
-            parts = [f"{r['impl']} {r['gbs'] / 1e3:.2f} {100 * r['frac']:.0f}% {'inv' if r['invariant'] else 'NOT-inv'}"
+            parts = [f"{r['impl']} {r['gbs'] / 1e3:.2f} {100 * r['frac']:.0f}% {_inv_word(r['invariant'])}"
                      for r in lin_rows if (r["K"], r["N"], r["B"]) == (K, N, B)]
             log(f"linear {K:>5}x{N:<6} B={B:<2} " + " | ".join(parts))
     if attn_rows:

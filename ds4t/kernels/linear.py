@@ -404,7 +404,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     swap: bool = False  # compute (w @ x^T)^T
-    m_sub: int = 1      # 16-row sub-tiles per program (1, 2 or 4): rows sharing one weight-tile read
+    m_sub: int = 1      # most 16-row sub-tiles a program takes (1, 2, 4): one weight-tile read (launch_m_sub)
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
     fused_sum: bool = False  # split-K: the tile's last split sums the partials (no second launch; same bits)
     fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
@@ -640,6 +640,17 @@ class _Tiles:
     num_stages: int
 
 
+def launch_m_sub(m_sub: int, B: int) -> int:
+    """Row sub-tiles per program for a B-row launch: ``m_sub`` (the config's most) or fewer, as many
+    16-row sub-tiles as B fills (1, 2 or 4). A row's bits do not depend on it: every sub-tile runs the
+    same 16-row dot with its own accumulator. Why not always ``m_sub``: at B <= 16 the other sub-tiles
+    would be all padding, and cost 5-45 % (bench/results/2026-11-29-h200-kernels.md)."""
+    m = 1
+    while m < m_sub and m * BLOCK_M < B:
+        m *= 2
+    return m
+
+
 def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, op_name: str) -> _Tiles:
     """The tiles of a B-row launch: the largest row tile whose ``min_rows`` B reaches, else the decode
     config's. Only the tile shape changes; the split and K order are ``cfg``'s (:class:`RowTile`). A
@@ -650,8 +661,9 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
         if B >= t.min_rows:
             tile = t
     if tile is None:
-        return _Tiles(BLOCK_M, cfg.block_n, cfg.block_k, cfg.m_sub, cfg.swap,
-                      _clamp_rows(op_name) and cfg.m_sub == 1, cfg.num_warps, cfg.num_stages)
+        m_sub = launch_m_sub(cfg.m_sub, B)
+        return _Tiles(BLOCK_M, cfg.block_n, cfg.block_k, m_sub, cfg.swap,
+                      _clamp_rows(op_name) and m_sub == 1, cfg.num_warps, cfg.num_stages)
     bk = tile.block_k
     if INTERPRET or kps % bk or kstep % bk:
         bk = cfg.block_k

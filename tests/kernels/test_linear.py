@@ -607,3 +607,37 @@ def test_fused_split_sum_is_the_two_kernel_sum_bitwise(device, monkeypatch, fmt,
     monkeypatch.setattr(L, "TILE_COUNTERS", 2)
     assert torch.equal(linear(x, w, b, config=fused, out=poisoned((B, N), device=device)), two)
     assert torch.equal(linear(x[:1], w, b, config=fused)[0], two[0])
+
+
+# ----------------------------------------------------------------------------- row sub-tiles a launch takes
+
+
+def test_launch_m_sub_follows_the_rows_up_to_the_config():
+    assert [L.launch_m_sub(4, b) for b in (1, 16, 17, 32, 33, 64, 300)] == [1, 1, 2, 2, 4, 4, 4]
+    assert [L.launch_m_sub(2, b) for b in (1, 16, 17, 64)] == [1, 1, 2, 2]
+    assert all(L.launch_m_sub(1, b) == 1 for b in (1, 17, 300))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "fp8"])
+def test_sub_tiles_a_launch_takes_do_not_change_a_rows_bits(device, fmt):
+    """A config with m_sub = 4 runs 1, 2 or 4 16-row sub-tiles a program as B fills them: every row equals
+    the m_sub = 1 launch and the row alone, bit for bit (ragged N and K, a bias, split-K). Control: a split
+    count that changes the K order is caught by the same comparison."""
+    import dataclasses
+
+    B, K, N = 70, 300, 200
+    if fmt == "fp8":
+        x, w, b = _fp8_data(B, K, N, torch.bfloat16, device=device, seed=11)
+        cfg = LinearConfig(block_n=32, block_k=64, split=2, swap=True, m_sub=4, fp8_route="f32")
+    else:
+        x, w, b = _data(B, K, N, torch.bfloat16 if fmt == "bf16" else torch.float32, device=device, seed=11)
+        cfg = LinearConfig(block_n=32, block_k=32, split=2, swap=True, m_sub=4)
+    one = dataclasses.replace(cfg, m_sub=1)
+    want = linear(x, w, b, config=one, out=poisoned((B, N), device=device))
+    for rows in (B, 33, 17):
+        got = linear(x[:rows], w, b, config=cfg, out=poisoned((rows, N), device=device))
+        assert torch.equal(got, want[:rows]), rows
+    for i in (0, 16, 40, 69):
+        assert torch.equal(linear(x[i:i + 1], w, b, config=cfg), want[i:i + 1]), i
+    other_k_order = dataclasses.replace(one, split=3)
+    assert not torch.equal(linear(x, w, b, config=other_k_order), want)

@@ -316,4 +316,4 @@ def test_take_max_is_max_value_at_its_lowest_column():
         ref_i.append(best)
         left.remove(best)
     assert ii.cpu().tolist()[:15] == ref_i
-    assert torch.equal(mm.cpu()[:15], x[ref_i] + 0.0)   # the values, -0.0 read as +0.0
+    assert torch.equal(mm.cpu()[:15], (x[ref_i] + 0.0).cpu())   # the values, -0.0 read as +0.0
