@@ -7,6 +7,12 @@
 Inputs are 2-D, any float dtype (fp32 / bf16 / fp16), with unit column stride and any row stride,
 so column slices of a fused projection (``gu[:, :I]``, ``gu[:, I:]``) need no copy. Elementwise:
 trivially batch invariant (no reductions).
+
+``out_dtype`` (silu_mul, sigmoid_mul): bf16 / fp16 stores the fp32 result rounded to nearest even, with
+:func:`ds4t.backend.cast`, the rounding every ds4t linear applies to its input: a caller whose only reader
+is such a linear (the SwiGLU down projection, ``ds4t.models.blocks.swiglu``) gets the same bits from half
+the bytes. With no reduction in the kernel, the compiled bf16-output variant computes the same fp32
+values as the fp32 one.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
+from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.tensors import float_out, rows_view
@@ -63,16 +69,18 @@ def _binary_kernel(a_ptr, b_ptr, y_ptr, R, C, stride_a, stride_b, stride_y,
         y = a * sigmoid(b)
     else:
         y = a + b
-    tl.store(y_ptr + r64 * stride_y + cols[None, :], y, mask=m)
+    tl.store(y_ptr + r64 * stride_y + cols[None, :], cast(y, y_ptr.dtype.element_ty), mask=m)
 
 
-def _binary(a, b, out, op, names):
+def _binary(a, b, out, op, names, out_dtype=torch.float32):
     a = rows_view(a, names[0])
     b = rows_view(b, names[1])
     if a.shape != b.shape:
         raise ValueError(f"{names[0]} {tuple(a.shape)} and {names[1]} {tuple(b.shape)} differ in shape")
     R, C = a.shape
-    out = float_out(out, (R, C), a.device)
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    out = float_out(out, (R, C), a.device, dtype=out_dtype)
     if R == 0 or C == 0:
         return out
     cfg = ACTIVATION_CONFIGS(C)
@@ -82,14 +90,17 @@ def _binary(a, b, out, op, names):
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 [B, I] = silu(gate) · up, computed in fp32."""
-    return _binary(gate, up, out, _OP_SILU_MUL, ("gate", "up"))
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, I] = silu(gate) · up, computed in fp32 and stored as ``out_dtype`` (fp32, or bf16 / fp16
+    rounded to nearest even)."""
+    return _binary(gate, up, out, _OP_SILU_MUL, ("gate", "up"), out_dtype)
 
 
-def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 = x · sigmoid(gate), same 2-D shape, computed in fp32."""
-    return _binary(x, gate, out, _OP_SIGMOID_MUL, ("x", "gate"))
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x · sigmoid(gate), same 2-D shape, computed in fp32 and stored as ``out_dtype``."""
+    return _binary(x, gate, out, _OP_SIGMOID_MUL, ("x", "gate"), out_dtype)
 
 
 def add(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -97,12 +108,12 @@ def add(a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None)
     return _binary(a, b, out, _OP_ADD, ("a", "b"))
 
 
-def silu_mul_ref(gate, up):
-    return torch.nn.functional.silu(gate.float()) * up.float()
+def silu_mul_ref(gate, up, *, out_dtype=torch.float32):
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype)
 
 
-def sigmoid_mul_ref(x, gate):
-    return x.float() * torch.sigmoid(gate.float())
+def sigmoid_mul_ref(x, gate, *, out_dtype=torch.float32):
+    return (x.float() * torch.sigmoid(gate.float())).to(out_dtype)
 
 
 def add_ref(a, b):

@@ -406,7 +406,7 @@ class LinearConfig:
     swap: bool = False  # compute (w @ x^T)^T
     m_sub: int = 1      # most 16-row sub-tiles a program takes (1, 2, 4): one weight-tile read (launch_m_sub)
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
-    fused_sum: bool = False  # split-K: the tile's last split sums the partials (no second launch; same bits)
+    fused_sum: bool = False  # split-K: the tile's last split sums the partials (same bits; 2-25 % slower on the H200)
     fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
@@ -444,11 +444,12 @@ _GPU_TABLE: dict = {
 }
 # FP8 weights (128-column scale blocks, bf16 activations, x fp32), keyed on (K, N, float8_e4m3fn,
 # block_k, activation dtype): the best of 48-168 configs per shape (bench/bench_kernels.py --fp8
-# --sweep, four rounds; bench/results/2026-11-30-h200-fp8-kernels.md). Copy bandwidth ~4.2 TB/s;
+# --sweep, four rounds; bench/results/2026-11-30-h200-fp8-round2.md). Copy bandwidth ~4.2 TB/s;
 # bytes = fp8 + scales. What won: the "f32" route (ds4t.backend.FP8_ROUTES), 2 warps, 32-64-row tiles.
 #   K x N          B=1 TB/s  B=16 TB/s   (cuBLAS on the dequantized bf16 weight, B=1 / B=16)
 #   7168 x 18432     2.83      2.90       3.72 / 3.72
-#   18432 x 7168     3.10      3.02       3.86 / 3.69
+#   18432 x 7168     3.40      3.30       3.93 / 3.79   (x in bf16, as swiglu stores the down input: a
+#                    bf16-x sweep, bench/results/2026-12-01-h200-fp8-options.md; the entry before it 3.17 / 3.01)
 #   16384 x 7168     3.06      2.97       3.85 / 3.60
 #   1536 x 24576     2.62      2.74       3.48 / 3.56
 #   2048 x 12288     2.06      2.16       3.27 / 3.19
@@ -456,7 +457,7 @@ _FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)
 _GPU_TABLE.update({
     (7168, 18432, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=2, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32"),
-    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=64, block_k=128, split=8, num_warps=2, num_stages=2, swap=True,
+    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32"),
     (16384, 7168, *_FP8_BF16): LinearConfig(block_n=64, block_k=128, split=8, num_warps=2, num_stages=2, swap=True,
                                             fp8_route="f32"),
@@ -525,7 +526,8 @@ LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
     "linear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule,
     interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: _interpret_config(K, N, scale_bk),
     source="bench/results/2026-11-29-h200-kernels.md (float weights), "
-           "bench/results/2026-11-30-h200-fp8-kernels.md (FP8 weights)")
+           "bench/results/2026-11-30-h200-fp8-round2.md (FP8 weights), "
+           "bench/results/2026-12-01-h200-fp8-options.md (FP8 18432 x 7168 with bf16 x)")
 """Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
 block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 

@@ -467,7 +467,7 @@ class MoEConfig:
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
-    split: int = 1              # K splits on loop-step boundaries: gate_up's summed by the down kernel, down's by the combine
+    split: int = 1              # K splits (whole loop steps), summed by the next kernel; slower on the H200
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale

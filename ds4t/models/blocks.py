@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ds4t.kernels import ops, weights
-from ds4t.kernels.weights import Weight
+from ds4t.kernels.weights import Weight, activation_dtype
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -20,11 +20,22 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = N
     return ops.linear(x, w, b)
 
 
-def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
+def down_input_dtype(gu: torch.Tensor, w_down: Weight) -> torch.dtype:
+    """The dtype :func:`swiglu` stores silu(g)·u in: the 16-bit dtype the down projection rounds its input
+    to (bf16 / fp16 weights; FP8 or GGUF blocks with a 16-bit activation dtype), else fp32. The down
+    linear is the tensor's only reader and rounds it exactly so (to nearest even): the same bits from half
+    the bytes, which the FP8 linear feels most (bench/results/2026-12-01-h200-fp8-options.md)."""
+    adt = activation_dtype("swiglu", gu, w_down, None)
+    return adt if adt in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def swiglu(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
+    """fp32 down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
     gu = fused_linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
-    return fused_linear(ops.silu_mul(gu[:, :i], gu[:, i:]), w_down)
+    dt = down_input_dtype(gu, w_down)
+    act = ops.silu_mul(gu[:, :i], gu[:, i:], **({} if dt == torch.float32 else {"out_dtype": dt}))
+    return fused_linear(act, w_down)
 
 
 # eq=False on the weight types: field-wise == would compare tensors elementwise (an error, not a

@@ -97,3 +97,26 @@ def test_rows_invariant(batch, k, dt):
     a, b = _pair(POOL, C_INV, dt, device, seed=7)
     op = OPS[k][0]
     assert_rows_invariant(lambda i: op(a[i], b[i]), *batch)
+
+
+@pytest.mark.parametrize("op", [silu_mul, sigmoid_mul], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("out_dt", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,C", [(1, 1), (5, 333), (33, 130)])
+def test_out_dtype_is_the_fp32_result_rounded_to_nearest_even(device, tiles, op, out_dt, B, C):
+    """A 16-bit out_dtype stores exactly the fp32 output rounded to nearest even (what a linear does to its
+    input), every row as alone; into a poisoned buffer of that dtype."""
+    a, b = _pair(B, C, torch.bfloat16, device, seed=5)
+    want = op(a, b).to(out_dt)
+    out = torch.full((B, C), float("nan"), dtype=out_dt, device=device)
+    got = op(a, b, out=out, out_dtype=out_dt)
+    assert got is out and got.dtype == out_dt
+    assert torch.equal(got, want)
+    assert torch.equal(op(a[B - 1:], b[B - 1:], out_dtype=out_dt), want[B - 1:])
+
+
+def test_out_dtype_errors(device):
+    a, b = _pair(2, 8, torch.float32, device)
+    with pytest.raises(TypeError, match="out_dtype"):
+        silu_mul(a, b, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="bfloat16"):   # an out buffer of another dtype
+        sigmoid_mul(a, b, out=torch.empty(2, 8, device=device), out_dtype=torch.bfloat16)

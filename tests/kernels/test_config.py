@@ -60,6 +60,21 @@ def test_every_kernel_module_has_its_tables():
             assert table.source.strip(), f"{name}.{attr} has no source"
 
 
+def test_every_results_file_a_table_names_exists():
+    """A table's ``source`` points at the measurement behind its entries: a renamed or never-written
+    bench/results file leaves the entries unexplained."""
+    import re
+    from pathlib import Path
+
+    from ds4t.kernels.config import tables
+
+    root = Path(__file__).resolve().parents[2]
+    named = {(name, p) for name, t in tables().items() for p in re.findall(r"bench/results/[\w.-]+\.md", t.source)}
+    assert named, "no table names a results file"
+    missing = sorted((name, p) for name, p in named if not (root / p).is_file())
+    assert not missing, f"config table sources name missing files: {missing}"
+
+
 def _rules(table):
     return {"gpu": table.gpu_rule, "interp": table.interp_rule}
 
