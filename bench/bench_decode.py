@@ -718,10 +718,16 @@ def main():
     ap.add_argument("--wide-norms", action="store_true",
                     help="A/B only: every norm writes fp32, as before DecoderModel.norm_dtype (a bf16 model's norms "
                          "write bf16 where every reader rounds to it)")
+    ap.add_argument("--wide-swiglu", action="store_true",
+                    help="A/B only: swiglu stores silu(g)*u in fp32, as before blocks.down_input_dtype (a bf16 "
+                         "model stores the down projection's input in bf16, which the down linear rounds to)")
     args = ap.parse_args()
     if args.wide_norms:
         from ds4t.models.decoder import DecoderModel
         DecoderModel.norm_dtype = lambda self, i, site: torch.float32
+    if args.wide_swiglu:
+        from ds4t.models import blocks
+        blocks.down_input_dtype = lambda gu, w_down: torch.float32
     global DEVICE
     DEVICE = torch.device(args.device)
     twin.ATTENTION_IMPL = args.twin_attention

@@ -110,6 +110,24 @@ def test_an_override_may_ignore_advisory_keywords():
             ops.add_rms_norm(torch.ones(1, 4), torch.ones(1, 4), torch.ones(4), 1e-6, unknown=1)
 
 
+def test_a_silu_mul_override_without_out_dtype_runs_in_a_bf16_model():
+    """swiglu asks silu_mul for a bf16 store (its down projection rounds to bf16 anyway); an override
+    written against the fp32 signature gets the call without the advisory keyword and the same logits."""
+    from ds4t.kernels import activation
+
+    bf16 = ds4t.load("tiny-deepseek", dtype=torch.bfloat16)
+    seen = []
+
+    def fp32_silu_mul(gate, up):
+        seen.append(gate.shape)
+        return activation.silu_mul(gate, up)
+
+    before = _logits(bf16)
+    with override("silu_mul", fp32_silu_mul):
+        during = _logits(bf16)
+    assert seen and torch.equal(during, before)
+
+
 def test_use_variants_checks_names_and_restores():
     default = registry.variant("linear")
     with use_variants({"linear": GPU}):
