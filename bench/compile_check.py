@@ -12,7 +12,20 @@ A launch that does not compile is reported with its error, and the exit status i
 Block sizes are the interpreter's (its launchers pick their own configs), so this proves the
 GPU frontend accepts each kernel's code paths, not that the GPU's exact configs compile.
 
+Each launch is compiled with the specializations Triton's launcher would give it on the GPU
+(:func:`specialize`): ints equal to 1 become constexprs, ints divisible by 16 and 16-byte aligned
+tensors carry ``tt.divisibility = 16``. Without them the compiler cannot prove alignment and emits
+byte loads where the GPU's binary has 16-byte ``cp.async`` (an FP8 MoE tile: 256 ``LDG.U8`` a thread
+instead of 16 ``LDGSTS.128``), so an offline SASS reading would be of another program.
+
+``--sass NAME``: for each launch of a kernel whose name contains NAME, print its registers, shared
+memory and instruction mix, whole and per loop (:func:`sass_report`) -- how many conversions, MMAs and
+address computations a K step costs, read without a GPU (the tables of
+bench/results/2026-12-01-h200-fp8-options.md). To look at a table's GPU config, record under
+``ConfigTable.forced`` (the records keep block sizes, warps and stages as launched).
+
 Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama] [--checks] [--no-fp8]
+                                     [--sass _moe_down_kernel]
 (FP8-weight launches of linear, linear_heads and moe_experts, and GGUF-block (Q8_0 / Q4_K / Q6_K) launches of
 linear and moe_experts, are recorded unless --no-fp8.)
 """
@@ -46,7 +59,7 @@ def _encode(v):
     import triton.language as tl
 
     if isinstance(v, torch.Tensor):
-        return {"tensor": str(v.dtype).replace("torch.", "")}
+        return {"tensor": str(v.dtype).replace("torch.", ""), "align16": v.data_ptr() % 16 == 0}
     if isinstance(v, tl.dtype):
         return {"tl": str(v)}
     if isinstance(v, tl.constexpr):
@@ -90,11 +103,17 @@ def record_fp8() -> None:
         gpu_entry = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)  # noqa: E731
         split = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), split=2)
+        # the GPU table's tiles again at dims divisible by 16, as the real expert shapes are (the compiler
+        # then knows the K masks are 16-aligned: the code --sass reports is the GPU's)
+        wga, wua, wda = (quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5) for s in ((8, 128, 256),) * 2
+                         + ((8, 256, 128),))
         try:
             for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, split K
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)
+            M.MOE_CONFIGS.interp_rule = gpu_entry
+            M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wga, wua, wda, act_dtype=adt)
         finally:
             M.MOE_CONFIGS.interp_rule = rule
 
@@ -200,6 +219,10 @@ def _signature(jit, args: dict):
             raise TypeError(f"{jit.__name__}: launch did not pass {name}")
         if isinstance(v, dict) and "tl" in v:
             v = getattr(tl, _TL_DTYPES[v["tl"]])
+        if isinstance(v, dict) and "const" in v:   # an int the launcher specializes to a constexpr
+            sig[name] = "constexpr"
+            consts[name] = v["const"]
+            continue
         if p.is_constexpr or v is None:
             sig[name] = "constexpr"
             consts[name] = v
@@ -216,7 +239,82 @@ def _signature(jit, args: dict):
     return sig, consts
 
 
-def compile_all(records: list, arch: int) -> list:
+_DIV16 = [["tt.divisibility", 16]]
+
+
+def specialize(jit, args: dict):
+    """(signature, constexprs, attrs) of a recorded launch as Triton's launcher specializes it on the GPU:
+    an int argument equal to 1 is the constexpr 1, an int divisible by 16 and a tensor whose address is
+    16-byte aligned get ``tt.divisibility = 16`` -- unless the kernel lists the parameter in
+    ``do_not_specialize`` (``do_not_specialize_on_alignment`` for the divisibility). Records without an
+    alignment flag count as aligned (torch's allocations are)."""
+    args = dict(args)
+    for p in jit.params:
+        v = args.get(p.name)
+        if (not p.is_constexpr and not p.do_not_specialize and isinstance(v, int) and not isinstance(v, bool)
+                and v == 1):
+            args[p.name] = {"const": 1}
+    sig, consts = _signature(jit, args)
+    attrs = {}
+    for i, p in enumerate(jit.params):
+        v = args.get(p.name)
+        if p.is_constexpr or p.do_not_specialize or p.do_not_specialize_on_alignment or sig.get(p.name) == "constexpr":
+            continue
+        if isinstance(v, dict) and "tensor" in v and v.get("align16", True):
+            attrs[(i,)] = _DIV16
+        elif isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0:
+            attrs[(i,)] = _DIV16
+    return sig, consts, attrs
+
+
+def _cuda_tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else name
+
+
+def sass_report(cubin: bytes, label: str) -> str:
+    """Registers, shared memory and the instruction mix of a cubin, whole and per loop (a backward branch
+    and the instructions it jumps back over): the loop with the most instructions first."""
+    import re
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    ins = []   # (address, opcode)
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(2) + m.group(3), m.group(4)))
+
+    def mix(rows, top=12):
+        count = {}
+        for r in rows:
+            count[r[1]] = count.get(r[1], 0) + 1
+        return ", ".join(f"{k} {v}" for k, v in sorted(count.items(), key=lambda t: -t[1])[:top])
+
+    def memory(rows):
+        return ", ".join(sorted({r[2] for r in rows if r[1] in ("LDG", "LDGSTS", "LDS", "STG", "STS", "LDSM")}))
+
+    usage = " ".join(re.findall(r"(REG:\d+|SHARED:\d+|STACK:\d+)", res)[:3])
+    out = [f"{label}: {usage}; {len(ins)} instructions: {mix(ins)}; memory ops: {memory(ins)}"]
+    loops = []
+    for addr, op, _, operands in ins:
+        t = re.match(r"(0x[0-9a-f]+)", operands.strip())
+        if op == "BRA" and t and int(t.group(1), 16) < addr:
+            body = [r for r in ins if int(t.group(1), 16) <= r[0] <= addr]
+            loops.append((len(body), int(t.group(1), 16), addr, body))
+    for n, lo, hi, body in sorted(loops, key=lambda t: -t[0]):
+        out.append(f"  loop {lo:#06x}-{hi:#06x}: {n} instructions: {mix(body)}; memory ops: {memory(body)}")
+    return "\n".join(out)
+
+
+def compile_all(records: list, arch: int, sass: str = "") -> list:
     """Compile each recorded launch; returns [(kernel, ok, seconds, error)]."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
@@ -234,10 +332,16 @@ def compile_all(records: list, arch: int) -> list:
         label = f"{rec['module'].rsplit('.', 1)[-1]}.{rec['name']}"
         t0 = time.time()
         try:
-            sig, consts = _signature(jit, rec["args"])
+            sig, consts, attrs = specialize(jit, rec["args"])
             opts = {k: rec["args"][k] for k in _LAUNCH_OPTIONS if rec["args"].get(k) is not None}
-            triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=target, options=opts)
-            results.append((label, True, time.time() - t0, ""))
+            ck = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                                options=opts)
+            report = ""
+            if sass and sass in rec["name"]:
+                shown = {k: v for k, v in {**rec["args"], **consts}.items()
+                         if k.isupper() and isinstance(v, (int, str)) and not isinstance(v, bool)}
+                report = sass_report(ck.asm["cubin"], f"{label} {opts} {shown}")
+            results.append((label, True, time.time() - t0, report))
         except Exception as e:  # report every failure, keep compiling the rest
             msg = str(e).strip().splitlines()
             results.append((label, False, time.time() - t0, " | ".join(msg[-6:])[:600]))
@@ -250,18 +354,19 @@ def main():
     ap.add_argument("--checks", action="store_true", help="also every registered kernel self-check")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    ap.add_argument("--sass", default="", help="print the SASS instruction mix of kernels whose name contains this")
     ap.add_argument("--compile", dest="records_file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.records_file:   # child: compile and print JSON results
         with open(args.records_file) as f:
             records = json.load(f)
-        print(json.dumps(compile_all(records, args.arch)))
+        print(json.dumps(compile_all(records, args.arch, args.sass)))
         return 0
     records = record([p for p in args.presets.split(",") if p], args.checks, fp8=not args.no_fp8)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(records, f)
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch)],
+    proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch), "--sass", args.sass],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     os.unlink(f.name)
     if proc.returncode != 0:
@@ -270,7 +375,10 @@ def main():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     bad = [r for r in results if not r[1]]
     for label, ok, secs, err in results:
-        print(f"{'ok  ' if ok else 'FAIL'} {label:40s} {secs:5.1f} s {err}")
+        if ok and err:   # a --sass report
+            print(f"ok   {label:40s} {secs:5.1f} s\n{err}")
+        else:
+            print(f"{'ok  ' if ok else 'FAIL'} {label:40s} {secs:5.1f} s {err}")
     kernels = len({r[0] for r in results})
     print(f"{len(results)} launches of {kernels} kernels compiled for sm_{args.arch}: {len(bad)} failed")
     return 1 if bad else 0

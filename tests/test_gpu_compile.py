@@ -40,3 +40,54 @@ def test_a_kernel_only_the_interpreter_accepts_is_caught(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     (label, ok, _, err), = json.loads(p.stdout.strip().splitlines()[-1])
     assert label.endswith("_loop_with_break_kernel") and not ok and err
+
+
+def _compile_records(tmp_path, recs, *extra):
+    f = tmp_path / "records.json"
+    f.write_text(json.dumps(recs))
+    p = subprocess.run([sys.executable, TOOL, "--compile", str(f), *extra], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, TRITON_INTERPRET="0"), timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _copy_record(align16: bool, n_cols: int):
+    return {"module": "tests.gpu_compile_bad", "name": "_copy_rows_kernel",
+            "args": {"x_ptr": {"tensor": "uint8", "align16": align16}, "y_ptr": {"tensor": "uint8"},
+                     "n_cols": n_cols, "BLOCK": 1024, "num_warps": 2}}
+
+
+def test_launches_compile_with_the_gpu_launchers_specializations(tmp_path):
+    """compile_check gives each launch the specializations Triton's launcher would (16-aligned tensors and
+    ints divisible by 16: tt.divisibility; ints equal to 1: constexprs), so ``--sass`` reads the GPU's
+    code: the aligned row copy uses 16-byte loads. Control: the same launch with x unaligned is compiled to
+    byte loads, as the GPU would compile it."""
+    (_, ok, _, aligned), (_, ok2, _, unaligned), (_, ok3, _, one) = _compile_records(
+        tmp_path, [_copy_record(True, 4096), _copy_record(False, 4096), _copy_record(True, 1)], "--sass", "_copy_rows")
+    assert ok and ok2 and ok3
+    assert "REG:" in aligned and "LDG.E.128" in aligned and "LDG.E.U8" not in aligned, aligned
+    assert "LDG.E.U8" in unaligned, unaligned
+    assert "REG:" in one   # n_cols == 1 compiles as the constexpr 1 (test_specialize_follows_the_launcher_rules)
+
+
+def test_specialize_follows_the_launcher_rules():
+    code = """
+import json, sys
+sys.path.insert(0, "bench")
+import compile_check as cc
+from tests.gpu_compile_bad import _copy_rows_kernel as k
+r = lambda a, n: cc.specialize(k, {"x_ptr": {"tensor": "uint8", "align16": a}, "y_ptr": {"tensor": "uint8"},
+                                   "n_cols": n, "BLOCK": 256})
+out = {}
+for name, (a, n) in {"aligned": (True, 32), "unaligned": (False, 33), "one": (True, 1)}.items():
+    sig, consts, attrs = r(a, n)
+    out[name] = [sig, {k_: v for k_, v in consts.items()}, sorted(i for (i,) in attrs)]
+print(json.dumps(out))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, TRITON_INTERPRET="0"), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["aligned"][2] == [0, 1, 2]                 # both pointers and n_cols divisible by 16
+    assert out["unaligned"][2] == [1]                     # only y (x unaligned, n_cols 33)
+    assert out["one"][0]["n_cols"] == "constexpr" and out["one"][1]["n_cols"] == 1 and out["one"][2] == [0, 1]

@@ -48,6 +48,10 @@ def _tables(mod):
 def test_every_kernel_module_has_its_tables():
     found = {name: {k: t.kernel for k, t in _tables(mod).items()} for name, mod in _modules()}
     assert {n: t for n, t in found.items() if t} == EXPECTED
+    # config.tables() (what overridden() and the benchmarks look tables up in) finds the same ones
+    from ds4t.kernels.config import tables
+
+    assert set(tables()) == {kernel for attrs in EXPECTED.values() for kernel in attrs.values()}
     for name, mod in _modules():
         # launched kernels are named _name_kernel (docs/kernel-conventions.md); a module of @triton.jit
         # device helpers only (ds4t.kernels.splits) launches nothing. By name: under the interpreter
