@@ -105,13 +105,31 @@ def _pair_dot(a, w, acc, SWAP: tl.constexpr, TF32: tl.constexpr):
 
 
 @triton.jit
-def _w_tile(w_ptr, base, n, nm, kk, km, sw_n, sw_k, SWAP: tl.constexpr):
-    """The weight tile of rows n, columns kk: [BK, BN], or [BN, BK] with SWAP; masked entries 0."""
+def _w_tile(w_ptr, base, n, nm, kk, km, sw_n, sw_k, SWAP: tl.constexpr, EVEN: tl.constexpr = False):
+    """The weight tile of rows n, columns kk: [BK, BN], or [BN, BK] with SWAP; masked entries 0. EVEN: every
+    row and column is in range (the launcher knows it from the shapes), so the load is not masked -- the
+    same values, without a predicate per element."""
     if SWAP:
-        w = tl.load(w_ptr + base + n[:, None] * sw_n + kk[None, :] * sw_k, mask=nm[:, None] & km[None, :], other=0.0)
+        ptrs = w_ptr + base + n[:, None] * sw_n + kk[None, :] * sw_k
+        m = nm[:, None] & km[None, :]
     else:
-        w = tl.load(w_ptr + base + n[None, :] * sw_n + kk[:, None] * sw_k, mask=km[:, None] & nm[None, :], other=0.0)
+        ptrs = w_ptr + base + n[None, :] * sw_n + kk[:, None] * sw_k
+        m = km[:, None] & nm[None, :]
+    if EVEN:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=m, other=0.0)
     return w
+
+
+@triton.jit
+def _pairs_mask(qm, km, EVEN_K: tl.constexpr):
+    """The mask of a pair tile [BM, BK]: valid pairs, and (unless EVEN_K) columns in range."""
+    if EVEN_K:
+        m = qm[:, None]
+    else:
+        m = qm[:, None] & km[None, :]
+    return m
 
 
 @triton.jit
@@ -146,12 +164,12 @@ def _split_range(K, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT: tl.constexpr):
+def _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT: tl.constexpr, EVEN_K: tl.constexpr = False):
     """fp32 [BM, BK] activations silu(g) * u of pairs p, columns kk, for the down product: loaded as the
     gate/up kernel stored them, or (GU_SPLIT > 1) made from its split partials g = act[0, p, kk] +
     act[1, p, kk] + ... and u likewise at column I + kk, added in split order."""
     ptrs = act_ptr + p[:, None] * sa_p + kk[None, :]
-    m = qm[:, None] & km[None, :]
+    m = _pairs_mask(qm, km, EVEN_K)
     if GU_SPLIT > 1:
         a = _silu(split_sum(ptrs, m, sa_s, GU_SPLIT)) * split_sum(ptrs + I, m, sa_s, GU_SPLIT)
     else:
@@ -226,8 +244,12 @@ def _moe_gate_up_kernel(
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):
-    """FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
+    """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
+    scale or activation load needs a column or row mask (the same values).
+
+    FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
     columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
     accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SWAP: the tiles
@@ -258,8 +280,12 @@ def _moe_gate_up_kernel(
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(k_lo, k_hi, KSTEP):
                 j = kb // SBK
-                sg = _row_vec(tl.load(sg_ptr + s_row + j, mask=nm, other=0.0), SWAP)
-                su = _row_vec(tl.load(su_ptr + s_row + j, mask=nm, other=0.0), SWAP)
+                if EVEN_N:
+                    sg = _row_vec(tl.load(sg_ptr + s_row + j), SWAP)
+                    su = _row_vec(tl.load(su_ptr + s_row + j), SWAP)
+                else:
+                    sg = _row_vec(tl.load(sg_ptr + s_row + j, mask=nm, other=0.0), SWAP)
+                    su = _row_vec(tl.load(su_ptr + s_row + j, mask=nm, other=0.0), SWAP)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over D
                     pg = acc_g
                     pu = acc_u
@@ -269,9 +295,11 @@ def _moe_gate_up_kernel(
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < D
-                    a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
-                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), sg, WDT, FP8_ROUTE)
-                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), su, WDT, FP8_ROUTE)
+                    a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
+                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N),
+                                     sg, WDT, FP8_ROUTE)
+                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N),
+                                     su, WDT, FP8_ROUTE)
                     if TF32:
                         a = round_in_f32(a.to(tl.float32), WDT)
                     else:
@@ -288,10 +316,11 @@ def _moe_gate_up_kernel(
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < D
-                a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=qm[:, None] & km[None, :], other=0.0)
+                a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
                 a = cast(a.to(tl.float32), WDT)
-                acc_g = _pair_dot(a, _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc_g, SWAP, False)
-                acc_u = _pair_dot(a, _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc_u, SWAP, False)
+                even = EVEN_K and EVEN_N
+                acc_g = _pair_dot(a, _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, even), acc_g, SWAP, False)
+                acc_u = _pair_dot(a, _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, even), acc_u, SWAP, False)
         if SPLIT > 1:
             part = act_ptr + tl.program_id(2) * sa_s
             _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
@@ -314,8 +343,10 @@ def _moe_down_kernel(
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
     GU_SPLIT: tl.constexpr = 1, sa_s=0, SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):
-    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)].
+    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
+    EVEN_N as there (I a whole number of loop steps, D of N tiles).
     GU_SPLIT > 1: act holds the gate/up kernel's split partials (:func:`_act_tile`). SPLIT > 1 (grid axis
     2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order."""
@@ -338,7 +369,10 @@ def _moe_down_kernel(
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(k_lo, k_hi, KSTEP):
-                sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0), SWAP)
+                if EVEN_N:
+                    sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK), SWAP)
+                else:
+                    sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0), SWAP)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over I
                     pd = acc
                 else:
@@ -346,8 +380,9 @@ def _moe_down_kernel(
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
-                    a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT)
-                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), sd, WDT, FP8_ROUTE)
+                    a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT, EVEN_K)
+                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N), sd,
+                                    WDT, FP8_ROUTE)
                     if TF32:
                         a = round_in_f32(a, WDT)
                     else:
@@ -361,8 +396,9 @@ def _moe_down_kernel(
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
-                a = cast(_act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT), WDT)
-                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP), acc, SWAP, False)
+                a = cast(_act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT, EVEN_K), WDT)
+                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N), acc,
+                                SWAP, False)
         _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
 
 
@@ -515,6 +551,14 @@ def _config(kernel: str, fmt: tuple, B: int) -> MoEConfig:
     if rows.split != cfg.split:
         raise ValueError(f"moe {kernel}: a row tile must keep the decode config's K split ({cfg.split})")
     return rows
+
+
+def evenness(K: int, step: int, N: int, BN: int) -> dict:
+    """The grouped kernels' EVEN_K / EVEN_N for a weight [N, K]: K a whole number of loop steps, N of N
+    tiles -- then no load needs a column / row mask. Every real expert shape is even (multiples of 128);
+    the masks only select values that are in range either way, so a launch has the same bits with or
+    without them."""
+    return dict(EVEN_K=K % step == 0, EVEN_N=N % BN == 0)
 
 
 def _unknown_kernel(kernel: str):
@@ -685,6 +729,7 @@ def moe_experts(
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
     if split > 1:
         kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=act.stride(0))
+    kw.update(evenness(D, step, I, BN))
     _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN), split)](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
@@ -706,6 +751,7 @@ def moe_experts(
         kw.update(GU_SPLIT=split, sa_s=act.stride(0))
     if dn_split > 1:
         kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
+    kw.update(evenness(I, step, D, BN))
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN), dn_split)](
         act, act.stride(-2), order, bounds, experts,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),

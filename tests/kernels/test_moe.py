@@ -545,13 +545,13 @@ def test_swapped_tiles(fmt, route, adt):
     _config_case(fmt, adt, 200, 40, 71, cfg, cfg)
 
 
+# Three cases cover the split's code paths (gate_up's partials summed in the down kernel, down's in the
+# combine, both at once; 16-bit and FP8 weights, swapped and not); the option is off in every table
+# (slower on the H200: bench/results/2026-12-01-h200-fp8-options.md), so more would only cost CI time.
 @pytest.mark.parametrize("fmt,route,adt,split,swap,where", [
     ("bf16", "direct", None, 2, False, "gate_up"),
-    ("bf16", "direct", None, 3, True, "down"),
-    ("fp8", "f32", torch.float32, 2, True, "both"),
     ("fp8", "f32", torch.bfloat16, 3, True, "gate_up"),
-    ("fp8", "f32", torch.bfloat16, 2, True, "down"),
-    ("fp8", "tf32", torch.bfloat16, 2, False, "both"),
+    ("fp8", "f32", torch.bfloat16, 2, True, "both"),
 ], ids=str)
 def test_split_k(fmt, route, adt, split, swap, where):
     """``MoEConfig(split=S)`` (K in S parts whose fp32 partials the next kernel adds in split order: the down
@@ -629,3 +629,44 @@ def test_row_tile_must_keep_the_mma_route():
     with M.MOE_CONFIGS.forced(lambda kernel, *f: bad if f[-1:] == ("rows",) else base):
         with pytest.raises(ValueError, match="route"):
             M._config("gate_up", ("fp8",), 4)
+
+
+# ----------------------------------------------------------------------------- unmasked loads of even shapes
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_even_shapes_drop_masks_not_bits(monkeypatch, fmt, swap):
+    """Expert shapes that are whole numbers of loop steps and N tiles (every real one) load weights, scales
+    and activations unmasked (``moe.evenness``): the grouped kernels give the bits of the masked launch,
+    at the GPU table's tiles (swapped or not) and the interpreter's. Control: the evenness test itself --
+    a ragged shape must not be called even; and one weight of the shared expert one ulp away is seen by
+    the same comparison."""
+    B, E, k, D, I = 5, 6, 2, 256, 128
+    assert M.evenness(D, 128, I, 32) == dict(EVEN_K=True, EVEN_N=True)
+    assert M.evenness(300, 128, 136, 32) == dict(EVEN_K=False, EVEN_N=False)
+    if fmt == "fp8":
+        wg, wu, wd = _fp8_weights(E, I, D, seed=3)
+        h = torch.randn(B, D, generator=gen(4)).to(torch.bfloat16)
+        gu_cfg = M.MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32", swap=swap)
+        dn_cfg = M.MoEConfig(tile_n=128, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32", swap=swap)
+    else:
+        wg, wu, wd = _weights(E, I, D, torch.bfloat16, seed=3)
+        h = torch.randn(B, D, generator=gen(4))
+        gu_cfg = M.MoEConfig(tile_n=64, tile_k=64, swap=swap)
+        dn_cfg = M.MoEConfig(tile_n=128, tile_k=64, swap=swap)
+    ids, w = _routing(B, E, k, seed=5)
+    dev = h.device if h.device.type != "cpu" else None
+    args = [t.to(dev) if dev is not None and isinstance(t, torch.Tensor) else t for t in (h, ids, w)]
+    rule = lambda kernel, *fmt_: None if fmt_[-1:] == ("rows",) else (gu_cfg if kernel == "gate_up" else dn_cfg)  # noqa: E731
+    with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(rule):
+        even = moe_experts(*args, wg, wu, wd, shared_expert=E - 1)
+        monkeypatch.setattr(M, "evenness", lambda K, step, N, BN: dict(EVEN_K=False, EVEN_N=False))
+        masked = moe_experts(*args, wg, wu, wd, shared_expert=E - 1)
+    assert not torch.isnan(even).any()
+    assert torch.equal(even, masked)
+    bits = wd.data if fmt == "fp8" else wd
+    raw = bits.view(torch.uint8 if fmt == "fp8" else torch.int16)
+    raw[E - 1, 0, 0] ^= 1                                    # one ulp of one shared-expert weight
+    with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(rule):
+        assert not torch.equal(moe_experts(*args, wg, wu, wd, shared_expert=E - 1), even)
