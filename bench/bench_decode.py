@@ -718,16 +718,16 @@ def main():
     ap.add_argument("--wide-norms", action="store_true",
                     help="A/B only: every norm writes fp32, as before DecoderModel.norm_dtype (a bf16 model's norms "
                          "write bf16 where every reader rounds to it)")
-    ap.add_argument("--wide-swiglu", action="store_true",
-                    help="A/B only: swiglu stores silu(g)*u in fp32, as before blocks.down_input_dtype (a bf16 "
-                         "model stores the down projection's input in bf16, which the down linear rounds to)")
+    ap.add_argument("--wide-stores", action="store_true",
+                    help="A/B only: swiglu's silu(g)*u and MLA's W_UV output stored in fp32, as before "
+                         "blocks.linear_input_dtype (a bf16 model stores them in bf16, which their linear rounds to)")
     args = ap.parse_args()
     if args.wide_norms:
         from ds4t.models.decoder import DecoderModel
         DecoderModel.norm_dtype = lambda self, i, site: torch.float32
-    if args.wide_swiglu:
+    if args.wide_stores:
         from ds4t.models import blocks
-        blocks.down_input_dtype = lambda gu, w_down: torch.float32
+        blocks.linear_input_dtype = lambda x, w: torch.float32
     global DEVICE
     DEVICE = torch.device(args.device)
     twin.ATTENTION_IMPL = args.twin_attention

@@ -131,7 +131,9 @@ def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
 def _store_sub_tile(acc, b_ptr, y_ptr, rm, rn, B, stride_ym, N: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, EVEN_N: tl.constexpr, rows64=None):
     """rows64: optional [BLOCK_M, 1] int64 row indices to address y with (rows past B may be
-    clamped: they are masked by rm < B)."""
+    clamped: they are masked by rm < B). A 16-bit y (``linear_heads(out_dtype=)``) gets the fp32 result
+    rounded to nearest even, as :func:`ds4t.backend.cast` rounds a linear's input; an fp32 y is stored
+    as is (the cast is the identity: the same code)."""
     if SWAP:
         acc = tl.trans(acc)
     if HAS_BIAS:
@@ -144,6 +146,7 @@ def _store_sub_tile(acc, b_ptr, y_ptr, rm, rn, B, stride_ym, N: tl.constexpr,
         y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
     else:
         y_ptrs = y_ptr + rows64 * stride_ym + rn[None, :]
+    acc = cast(acc, y_ptr.dtype.element_ty)
     if EVEN_N:
         tl.store(y_ptrs, acc, mask=(rm < B)[:, None])
     else:
@@ -832,8 +835,10 @@ def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = N
 
 
 def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor] = None,
-                 act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """One launch of G independent linears: fp32 ``out[:, g] = linear(x[:, g], weight[g])``.
+                 act_dtype: Optional[torch.dtype] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One launch of G independent linears: ``out[:, g] = linear(x[:, g], weight[g])``, stored as
+    ``out_dtype`` (fp32; or bf16 / fp16, the fp32 result rounded to nearest even -- for a caller whose
+    only reader is a linear that rounds its input so, e.g. MLA's W_UV output feeding o_proj).
 
     x [B, G, K] fp32/bf16/fp16 (any row and head strides, unit K stride: e.g. a view of a
     projection); weight [G, N, K] (contiguous per head), a float tensor or an FP8Weight (data
@@ -861,16 +866,23 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
         if weight.stride(2) != 1 or weight.stride(1) != K:
             weight = weight.contiguous()
         w, scale, sbk = weight, None, 0
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"linear_heads: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     if out is None:
-        out = torch.empty((B, G, N), dtype=torch.float32, device=x.device)
-    elif out.shape != (B, G, N) or out.dtype != torch.float32 or out.stride(2) != 1:
-        raise ValueError(f"linear_heads: out must be fp32 [{B}, {G}, {N}] with unit last stride")
+        out = torch.empty((B, G, N), dtype=out_dtype, device=x.device)
+    elif out.shape != (B, G, N) or out.dtype != out_dtype or out.stride(2) != 1:
+        raise ValueError(f"linear_heads: out must be {out_dtype} [{B}, {G}, {N}] with unit last stride")
     cfg = linear_config(K, N, FP8_DTYPE, adt, sbk) if fp8 else linear_config(K, N, weight.dtype, x.dtype)
     kps = cfg.k_per_split(K, sbk)
     if triton.cdiv(K, kps) != 1 or cfg.m_sub != 1:
-        # Split-K would need a per-head workspace; the per-head loop gives the same bits.
+        # Split-K would need a per-head workspace; the per-head loop gives the same bits (a 16-bit out
+        # rounded by torch: nearest even too, but the interpreter's cast flushes fp32 denormals and torch
+        # does not -- no table config of a per-head weight takes this path).
         for g in range(G):
-            linear(x[:, g], weight[g], out=out[:, g], act_dtype=act_dtype)
+            if out_dtype == torch.float32:
+                linear(x[:, g], weight[g], out=out[:, g], act_dtype=act_dtype)
+            else:
+                out[:, g] = linear(x[:, g], weight[g], act_dtype=act_dtype)
         return out
     if B == 0 or G == 0:
         return out
@@ -888,10 +900,11 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
     return out
 
 
-def linear_heads_ref(x: torch.Tensor, weight: Weight, *, act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Plain-torch reference: fp32 ``[B, G, N]``, head g = ``linear_ref(x[:, g], weight[g])``."""
+def linear_heads_ref(x: torch.Tensor, weight: Weight, *, act_dtype: Optional[torch.dtype] = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Plain-torch reference: ``[B, G, N]``, head g = ``linear_ref(x[:, g], weight[g])``, as ``out_dtype``."""
     adt = activation_dtype("linear_heads_ref", x, weight, act_dtype)
-    return torch.einsum("bgk,gnk->bgn", x.to(adt).float(), as_float(weight, torch.float32))
+    return torch.einsum("bgk,gnk->bgn", x.to(adt).float(), as_float(weight, torch.float32)).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -340,9 +340,10 @@ def recording(timed: bool = False) -> Iterator[List[OpCall]]:
 
 ADVISORY_KWARGS = ("out_dtype",)
 """Keywords an override may leave out of its signature: storage hints whose readers get the same values
-either way. A model asks a norm (``DecoderModel.norm_dtype``) or ``silu_mul`` (``blocks.down_input_dtype``)
-for ``out_dtype=torch.bfloat16`` only where every reader rounds the output to bf16, so an override that
-returns fp32 feeds them the same values; a call drops these keywords for an override that cannot take them."""
+either way. A model asks a norm (``DecoderModel.norm_dtype``), ``silu_mul`` or ``linear_heads``
+(``blocks.narrow_store``) for ``out_dtype=torch.bfloat16`` only where every reader rounds the output to
+bf16, so an override that returns fp32 feeds them the same values; a call drops these keywords for an
+override that cannot take them."""
 
 
 def _call_override(o: Op, fn: Callable, args, kwargs):

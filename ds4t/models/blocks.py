@@ -20,22 +20,29 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = N
     return ops.linear(x, w, b)
 
 
-def down_input_dtype(gu: torch.Tensor, w_down: Weight) -> torch.dtype:
-    """The dtype :func:`swiglu` stores silu(g)·u in: the 16-bit dtype the down projection rounds its input
-    to (bf16 / fp16 weights; FP8 or GGUF blocks with a 16-bit activation dtype), else fp32. The down
-    linear is the tensor's only reader and rounds it exactly so (to nearest even): the same bits from half
-    the bytes, which the FP8 linear feels most (bench/results/2026-12-01-h200-fp8-options.md)."""
-    adt = activation_dtype("swiglu", gu, w_down, None)
+def linear_input_dtype(x: torch.Tensor, w: Weight) -> torch.dtype:
+    """The dtype a producer may store ``x`` in when its only reader is a linear over ``w``: the 16-bit
+    dtype that linear rounds its input to (bf16 / fp16 weights; FP8 or GGUF blocks with a 16-bit
+    activation dtype), else fp32. Rounded to nearest even at the store as the linear would round it: the
+    same bits from half the bytes, which the FP8 linear feels most
+    (bench/results/2026-12-01-h200-fp8-options.md). Used by :func:`swiglu` (silu(g)·u before the down
+    projection) and DeepSeek's MLA (W_UV's output before o_proj)."""
+    adt = activation_dtype("linear", x, w, None)
     return adt if adt in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def narrow_store(x: torch.Tensor, w: Weight) -> dict:
+    """``{"out_dtype": ...}`` for a producer call whose output only a linear over ``w`` reads (none when
+    that is fp32: the call as it always was, so an op override written without ``out_dtype`` runs)."""
+    dt = linear_input_dtype(x, w)
+    return {} if dt == torch.float32 else {"out_dtype": dt}
 
 
 def swiglu(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
     """fp32 down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
     gu = fused_linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
-    dt = down_input_dtype(gu, w_down)
-    act = ops.silu_mul(gu[:, :i], gu[:, i:], **({} if dt == torch.float32 else {"out_dtype": dt}))
-    return fused_linear(act, w_down)
+    return fused_linear(ops.silu_mul(gu[:, :i], gu[:, i:], **narrow_store(gu, w_down)), w_down)
 
 
 # eq=False on the weight types: field-wise == would compare tensors elementwise (an error, not a

@@ -284,11 +284,44 @@ def test_linear_heads_rows_invariant(case):
     assert_rows_invariant(lambda rs: L.linear_heads(x[list(rs)], w), rows, i)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("out_dt", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("split", [False, True])
+def test_linear_heads_out_dtype_is_the_fp32_result_rounded(device, monkeypatch, fmt, out_dt, split):
+    """``out_dtype`` 16-bit stores the fp32 result rounded to nearest even (MLA's W_UV output for o_proj),
+    into a poisoned buffer of that dtype, in the one-launch path and in the per-head loop a split config
+    takes; every row as alone."""
+    g = torch.Generator(device="cpu").manual_seed(9)
+    B, G, K, N = 7, 3, 256, 40
+    x = torch.randn(B, G, K, generator=g).to(device)
+    w = (torch.randn(G, N, K, generator=g) / K ** 0.5)
+    if fmt == "fp8":
+        from ds4t.kernels.weights import quantize
+
+        w = quantize(w).with_act_dtype(torch.bfloat16).to(device)
+    else:
+        w = w.to(torch.bfloat16).to(device)
+    if split:
+        cfg = LinearConfig(block_n=32, block_k=64, split=2, swap=True, fp8_route="f32" if fmt == "fp8" else "direct")
+        monkeypatch.setattr(L, "linear_config", lambda *a, **k: cfg)
+    want = L.linear_heads(x, w).to(out_dt)
+    out = torch.full((B, G, N), float("nan"), dtype=out_dt, device=device)
+    got = L.linear_heads(x, w, out=out, out_dtype=out_dt)
+    assert got is out and torch.equal(got, want)
+    assert torch.equal(L.linear_heads(x[3:4], w, out_dtype=out_dt), want[3:4])
+    assert torch.equal(L.linear_heads_ref(x, w, out_dtype=out_dt), L.linear_heads_ref(x, w).to(out_dt))
+
+
 def test_linear_heads_bad_args():
     with pytest.raises(ValueError, match="linear_heads"):
         L.linear_heads(torch.randn(2, 3, 8), torch.randn(4, 5, 8))
     with pytest.raises(ValueError, match="out must be"):
         L.linear_heads(torch.randn(2, 3, 8), torch.randn(3, 5, 8), out=torch.empty(2, 3, 4))
+    with pytest.raises(ValueError, match="out must be"):   # an fp32 buffer for a bf16 store
+        L.linear_heads(torch.randn(2, 3, 8), torch.randn(3, 5, 8), out=torch.empty(2, 3, 5),
+                       out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        L.linear_heads(torch.randn(2, 3, 8), torch.randn(3, 5, 8), out_dtype=torch.int8)
 
 
 def _device():

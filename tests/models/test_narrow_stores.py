@@ -1,0 +1,78 @@
+"""Producers whose only reader is a linear store in the dtype that linear rounds to
+(``blocks.linear_input_dtype`` / ``narrow_store``): no bit changes.
+
+``swiglu`` stores silu(g)·u for its down projection and DeepSeek's MLA stores W_UV's output for o_proj as
+bf16 / fp16 where that linear rounds its input to that dtype anyway (16-bit weights, FP8 or GGUF blocks with
+a 16-bit activation dtype). Rounded to nearest even at the store as the linear would round at its load, so
+the logits of every family are bitwise those of fp32 stores. Neither store follows a reduction of its own
+(elementwise; the end of an MMA chain), so this holds compiled too. Negative control: storing in a dtype the
+linear does not round to (fp16 for a bf16 model) changes logits.
+"""
+import pytest
+import torch
+
+import ds4t
+from ds4t.models import blocks
+from ds4t.models import deepseek
+
+PROMPT = [3, 17, 5, 42, 9, 11, 2, 30, 7, 64]
+CASES = [("tiny-deepseek", None), ("tiny-glm", None), ("tiny-llama", None), ("tiny-deepseek", "fp8"),
+         ("tiny-glm", "q8_0")]
+
+
+def _logits(model):
+    return model.new_session(64).prefill(PROMPT, all_logits=True)
+
+
+def _spy(monkeypatch):
+    """Records the dtype of every narrowed store while the model runs, and how many were MLA's."""
+    seen, mla = [], []
+    real, real_narrow = blocks.linear_input_dtype, deepseek.narrow_store
+
+    def spy(x, w):
+        seen.append(real(x, w))
+        return seen[-1]
+
+    def mla_spy(x, w):
+        mla.append(1)
+        return real_narrow(x, w)
+
+    monkeypatch.setattr(blocks, "linear_input_dtype", spy)
+    monkeypatch.setattr(deepseek, "narrow_store", mla_spy)
+    return seen, mla
+
+
+@pytest.mark.parametrize("preset,quantize", CASES)
+def test_narrow_stores_change_no_bit(preset, quantize, monkeypatch):
+    model = ds4t.load(preset, dtype=torch.bfloat16, quantize=quantize)
+    seen, mla = _spy(monkeypatch)
+    narrow = _logits(model)
+    assert seen and set(seen) == {torch.bfloat16}   # the model narrows (else this proves nothing)
+    assert bool(mla) == preset.endswith("deepseek")  # MLA's W_UV output among them
+    monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float32)
+    wide = _logits(model)
+    assert not torch.isnan(narrow).any()
+    assert torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("where", ["swiglu", "mla"])
+def test_a_narrowing_the_linear_does_not_do_is_caught(where, monkeypatch):
+    model = ds4t.load("tiny-deepseek", dtype=torch.bfloat16)
+    wide = _logits(model)
+    if where == "mla":   # only MLA's store in fp16
+        monkeypatch.setattr(deepseek, "narrow_store", lambda x, w: {"out_dtype": torch.float16})
+        monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float32)
+    else:
+        monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float16)
+        monkeypatch.setattr(deepseek, "narrow_store", lambda x, w: {})
+    assert not torch.equal(_logits(model), wide)
+
+
+def test_fp32_models_and_fp32_activations_store_fp32():
+    x = torch.randn(2, 8)
+    assert blocks.linear_input_dtype(x, torch.randn(4, 4)) == torch.float32
+    assert blocks.linear_input_dtype(x, torch.randn(4, 4).bfloat16()) == torch.bfloat16
+    assert blocks.narrow_store(x, torch.randn(4, 4)) == {}
+    w8 = ds4t.kernels.weights.quantize(torch.randn(4, 128))
+    assert blocks.linear_input_dtype(x, w8) == torch.float32                    # no activation dtype: x's own
+    assert blocks.narrow_store(x, w8.with_act_dtype(torch.bfloat16)) == {"out_dtype": torch.bfloat16}
