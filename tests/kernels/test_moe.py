@@ -545,13 +545,13 @@ def test_swapped_tiles(fmt, route, adt):
     _config_case(fmt, adt, 200, 40, 71, cfg, cfg)
 
 
-# Three cases cover the split's code paths (gate_up's partials summed in the down kernel, down's in the
-# combine, both at once; 16-bit and FP8 weights, swapped and not); the option is off in every table
-# (slower on the H200: bench/results/2026-12-01-h200-fp8-options.md), so more would only cost CI time.
 @pytest.mark.parametrize("fmt,route,adt,split,swap,where", [
     ("bf16", "direct", None, 2, False, "gate_up"),
+    ("bf16", "direct", None, 3, True, "down"),
+    ("fp8", "f32", torch.float32, 2, True, "both"),
     ("fp8", "f32", torch.bfloat16, 3, True, "gate_up"),
-    ("fp8", "f32", torch.bfloat16, 2, True, "both"),
+    ("fp8", "f32", torch.bfloat16, 2, True, "down"),
+    ("fp8", "tf32", torch.bfloat16, 2, False, "both"),
 ], ids=str)
 def test_split_k(fmt, route, adt, split, swap, where):
     """``MoEConfig(split=S)`` (K in S parts whose fp32 partials the next kernel adds in split order: the down
