@@ -371,15 +371,14 @@ def _linear_kernel(
 def _sum_splits(p_ptr, stride_ps, stride_pm, b_ptr, y_ptr, stride_ym, rm, rn, B, N: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
     """y[rm, rn] = ((p[0] + p[1]) + p[2]) + ... (+ bias): :func:`_splitk_sum_kernel`'s sum of one
-    [BLOCK_M, BLOCK_N] tile. The partials come from other programs: loaded past L1 (``.cg``)."""
+    [BLOCK_M, BLOCK_N] tile, stored as :func:`_store_sub_tile` stores a tile. The partials come from other
+    programs: loaded past L1 (``.cg``)."""
     if EVEN_N:
         m = (rm < B)[:, None]
     else:
         m = (rm < B)[:, None] & (rn < N)[None, :]
     acc = split_sum(p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rn[None, :], m, stride_ps, SPLIT, True)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc, mask=m)
+    _store_sub_tile(acc, b_ptr, y_ptr, rm, rn, B, stride_ym, N, HAS_BIAS, False, EVEN_N)
 
 
 @triton.jit
@@ -452,7 +451,8 @@ _GPU_TABLE: dict = {
 #   K x N          B=1 TB/s  B=16 TB/s   (cuBLAS on the dequantized bf16 weight, B=1 / B=16)
 #   7168 x 18432     2.83      2.90       3.72 / 3.72
 #   18432 x 7168     3.40      3.30       3.93 / 3.79   (x in bf16, as swiglu stores the down input: a
-#                    bf16-x sweep, bench/results/2026-12-01-h200-fp8-options.md; the entry before it 3.17 / 3.01)
+#                    bf16-x sweep, bench/results/2026-12-01-h200-fp8-options.md, call 5; the entry before it
+#                    3.17 / 3.01 in that sweep; cuBLAS from call 1 of the same session)
 #   16384 x 7168     3.06      2.97       3.85 / 3.60
 #   1536 x 24576     2.62      2.74       3.48 / 3.56
 #   2048 x 12288     2.06      2.16       3.27 / 3.19

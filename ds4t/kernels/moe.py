@@ -133,6 +133,17 @@ def _pairs_mask(qm, km, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_scales(s_ptr, nm, SWAP: tl.constexpr, EVEN_N: tl.constexpr):
+    """A K block's fp32 scale per weight row (rows past N masked to 0 unless EVEN_N), broadcast against
+    the accumulator as :func:`_row_vec`."""
+    if EVEN_N:
+        s = tl.load(s_ptr)
+    else:
+        s = tl.load(s_ptr, mask=nm, other=0.0)
+    return _row_vec(s, SWAP)
+
+
+@triton.jit
 def _row_vec(v, SWAP: tl.constexpr):
     """A per-weight-row vector [BN] broadcast against the accumulator ([BM, BN], or [BN, BM] with SWAP)."""
     if SWAP:
@@ -262,6 +273,7 @@ def _moe_gate_up_kernel(
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
+    EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
@@ -280,12 +292,8 @@ def _moe_gate_up_kernel(
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(k_lo, k_hi, KSTEP):
                 j = kb // SBK
-                if EVEN_N:
-                    sg = _row_vec(tl.load(sg_ptr + s_row + j), SWAP)
-                    su = _row_vec(tl.load(su_ptr + s_row + j), SWAP)
-                else:
-                    sg = _row_vec(tl.load(sg_ptr + s_row + j, mask=nm, other=0.0), SWAP)
-                    su = _row_vec(tl.load(su_ptr + s_row + j, mask=nm, other=0.0), SWAP)
+                sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
+                su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over D
                     pg = acc_g
                     pu = acc_u
@@ -296,10 +304,10 @@ def _moe_gate_up_kernel(
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < D
                     a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
-                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N),
-                                     sg, WDT, FP8_ROUTE)
-                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N),
-                                     su, WDT, FP8_ROUTE)
+                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
+                                     FP8_ROUTE)
+                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
+                                     FP8_ROUTE)
                     if TF32:
                         a = round_in_f32(a.to(tl.float32), WDT)
                     else:
@@ -318,9 +326,10 @@ def _moe_gate_up_kernel(
                 km = kk < D
                 a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
                 a = cast(a.to(tl.float32), WDT)
-                even = EVEN_K and EVEN_N
-                acc_g = _pair_dot(a, _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, even), acc_g, SWAP, False)
-                acc_u = _pair_dot(a, _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, even), acc_u, SWAP, False)
+                wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
+                acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
         if SPLIT > 1:
             part = act_ptr + tl.program_id(2) * sa_s
             _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
@@ -358,6 +367,7 @@ def _moe_down_kernel(
     wbase = e.to(tl.int64) * sw_e
     TF32: tl.constexpr = FP8_ROUTE == 2
     k_lo, k_hi = _split_range(I, SPLIT, K_PER_SPLIT)
+    EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
@@ -369,10 +379,7 @@ def _moe_down_kernel(
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             for kb in range(k_lo, k_hi, KSTEP):
-                if EVEN_N:
-                    sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK), SWAP)
-                else:
-                    sd = _row_vec(tl.load(sd_ptr + s_row + kb // SBK, mask=nm, other=0.0), SWAP)
+                sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over I
                     pd = acc
                 else:
@@ -381,8 +388,7 @@ def _moe_down_kernel(
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
                     a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT, EVEN_K)
-                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N), sd,
-                                    WDT, FP8_ROUTE)
+                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT, FP8_ROUTE)
                     if TF32:
                         a = round_in_f32(a, WDT)
                     else:
@@ -397,8 +403,7 @@ def _moe_down_kernel(
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
                 a = cast(_act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT, EVEN_K), WDT)
-                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_K and EVEN_N), acc,
-                                SWAP, False)
+                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), acc, SWAP, False)
         _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
 
 

@@ -234,14 +234,19 @@ def _qlinear_kernel(
     if PAIR:
         rn = 2 * pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn2 = rn + BLOCK_N
-        acc, acc2 = qdot_pair(zero, zero, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn,
-                              w_ptr + tl.minimum(rn2, N - 1).to(tl.int64) * stride_wn, x_row, k_lo, k_hi,
-                              FMT, ADT, G, K)
+        acc, acc2 = qdot_pair(zero, zero, _w_rows(w_ptr, rn, N, stride_wn), _w_rows(w_ptr, rn2, N, stride_wn),
+                              x_row, k_lo, k_hi, FMT, ADT, G, K)
         _store_tile(acc2, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn2, B, N, HAS_BIAS)
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = qdot(zero, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn, x_row, k_lo, k_hi, FMT, ADT, G, K)
+        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K)
     _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N, HAS_BIAS)
+
+
+@triton.jit
+def _w_rows(w_ptr, rn, N: tl.constexpr, stride_wn):
+    """Row starts of weight rows rn, rows past N clamped to the last (loads stay in bounds; never stored)."""
+    return w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
 
 
 @triton.jit
