@@ -217,7 +217,8 @@ is measured on request."""
 def fp8_candidates(K, N):
     """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries; swapped
     operands (every bf16 sweep winner was); routes :data:`FP8_ROUTES_SWEPT`. Warps 1-2: the third
-    sweep's top configs all had 2 warps (of 2-8), 16-row tiles lost by ~2x."""
+    sweep's top configs all had 2 warps (of 2-8), 16-row tiles lost by ~2x; route "x2": 4-8 warps, 64-128
+    weight rows (a wgmma's M side is 64 rows a warpgroup)."""
     bk_scale = FP8_BLOCK[1]
     out = []
     for bn in (32, 64, 128):
@@ -231,8 +232,9 @@ def fp8_candidates(K, N):
                 for stages in (2, 3):
                     if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
                         continue
-                    for warps in (1, 2):
-                        for route in FP8_ROUTES_SWEPT:
+                    for route in FP8_ROUTES_SWEPT:
+                        # "x2" wants Hopper's wgmma: a warpgroup (4 warps) per 64 weight rows
+                        for warps in ((4, 8)[:bn // 64] if route == "x2" else (1, 2)):
                             out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
                                                     num_stages=stages, swap=True, fp8_route=route))
     return out

@@ -155,7 +155,7 @@ def cast(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3}
+FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4}
 """How a kernel turns fp8 weight tiles into MMA operands (a launch constant; every route is exact):
 
 * ``"direct"``: fp8 -> activation dtype A, A x A tensor-core MMA. On Hopper the fp8 -> bf16 convert
@@ -171,6 +171,13 @@ FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3}
   checkpoint), multiplied into one accumulator over the whole K: no per-scale-block dot, wait and scaled
   add. Not exact: each weight carries one rounding to A (2^-9 relative for bf16), the same size as the
   activations' own; a kernel choosing it says so in its config table.
+* ``"x2"`` (A = bf16 only): no weight conversion at all. Each row of an activation tile, rounded to bf16,
+  is scaled by a power of two and split into two fp8 pieces (:func:`fp8_pieces`); the fp8 weight tile
+  meets both in fp8 x fp8 tensor-core MMAs (on Hopper a wgmma reads the weight straight from shared
+  memory: no registers, no conversion instructions). Not exact, in two ways a row's own values fix
+  (never the batch): an element below 2^-9 of its row's largest in the tile keeps fewer than its 8 bits
+  (error <= 2^-17 of that largest), and the tensor core adds an fp8 MMA's products with fewer than fp32's
+  bits (Hopper keeps ~14 bits past the largest product, measured in DeepSeek-V3's report).
 
 The first three routes compute ``x . (fp8 * scale)`` with every product exact; SASS counted with cuobjdump
 (Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8 --sweep)."""
@@ -180,12 +187,15 @@ def fp8_route(what: str, route: str, act_dtype) -> int:
     """The launch constant of fp8 route ``route`` (:data:`FP8_ROUTES`) for activations of ``act_dtype``;
     ValueError naming ``what`` (the op) for an unknown route or one the activation dtype cannot take
     ("tf32" would round fp32 activations; "fold" rounds every weight, which the fp32 path, held to the
-    fp32 oracle bound with exact products, does not allow)."""
+    fp32 oracle bound with exact products, does not allow; "x2" splits a bf16 value's 8 significant bits
+    into two fp8 pieces, too few for fp16's 11)."""
     code = FP8_ROUTES.get(route)
     if code is None:
         raise ValueError(f"{what}: fp8_route must be one of {sorted(FP8_ROUTES)}, got {route!r}")
     if route in ("tf32", "fold") and act_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{what}: fp8_route {route!r} needs bf16 or fp16 activations, got {act_dtype}")
+    if route == "x2" and act_dtype != torch.bfloat16:
+        raise ValueError(f"{what}: fp8_route 'x2' needs bf16 activations, got {act_dtype}")
     return code
 
 
@@ -204,8 +214,10 @@ def fp8_operand(w, s, dtype: tl.constexpr, ROUTE: tl.constexpr):
 @triton.jit
 def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
     """An fp8 (e4m3) weight tile as the MMA operand of :data:`FP8_ROUTES` route ROUTE for activation
-    dtype ``dtype`` (route 2: fp32). Exact on every route."""
-    if ROUTE == 2:
+    dtype ``dtype`` (route 2: fp32; route 4: the fp8 tile itself). Exact on every route."""
+    if ROUTE == 4:
+        out = w
+    elif ROUTE == 2:
         out = w.to(tl.float32)
     elif ROUTE == 1:
         if dtype == tl.float32:
@@ -324,6 +336,60 @@ def fp8_scaled_to(w, s, dtype: tl.constexpr):
     """fp8 tile ``w`` times fp32 scales ``s`` (broadcast against it), in fp32, rounded once to ``dtype``:
     the operand of :data:`FP8_ROUTES` ``"fold"``."""
     return cast(w.to(tl.float32) * s, dtype)
+
+
+@triton.jit
+def _round_4_bits(v):
+    """fp32 v rounded to 4 significant bits (nearest, ties to even), with integer ops."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3_exact(v):
+    """fp32 v rounded (nearest, ties to even) to a value fp8 e4m3 holds, for |v| < 448: 4 significant
+    bits from 2^-6 up, multiples of 2^-9 below (e4m3's subnormals). Rounded here rather than by the
+    conversion because the interpreter's fp32 -> fp8 loses a carry into the exponent (127 -> 64)."""
+    grid = (v + 24576.0) - 24576.0   # 3 * 2^13: fp32's spacing there is 2^-9
+    return tl.where(tl.abs(v) >= 0.015625, _round_4_bits(v), grid)
+
+
+@triton.jit
+def fp8_pieces(x):
+    """Route "x2"'s split of an activation tile x [M, K] (bf16 values, any float dtype): (x1, x2, inv),
+    x1 and x2 float8e4nv [M, K], inv fp32 [M] a power of two, with x = (x1 + x2) * inv[:, None] exactly
+    for every element of at least 2^-9 of its row's largest magnitude |x|max (smaller ones: error
+    <= 2^-17 |x|max). Row r is scaled by 2^(7 - floor(log2 |x|max)), so its largest lands in [128, 256)
+    (fp8 e4m3 holds up to 448); x1 rounds that to e4m3 (4 significant bits), x2 = the rest rounded to
+    e4m3 (at most 4 more bits: exact while they lie on e4m3's 2^-9 grid). A row's pieces depend on its
+    own values only."""
+    v = x.to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF     # biased exponent of |x|max
+    e = tl.maximum(e, 8)                                   # keeps both powers of two normal (tiny rows)
+    scale = ((261 - e) << 23).to(tl.float32, bitcast=True)   # 2^(134 - e): |x|max * scale in [128, 256)
+    inv = ((e - 7) << 23).to(tl.float32, bitcast=True)       # 2^(e - 134)
+    v = v * scale[:, None]
+    x1 = _to_e4m3_exact(v)
+    x2 = _to_e4m3_exact(v - x1)
+    return x1.to(tl.float8e4nv), x2.to(tl.float8e4nv), inv
+
+
+@triton.jit
+def mma_fp8_pieces(w, x1, x2, inv, SWAP: tl.constexpr):
+    """w . x for an fp8 weight tile and the pieces of x (:func:`fp8_pieces`) as a fresh fp32 tile: SWAP w
+    [N, K] -> [N, M] (w @ x^T: the weight rows fill the MMA's M side, the wgmma form), else w [K, N] ->
+    [M, N]. Both pieces go through one accumulator (x1 first), then the row's inverse scale."""
+    if SWAP:
+        p = mma(w, tl.trans(x1), tl.zeros([w.shape[0], x1.shape[0]], dtype=tl.float32))
+        p = mma(w, tl.trans(x2), p)
+        out = p * inv[None, :]
+    else:
+        p = mma(x1, w, tl.zeros([x1.shape[0], w.shape[1]], dtype=tl.float32))
+        p = mma(x2, w, p)
+        out = p * inv[:, None]
+    return out
 
 
 @triton.jit

@@ -148,3 +148,50 @@ def test_packed_small_int_conversions_are_exact(device, dt):
             _small_ints_kernel[(1,)](a, b, out, KIND=2, NIB=nib, PAIR=pair, DT=tdt)
             ref = (((ai >> (4 * nib)) & 15) | (((b.long() >> (2 * pair)) & 3) << 4)) - 32
             assert torch.equal(out[:256], ref.float()), (nib, pair)
+
+
+@triton.jit
+def _pieces_kernel(x_ptr, out_ptr, inv_ptr, M: tl.constexpr, K: tl.constexpr):
+    r = tl.arange(0, M)[:, None] * K + tl.arange(0, K)[None, :]
+    x1, x2, inv = backend.fp8_pieces(tl.load(x_ptr + r))
+    tl.store(out_ptr + r, x1.to(tl.float32))
+    tl.store(out_ptr + M * K + r, x2.to(tl.float32))
+    tl.store(inv_ptr + tl.arange(0, M), inv)
+
+
+def _pieces(x):
+    M, K = x.shape
+    out = torch.full((2, M, K), float("nan"), device=x.device)
+    inv = torch.full((M,), float("nan"), device=x.device)
+    _pieces_kernel[(1,)](x, out, inv, M, K)
+    return out[0], out[1], inv
+
+
+def test_fp8_pieces_rebuild_each_row(device):
+    """FP8 route "x2" splits each row of a bf16 tile into two fp8 pieces times a power of two: exact for
+    every element of at least 2^-9 of its row's largest, within 2^-17 of that largest below, whatever
+    the row's magnitude (1e-30 .. 1e30, a zero row); a row's pieces do not depend on the other rows."""
+    g = torch.Generator().manual_seed(3)
+    mags = torch.tensor([1.0, 1e-30, 1e30, 3.0, 0.0, 1e-3, 7e4, 0.5, 2.0, 1e5, 1e-8, 1.0, 1.0, 1.0, 1.0, 1.0])
+    x = torch.randn(16, 64, generator=g) * mags[:, None]
+    x[11] = torch.randn(64, generator=g) * torch.logspace(0, -12, 64)   # one row of mixed magnitudes
+    x = x.bfloat16().float().to(device)
+    x1, x2, inv = _pieces(x)
+    assert torch.all(inv > 0) and torch.equal(torch.frexp(inv)[0], torch.full_like(inv, 0.5))   # powers of two
+    rebuilt = (x1 + x2) * inv[:, None]
+    amax = x.abs().amax(dim=1, keepdim=True)
+    big = x.abs() >= amax * 2.0 ** -9
+    assert torch.equal(rebuilt[big], x[big])
+    assert torch.all((rebuilt - x).abs() <= amax * 2.0 ** -17)
+    assert (rebuilt != x).any()   # control: row 11's smallest elements do lose bits
+    # row 0 alone (in a tile of copies of row 5) gets the pieces it gets among the others
+    y = x[[5] * 16].clone()
+    y[0] = x[0]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_pieces(y), (x1, x2, inv)))
+
+
+def test_fp8_route_x2_needs_bf16():
+    assert backend.fp8_route("t", "x2", torch.bfloat16) == backend.FP8_ROUTES["x2"]
+    for dt in (torch.float16, torch.float32):
+        with pytest.raises(ValueError, match="x2"):
+            backend.fp8_route("t", "x2", dt)

@@ -471,8 +471,8 @@ def test_fp8_moe_rows_invariant(case, adt, rows_path):
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_routes(adt):
     """The grouped kernels' fp8 routes (ds4t.backend.FP8_ROUTES): "f32" gives the bits of "direct";
-    "tf32" and "fold" (bf16 activations) match the reference and are row-invariant, "fold" equals the
-    reference on weights rounded to the activation dtype; fp32 activations refuse both."""
+    "tf32", "fold" and "x2" (bf16 activations) match the reference and are row-invariant, "fold" equals the
+    reference on weights rounded to the activation dtype; fp32 activations refuse all three."""
     E, I, D, k = 6, 40, 200, 2
     wg, wu, wd = _fp8_weights(E, I, D, 51)
     ids, w = _routing(9, E - 1, k, seed=52)
@@ -487,12 +487,12 @@ def test_fp8_routes(adt):
     y0, y1 = run("direct"), run("f32")
     assert not torch.isnan(y1).any() and torch.equal(y0, y1)
     if adt == torch.float32:
-        for route in ("tf32", "fold"):
+        for route in ("tf32", "fold", "x2"):
             with pytest.raises(ValueError, match=route):
                 run(route)
         return
     ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
-    for route in ("tf32", "fold"):
+    for route in ("tf32", "fold", "x2"):
         y = run(route)
         assert not torch.isnan(y).any()
         assert all(torch.equal(y[i:i + 1], run(route, slice(i, i + 1))) for i in (0, 4, 8)), route
@@ -533,15 +533,16 @@ def _config_case(fmt, adt, D, I, seed, gate_up, down):
     return y, run, ref, tol
 
 
-@pytest.mark.parametrize("fmt,route,adt", [
-    ("bf16", "direct", None),
-    ("fp8", "f32", torch.float32),
-    ("fp8", "f32", torch.bfloat16),
-    ("fp8", "tf32", torch.bfloat16),
+@pytest.mark.parametrize("fmt,route,adt,tile_n,warps", [
+    ("bf16", "direct", None, 32, 2),
+    ("fp8", "f32", torch.float32, 32, 2),
+    ("fp8", "f32", torch.bfloat16, 32, 2),
+    ("fp8", "tf32", torch.bfloat16, 32, 2),
+    ("fp8", "x2", torch.bfloat16, 64, 4),    # a warpgroup over 64 weight rows: Hopper's fp8 wgmma
 ], ids=str)
-def test_swapped_tiles(fmt, route, adt):
+def test_swapped_tiles(fmt, route, adt, tile_n, warps):
     """``MoEConfig(swap=True)`` (the weight rows as the MMA's M side) on both kernels: see _config_case."""
-    cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=True, num_warps=2)
+    cfg = M.MoEConfig(tile_n=tile_n, tile_k=64, fp8_route=route, swap=True, num_warps=warps)
     _config_case(fmt, adt, 200, 40, 71, cfg, cfg)
 
 
