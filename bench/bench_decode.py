@@ -422,6 +422,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             continue
         if paths[0] is not None:
             model.native_path = paths[0]
+        runner = sessions = S = T = None   # the last context's sessions give their slots back first
         sessions, toks = fill_sessions(model, max(fit), ctx, extra, seed=ctx)
         log(f"\nctx {ctx}: {max(fit)} sessions filled in {time.time() - t0:.1f} s (one prefilled, its state copied); "
             f"slots 0..N-1 in batch order: {'yes' if slots_are_rows(sessions) else 'no (the twin gathers slots)'}")

@@ -43,7 +43,9 @@ class StatePool:
 
     Kernels address a session by its slot index, so a batch of sessions is just a vector of
     slots. The pool grows (slots doubling, token capacity to the largest max_ctx asked) by
-    copying into bigger tensors; slot numbers stay valid.
+    copying into bigger tensors; slot numbers stay valid. A session asking for more context than the
+    pool holds re-sizes it to the slots in use plus its own (free slots above the highest in use are
+    dropped), so closing a large batch and opening fewer, longer sessions needs only their memory.
     """
 
     def __init__(self, specs: Dict[str, StateSpec], device):
@@ -57,20 +59,25 @@ class StatePool:
         self._used: Dict[int, int] = {}  # slot -> max_ctx
 
     def _resize(self, slots: int, ctx: int) -> None:
+        """Tensors of ``slots`` slots and ``ctx`` tokens, the slots in use (all below ``slots``) copied over.
+        With no slot in use the old tensors go first: nothing to copy, and old and new never coexist."""
+        if not self._used:
+            self.tensors = {}
         new = {}
         for name, spec in self.specs.items():
             t = torch.zeros((slots,) + spec.concrete(ctx), dtype=spec.dtype, device=self.device)
             old = self.tensors.get(name)
             if old is not None:
+                keep = min(slots, old.shape[0])
                 if spec.has_ctx:
                     axis = spec.shape.index(CTX) + 1
-                    t.narrow(0, 0, old.shape[0]).narrow(axis, 0, old.shape[axis]).copy_(old)
+                    t.narrow(0, 0, keep).narrow(axis, 0, old.shape[axis]).copy_(old[:keep])
                 else:
-                    t[: old.shape[0]].copy_(old)
+                    t[:keep].copy_(old[:keep])
             new[name] = t
         self.tensors = new
         self.generation += 1  # tensors moved: anything holding their addresses (CUDA graphs) is stale
-        self._free += list(range(self.slots, slots))
+        self._free = sorted({f for f in self._free if f < slots} | set(range(self.slots, slots)))
         self.slots, self.ctx = slots, ctx
 
     def bytes_per_slot(self, ctx: int) -> int:
@@ -82,8 +89,15 @@ class StatePool:
             self._resize(max(slots, self.slots), max(ctx, self.ctx))
 
     def alloc(self, max_ctx: int) -> int:
-        slots = self.slots if self._free else max(1, 2 * self.slots)
         ctx = max(self.ctx, max_ctx)
+        if ctx > self.ctx:
+            # Every slot grows to the new context: keep only the slots up to the highest in use (slot
+            # numbers stay valid) and one free slot for this session -- not the free slots a larger
+            # batch left behind, which at the new context could be more than the device holds.
+            top = max(self._used, default=-1) + 1
+            slots = top if any(f < top for f in self._free) else top + 1
+        else:
+            slots = self.slots if self._free else max(1, 2 * self.slots)
         if (slots, ctx) != (self.slots, self.ctx):
             self._resize(slots, ctx)
         slot = self._free.pop(0)

@@ -1,0 +1,55 @@
+"""The state pool's sizes: a session asking for more context than the pool holds re-sizes it to the slots
+in use plus its own, so closing a large batch and opening fewer, longer sessions needs only their memory
+(before, every free slot grew to the new context as well: a benchmark that stepped 64 sessions at 8k and
+then asked for 16 at 32k ran out of memory on the H200). Sessions that stay open keep their slots and their
+state bitwise."""
+import gc
+
+import torch
+
+import ds4t
+
+
+def _ctx_tensors(model):
+    return {n: t.shape for n, t in model.pool.tensors.items()}
+
+
+def test_a_longer_session_after_a_closed_batch_takes_one_slot():
+    model = ds4t.load("tiny-llama")
+    sessions = [model.new_session(max_ctx=16) for _ in range(8)]
+    assert model.pool.slots == 8
+    del sessions
+    gc.collect()
+    s = model.new_session(max_ctx=64)
+    assert (model.pool.slots, model.pool.ctx) == (1, 64) and s.slot == 0
+    assert all(shape[0] == 1 for shape in _ctx_tensors(model).values())
+    more = [model.new_session(max_ctx=64) for _ in range(3)]   # then the pool doubles as before
+    assert model.pool.slots == 4 and sorted(x.slot for x in [s, *more]) == [0, 1, 2, 3]
+
+
+def test_open_sessions_keep_slots_and_state_through_a_resize():
+    prompt = [3, 17, 5, 42, 9, 11]
+    model = ds4t.load("tiny-llama")
+    ref = model.new_session(max_ctx=16)
+    want = ref.prefill(prompt)
+    want_next = ds4t.eval_batch([ds4t.DecodeItem(ref, 7)]).logits[0]
+    del ref
+    gc.collect()
+
+    sessions = [model.new_session(max_ctx=16) for _ in range(8)]
+    keep = sessions[5]
+    assert torch.equal(keep.prefill(prompt), want)
+    for i in (0, 1, 2, 3, 4, 6, 7):
+        sessions[i] = None
+    gc.collect()
+    longer = model.new_session(max_ctx=64)   # slots 0..4 are free below slot 5: no slot past 5 is kept
+    assert model.pool.slots == 6 and keep.slot == 5 and longer.slot == 0 and model.pool.ctx == 64
+    got = ds4t.eval_batch([ds4t.DecodeItem(keep, 7)]).logits[0]
+    assert torch.equal(got, want_next)
+
+
+def test_growing_with_every_slot_in_use_adds_one():
+    model = ds4t.load("tiny-llama")
+    a = [model.new_session(max_ctx=16) for _ in range(4)]
+    b = model.new_session(max_ctx=32)
+    assert model.pool.slots == 5 and b.slot == 4 and len(a) == 4
