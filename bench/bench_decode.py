@@ -222,6 +222,9 @@ def fill_sessions(model, n: int, ctx: int, extra: int, seed: int):
     other session open they hold slots 0..n-1 in order (the twin then reads slot views, no gathers)."""
     gc.collect()   # closed-but-unreferenced sessions give their slots back
     rng = random.Random(seed)
+    # All n slots in one allocation, as the memory plan counts them (as `ds4t serve` reserves them):
+    # grown one session at a time the pool doubles, and each doubling holds the old and the new tensors.
+    model.pool.reserve(n, ctx + extra)
     sessions = [model.new_session(max_ctx=ctx + extra) for _ in range(n)]
     prompt = [rng.randrange(model.vocab_size) for _ in range(ctx)]
     sessions[0].prefill(prompt, chunk=2048)
