@@ -240,13 +240,14 @@ def exact_at_context(model, sessions, toks, ctx: int, path) -> bool:
     ``ctx`` afterwards. (The harness runs short prompts; this checks the long-context kernels' splits.)"""
     if path is not None:
         model.native_path = path
-    saved = [(s.state_dict(), list(s.tokens)) for s in sessions]
+    # Copies in host memory: three per session at 32k context are ~10 GB the device may not have spare.
+    saved = [(s.state_dict("cpu"), list(s.tokens)) for s in sessions]
 
     def run(mode):
         for s, (st, tk) in zip(sessions, saved):
             s.load_state_dict(st, ctx, tk)
         res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode=mode)
-        return res.logits.clone(), [s.state_dict() for s in sessions], res.paths
+        return res.logits.clone(), [s.state_dict("cpu") for s in sessions], res.paths
 
     lo, so, _ = run("ordered")
     ln, sn, paths = run("native")

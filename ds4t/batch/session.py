@@ -93,12 +93,12 @@ class Session:
             raise BatchError(f"{what}: session at position {self.pos} cannot take {n} more token(s): "
                              f"max_ctx is {self.max_ctx}")
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
+    def state_dict(self, device=None) -> Dict[str, torch.Tensor]:
         """Copies of everything the next step depends on: KV caches up to pos, conv and
-        recurrent states."""
+        recurrent states; on ``device`` if given (e.g. "cpu": straight to host memory, no device copy)."""
         if self.closed:
             raise BatchError("state_dict: session is closed")
-        return self.model.pool.state(self.slot, self.pos)
+        return self.model.pool.state(self.slot, self.pos, device)
 
     def load_state_dict(self, state: Dict[str, torch.Tensor], pos: int, tokens: Optional[List[int]] = None) -> None:
         """Restore a state taken with :meth:`state_dict` at position ``pos``."""

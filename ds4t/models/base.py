@@ -111,14 +111,15 @@ class StatePool:
             self._free.append(slot)
             self._free.sort()
 
-    def state(self, slot: int, pos: int) -> Dict[str, torch.Tensor]:
-        """Copies of everything the next step of ``slot`` depends on (caches cut at ``pos``)."""
+    def state(self, slot: int, pos: int, device=None) -> Dict[str, torch.Tensor]:
+        """Copies of everything the next step of ``slot`` depends on (caches cut at ``pos``), on ``device``
+        (default: the pool's; e.g. "cpu" copies straight to host memory, never holding a device copy)."""
         out = {}
         for name, spec in self.specs.items():
             t = self.tensors[name][slot]
             if spec.has_ctx:
                 t = t.narrow(spec.shape.index(CTX), 0, pos)
-            out[name] = t.clone()
+            out[name] = t.clone() if device is None else t.to(device, copy=True)
         return out
 
     def load(self, slot: int, state: Dict[str, torch.Tensor], pos: int) -> None:

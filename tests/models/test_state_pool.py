@@ -53,3 +53,18 @@ def test_growing_with_every_slot_in_use_adds_one():
     a = [model.new_session(max_ctx=16) for _ in range(4)]
     b = model.new_session(max_ctx=32)
     assert model.pool.slots == 5 and b.slot == 4 and len(a) == 4
+
+
+def test_state_dict_on_another_device_copies_there():
+    """``Session.state_dict(device)``: the copies are made on that device directly (the decode benchmark keeps
+    its long-context snapshots in host memory); values as the pool's own copy, loadable back."""
+    model = ds4t.load("tiny-qwen")
+    s = model.new_session(max_ctx=32)
+    s.prefill([5, 6, 7, 8])
+    here, meta = s.state_dict(), s.state_dict("meta")
+    assert here.keys() == meta.keys() and all(v.device.type == "meta" for v in meta.values())
+    assert all(meta[k].shape == here[k].shape and meta[k].dtype == here[k].dtype for k in here)
+    host = s.state_dict("cpu")
+    assert all(torch.equal(host[k], here[k].cpu()) for k in here)
+    s.load_state_dict(host, 4, [5, 6, 7, 8])
+    assert all(torch.equal(v, here[k]) for k, v in s.state_dict().items())
