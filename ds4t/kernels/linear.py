@@ -461,7 +461,9 @@ _GPU_TABLE: dict = {
 #   18432 x 7168     3.40      3.30       3.93 / 3.79   (x in bf16, as swiglu stores the down input: a
 #                    bf16-x sweep, bench/results/2026-12-01-h200-fp8-options.md, call 5; the entry before it
 #                    3.17 / 3.01 in that sweep; cuBLAS from call 1 of the same session)
-#   16384 x 7168     3.06      2.97       3.85 / 3.60
+#   16384 x 7168     3.38      3.29       3.76 / 3.51   (x in bf16, as DeepSeek's MLA stores o_proj's input: a
+#                    bf16-x sweep, bench/results/2026-12-01-h200-fp8-x2-32k.md; the entry before it 3.13 / 3.02
+#                    in that run, chosen with fp32 x)
 #   1536 x 24576     2.62      2.74       3.48 / 3.56
 #   2048 x 12288     2.06      2.16       3.27 / 3.19
 _FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)
@@ -470,7 +472,7 @@ _GPU_TABLE.update({
                                             fp8_route="f32"),
     (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32"),
-    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=64, block_k=128, split=8, num_warps=2, num_stages=2, swap=True,
+    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32"),
     (1536, 24576, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32"),
@@ -538,7 +540,8 @@ LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
     interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: _interpret_config(K, N, scale_bk),
     source="bench/results/2026-11-29-h200-kernels.md (float weights), "
            "bench/results/2026-11-30-h200-fp8-round2.md (FP8 weights), "
-           "bench/results/2026-12-01-h200-fp8-options.md (FP8 18432 x 7168 with bf16 x)")
+           "bench/results/2026-12-01-h200-fp8-options.md (FP8 18432 x 7168 with bf16 x), "
+           "bench/results/2026-12-01-h200-fp8-x2-32k.md (FP8 16384 x 7168 with bf16 x)")
 """Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
 block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 
