@@ -86,10 +86,14 @@ def record_fp8() -> None:
             x = torch.randn(3, K, generator=g)
             w = quantize(torch.randn(N, K, generator=g) / K ** 0.5)
             b = torch.randn(N, generator=g)
+            routes = ((L.LinearConfig(block_n=32, block_k=128, split=2, swap=True, num_warps=2, fp8_route="f16"),
+                       L.LinearConfig(block_n=64, block_k=128, split=2, swap=True, num_warps=4, fp8_route="x2"))
+                      if adt == torch.bfloat16 else ())
             for cfg in (None, L._gpu_fp8_heuristic(K, N, 128),
                         L.LinearConfig(block_n=64, block_k=64, split=2, swap=False, m_sub=2),
                         L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4),
-                        L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4, fused_sum=True)):
+                        L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4, fused_sum=True),
+                        *routes):
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
             L.linear(x, w.dequantize(torch.bfloat16), b,   # a 16-bit weight with the fused split-K sum
                      config=L.LinearConfig(block_n=64, block_k=64, split=2, swap=True, fused_sum=True))
@@ -107,13 +111,19 @@ def record_fp8() -> None:
         # then knows the K masks are 16-aligned: the code --sass reports is the GPU's)
         wga, wua, wda = (quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5) for s in ((8, 128, 256),) * 2
                          + ((8, 256, 128),))
+        # the GPU table's tiles on the 16-bit-activation routes that convert no weight to bf16
+        f16 = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
+            gpu_entry(kernel, *fmt), fp8_route="f16")
+        x2 = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
+            gpu_entry(kernel, *fmt), fp8_route="x2", tile_n=64, num_warps=4)
         try:
             for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, split K
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)
-            M.MOE_CONFIGS.interp_rule = gpu_entry
-            M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wga, wua, wda, act_dtype=adt)
+            for tiles in (gpu_entry, *((f16, x2) if adt == torch.bfloat16 else ())):
+                M.MOE_CONFIGS.interp_rule = tiles
+                M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wga, wua, wda, act_dtype=adt)
         finally:
             M.MOE_CONFIGS.interp_rule = rule
 

@@ -155,7 +155,7 @@ def cast(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4}
+FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4, "f16": 5}
 """How a kernel turns fp8 weight tiles into MMA operands (a launch constant; every route is exact):
 
 * ``"direct"``: fp8 -> activation dtype A, A x A tensor-core MMA. On Hopper the fp8 -> bf16 convert
@@ -178,6 +178,13 @@ FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4}
   (never the batch): an element below 2^-9 of its row's largest in the tile keeps fewer than its 8 bits
   (error <= 2^-17 of that largest), and the tensor core adds an fp8 MMA's products with fewer than fp32's
   bits (Hopper keeps ~14 bits past the largest product, measured in DeepSeek-V3's report).
+* ``"f16"`` (A = bf16 or fp16): fp8 -> fp16 (Hopper: one packed convert per two values, against four
+  instructions per two for fp8 -> bf16), and each row of the activation tile, scaled by a power of two so
+  its largest lands in [2^14, 2^15), rounded to fp16 (:func:`f16_rows`: exact for every element of at
+  least 2^-31 of that largest, which covers any bf16 row but the most extreme); fp16 x fp16 MMA, every
+  product exact, fp32 accumulation, the row's scale undone on the fresh fp32 tile. Where a scale block is
+  one K step (BK = block_k) the interpreter gives the bits of "f32"; on the GPU that holds if the tensor
+  core sums scaled fp16 products exactly as it sums the bf16 ones (tested there).
 
 The first three routes compute ``x . (fp8 * scale)`` with every product exact; SASS counted with cuobjdump
 (Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8 --sweep)."""
@@ -196,6 +203,9 @@ def fp8_route(what: str, route: str, act_dtype) -> int:
         raise ValueError(f"{what}: fp8_route {route!r} needs bf16 or fp16 activations, got {act_dtype}")
     if route == "x2" and act_dtype != torch.bfloat16:
         raise ValueError(f"{what}: fp8_route 'x2' needs bf16 activations, got {act_dtype}")
+    if route == "f16" and act_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{what}: fp8_route 'f16' needs bf16 or fp16 activations (fp16 holds 11 significant "
+                         f"bits, not fp32's 24), got {act_dtype}")
     return code
 
 
@@ -214,9 +224,11 @@ def fp8_operand(w, s, dtype: tl.constexpr, ROUTE: tl.constexpr):
 @triton.jit
 def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
     """An fp8 (e4m3) weight tile as the MMA operand of :data:`FP8_ROUTES` route ROUTE for activation
-    dtype ``dtype`` (route 2: fp32; route 4: the fp8 tile itself). Exact on every route."""
+    dtype ``dtype`` (route 2: fp32; route 4: the fp8 tile itself; route 5: fp16). Exact on every route."""
     if ROUTE == 4:
         out = w
+    elif ROUTE == 5:
+        out = w.to(tl.float16)
     elif ROUTE == 2:
         out = w.to(tl.float32)
     elif ROUTE == 1:
@@ -356,6 +368,42 @@ def _to_e4m3_exact(v):
 
 
 @triton.jit
+def row_pow2_scale(v, TOP: tl.constexpr):
+    """(scale, inv) fp32 [M], powers of two, for an fp32 tile v [M, K] (TOP >= 2): row r's largest |v|
+    times scale lies in [2^TOP, 2^(TOP + 1)) and inv = 1 / scale. A row of zeros (or whose largest is
+    below 2^(TOP - 126)) gets scale 2^126, inv 2^-126: both stay normal."""
+    amax = tl.max(tl.abs(v), axis=1)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of the row's largest
+    e = tl.maximum(e, TOP + 1)                                  # keeps both powers of two normal
+    scale = ((TOP + 254 - e) << 23).to(tl.float32, bitcast=True)   # 2^(TOP + 127 - e)
+    inv = ((e - TOP) << 23).to(tl.float32, bitcast=True)           # 2^(e - 127 - TOP)
+    return scale, inv
+
+
+@triton.jit
+def f16_rows(x):
+    """Route "f16"'s activations: (x16 float16 [M, K], inv fp32 [M] a power of two) for a tile x [M, K] of
+    bf16 or fp16 values, x = x16 * inv[:, None] exactly for every element of at least 2^-31 of its row's
+    largest |x|max (below: error <= 2^-25 of a scaled unit, 2^-39 |x|max). Row r is scaled so |x|max lands
+    in [2^14, 2^15) (fp16 holds up to 65504); an 8- or 11-bit value of at least 2^-17 (2^-14) there sits on
+    fp16's grid. A row's values depend on its own elements only."""
+    v = x.to(tl.float32)
+    scale, inv = row_pow2_scale(v, 14)
+    return (v * scale[:, None]).to(tl.float16), inv
+
+
+@triton.jit
+def mma_rows(w, x16, inv, SWAP: tl.constexpr):
+    """w . x as a fresh fp32 tile for an fp16 weight tile and :func:`f16_rows`' (x16, inv): SWAP w [N, K]
+    -> [N, M] (w @ x^T), else w [K, N] -> [M, N]; the row's inverse scale applied to the MMA's sum."""
+    if SWAP:
+        out = mma(w, tl.trans(x16), tl.zeros([w.shape[0], x16.shape[0]], dtype=tl.float32)) * inv[None, :]
+    else:
+        out = mma(x16, w, tl.zeros([x16.shape[0], w.shape[1]], dtype=tl.float32)) * inv[:, None]
+    return out
+
+
+@triton.jit
 def fp8_pieces(x):
     """Route "x2"'s split of an activation tile x [M, K] (bf16 values, any float dtype): (x1, x2, inv),
     x1 and x2 float8e4nv [M, K], inv fp32 [M] a power of two, with x = (x1 + x2) * inv[:, None] exactly
@@ -365,11 +413,7 @@ def fp8_pieces(x):
     e4m3 (at most 4 more bits: exact while they lie on e4m3's 2^-9 grid). A row's pieces depend on its
     own values only."""
     v = x.to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF     # biased exponent of |x|max
-    e = tl.maximum(e, 8)                                   # keeps both powers of two normal (tiny rows)
-    scale = ((261 - e) << 23).to(tl.float32, bitcast=True)   # 2^(134 - e): |x|max * scale in [128, 256)
-    inv = ((e - 7) << 23).to(tl.float32, bitcast=True)       # 2^(e - 134)
+    scale, inv = row_pow2_scale(v, 7)
     v = v * scale[:, None]
     x1 = _to_e4m3_exact(v)
     x2 = _to_e4m3_exact(v - x1)

@@ -195,3 +195,46 @@ def test_fp8_route_x2_needs_bf16():
     for dt in (torch.float16, torch.float32):
         with pytest.raises(ValueError, match="x2"):
             backend.fp8_route("t", "x2", dt)
+
+
+@triton.jit
+def _f16_rows_kernel(x_ptr, out_ptr, inv_ptr, M: tl.constexpr, K: tl.constexpr):
+    r = tl.arange(0, M)[:, None] * K + tl.arange(0, K)[None, :]
+    x16, inv = backend.f16_rows(tl.load(x_ptr + r))
+    tl.store(out_ptr + r, x16.to(tl.float32))
+    tl.store(inv_ptr + tl.arange(0, M), inv)
+
+
+def test_f16_rows_rebuild_each_row(device):
+    """FP8 route "f16" scales each row of a bf16 tile by a power of two into fp16: exact for every element of
+    at least 2^-31 of its row's largest (every element of these rows but row 11's tail), within 2^-39 of that
+    largest below, for rows of any magnitude and a zero row; a row's values do not depend on the others."""
+    g = torch.Generator().manual_seed(4)
+    mags = torch.tensor([1.0, 1e-30, 1e30, 3.0, 0.0, 1e-3, 7e4, 0.5, 2.0, 1e5, 1e-8, 1.0, 6e4, 1.0, 1.0, 1.0])
+    x = torch.randn(16, 64, generator=g) * mags[:, None]
+    x[11] = torch.randn(64, generator=g) * torch.logspace(0, -14, 64)   # down to 1e-14 of the largest
+    x = x.bfloat16().float().to(device)
+    M, K = x.shape
+    out = torch.full((M, K), float("nan"), device=device)
+    inv = torch.full((M,), float("nan"), device=device)
+    _f16_rows_kernel[(1,)](x, out, inv, M, K)
+    assert torch.all(inv > 0) and torch.equal(torch.frexp(inv)[0], torch.full_like(inv, 0.5))
+    rebuilt = out * inv[:, None]
+    amax = x.abs().amax(dim=1, keepdim=True)
+    big = x.abs() >= amax * 2.0 ** -31
+    assert torch.equal(rebuilt[big], x[big])
+    assert torch.all((rebuilt - x).abs() <= amax * 2.0 ** -39)
+    assert (rebuilt != x).any() and not big[11].all()   # control: row 11's tail does lose bits
+    assert torch.all(out.abs() < 2.0 ** 15)
+    y = x[[5] * 16].clone()
+    y[0] = x[0]
+    out_y, inv_y = torch.empty_like(out), torch.empty_like(inv)
+    _f16_rows_kernel[(1,)](y, out_y, inv_y, M, K)
+    assert torch.equal(out_y[0], out[0]) and inv_y[0] == inv[0]
+
+
+def test_fp8_route_f16_needs_16_bit_activations():
+    for dt in (torch.bfloat16, torch.float16):
+        assert backend.fp8_route("t", "f16", dt) == backend.FP8_ROUTES["f16"]
+    with pytest.raises(ValueError, match="f16"):
+        backend.fp8_route("t", "f16", torch.float32)

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_pieces, fp8_route, grid_dependency, mma,
-                          mma_fp8_pieces, mma_tf32_exact, round_in_f32, scaled_add, split_sum, timer, tl_dtype)
+from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
+                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, split_sum, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -71,12 +71,14 @@ def _clamp_rows(op_name: str) -> bool:
 @triton.jit
 def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
                   W_DTYPE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, ROW_MASK: tl.constexpr,
-                  TF32: tl.constexpr = False, X2: tl.constexpr = False):
+                  ROUTE: tl.constexpr = 0):
     """acc += one 16-row x sub-tile times the weight tile (x rounded to the weight dtype).
 
     ROW_MASK False: the rows are clamped in bounds already (x_ptrs), no mask needed for them.
-    TF32 (FP8 route "tf32"): wt is fp32; x is rounded to W_DTYPE, held in fp32, TF32 MMA (exact products).
-    X2 (FP8 route "x2"): wt is the fp8 tile; x, rounded to W_DTYPE, meets it as two fp8 pieces."""
+    ROUTE (FP8 weights: :data:`ds4t.backend.FP8_ROUTES`; 0 otherwise) decides what x meets: 2 ("tf32"): wt
+    is fp32, x rounded to W_DTYPE and held in fp32, TF32 MMA (exact products); 4 ("x2"): wt is the fp8
+    tile, x rounded to W_DTYPE meets it as two fp8 pieces; 5 ("f16"): wt is fp16, x rounded to W_DTYPE
+    meets it as row-scaled fp16; else x rounded to W_DTYPE, an MMA in that dtype."""
     if EVEN_K:
         if ROW_MASK:
             xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
@@ -88,10 +90,13 @@ def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
         else:
             xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
     # Round the activation to the weight dtype (nearest even), as a bf16 model would.
-    if X2:
+    if ROUTE == 4:
         x1, x2, inv = fp8_pieces(cast(xt.to(tl.float32), W_DTYPE))
         acc += mma_fp8_pieces(wt, x1, x2, inv, SWAP)
-    elif TF32:
+    elif ROUTE == 5:
+        x16, inv = f16_rows(cast(xt.to(tl.float32), W_DTYPE))
+        acc += mma_rows(wt, x16, inv, SWAP)
+    elif ROUTE == 2:
         xt = round_in_f32(xt.to(tl.float32), W_DTYPE)
         if SWAP:
             acc = mma_tf32_exact(wt, tl.trans(xt), acc)
@@ -260,8 +265,6 @@ def _linear_kernel(
 
     if SCALE_BK > 0:
         KB: tl.constexpr = (K + SCALE_BK - 1) // SCALE_BK
-        TF32: tl.constexpr = FP8_ROUTE == 2
-        X2: tl.constexpr = FP8_ROUTE == 4
         if HEADS:
             s_ptr += hid * SS_H
         s_rows = s_ptr + rn_ld * KB                                        # [BN] row starts
@@ -297,17 +300,17 @@ def _linear_kernel(
                         wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
                 wt = fp8_operand(wt, sc2, W_DTYPE, FP8_ROUTE)   # exact but for "fold" (backend.FP8_ROUTES)
                 if CLAMP_ROWS:
-                    p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, TF32, X2)
+                    p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, FP8_ROUTE)
                 else:
-                    p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True, TF32, X2)
+                    p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True, FP8_ROUTE)
                 if M_SUB >= 2:
                     p1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, p1, W_DTYPE, SWAP, EVEN_K, True,
-                                       TF32, X2)
+                                       FP8_ROUTE)
                 if M_SUB >= 4:
                     p2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, p2, W_DTYPE, SWAP, EVEN_K, True,
-                                       TF32, X2)
+                                       FP8_ROUTE)
                     p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True,
-                                       TF32, X2)
+                                       FP8_ROUTE)
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
             if FOLD:

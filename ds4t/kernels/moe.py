@@ -52,8 +52,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_pieces, fp8_route, grid_dependency, mma,
-                          mma_fp8_pieces, mma_tf32_exact, round_in_f32, scaled_add, sigmoid, split_sum, timer, tl_dtype)
+from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
+                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, sigmoid, split_sum, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -316,6 +316,10 @@ def _moe_gate_up_kernel(
                         x1, x2, inv = fp8_pieces(a)
                         pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
                         pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
+                    elif FP8_ROUTE == 5:   # "f16": a's rows scaled into fp16, fp16 tiles
+                        a16, inv = f16_rows(a)
+                        pg += mma_rows(wg, a16, inv, SWAP)
+                        pu += mma_rows(wu, a16, inv, SWAP)
                     else:
                         pg = _pair_dot(a, wg, pg, SWAP, TF32)
                         pu = _pair_dot(a, wu, pu, SWAP, TF32)
@@ -401,6 +405,9 @@ def _moe_down_kernel(
                     if FP8_ROUTE == 4:   # "x2"
                         x1, x2, inv = fp8_pieces(a)
                         pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
+                    elif FP8_ROUTE == 5:   # "f16"
+                        a16, inv = f16_rows(a)
+                        pd += mma_rows(w, a16, inv, SWAP)
                     else:
                         pd = _pair_dot(a, w, pd, SWAP, TF32)
                 if FP8_ROUTE == 3:

@@ -516,8 +516,8 @@ def test_fp8_routes(device, adt):
     differ in the last bit (in the interpreter too: numpy sums the same products in an order that
     follows the operands' memory layout), so it must match the reference and stay batch-invariant.
     Route "fold" rounds each weight once to the activation dtype: it must equal that computation and
-    stay batch-invariant. Route "x2" (fp8 pieces of x, fp8 MMA) must match the reference and stay
-    batch-invariant. fp32 activations refuse all three."""
+    stay batch-invariant. Routes "x2" (fp8 pieces of x, fp8 MMA) and "f16" (x rows scaled into fp16, fp16
+    weight tiles) must match the reference and stay batch-invariant. fp32 activations refuse all four."""
     import dataclasses
 
     x, w, b = _fp8_data(20, 300, 200, device=device, seed=5)
@@ -530,15 +530,24 @@ def test_fp8_routes(device, adt):
         y0, y1 = run("direct"), run("f32")
         assert not torch.isnan(y1).any() and torch.equal(y0, y1)
         if adt == torch.float32:
-            for route in ("tf32", "fold", "x2"):
+            for route in ("tf32", "fold", "x2", "f16"):
                 with pytest.raises(ValueError, match=route):
                     run(route)
             return
-        y2, y3, y4 = run("tf32"), run("fold"), run("x2")
-        for route, y in (("tf32", y2), ("fold", y3), ("x2", y4)):
+        y2, y3, y4, y5 = run("tf32"), run("fold"), run("x2"), run("f16")
+        for route, y in (("tf32", y2), ("fold", y3), ("x2", y4), ("f16", y5)):
             assert all(torch.equal(y[i:i + 1], run(route, x[i:i + 1])) for i in (0, 7, 19)), route
+        # "f16" with K steps of one scale block: the bits of "f32" in the interpreter (backend.FP8_ROUTES;
+        # unswapped: with swapped tiles numpy's sum order follows the transposed operand's layout)
+        one_block = dataclasses.replace(base, block_k=128, swap=False)
+        y16, y32 = (linear(x, w, b, config=dataclasses.replace(one_block, fp8_route=r), act_dtype=adt)
+                    for r in ("f16", "f32"))
+        if device.type == "cpu":
+            assert torch.equal(y16, y32)
     ref = linear_ref(x, w, b, act_dtype=adt)
     assert ((y2 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((y5 - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((y16 - ref).abs().max() / ref.abs().max()).item() < 1e-5
     # "x2": x in two fp8 pieces (exact here but for elements far below their row's largest); on the GPU the
     # fp8 MMA adds its products with fewer bits than fp32 -- still far inside the bf16 bound
     assert ((y4 - ref).abs().max() / ref.abs().max()).item() < (1e-5 if device.type == "cpu" else 1e-3)

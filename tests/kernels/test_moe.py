@@ -471,8 +471,8 @@ def test_fp8_moe_rows_invariant(case, adt, rows_path):
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_routes(adt):
     """The grouped kernels' fp8 routes (ds4t.backend.FP8_ROUTES): "f32" gives the bits of "direct";
-    "tf32", "fold" and "x2" (bf16 activations) match the reference and are row-invariant, "fold" equals the
-    reference on weights rounded to the activation dtype; fp32 activations refuse all three."""
+    "tf32", "fold", "x2" and "f16" (bf16 activations) match the reference and are row-invariant, "fold" equals
+    the reference on weights rounded to the activation dtype; fp32 activations refuse all four."""
     E, I, D, k = 6, 40, 200, 2
     wg, wu, wd = _fp8_weights(E, I, D, 51)
     ids, w = _routing(9, E - 1, k, seed=52)
@@ -487,12 +487,12 @@ def test_fp8_routes(adt):
     y0, y1 = run("direct"), run("f32")
     assert not torch.isnan(y1).any() and torch.equal(y0, y1)
     if adt == torch.float32:
-        for route in ("tf32", "fold", "x2"):
+        for route in ("tf32", "fold", "x2", "f16"):
             with pytest.raises(ValueError, match=route):
                 run(route)
         return
     ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
-    for route in ("tf32", "fold", "x2"):
+    for route in ("tf32", "fold", "x2", "f16"):
         y = run(route)
         assert not torch.isnan(y).any()
         assert all(torch.equal(y[i:i + 1], run(route, slice(i, i + 1))) for i in (0, 4, 8)), route
@@ -503,6 +503,34 @@ def test_fp8_routes(adt):
     y3 = run("fold")
     assert ((y3 - folded).abs().max() / folded.abs().max()).item() < 1e-4
     assert not torch.equal(y3, y1)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["xw", "swap"])
+def test_fp8_route_f16_has_the_f32_bits_where_a_step_is_a_scale_block(swap):
+    """Route "f16" (fp16 weight tiles, activation rows scaled into fp16) with a K tile of one scale block: every
+    product exact, the row scale a power of two undone on the block's sum -- so the interpreter gives the bits
+    of the "f32" route with unswapped tiles (swapped, numpy's sum order follows the transposed operand's memory
+    layout, which differs between the routes: last-bit differences). Control: with half-block K tiles the
+    block's two dots are scaled apart, and the bits differ (still within the bound). Within the bound
+    everywhere, on the GPU too."""
+    E, I, D, k = 6, 256, 384, 2
+    wg, wu, wd = _fp8_weights(E, I, D, 61)
+    ids, w = _routing(9, E - 1, k, seed=62)
+    h = torch.randn(9, D, generator=gen(63)) * torch.logspace(-3, 3, 9)[:, None]   # rows far apart in scale
+
+    def run(route, tile_k=128):
+        cfg = M.MoEConfig(tile_n=64, tile_k=tile_k, fp8_route=route, swap=swap, num_warps=4)
+        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *fmt: cfg):
+            return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16,
+                               out=poisoned((9, D)))
+
+    y32, y16 = run("f32"), run("f16")
+    ref = moe_experts_ref(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16)
+    assert ((y16 - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max().item() < 1e-5
+    if INTERPRET and not swap:
+        assert torch.equal(y16, y32)
+        y_half = run("f16", tile_k=64)
+        assert not torch.equal(y_half, y32) and ((y_half - y32).abs().max() / y32.abs().max()).item() < 1e-5
 
 
 def _config_case(fmt, adt, D, I, seed, gate_up, down):
@@ -539,6 +567,7 @@ def _config_case(fmt, adt, D, I, seed, gate_up, down):
     ("fp8", "f32", torch.bfloat16, 32, 2),
     ("fp8", "tf32", torch.bfloat16, 32, 2),
     ("fp8", "x2", torch.bfloat16, 64, 4),    # a warpgroup over 64 weight rows: Hopper's fp8 wgmma
+    ("fp8", "f16", torch.bfloat16, 32, 2),
 ], ids=str)
 def test_swapped_tiles(fmt, route, adt, tile_n, warps):
     """``MoEConfig(swap=True)`` (the weight rows as the MMA's M side) on both kernels: see _config_case."""
