@@ -378,12 +378,18 @@ class LinearCase:
         return err, inv
 
 
-def sweep_shape(case, errors, x_dtype=torch.float32, topk=4):
+def sweep_shape(case, errors, x_dtype=torch.float32, topk=4, budget_s=None):
     """Every candidate config of one shape, timed at B = 1 (then B = 16 for the fastest) with x stored in
-    ``x_dtype`` (``--sweep-x``: a model whose producer writes bf16 hands its linears bf16 x)."""
+    ``x_dtype`` (``--sweep-x``: a model whose producer writes bf16 hands its linears bf16 x). ``budget_s``
+    (``--sweep-budget``): candidates left when this many seconds have gone are reported as skipped, so the
+    next shape still gets its turn within one device call."""
     K, N = case.K, case.N
     res = []
+    t0 = time.time()
     for c in candidates(K, N, case.fp8):
+        if budget_s is not None and time.time() - t0 > budget_s:
+            res.append(dict(K=K, N=N, config=cfg_str(c), status="skipped: sweep budget"))
+            continue
         if (K, N, c) in errors:
             res.append(dict(K=K, N=N, config=cfg_str(c), status="compile: " + errors[(K, N, c)][:80]))
             continue
@@ -530,6 +536,8 @@ def main():
     ap.add_argument("--fp8-routes", default="f32", help="--fp8 --sweep: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     ap.add_argument("--sweep-x", default="float32", choices=["float32", "bfloat16"],
                     help="--sweep: the dtype x is stored in while configs are timed")
+    ap.add_argument("--sweep-budget", type=float, default=None,
+                    help="seconds of timing per shape in --sweep; the candidates left are reported as skipped")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--workers", type=int, default=12)
@@ -588,7 +596,7 @@ def main():
         if args.variants:
             cfgs += [(n, c) for n, c in variant_cfgs(K, N, fp8) if (K, N, c) not in errors]
         if args.sweep:
-            res, best = sweep_shape(case, errors, getattr(torch, args.sweep_x))
+            res, best = sweep_shape(case, errors, getattr(torch, args.sweep_x), budget_s=args.sweep_budget)
             sweep_rows += res
             if best is not None:
                 best_cfgs[(K, N)] = best
@@ -598,7 +606,10 @@ def main():
             log(f"sweep {K}x{N}: {len(ok)}/{len(res)} ok; top: " + "; ".join(
                 f"{r['config']} {r['tbs_b1']:.2f}TB/s" + (f"|B16 {r['tbs_b16']:.2f}" if "tbs_b16" in r else "")
                 for r in ok[:5]))
-            bad = [r for r in res if r["status"] != "ok"]
+            skipped = sum(r["status"].startswith("skipped") for r in res)
+            if skipped:
+                log(f"   {skipped} configs not timed: --sweep-budget {args.sweep_budget:.0f} s reached")
+            bad = [r for r in res if r["status"] != "ok" and not r["status"].startswith("skipped")]
             for r in bad[:6]:
                 log(f"   not ok: {r['config']}: {r['status']} err={r.get('err')} inv={r.get('inv')}")
         rows = bench_linear(case, cfgs, bw)
