@@ -156,7 +156,7 @@ def cast(x, dtype: tl.constexpr):
 
 
 FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4, "f16": 5}
-"""How a kernel turns fp8 weight tiles into MMA operands (a launch constant; every route is exact):
+"""How a kernel turns fp8 weight tiles into MMA operands (a launch constant, fixed per weight shape):
 
 * ``"direct"``: fp8 -> activation dtype A, A x A tensor-core MMA. On Hopper the fp8 -> bf16 convert
   compiles to an fp8x2 -> f16x2 unpack plus one F2F.BF16.F16 per element (conversion pipe).
@@ -183,11 +183,12 @@ FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4, "f16": 5}
   its largest lands in [2^14, 2^15), rounded to fp16 (:func:`f16_rows`: exact for every element of at
   least 2^-31 of that largest, which covers any bf16 row but the most extreme); fp16 x fp16 MMA, every
   product exact, fp32 accumulation, the row's scale undone on the fresh fp32 tile. Where a scale block is
-  one K step (BK = block_k) the interpreter gives the bits of "f32"; on the GPU that holds if the tensor
-  core sums scaled fp16 products exactly as it sums the bf16 ones (tested there).
+  one K step (BK = block_k) the interpreter gives the bits of "f32" (unswapped tiles); on the GPU that
+  holds if the tensor core sums scaled fp16 products exactly as it sums the bf16 ones (not measured yet).
 
-The first three routes compute ``x . (fp8 * scale)`` with every product exact; SASS counted with cuobjdump
-(Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8 --sweep)."""
+"direct", "f32", "tf32" and "f16" compute ``x . (fp8 * scale)`` with every product exact; SASS counted with
+cuobjdump (Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8
+--sweep, bench/moe_tiles.py --fp8 --routes)."""
 
 
 def fp8_route(what: str, route: str, act_dtype) -> int:

@@ -53,7 +53,8 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
-                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, sigmoid, split_sum, timer, tl_dtype)
+                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, sigmoid, split_sum,
+                          timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
