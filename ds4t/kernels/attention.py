@@ -354,7 +354,7 @@ def _attn_args(q, k_cache, v_cache, slots, lengths, split_size):
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
                      split_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                     gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     gate: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
@@ -364,8 +364,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (one split size for every row); splits are powers of two >= 16. ``gate`` [B, Hq*Dv]
     (any float dtype, unit column stride): the output is multiplied by sigmoid(gate) as
     :func:`ds4t.kernels.activation.sigmoid_mul` does (gated attention), bitwise the same. Returns
-    fp32 [B, Hq, Dv] (written into ``out`` if given). Batch invariant; no host synchronisation.
+    fp32 [B, Hq, Dv] (written into ``out`` if given); with ``out_dtype`` bf16 / fp16 a new tensor of the
+    fp32 result rounded to nearest even (``out`` then holds the fp32 result before the gate: what a
+    linear reading the output in that dtype would round it to). Batch invariant; no host synchronisation.
     """
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"decode_attention: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     B, HQ, HKV, D, DV, L, sched = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
     if out is None:
         out = torch.empty((B, HQ, DV), dtype=torch.float32, device=q.device)
@@ -385,7 +389,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_N = cfg.block_n
     if variant("decode_attention") == INTERP and attention_rows.launch_decode(
             q, k_cache, v_cache, slots, lengths, out, gate, float(scale) * _LOG2E, sched, BLOCK_N):
-        return out
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
     final = NS == 1
     # Every row has one split (NS from L and the schedule, never from B): no partials, no merge.
     if final:  # the (unused) partial pointers name out
@@ -413,9 +417,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
+    if gate is not None and out_dtype != torch.float32:
+        return activation.sigmoid_mul(out.view(B, HQ * DV), gate, out_dtype=out_dtype).view(B, HQ, DV)
     if gate is not None:
         activation.sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))
-    return out
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,

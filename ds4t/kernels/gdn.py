@@ -230,21 +230,23 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
     rows states_out must have, where the caller knows them (the table's values stay on the device)."""
     R, Hk, Hv, Dk, Dv = _check_args(q, k, v, a, b, A_log, dt_bias, state)
     if gated_norm is not None:
-        z, norm_w, _ = gated_norm
+        z, norm_w, _, _ = gated_norm
         if z.shape != (R, Hv, Dv) or z.stride(2) != 1 or norm_w.shape != (Dv,):
             raise ValueError(f"z must be [{R}, {Hv}, {Dv}] with unit last stride and norm_w [{Dv}]")
     if out is None:
         out = torch.empty((R, Hv, Dv), dtype=torch.float32, device=q.device)
     elif tuple(out.shape) != (R, Hv, Dv) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 {(R, Hv, Dv)}, got {out.dtype} {tuple(out.shape)}")
+    out_dtype = gated_norm[3] if gated_norm is not None else torch.float32
     programs = check_segments(slots, "gdn_prefill_segments") if prefill else R
     if R == 0 or programs == 0:
-        return out
+        return out.to(out_dtype)
     cfg = GDN_CONFIGS(Hv, Dk, Dv)
     BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
-        gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
-        return out
+        norm3 = gated_norm[:3] if gated_norm is not None else None
+        gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, norm3, BK, L2_EPS)
+        return out.to(out_dtype)   # in the interpreter y is computed in fp32, then rounded as the GPU stores it
     grid = (programs, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
     keep = dict(states_ptr=state, sst_t=0, can_keep=0)   # never written when can_keep == 0
     if states_out is not None:
@@ -267,25 +269,30 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         num_warps=cfg.num_warps, **keep, **LAUNCH,
     )
     if gated_norm is not None:
-        z, norm_w, eps = gated_norm
-        out = norm.gated_rms_norm(out.view(R * Hv, Dv), z.reshape(R * Hv, Dv), norm_w, eps).view(R, Hv, Dv)
+        z, norm_w, eps, _ = gated_norm
+        out = norm.gated_rms_norm(out.view(R * Hv, Dv), z.reshape(R * Hv, Dv), norm_w, eps,
+                                  out_dtype=out_dtype).view(R, Hv, Dv)
     return out
 
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, *, out: Optional[torch.Tensor] = None,
                z: Optional[torch.Tensor] = None, norm_w: Optional[torch.Tensor] = None,
-               norm_eps: float = 1e-6) -> torch.Tensor:
+               norm_eps: float = 1e-6, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One gated-delta-rule step for B rows of B distinct sessions.
 
     q, k [B, Hk, Dk], v [B, Hv, Dv] (post-conv activations), a, b [B, Hv], A_log, dt_bias [Hv]
     (any float dtype); state [S, Hv, Dk, Dv] fp32, updated in place at ``slots`` [B] int32.
     Returns o fp32 [B, Hv, Dv] (``out`` if given). With ``z`` [B, Hv, Dv] (unit last stride) and
     ``norm_w`` [Dv] it returns ``norm.gated_rms_norm(o, z, norm_w, norm_eps)`` per head instead,
-    bitwise the same (in the interpreter computed in the same launch; ``out`` then holds o or y).
+    bitwise the same (in the interpreter computed in the same launch; ``out`` then holds o or y),
+    stored as ``out_dtype`` (fp32, or bf16 / fp16 rounded to nearest even: a new tensor).
     """
     if (z is None) != (norm_w is None):
         raise ValueError("z and norm_w go together")
-    gn = (z, norm_w, norm_eps) if z is not None else None
+    if out_dtype != torch.float32 and (z is None or out_dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"gdn_decode: out_dtype {out_dtype} needs the gated norm (z, norm_w) and a 16-bit "
+                         f"float dtype; the state's output o stays fp32")
+    gn = (z, norm_w, norm_eps, out_dtype) if z is not None else None
     return _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill=False, gated_norm=gn)
 
 

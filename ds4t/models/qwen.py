@@ -19,7 +19,7 @@ from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
-                               fused_linear, stack_experts)
+                               fused_linear, narrow_store, stack_experts)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
@@ -320,7 +320,9 @@ class QwenModel(DecoderModel):
         # q/k norms (zero-centred), RoPE, and k/v into the cache: one launch.
         q = ops.norm_rope_write_kv(q, k, v, w.q_norm, w.k_norm, c.eps, batch.positions, self.inv_freq,
                                          kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
-        o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate)  # · sigmoid(gate)
+        # · sigmoid(gate), stored in the dtype o_proj rounds its input to
+        o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate,
+                                 **narrow_store(qkv, w.w_o))
         return fused_linear(o.view(R, H * hd), w.w_o, w.b_o)
 
     def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -348,7 +350,8 @@ class QwenModel(DecoderModel):
             q, k, v = split(mixed)
             # The output norm comes with the step (bitwise as the gated_rms_norm below).
             y = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.slots,
-                               z=z.unflatten(1, (hv, dv)), norm_w=w.norm_w, norm_eps=c.eps)
+                               z=z.unflatten(1, (hv, dv)), norm_w=w.norm_w, norm_eps=c.eps,
+                               **narrow_store(proj, w.w_out))
             return fused_linear(y.view(R, hv * dv), w.w_out)
         o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
         if batch.single_rows.numel():
@@ -373,7 +376,8 @@ class QwenModel(DecoderModel):
             q, k, v = split(m1)
             ops.gdn_prefill_segments(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.multi_segments, out=o,
                                      states_out=states)
-        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps)
+        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps,
+                               **narrow_store(proj, w.w_out))
         return fused_linear(y.view(R, hv * dv), w.w_out)
 
 

@@ -360,6 +360,14 @@ def test_gate_is_sigmoid_mul(path, device, split):
     plain = _run(q, kc, vc, slots, lengths, 0.25, split_size=split)
     gated = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate)
     assert torch.equal(gated, activation.sigmoid_mul(plain.view(B, HQ * D), gate).view(B, HQ, D))
+    # out_dtype: the same fp32 result rounded to nearest even (what a bf16 o_proj rounds it to); fp16 differs
+    for dt in (torch.bfloat16, torch.float16):
+        narrow = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate, out_dtype=dt)
+        assert narrow.dtype == dt and torch.equal(narrow, gated.to(dt))
+        plain16 = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, out_dtype=dt)
+        assert torch.equal(plain16, plain.to(dt))
+    with pytest.raises(ValueError, match="out_dtype"):
+        decode_attention(q, kc, vc, slots, lengths, 0.25, out_dtype=torch.int8)
 
 
 # ----------------------------------------------------------------------------- norm + rope + write_kv

@@ -233,6 +233,13 @@ def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv):
     sep = gated_rms_norm(o.reshape(B * Hv, Dv), z.reshape(B * Hv, Dv), w, 1e-6).view(B, Hv, Dv)
     fused = gdn_decode(q, k, v, a, b, A_log, dt_bias, st2, slots, z=z, norm_w=w, norm_eps=1e-6)
     assert torch.equal(fused, sep) and torch.equal(st1, st2)
+    # out_dtype: the same y rounded to nearest even (what a bf16 out_proj rounds it to), the same state
+    st3 = state0.clone()
+    narrow = gdn_decode(q, k, v, a, b, A_log, dt_bias, st3, slots, z=z, norm_w=w, norm_eps=1e-6,
+                        out_dtype=torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, sep.to(torch.bfloat16)) and torch.equal(st3, st1)
+    with pytest.raises(ValueError, match="out_dtype"):   # o itself (no norm) stays fp32
+        gdn_decode(q, k, v, a, b, A_log, dt_bias, state0.clone(), slots, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the rows path is the interpreter's")

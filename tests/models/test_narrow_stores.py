@@ -1,9 +1,10 @@
 """Producers whose only reader is a linear store in the dtype that linear rounds to
 (``blocks.linear_input_dtype`` / ``narrow_store``): no bit changes.
 
-``swiglu`` stores silu(g)·u for its down projection and DeepSeek's MLA stores W_UV's output for o_proj as
-bf16 / fp16 where that linear rounds its input to that dtype anyway (16-bit weights, FP8 or GGUF blocks with
-a 16-bit activation dtype). Rounded to nearest even at the store as the linear would round at its load, so
+``swiglu`` stores silu(g)·u for its down projection, DeepSeek's MLA W_UV's output for o_proj, and Qwen3-Next
+its gated attention output (o_proj) and Gated DeltaNet's gated-norm output (out_proj; the decode step's fused
+norm and the prefill's separate one) as bf16 / fp16 where that linear rounds its input to that dtype anyway
+(16-bit weights, FP8 or GGUF blocks with a 16-bit activation dtype). Rounded to nearest even at the store as the linear would round at its load, so
 the logits of every family are bitwise those of fp32 stores. Neither store follows a reduction of its own
 (elementwise; the end of an MMA chain), so this holds compiled too. Negative control: storing in a dtype the
 linear does not round to (fp16 for a bf16 model) changes logits.
@@ -14,14 +15,21 @@ import torch
 import ds4t
 from ds4t.models import blocks
 from ds4t.models import deepseek
+from ds4t.models import qwen
 
 PROMPT = [3, 17, 5, 42, 9, 11, 2, 30, 7, 64]
-CASES = [("tiny-deepseek", None), ("tiny-glm", None), ("tiny-llama", None), ("tiny-deepseek", "fp8"),
-         ("tiny-glm", "q8_0")]
+CASES = [("tiny-deepseek", None), ("tiny-glm", None), ("tiny-llama", None), ("tiny-qwen", None),
+         ("tiny-deepseek", "fp8"), ("tiny-qwen", "fp8"), ("tiny-glm", "q8_0")]
 
 
 def _logits(model):
-    return model.new_session(64).prefill(PROMPT, all_logits=True)
+    """The prompt's logits (prefill) and three decode steps' (the decode kernels: Gated DeltaNet's step with its
+    fused norm, decode attention)."""
+    s = model.new_session(64)
+    out = [s.prefill(PROMPT, all_logits=True)]
+    for t in (4, 8, 15):
+        out.append(ds4t.eval_batch([ds4t.DecodeItem(s, t)]).logits)
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
 
 
 def _spy(monkeypatch):
@@ -55,12 +63,15 @@ def test_narrow_stores_change_no_bit(preset, quantize, monkeypatch):
     assert torch.equal(narrow, wide)
 
 
-@pytest.mark.parametrize("where", ["swiglu", "mla"])
+@pytest.mark.parametrize("where", ["swiglu", "mla", "qwen"])
 def test_a_narrowing_the_linear_does_not_do_is_caught(where, monkeypatch):
-    model = ds4t.load("tiny-deepseek", dtype=torch.bfloat16)
+    model = ds4t.load("tiny-qwen" if where == "qwen" else "tiny-deepseek", dtype=torch.bfloat16)
     wide = _logits(model)
     if where == "mla":   # only MLA's store in fp16
         monkeypatch.setattr(deepseek, "narrow_store", lambda x, w: {"out_dtype": torch.float16})
+        monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float32)
+    elif where == "qwen":   # only Qwen3-Next's attention and Gated DeltaNet output stores in fp16
+        monkeypatch.setattr(qwen, "narrow_store", lambda x, w: {"out_dtype": torch.float16})
         monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float32)
     else:
         monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float16)
