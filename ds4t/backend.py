@@ -179,12 +179,15 @@ FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4, "f16": 5}
   (error <= 2^-17 of that largest), and the tensor core adds an fp8 MMA's products with fewer than fp32's
   bits (Hopper keeps ~14 bits past the largest product, measured in DeepSeek-V3's report).
 * ``"f16"`` (A = bf16 or fp16): fp8 -> fp16 (Hopper: one packed convert per two values, against four
-  instructions per two for fp8 -> bf16), and each row of the activation tile, scaled by a power of two so
-  its largest lands in [2^14, 2^15), rounded to fp16 (:func:`f16_rows`: exact for every element of at
-  least 2^-31 of that largest, which covers any bf16 row but the most extreme); fp16 x fp16 MMA, every
-  product exact, fp32 accumulation, the row's scale undone on the fresh fp32 tile. Where a scale block is
-  one K step (BK = block_k) the interpreter gives the bits of "f32" (unswapped tiles); on the GPU that
-  holds if the tensor core sums scaled fp16 products exactly as it sums the bf16 ones (not measured yet).
+  instructions per two for fp8 -> bf16), and each activation row, scaled by a power of two so its largest
+  lands in [2^14, 2^15), rounded to fp16 (exact for every element of at least 2^-31 of that largest,
+  which covers any bf16 row but the most extreme); fp16 x fp16 MMA, every product exact, fp32
+  accumulation, the scale undone on fp32 sums. The linear scales per K step (:func:`f16_rows`; a
+  program-wide scale would read its x twice); the grouped MoE kernels once per program over its K range
+  (a first pass over the pair's activations: the K loop then only multiplies and converts, and every sum
+  is the "f32" route's scaled by a power of two -- the interpreter gives the "f32" bits, unswapped
+  tiles). On the GPU that holds if the tensor core sums scaled fp16 products as it sums the bf16 ones
+  (not measured yet).
 
 "direct", "f32", "tf32" and "f16" compute ``x . (fp8 * scale)`` with every product exact; SASS counted with
 cuobjdump (Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8
@@ -373,7 +376,12 @@ def row_pow2_scale(v, TOP: tl.constexpr):
     """(scale, inv) fp32 [M], powers of two, for an fp32 tile v [M, K] (TOP >= 2): row r's largest |v|
     times scale lies in [2^TOP, 2^(TOP + 1)) and inv = 1 / scale. A row of zeros (or whose largest is
     below 2^(TOP - 126)) gets scale 2^126, inv 2^-126: both stay normal."""
-    amax = tl.max(tl.abs(v), axis=1)
+    return pow2_scale(tl.max(tl.abs(v), axis=1), TOP)
+
+
+@triton.jit
+def pow2_scale(amax, TOP: tl.constexpr):
+    """:func:`row_pow2_scale` from the rows' largest magnitudes ``amax`` fp32 [M] (>= 0)."""
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of the row's largest
     e = tl.maximum(e, TOP + 1)                                  # keeps both powers of two normal
     scale = ((TOP + 254 - e) << 23).to(tl.float32, bitcast=True)   # 2^(TOP + 127 - e)

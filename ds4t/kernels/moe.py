@@ -52,8 +52,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
-                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, sigmoid, split_sum,
+from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_pieces, fp8_route, grid_dependency, mma,
+                          mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add, sigmoid, split_sum,
                           timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
@@ -152,6 +152,28 @@ def _row_vec(v, SWAP: tl.constexpr):
     else:
         out = v[None, :]
     return out
+
+
+@triton.jit
+def _pair_vec(v, SWAP: tl.constexpr):
+    """A per-pair vector [BM] broadcast against the accumulator ([BM, BN], or [BN, BM] with SWAP)."""
+    if SWAP:
+        out = v[None, :]
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
+def _f16_scale(amax, a):
+    """(FP8 route "f16") amax [BM] raised to the largest |a| of each row of tile a [BM, BK]."""
+    return tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+
+
+@triton.jit
+def _f16_tile(a, scale):
+    """(FP8 route "f16") activation tile a [BM, BK] times its rows' power-of-two scale, in fp16 (exact)."""
+    return (a.to(tl.float32) * scale[:, None]).to(tl.float16)
 
 
 @triton.jit
@@ -291,6 +313,14 @@ def _moe_gate_up_kernel(
         acc_u = acc_g
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
+            if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
+                amax = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, kk < D, EVEN_K),
+                                other=0.0)
+                    amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
+                a_scale, a_inv = pow2_scale(amax, 14)
             for kb in range(k_lo, k_hi, KSTEP):
                 j = kb // SBK
                 sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
@@ -317,10 +347,10 @@ def _moe_gate_up_kernel(
                         x1, x2, inv = fp8_pieces(a)
                         pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
                         pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
-                    elif FP8_ROUTE == 5:   # "f16": a's rows scaled into fp16, fp16 tiles
-                        a16, inv = f16_rows(a)
-                        pg += mma_rows(wg, a16, inv, SWAP)
-                        pu += mma_rows(wu, a16, inv, SWAP)
+                    elif FP8_ROUTE == 5:   # "f16": fp16 tiles and the pairs' scaled rows, sums in scaled units
+                        a16 = _f16_tile(a, a_scale)
+                        pg = _pair_dot(a16, wg, pg, SWAP, False)
+                        pu = _pair_dot(a16, wu, pu, SWAP, False)
                     else:
                         pg = _pair_dot(a, wg, pg, SWAP, TF32)
                         pu = _pair_dot(a, wu, pu, SWAP, TF32)
@@ -330,6 +360,9 @@ def _moe_gate_up_kernel(
                 else:
                     acc_g = scaled_add(acc_g, pg, sg)
                     acc_u = scaled_add(acc_u, pu, su)
+            if FP8_ROUTE == 5:
+                acc_g = acc_g * _pair_vec(a_inv, SWAP)
+                acc_u = acc_u * _pair_vec(a_inv, SWAP)
         else:
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
@@ -388,6 +421,13 @@ def _moe_down_kernel(
             acc = tl.zeros([BM, BN], dtype=tl.float32)
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
+            if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
+                amax = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, kk < I, I, GU_SPLIT, EVEN_K)
+                    amax = _f16_scale(amax, cast(a, WDT))
+                a_scale, a_inv = pow2_scale(amax, 14)
             for kb in range(k_lo, k_hi, KSTEP):
                 sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
                 if FP8_ROUTE == 3:   # "fold": one accumulator over I
@@ -407,14 +447,15 @@ def _moe_down_kernel(
                         x1, x2, inv = fp8_pieces(a)
                         pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
                     elif FP8_ROUTE == 5:   # "f16"
-                        a16, inv = f16_rows(a)
-                        pd += mma_rows(w, a16, inv, SWAP)
+                        pd = _pair_dot(_f16_tile(a, a_scale), w, pd, SWAP, False)
                     else:
                         pd = _pair_dot(a, w, pd, SWAP, TF32)
                 if FP8_ROUTE == 3:
                     acc = pd
                 else:
                     acc = scaled_add(acc, pd, sd)
+            if FP8_ROUTE == 5:
+                acc = acc * _pair_vec(a_inv, SWAP)
         else:
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
