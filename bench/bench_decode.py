@@ -724,8 +724,9 @@ def main():
                     help="A/B only: every norm writes fp32, as before DecoderModel.norm_dtype (a bf16 model's norms "
                          "write bf16 where every reader rounds to it)")
     ap.add_argument("--wide-stores", action="store_true",
-                    help="A/B only: swiglu's silu(g)*u and MLA's W_UV output stored in fp32, as before "
-                         "blocks.linear_input_dtype (a bf16 model stores them in bf16, which their linear rounds to)")
+                    help="A/B only: every store blocks.narrow_store narrows (swiglu's silu(g)*u, MLA's W_UV "
+                         "output, Qwen3-Next's attention and Gated DeltaNet outputs) in fp32 instead (a bf16 "
+                         "model stores them in bf16, which their linear rounds to)")
     args = ap.parse_args()
     if args.wide_norms:
         from ds4t.models.decoder import DecoderModel

@@ -398,7 +398,14 @@ def f16_rows(x):
     fp16's grid. A row's values depend on its own elements only."""
     v = x.to(tl.float32)
     scale, inv = row_pow2_scale(v, 14)
-    return (v * scale[:, None]).to(tl.float16), inv
+    return f16_scaled(v, scale), inv
+
+
+@triton.jit
+def f16_scaled(x, scale):
+    """Tile x [M, K] (bf16 / fp16 values) times its rows' power-of-two ``scale`` [M] (:func:`pow2_scale`
+    with TOP 14), in fp16: exact where :func:`f16_rows` says."""
+    return (x.to(tl.float32) * scale[:, None]).to(tl.float16)
 
 
 @triton.jit

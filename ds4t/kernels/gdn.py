@@ -224,28 +224,27 @@ def _check_args(q, k, v, a, b, A_log, dt_bias, state):
     return R, Hk, Hv, Dk, Dv
 
 
-def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None, states_out=None,
+def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_norm=None, out_dtype=torch.float32,
+            states_out=None,
             states_rows=None):
     """slots: decode, int32 [R] (a slot per row); prefill, the [M, 4] segments table. states_rows: the
     rows states_out must have, where the caller knows them (the table's values stay on the device)."""
     R, Hk, Hv, Dk, Dv = _check_args(q, k, v, a, b, A_log, dt_bias, state)
     if gated_norm is not None:
-        z, norm_w, _, _ = gated_norm
+        z, norm_w, _ = gated_norm
         if z.shape != (R, Hv, Dv) or z.stride(2) != 1 or norm_w.shape != (Dv,):
             raise ValueError(f"z must be [{R}, {Hv}, {Dv}] with unit last stride and norm_w [{Dv}]")
     if out is None:
         out = torch.empty((R, Hv, Dv), dtype=torch.float32, device=q.device)
     elif tuple(out.shape) != (R, Hv, Dv) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 {(R, Hv, Dv)}, got {out.dtype} {tuple(out.shape)}")
-    out_dtype = gated_norm[3] if gated_norm is not None else torch.float32
     programs = check_segments(slots, "gdn_prefill_segments") if prefill else R
     if R == 0 or programs == 0:
         return out.to(out_dtype)
     cfg = GDN_CONFIGS(Hv, Dk, Dv)
     BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
-        norm3 = gated_norm[:3] if gated_norm is not None else None
-        gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, norm3, BK, L2_EPS)
+        gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out.to(out_dtype)   # in the interpreter y is computed in fp32, then rounded as the GPU stores it
     grid = (programs, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
     keep = dict(states_ptr=state, sst_t=0, can_keep=0)   # never written when can_keep == 0
@@ -269,7 +268,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         num_warps=cfg.num_warps, **keep, **LAUNCH,
     )
     if gated_norm is not None:
-        z, norm_w, eps, _ = gated_norm
+        z, norm_w, eps = gated_norm
         out = norm.gated_rms_norm(out.view(R * Hv, Dv), z.reshape(R * Hv, Dv), norm_w, eps,
                                   out_dtype=out_dtype).view(R, Hv, Dv)
     return out
@@ -292,8 +291,9 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, *, out: Optional[tor
     if out_dtype != torch.float32 and (z is None or out_dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"gdn_decode: out_dtype {out_dtype} needs the gated norm (z, norm_w) and a 16-bit "
                          f"float dtype; the state's output o stays fp32")
-    gn = (z, norm_w, norm_eps, out_dtype) if z is not None else None
-    return _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill=False, gated_norm=gn)
+    gn = (z, norm_w, norm_eps) if z is not None else None
+    return _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill=False, gated_norm=gn,
+                   out_dtype=out_dtype)
 
 
 def gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, slot: int, *, out: Optional[torch.Tensor] = None,

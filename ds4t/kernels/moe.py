@@ -52,8 +52,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, cast, fp8_operand, fp8_pieces, fp8_route, grid_dependency, mma,
-                          mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add, sigmoid, split_sum,
+from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_scaled, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
+                          mma, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add, sigmoid, split_sum,
                           timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
@@ -171,12 +171,6 @@ def _f16_scale(amax, a):
 
 
 @triton.jit
-def _f16_tile(a, scale):
-    """(FP8 route "f16") activation tile a [BM, BK] times its rows' power-of-two scale, in fp16 (exact)."""
-    return (a.to(tl.float32) * scale[:, None]).to(tl.float16)
-
-
-@triton.jit
 def _store_tile(ptr, p, sp, n, qm, nm, val, SWAP: tl.constexpr):
     """out[p, n] = val for the tile's pairs p (rows of the buffer) and weight rows n."""
     if SWAP:
@@ -195,6 +189,12 @@ def _split_range(K, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr):
         k_lo = 0
         k_hi = K
     return k_lo, k_hi
+
+
+@triton.jit
+def _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K: tl.constexpr):
+    """[BM, BK] hidden states h[b, kk] of the tile's pairs (rows b), for the gate/up product; masked 0."""
+    return tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
 
 
 @triton.jit
@@ -317,8 +317,7 @@ def _moe_gate_up_kernel(
                 amax = tl.zeros([BM], dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, BK):
                     kk = k0 + tl.arange(0, BK)
-                    a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, kk < D, EVEN_K),
-                                other=0.0)
+                    a = _h_tile(h_ptr, sh_b, b, qm, kk, kk < D, EVEN_K)
                     amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
                 a_scale, a_inv = pow2_scale(amax, 14)
             for kb in range(k_lo, k_hi, KSTEP):
@@ -334,7 +333,7 @@ def _moe_gate_up_kernel(
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < D
-                    a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
+                    a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
                     wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
                                      FP8_ROUTE)
                     wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
@@ -348,7 +347,7 @@ def _moe_gate_up_kernel(
                         pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
                         pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
                     elif FP8_ROUTE == 5:   # "f16": fp16 tiles and the pairs' scaled rows, sums in scaled units
-                        a16 = _f16_tile(a, a_scale)
+                        a16 = f16_scaled(a, a_scale)
                         pg = _pair_dot(a16, wg, pg, SWAP, False)
                         pu = _pair_dot(a16, wu, pu, SWAP, False)
                     else:
@@ -367,7 +366,7 @@ def _moe_gate_up_kernel(
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < D
-                a = tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
+                a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
                 a = cast(a.to(tl.float32), WDT)
                 wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
                 wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
@@ -447,7 +446,7 @@ def _moe_down_kernel(
                         x1, x2, inv = fp8_pieces(a)
                         pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
                     elif FP8_ROUTE == 5:   # "f16"
-                        pd = _pair_dot(_f16_tile(a, a_scale), w, pd, SWAP, False)
+                        pd = _pair_dot(f16_scaled(a, a_scale), w, pd, SWAP, False)
                     else:
                         pd = _pair_dot(a, w, pd, SWAP, TF32)
                 if FP8_ROUTE == 3:

@@ -340,9 +340,9 @@ def recording(timed: bool = False) -> Iterator[List[OpCall]]:
 
 ADVISORY_KWARGS = ("out_dtype",)
 """Keywords an override may leave out of its signature: storage hints whose readers get the same values
-either way. A model asks a norm (``DecoderModel.norm_dtype``), ``silu_mul`` or ``linear_heads``
-(``blocks.narrow_store``) for ``out_dtype=torch.bfloat16`` only where every reader rounds the output to
-bf16, so an override that returns fp32 feeds them the same values; a call drops these keywords for an
+either way. A model asks a norm (``DecoderModel.norm_dtype``), ``silu_mul``, ``linear_heads``,
+``decode_attention``, ``gdn_decode`` or ``gated_rms_norm`` (``blocks.narrow_store``) for
+``out_dtype=torch.bfloat16`` only where every reader rounds the output to bf16, so an override that returns fp32 feeds them the same values; a call drops these keywords for an
 override that cannot take them."""
 
 

@@ -26,16 +26,22 @@ def linear_input_dtype(x: torch.Tensor, w: Weight) -> torch.dtype:
     activation dtype), else fp32. Rounded to nearest even at the store as the linear would round it: the
     same bits from half the bytes, which the FP8 linear feels most
     (bench/results/2026-12-01-h200-fp8-options.md). Used by :func:`swiglu` (silu(g)·u before the down
-    projection) and DeepSeek's MLA (W_UV's output before o_proj)."""
+    projection), DeepSeek's MLA (W_UV's output before o_proj) and Qwen3-Next (the gated attention output
+    before o_proj, Gated DeltaNet's gated-norm output before out_proj)."""
     adt = activation_dtype("linear", x, w, None)
     return adt if adt in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def narrow_store(x: torch.Tensor, w: Weight) -> dict:
-    """``{"out_dtype": ...}`` for a producer call whose output only a linear over ``w`` reads (none when
-    that is fp32: the call as it always was, so an op override written without ``out_dtype`` runs)."""
-    dt = linear_input_dtype(x, w)
+def store_kwargs(dt: torch.dtype) -> dict:
+    """A producer call's keywords for storing in ``dt``: none for fp32 (the call as it always was, so an op
+    override written without ``out_dtype`` runs), else ``out_dtype`` (an advisory keyword:
+    ``ds4t.kernels.registry.ADVISORY_KWARGS``)."""
     return {} if dt == torch.float32 else {"out_dtype": dt}
+
+
+def narrow_store(x: torch.Tensor, w: Weight) -> dict:
+    """:func:`store_kwargs` for a producer call whose output only a linear over ``w`` reads."""
+    return store_kwargs(linear_input_dtype(x, w))
 
 
 def swiglu(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
-from ds4t.models.blocks import Layer
+from ds4t.models.blocks import Layer, store_kwargs
 from ds4t.models.mtp import MTPNames, MTPWeights
 
 
@@ -131,11 +131,8 @@ class DecoderModel(Model):
         return self.dtype
 
     def _narrow(self, i: int, site: str) -> dict:
-        """The norm call's keywords for :meth:`norm_dtype`: none for fp32 (the call as it always was, so
-        an op override written against that signature runs unchanged), else ``out_dtype`` (an advisory
-        keyword: ``ds4t.kernels.registry.ADVISORY_KWARGS``)."""
-        dt = self.norm_dtype(i, site)
-        return {} if dt == torch.float32 else {"out_dtype": dt}
+        """The norm call's keywords for :meth:`norm_dtype` (:func:`ds4t.models.blocks.store_kwargs`)."""
+        return store_kwargs(self.norm_dtype(i, site))
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits fp32 [len(out_rows), vocab]. With ``batch.hidden_rows`` set, ``batch.hidden`` gets the
