@@ -19,12 +19,20 @@ against a bf16 ``torch.matmul`` of 8192^3 timed in the same run (the tensor-core
 Then ``ds4t.exactness.chunks.run_chunk_check`` on a --check-prompt-token prompt with chunk sizes
 1, 17, 64 and the whole prompt (and token by token in a native batch), and its negative control.
 ``--profile``: per-kernel GPU time of one chunk (torch.profiler). ``--sessions 1,8``: also N sessions
-prefilling at once (each step one chunk of rows split over them; a server's batched prefill). A short table
-is printed last.
+prefilling at once (each step one chunk of rows split over them; a server's batched prefill).
+``--prompt 4096,32768``: each prompt length in turn (the sessions and profile use the first).
+
+The peer, in the same run (``--no-hf`` skips it): HF transformers' forward on the same config and weights
+(``ds4t.hf.hf_twin``) prefilling the same prompt in the same chunks with its dynamic cache, each chunk
+timed the same way. At 1024-token chunks HF's prefill is device-bound (cuBLAS, SDPA, its experts
+implementation; flash-linear-attention's kernels for Qwen3-Next when installed, the label says), so
+it is a fair peer, though not batch-invariant. A short table is printed last.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import os
 import random
 import sys
@@ -35,6 +43,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
+from bench import hf_peer  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from ds4t.exactness.chunks import run_chunk_check  # noqa: E402
 from ds4t.exactness.harness import plant  # noqa: E402
@@ -117,9 +126,9 @@ def bench_sessions(model, name, n, args, peak, bw, dense, head, prompt, device) 
     from ds4t.batch.engine import run_segments
 
     chunk = int(args.chunks.split(",")[0])
-    per, each = chunk // n, args.prompt // n
+    per, each = chunk // n, len(prompt) // n
     if per < 1 or each < per:
-        raise SystemExit(f"--sessions {n}: chunk {chunk} and prompt {args.prompt} must give each session >= 1 token")
+        raise SystemExit(f"--sessions {n}: chunk {chunk} and prompt {len(prompt)} must give each session >= 1 token")
     parts = [prompt[i * each:(i + 1) * each] for i in range(n)]
     warm = [model.new_session(each + 8) for _ in range(n)]
     run_segments(model, [(s, p[:per]) for s, p in zip(warm, parts)])   # compile / warm up
@@ -147,6 +156,58 @@ def bench_sessions(model, name, n, args, peak, bw, dense, head, prompt, device) 
                 tflops=tflops / 1e12, frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor)
 
 
+def chunk_times(prefill_chunk, prompt: list, chunk: int, device) -> tuple:
+    """(ms of each ``chunk``-token piece of ``prompt`` in order, each run once under CUDA events; what
+    the last call returned). ``prefill_chunk(tokens)`` prefills the next piece into the same session /
+    cache and returns the last position's logits."""
+    last = {}
+
+    def run(part):
+        last["out"] = prefill_chunk(part)
+
+    times = [median_ms(lambda: run(prompt[p0:p0 + chunk]), 1, 0, device) for p0 in range(0, len(prompt), chunk)]
+    return times, last["out"]
+
+
+def hf_prefill_times(hf, prompt: list, chunk: int, device) -> list:
+    """HF's forward over ``prompt`` in ``chunk``-token pieces with its dynamic cache (the last
+    position's logits only): (ms of each piece, after one warm-up piece in a cache of its own; the
+    prompt's last logits fp32 [V])."""
+    kw = hf_peer.cache_kwarg(hf)
+    state = {"cache": None}
+
+    @torch.no_grad()
+    def step(part):
+        ids = torch.tensor([part], device=device)
+        cache = state["cache"]
+        out = hf(input_ids=ids, use_cache=True, **({kw: cache} if cache is not None else {}),
+                 **hf_peer._logits_kw(hf))
+        state["cache"] = hf_peer.out_cache(out)
+        return out.logits[0, -1]
+
+    step(prompt[:chunk])   # warm-up (and any lazy initialisation) in a cache of its own
+    state["cache"] = None
+    times, logits = chunk_times(step, prompt, chunk, device)
+    state["cache"] = None
+    return times, logits.float()
+
+
+def _hf_peer(name, device):
+    """(HF twin of the preset or None, a label saying what ran or why not)."""
+    try:
+        from ds4t.hf import hf_twin
+
+        hf = hf_twin(name, device=device)
+    except Exception as e:  # noqa: BLE001  (an HF version without this family: the row says so)
+        return None, f"HF twin failed: {type(e).__name__}: {e}"
+    fla = importlib.util.find_spec("fla") is not None
+    import transformers
+
+    impl = hf_peer.experts_implementation(hf)
+    return hf, (f"transformers {transformers.__version__}, attention {hf.config._attn_implementation}, experts "
+                f"{impl}, flash-linear-attention {'installed' if fla else 'not installed'}")
+
+
 def bench_model(name, args, peak, device, rows, bw=float("inf")):
     log(f"\n## {name}\n")
     t0 = time.time()
@@ -156,41 +217,45 @@ def bench_model(name, args, peak, device, rows, bw=float("inf")):
     log(f"loaded in {time.time() - t0:.0f} s: {model!r}")
     dense, head = weight_flops_per_token(model)
     rng = random.Random(0)
-    prompt = [rng.randrange(model.vocab_size) for _ in range(args.prompt)]
-    for chunk in [int(c) for c in args.chunks.split(",")]:
-        s = model.new_session(args.prompt + 8)
-        s.prefill(prompt[:chunk], chunk=chunk)   # compile and warm up at this chunk size
-        s.close()
-        s = model.new_session(args.prompt + 8)
-        times, flops = [], []
-        try:
-            for p0 in range(0, args.prompt, chunk):
-                part = prompt[p0:p0 + chunk]
-                times.append(median_ms(lambda: s.prefill(part, chunk=chunk), 1, 0, device))   # each chunk once
-                flops.append(dense * len(part) + head + attention_flops(model, p0, len(part)))
-        finally:
+    prompts = [[rng.randrange(model.vocab_size) for _ in range(p)] for p in ints(args.prompt)]
+    mine = []
+    for prompt in prompts:
+        P = len(prompt)
+        for chunk in ints(args.chunks):
+            s = model.new_session(P + 8)
+            s.prefill(prompt[:chunk], chunk=chunk)   # compile and warm up at this chunk size
             s.close()
-        ms = sum(times)
-        tok_s = args.prompt / (ms * 1e-3)
-        tflops = sum(flops) / (ms * 1e-3)
-        # roofline of the whole prompt: each chunk needs max(its weight bytes / copy BW, its FLOPs / peak)
-        floor = sum(max(weight_bytes_per_chunk(model, min(chunk, args.prompt - p0)) / bw, f / peak) * 1e3
-                    for p0, f in zip(range(0, args.prompt, chunk), flops))
-        rows.append(dict(model=name, chunk=chunk, prompt=args.prompt, ms=ms, tok_s=tok_s, tflops=tflops / 1e12,
-                         frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor))
-        log(f"chunk {chunk}: {args.prompt} tokens in {ms:.1f} ms = {tok_s:,.0f} tok/s; {tflops / 1e12:.1f} TFLOP/s "
-            f"= {100 * tflops / peak:.1f} % of the bf16 peak; first chunk {times[0]:.2f} ms, last {times[-1]:.2f} ms; "
-            f"roofline {floor:.1f} ms (max of weight bytes / copy BW and FLOPs / peak per chunk) = "
-            f"{100 * floor / ms:.0f} % of it reached")
+            s = model.new_session(P + 8)
+            try:
+                times, logits = chunk_times(lambda part: s.prefill(part, chunk=chunk), prompt, chunk, device)
+            finally:
+                s.close()
+            flops = [dense * min(chunk, P - p0) + head + attention_flops(model, p0, min(chunk, P - p0))
+                     for p0 in range(0, P, chunk)]
+            ms = sum(times)
+            tok_s = P / (ms * 1e-3)
+            tflops = sum(flops) / (ms * 1e-3)
+            # roofline of the whole prompt: each chunk needs max(its weight bytes / copy BW, its FLOPs / peak)
+            floor = sum(max(weight_bytes_per_chunk(model, min(chunk, P - p0)) / bw, f / peak) * 1e3
+                        for p0, f in zip(range(0, P, chunk), flops))
+            row = dict(model=name, chunk=chunk, prompt=P, ms=ms, tok_s=tok_s, tflops=tflops / 1e12,
+                       frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor, flops=sum(flops),
+                       logits=logits.float().cpu())
+            rows.append(row)
+            mine.append(row)
+            log(f"prompt {P}, chunk {chunk}: {ms:.1f} ms = {tok_s:,.0f} tok/s; {tflops / 1e12:.1f} TFLOP/s "
+                f"= {100 * tflops / peak:.1f} % of the bf16 peak; first chunk {times[0]:.2f} ms, last {times[-1]:.2f} ms; "
+                f"roofline {floor:.1f} ms (max of weight bytes / copy BW and FLOPs / peak per chunk) = "
+                f"{100 * floor / ms:.0f} % of it reached")
     for n in [int(x) for x in args.sessions.split(",") if int(x) > 1]:
-        rows.append(bench_sessions(model, name, n, args, peak, bw, dense, head, prompt, device))
+        rows.append(bench_sessions(model, name, n, args, peak, bw, dense, head, prompts[0], device))
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         chunk = int(args.chunks.split(",")[0])
         s = model.new_session(chunk + 8)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            s.prefill(prompt[:chunk], chunk=chunk)
+            s.prefill(prompts[0][:chunk], chunk=chunk)
             torch.cuda.synchronize()
         s.close()
         evs = sorted(((e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.count)
@@ -212,21 +277,53 @@ def bench_model(name, args, peak, device, rows, bw=float("inf")):
     for r in rows:
         if r["model"] == name:
             r["chunk_invariant"] = rep.ok and ctl.mismatches > 0
-    del model
+    del model   # the peer holds its own copy of the weights
+    _free(device)
+    if args.hf:
+        hf, label = _hf_peer(name, device)
+        log(f"\nHF peer: {label}")
+        if hf is not None:
+            for row in mine:
+                prompt = prompts[ints(args.prompt).index(row["prompt"])]
+                try:
+                    times, hf_logits = hf_prefill_times(hf, prompt, row["chunk"], device)
+                except torch.OutOfMemoryError:
+                    row["hf_note"] = "OOM"
+                    log(f"HF prompt {row['prompt']}, chunk {row['chunk']}: out of memory")
+                    _free(device)
+                    continue
+                row["hf_ms"] = sum(times)
+                ref = row["logits"]
+                rel = ((hf_logits.cpu() - ref).abs().max() / ref.abs().max()).item()
+                log(f"HF prompt {row['prompt']}, chunk {row['chunk']}: {row['hf_ms']:.1f} ms = "
+                    f"{row['prompt'] / (row['hf_ms'] * 1e-3):,.0f} tok/s ({100 * row['flops'] / (row['hf_ms'] * 1e-3) / peak:.1f} "
+                    f"% of peak); HF time / ds4t time {row['hf_ms'] / row['ms']:.2f}; its last logits vs ds4t's: "
+                    f"max rel error {rel:.2e} (bf16: close, not equal)")
+            del hf
+            _free(device)
+    return rep.ok and ctl.mismatches > 0
+
+
+def _free(device) -> None:
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rep.ok and ctl.mismatches > 0
+
+
+def ints(spec: str) -> list:
+    return [int(x) for x in str(spec).split(",")]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l")
     ap.add_argument("--chunks", default="1024", help="prefill chunk sizes, e.g. 256,1024,2048")
-    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens prefilled per chunk size")
+    ap.add_argument("--prompt", default="4096", help="prompt tokens prefilled per chunk size, e.g. 4096,32768")
     ap.add_argument("--check-prompt", type=int, default=200, help="prompt tokens of the chunk-invariance check")
     ap.add_argument("--sessions", default="1", help="also prefill N sessions at once, each chunk // N tokens a "
                                                     "step (e.g. 1,8,32)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF transformers peer")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run with tiny presets")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -243,13 +340,16 @@ def main() -> int:
     rows, ok = [], True
     for name in args.models.split(","):
         ok &= bench_model(name, args, peak, device, rows, bw)
-    log("\n| model | chunk | tok/s | TFLOP/s | % of bf16 peak | roofline ms / measured ms | "
-        "chunk-invariant (control caught) |")
-    log("|---|---|---|---|---|---|---|")
+    log("\n| model | prompt | chunk | tok/s | TFLOP/s | % of bf16 peak | roofline ms / measured ms | HF tok/s | "
+        "ds4t / HF | chunk-invariant (control caught) |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['model']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | {100 * r['frac']:.1f} % | "
-            f"{r['floor_ms']:.1f} / {r['ms']:.1f} = {100 * r['floor_ms'] / r['ms']:.0f} % | "
-            f"{'yes' if r.get('chunk_invariant') else 'NO'} |")
+        hf = r.get("hf_ms")
+        hf_cols = (f"{r['prompt'] / (hf * 1e-3):,.0f} | {hf / r['ms']:.2f}x" if hf else
+                   f"{r.get('hf_note', '-')} | -")
+        log(f"| {r['model']} | {r['prompt']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | "
+            f"{100 * r['frac']:.1f} % | {r['floor_ms']:.1f} / {r['ms']:.1f} = {100 * r['floor_ms'] / r['ms']:.0f} % | "
+            f"{hf_cols} | {'yes' if r.get('chunk_invariant') else 'NO'} |")
     with open(os.path.join(args.out, "prefill.md"), "w") as f:
         f.write("\n".join(LOG) + "\n")
     return 0 if ok else 1

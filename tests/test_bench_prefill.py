@@ -44,17 +44,23 @@ def test_weight_bytes_count_the_experts_a_chunk_hits():
 
 @cpu_interpreter_only
 def test_cpu_smoke_one_and_several_sessions(tmp_path):
-    """The script end to end on the CPU: one session in chunks, two sessions sharing each step's rows, the
-    chunk check and its control; the table has a row for each."""
+    """The script end to end on the CPU: one session in chunks at two prompt lengths, two sessions sharing
+    each step's rows, the chunk check and its control, the HF peer on the same prompts (its last logits
+    within fp32 rounding of ds4t's); the table has a row for each."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_prefill.py"), "--device", "cpu", "--models", "tiny-qwen",
-                        "--chunks", "8", "--prompt", "16", "--check-prompt", "12", "--sessions", "1,2",
+                        "--chunks", "8", "--prompt", "16,24", "--check-prompt", "12", "--sessions", "1,2",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     table = (tmp_path / "prefill.md").read_text()
-    assert "| tiny-qwen | 8 |" in table and "| tiny-qwen | 2 x 4 |" in table
+    assert "| tiny-qwen | 16 | 8 |" in table and "| tiny-qwen | 24 | 8 |" in table
+    assert "| tiny-qwen | 16 | 2 x 4 |" in table
     assert "0 mismatches" in table and "caught" in table
+    import re
+
+    errs = [float(e) for e in re.findall(r"HF prompt \d+, chunk 8: .* max rel error (\S+)", table)]
+    assert len(errs) == 2 and max(errs) < 1e-4, table[-3000:]
