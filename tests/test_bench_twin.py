@@ -65,6 +65,33 @@ def test_twin_ops_match_the_kernels_in_a_decode_step(preset):
     assert (got - ref).abs().max() <= TOL * ref.abs().max()
 
 
+@pytest.mark.parametrize("preset", sorted(STEP_OPS))
+def test_twin_shadows_a_bf16_step_with_narrowed_stores(preset):
+    """In bf16 the models ask some ops for bf16 stores (``out_dtype``, registry.ADVISORY_KWARGS); the
+    twin's ops take no such keyword and the shadow comparison must call them as an installed override
+    is called (keyword dropped), not crash -- the GPU bench's bf16 presets run this path, the fp32 tests
+    above do not. Outputs differ by the store's bf16 rounding at most (plus sum order)."""
+    model = ds4t.load(preset, device="cpu", dtype="bfloat16")
+    sessions, toks = _sessions(model, 2, seed=3)
+    seen = []
+    real = registry.call_override
+
+    def spy(name, fn, *args, **kwargs):
+        seen.append((name, "out_dtype" in kwargs))
+        return real(name, fn, *args, **kwargs)
+
+    twin.registry.call_override = spy
+    try:
+        with twin.shadowed("all") as diffs:
+            _step(sessions, toks)
+    finally:
+        twin.registry.call_override = real
+    assert any(narrow for _, narrow in seen), "no op was asked for a narrowed store: the case is not covered"
+    assert set(STEP_OPS[preset]) <= set(diffs)
+    bad = {n: d for n, d in diffs.items() if d.max_rel > 2e-2 or d.int_mismatches}
+    assert not bad, bad
+
+
 def test_twin_moe_both_implementations_and_the_slots_are_rows_views(monkeypatch):
     """grouped_mm and gathered-weights MoE; slot views instead of gathers when slots are 0..B-1 (and
     the promise is checked)."""

@@ -369,6 +369,13 @@ def _call_override(o: Op, fn: Callable, args, kwargs):
     return fn(*args, **kwargs)
 
 
+def call_override(name: str, fn: Callable, *args, **kwargs):
+    """Call ``fn`` with op ``name``'s arguments as the dispatcher calls an override of it: the
+    :data:`ADVISORY_KWARGS` it cannot take are dropped (a tool that runs a replacement beside the
+    kernel, e.g. a shadow comparison, gets the same calls an installed override would)."""
+    return _call_override(op(name), fn, args, kwargs)
+
+
 def call(name: str, *args, **kwargs):
     """Run op ``name`` (its override, else the ds4t launcher) on the arguments, as :data:`ops` does."""
     return _run(op(name), args, kwargs)
