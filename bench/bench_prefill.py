@@ -31,7 +31,9 @@ it is a fair peer, though not batch-invariant. A short table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import importlib.util
 import os
 import random
@@ -337,6 +339,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF transformers peer")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--configs", default=None,
+                    help="JSON file (or JSON text) of GPU config-table entries to use instead "
+                         "(ds4t.kernels.config.overridden), e.g. the attention's run_rows")
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run with tiny presets")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -350,8 +355,15 @@ def main() -> int:
         f"copy bandwidth {bw / 1e12:.2f} TB/s")
     log("command: python bench/bench_prefill.py " + " ".join(sys.argv[1:]))
     rows, ok = [], True
-    for name in args.models.split(","):
-        ok &= bench_model(name, args, peak, device, rows, bw)
+    with contextlib.ExitStack() as stack:
+        if args.configs:
+            from ds4t.kernels.config import overridden
+
+            spec = json.loads(args.configs) if args.configs.lstrip().startswith("{") else args.configs
+            for table, key, cfg in stack.enter_context(overridden(spec)):
+                log(f"config override: {table.kernel} {key!r} -> {cfg}")
+        for name in args.models.split(","):
+            ok &= bench_model(name, args, peak, device, rows, bw)
     log("\n| model | prompt | chunk | tok/s | TFLOP/s | % of bf16 peak | roofline ms / measured ms | HF tok/s | "
         "ds4t / HF | chunk-invariant (control caught) |")
     log("|---|---|---|---|---|---|---|---|---|---|")

@@ -88,20 +88,25 @@ class AttentionConfig:
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     merge_warps: Optional[int] = None
+    run_rows: int = 1               # rows per program of a launch told its rows come in same-slot runs
+    run_warps: Optional[int] = None
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """~16 KiB of K (or V) per tile, 4 warps, 3 stages: the best of 40-48 configs per shape in the
     H200 sweep (bench/results/2026-11-30-h200-attention.md, ``bench/bench_attention.py --sweep``);
-    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64."""
-    return AttentionConfig(block_n=min(split, 32 if block_d + block_dv >= 512 else 64),
-                           num_warps=4, num_stages=3, merge_warps=4)
+    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64. Same-slot runs (prefill chunks): 4 rows a
+    program (a 64-row MMA for groups of <= 16 query heads), 8 warps for d 256 (the [64, 256] fp32
+    output tile alone is 128 registers a thread at 4 warps)."""
+    wide = block_d + block_dv >= 512
+    return AttentionConfig(block_n=min(split, 32 if wide else 64), num_warps=4, num_stages=3, merge_warps=4,
+                           run_rows=4, run_warps=8 if wide else 4)
 
 
 def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
-    > 64 still run the multi-tile online softmax the GPU runs."""
-    return AttentionConfig(block_n=min(split, 64))
+    > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU."""
+    return AttentionConfig(block_n=min(split, 64), run_rows=4)
 
 
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
@@ -149,10 +154,11 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, mask, acc, l_i):
-    """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split."""
+def _store_rows(out_ptr, row_off, dv, so_d, mask, acc, l_i):
+    """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split.
+    row_off [M]: each tile row's offset in out (b * so_b + head * so_h)."""
     res = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d, res, mask=mask)
+    tl.store(out_ptr + row_off[:, None] + dv[None, :] * so_d, res, mask=mask)
 
 
 @triton.jit
@@ -242,12 +248,120 @@ def _attn_split_kernel(
     om = hm[:, None] & dvm[None, :]
     # One split (always so under FINAL): the merge of one split is acc / l, bitwise what is stored here.
     if length <= split:
-        _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_i)
+        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_i)
     else:
         row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
         tl.store(m_ptr + row, m_i, mask=hm)
         tl.store(l_ptr + row, l_i, mask=hm)
         tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=om)
+
+
+@triton.jit
+def _attn_runs_kernel(
+    q_ptr, sq_b, sq_h, sq_d,
+    kc_ptr, skc_s, skc_l, skc_h, skc_d,
+    vc_ptr, svc_s, svc_l, svc_h, svc_d,
+    slots_ptr, lens_ptr,
+    o_ptr, m_ptr, l_ptr,
+    out_ptr, so_b, so_h, so_d,
+    qk_scale, L, NS, B,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
+    RUN: tl.constexpr,
+):
+    # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
+    # one slot (a prefill chunk) share each K / V tile load and one MMA of RUN * BLOCK_H rows (tile
+    # row i = batch row i // BLOCK_H, query head i % BLOCK_H of kv head g). Each row still folds
+    # exactly its own tiles, in the same order, with the same operations: its split size from its
+    # own length, its tiles on the BLOCK_N grid from its split start (split sizes are multiples of
+    # BLOCK_N), positions outside [start, end) at -inf, and a tile outside its range leaves its
+    # running max / sum / output untouched (tl.where, not arithmetic on -inf). The MMA gives a row
+    # the same bits whatever the other rows of the tile (ds4t.backend.mma; on the H200 for every tile
+    # shape, bench/mma_shapes.py), so a row's bits are the split kernel's. Rows of different slots in
+    # one program (a decode row beside a chunk) run as separate groups, one slot each.
+    grid_dependency()
+    blk = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    M: tl.constexpr = RUN * BLOCK_H
+    i = tl.arange(0, M)
+    h = i % BLOCK_H
+    b = blk.to(tl.int64) * RUN + i // BLOCK_H
+    hm = (h < G) & (b < B)
+    qh = g * G + h
+    length = tl.minimum(tl.load(lens_ptr + b, mask=hm, other=0).to(tl.int32), L)
+    slot = tl.load(slots_ptr + b, mask=hm, other=0).to(tl.int64)
+    split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)
+    start = s * split
+    end = tl.minimum(start + split, length)
+    dv = tl.arange(0, BLOCK_DV)
+    dvm = dv < DV
+    if FINAL:  # rows of length 0 return zeros
+        tl.store(out_ptr + (b * so_b + qh * so_h)[:, None] + dv[None, :] * so_d,
+                 tl.zeros([M, BLOCK_DV], tl.float32), mask=(hm & (length == 0))[:, None] & dvm[None, :])
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + b[:, None] * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
+                mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
+    if kc_ptr.dtype.element_ty == tl.float32:
+        q_hi = q
+        q_lo = q
+    else:
+        q_hi = cast(q, kc_ptr.dtype.element_ty)
+        q_lo = cast(q - q_hi.to(tl.float32), kc_ptr.dtype.element_ty)
+
+    todo = hm & (start < length)
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        lead = tl.min(tl.where(todo, i, M), axis=0)
+        lead_slot = tl.max(tl.where(i == lead, slot, -1), axis=0)
+        grp = todo & (slot == lead_slot)
+        lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
+        hi = tl.max(tl.where(grp, end, 0), axis=0)
+        k_base = kc_ptr + lead_slot * skc_s + g.to(tl.int64) * skc_h
+        v_base = vc_ptr + lead_slot * svc_s + g.to(tl.int64) * svc_h
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BLOCK_DV], tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            pos = t0 + n
+            pm = pos < hi
+            kt = tl.load(k_base + pos.to(tl.int64)[:, None] * skc_l + d[None, :] * skc_d,
+                         mask=pm[:, None] & dm[None, :], other=0.0)
+            vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d,
+                         mask=pm[:, None] & dvm[None, :], other=0.0)
+            ktt = tl.trans(kt)
+            sc = mma(q_hi, ktt, tl.zeros([M, BLOCK_N], tl.float32))
+            if kc_ptr.dtype.element_ty != tl.float32:
+                sc = mma(q_lo, ktt, sc)
+            mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+            upd = grp & (t0 >= start) & (t0 < end)     # this tile is one of the row's own
+            sc = tl.where(mine, sc, float("-inf"))
+            # rows that skip this tile take max 0 (their results are dropped below): no -inf - -inf
+            m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.where(mine & upd[:, None], tl.exp2(sc - m_new[:, None]), 0.0)
+            l_new = l_i * alpha + tl.sum(p, axis=1)
+            a_new = acc * alpha[:, None]
+            if vc_ptr.dtype.element_ty == tl.float32:
+                a_new = mma(p, vt, a_new)
+            else:
+                p_hi = cast(p, vc_ptr.dtype.element_ty)
+                p_lo = cast(p - p_hi.to(tl.float32), vc_ptr.dtype.element_ty)
+                a_new = mma(p_hi, vt, a_new)
+                a_new = mma(p_lo, vt, a_new)
+            m_i = tl.where(upd, m_new, m_i)
+            l_i = tl.where(upd, l_new, l_i)
+            acc = tl.where(upd[:, None], a_new, acc)
+        one = length <= split
+        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc, l_i)
+        part = grp & (length > split)
+        row = (b * NS + s) * HQ + qh
+        tl.store(m_ptr + row, m_i, mask=part)
+        tl.store(l_ptr + row, l_i, mask=part)
+        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=part[:, None] & dvm[None, :])
+        todo = todo & (slot != lead_slot)
 
 
 @triton.jit
@@ -289,7 +403,7 @@ def _attn_merge_kernel(
         acc = acc * a[:, None] + o_s * c[:, None]
         l_run = l_run * a + l_s * c
         m_run = m_new
-    _store_rows(out_ptr, so_b, so_h, so_d, b, qh, dv, om, acc, l_run)
+    _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_run)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -354,7 +468,8 @@ def _attn_args(q, k_cache, v_cache, slots, lengths, split_size):
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
                      split_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                     gate: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     gate: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32,
+                     same_slot_runs: bool = False) -> torch.Tensor:
     """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
@@ -367,6 +482,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp32 [B, Hq, Dv] (written into ``out`` if given); with ``out_dtype`` bf16 / fp16 a new tensor of the
     fp32 result rounded to nearest even (``out`` then holds the fp32 result before the gate: what a
     linear reading the output in that dtype would round it to). Batch invariant; no host synchronisation.
+
+    ``same_slot_runs``: a launch hint that rows come in runs of one slot (prefill chunks): programs
+    then take ``AttentionConfig.run_rows`` consecutive rows and share each K / V tile among a run's
+    rows. Every row's bits are the same either way (see ``_attn_runs_kernel``); only speed changes.
     """
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"decode_attention: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
@@ -398,16 +517,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
         m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(B, HKV, NS)](
-        q, *q.stride(),
-        k_cache, *k_cache.stride(), v_cache, *v_cache.stride(),
-        slots, lengths,
-        o_part, m_part, l_part,
-        out, *out.stride(),
-        float(scale) * _LOG2E, L, NS,
-        HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N,
-        BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, **launch_kwargs(cfg), **LAUNCH,
-    )
+    args = (q, *q.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), slots, lengths,
+            o_part, m_part, l_part, out, *out.stride(), float(scale) * _LOG2E, L, NS)
+    consts = dict(HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
+                  BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final)
+    if same_slot_runs and cfg.run_rows > 1 and B > 1:
+        warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
+        stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+        _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
+            *args, B, **consts, RUN=cfg.run_rows, **warps, **stages, **LAUNCH)
+    else:
+        _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
         merge_dv = min(_MERGE_DV, BLOCK_DV)
         _attn_merge_kernel[(B, HKV, triton.cdiv(DV, merge_dv))](

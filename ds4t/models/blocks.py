@@ -310,7 +310,8 @@ def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq
     qk = ops.rope(qk, batch.positions, inv_freq, rotary_dim=a.rotary_dim)   # q and k in one launch
     v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
     ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
-    o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5)
+    o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5,
+                             same_slot_runs=not batch.all_single)
     return fused_linear(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 

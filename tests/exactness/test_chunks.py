@@ -106,3 +106,26 @@ def test_fp8_moe_table_tiles_keep_chunk_invariance(preset):
     with M.MOE_CONFIGS.forced(lambda kernel, *f: table.get((kernel, *f))), use_variants({"moe_experts": GPU}):
         rep = run_chunk_check(ds4t.load(preset, quantize="fp8"), PROMPT, chunks=(1, 5, len(PROMPT)))
     assert rep.ok, rep.first_mismatch
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-glm"])
+def test_chunks_on_the_gpu_attention_launches(preset, monkeypatch):
+    """With the GPU's attention launches (variant "gpu", in the interpreter too): a chunk's rows take the
+    same-slot runs kernel (K / V tiles shared by 4 rows), token-by-token rows the split kernel, and the
+    chunk check still holds bitwise."""
+    from ds4t.kernels import attention as A
+    from ds4t.kernels.registry import GPU, use_variants
+
+    launches = []
+    real = A._attn_runs_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(A, "_attn_runs_kernel", Spy())
+    with use_variants({"decode_attention": GPU}):
+        rep = run_chunk_check(ds4t.load(preset), PROMPT, chunks=(1, 5, len(PROMPT)))
+    assert rep.ok, rep.first_mismatch
+    assert launches, "no chunk took the runs kernel"

@@ -324,6 +324,67 @@ def test_a_batch_dependent_split_is_caught(path, pool):
         assert_rows_invariant(run, [0, 1, 2], 0)
 
 
+# ----------------------------------------------------------------------------- same-slot runs
+
+
+class _Launches:
+    """Counts launches of a Triton kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq%d-Hkv%d-D%d-Dv%d" % s)
+def test_same_slot_runs_give_the_split_kernels_bits(device, dtype, shape, monkeypatch):
+    """``same_slot_runs``: programs of 4 rows sharing K / V tiles give every row the split kernel's bits
+    -- runs of one slot whose rows cross split-size thresholds (16 -> 32 at 64 positions, 32 -> 64 at
+    128), decode rows of other slots inside the same programs, rows ending mid-tile, NaN past every
+    slot's used length (never read). Control: the same runs under a fixed split size differ."""
+    HQ, HKV, D, DV = shape
+    g = _gen(31)
+    S, L = 4, 160
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    runs = [(1, 37, 50), (0, 1, 150), (2, 9, 120), (3, 1, 7), (2, 1, 3), (3, 6, 61)]   # (slot, rows, first length)
+    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
+    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    for sl in range(S):   # NaN past each slot's longest row
+        used = int(lengths[slots == sl].max())
+        kc[sl, used:] = float("nan")
+        vc[sl, used:] = float("nan")
+    q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
+    sched = SplitSchedule(16, 64, 4)
+    spy = _Launches(A._attn_runs_kernel)
+    monkeypatch.setattr(A, "_attn_runs_kernel", spy)
+    with launcher_path(A, False):
+        split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched)
+        assert spy.n == 0
+        got = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched, same_slot_runs=True)
+        assert spy.n == 1
+        assert not torch.isnan(got).any() and torch.equal(got, split)
+        _assert_close(got, decode_attention_ref(q, kc, vc, slots, lengths, 0.2), dtype)
+        fixed = _run(q, kc, vc, slots, lengths, 0.2, split_size=16, same_slot_runs=True)
+    assert not torch.equal(fixed, got)
+
+
+def test_same_slot_runs_one_split_and_empty_rows(device):
+    """Every row one split (no merge) and rows of length 0 (zeros) through the runs kernel: the split
+    kernel's bits."""
+    g = _gen(32)
+    kc, vc = _cache(2, 48, 2, 32, 32, torch.bfloat16, device, g)
+    slots = torch.tensor([0] * 7 + [1, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 40], dtype=torch.int32, device=device)
+    q = torch.randn(9, 4, 32, generator=g).to(device)
+    with launcher_path(A, False):
+        split = _run(q, kc, vc, slots, lengths, 0.2, split_size=64)
+        got = _run(q, kc, vc, slots, lengths, 0.2, split_size=64, same_slot_runs=True)
+    assert torch.equal(got, split) and torch.equal(got[lengths == 0], torch.zeros_like(got[lengths == 0]))
+
+
 # ----------------------------------------------------------------------------- one split, gate
 
 
