@@ -154,6 +154,19 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _row_sum(p_hi, p_lo):
+    """Each row's sum of p [M, N] (fp32 p passed twice, or a 16-bit tile's hi / lo halves), as MMAs
+    against ones: the MMA's K order is a row's own whatever the tile's M and layout, where tl.sum's
+    shuffle tree follows the layout (a 16-row and a 64-row tile of the same row summed its
+    probabilities differently on the H200). All 16 columns hold the same sum; max picks it exactly."""
+    ones = tl.full([p_hi.shape[1], 16], 1.0, p_hi.dtype)
+    s = mma(p_hi, ones, tl.zeros([p_hi.shape[0], 16], tl.float32))
+    if p_hi.dtype != tl.float32:
+        s = mma(p_lo, ones, s)
+    return tl.max(s, axis=1)
+
+
+@triton.jit
 def _store_rows(out_ptr, row_off, dv, so_d, mask, acc, l_i):
     """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split.
     row_off [M]: each tile row's offset in out (b * so_b + head * so_h)."""
@@ -234,13 +247,14 @@ def _attn_split_kernel(
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if vc_ptr.dtype.element_ty == tl.float32:
+            l_i = l_i * alpha + _row_sum(p, p)
             acc = mma(p, vt, acc)
         else:
             p_hi = cast(p, vc_ptr.dtype.element_ty)
             p_lo = cast(p - p_hi.to(tl.float32), vc_ptr.dtype.element_ty)
+            l_i = l_i * alpha + _row_sum(p_hi, p_lo)
             acc = mma(p_hi, vt, acc)
             acc = mma(p_lo, vt, acc)
         m_i = m_new
@@ -284,8 +298,7 @@ def _attn_runs_kernel(
     blk = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
-    M: tl.constexpr = RUN * BLOCK_H
-    i = tl.arange(0, M)
+    i = tl.arange(0, RUN * BLOCK_H)
     h = i % BLOCK_H
     b = blk.to(tl.int64) * RUN + i // BLOCK_H
     hm = (h < G) & (b < B)
@@ -299,7 +312,7 @@ def _attn_runs_kernel(
     dvm = dv < DV
     if FINAL:  # rows of length 0 return zeros
         tl.store(out_ptr + (b * so_b + qh * so_h)[:, None] + dv[None, :] * so_d,
-                 tl.zeros([M, BLOCK_DV], tl.float32), mask=(hm & (length == 0))[:, None] & dvm[None, :])
+                 tl.zeros([RUN * BLOCK_H, BLOCK_DV], tl.float32), mask=(hm & (length == 0))[:, None] & dvm[None, :])
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     n = tl.arange(0, BLOCK_N)
@@ -314,16 +327,16 @@ def _attn_runs_kernel(
 
     todo = hm & (start < length)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
-        lead = tl.min(tl.where(todo, i, M), axis=0)
+        lead = tl.min(tl.where(todo, i, RUN * BLOCK_H), axis=0)
         lead_slot = tl.max(tl.where(i == lead, slot, -1), axis=0)
         grp = todo & (slot == lead_slot)
         lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
         hi = tl.max(tl.where(grp, end, 0), axis=0)
         k_base = kc_ptr + lead_slot * skc_s + g.to(tl.int64) * skc_h
         v_base = vc_ptr + lead_slot * svc_s + g.to(tl.int64) * svc_h
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, BLOCK_DV], tl.float32)
+        m_i = tl.full([RUN * BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([RUN * BLOCK_H], tl.float32)
+        acc = tl.zeros([RUN * BLOCK_H, BLOCK_DV], tl.float32)
         for t0 in range(lo, hi, BLOCK_N):
             pos = t0 + n
             pm = pos < hi
@@ -332,7 +345,7 @@ def _attn_runs_kernel(
             vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d,
                          mask=pm[:, None] & dvm[None, :], other=0.0)
             ktt = tl.trans(kt)
-            sc = mma(q_hi, ktt, tl.zeros([M, BLOCK_N], tl.float32))
+            sc = mma(q_hi, ktt, tl.zeros([RUN * BLOCK_H, BLOCK_N], tl.float32))
             if kc_ptr.dtype.element_ty != tl.float32:
                 sc = mma(q_lo, ktt, sc)
             mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
@@ -342,13 +355,14 @@ def _attn_runs_kernel(
             m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(mine & upd[:, None], tl.exp2(sc - m_new[:, None]), 0.0)
-            l_new = l_i * alpha + tl.sum(p, axis=1)
             a_new = acc * alpha[:, None]
             if vc_ptr.dtype.element_ty == tl.float32:
+                l_new = l_i * alpha + _row_sum(p, p)
                 a_new = mma(p, vt, a_new)
             else:
                 p_hi = cast(p, vc_ptr.dtype.element_ty)
                 p_lo = cast(p - p_hi.to(tl.float32), vc_ptr.dtype.element_ty)
+                l_new = l_i * alpha + _row_sum(p_hi, p_lo)
                 a_new = mma(p_hi, vt, a_new)
                 a_new = mma(p_lo, vt, a_new)
             m_i = tl.where(upd, m_new, m_i)
