@@ -18,6 +18,12 @@ Algorithm (two kernels, no host synchronisation, grid from shapes only):
    once. Inside a split, tiles of BLOCK_N positions are folded with the usual online softmax (fixed
    order: ascending positions). Each split stores its un-normalised output, running max and
    running sum (fp32); a row with one split writes its output directly.
+   With ``same_slot_runs`` (prefill chunks) ``_attn_runs_kernel`` takes its place: grid
+   ``(B / RUN, Hkv, NS)``, RUN consecutive rows a program sharing each K / V tile of their slot and
+   one MMA of RUN x BLOCK_H rows, every row folding exactly the tiles and operations it folds in the
+   split kernel (same bits; rows of another slot in the same program run as their own group). Row
+   sums of the probabilities are MMAs against ones in both kernels (:func:`_row_sum`): tl.sum's
+   reduction tree follows the tile's layout, which differs between the two tile heights.
 2. ``_attn_merge_kernel``, grid ``(B, Hkv, Dv / 64)``: merges a row's splits in ascending split
    order with log-sum-exp rescaling and divides by the sum (elementwise in the value columns).
 
@@ -95,12 +101,13 @@ class AttentionConfig:
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """~16 KiB of K (or V) per tile, 4 warps, 3 stages: the best of 40-48 configs per shape in the
     H200 sweep (bench/results/2026-11-30-h200-attention.md, ``bench/bench_attention.py --sweep``);
-    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64. Same-slot runs (prefill chunks): 4 rows a
-    program (a 64-row MMA for groups of <= 16 query heads), 8 warps for d 256 (the [64, 256] fp32
-    output tile alone is 128 registers a thread at 4 warps)."""
+    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64. Same-slot runs (prefill chunks,
+    bench/results/2026-12-01-h200-peers-32k.md): 4 rows a program at d 128 (GLM-4.5's 96 / 8 heads: a
+    32k prompt 15.5k -> 18.2k tok/s, 4k unchanged); none at d 256, where 4 rows x 8 warps made
+    Qwen3-Next's 32k prompt 14-16 % slower (52.1k -> 44-47k tok/s; 8 rows do not fit shared memory)."""
     wide = block_d + block_dv >= 512
     return AttentionConfig(block_n=min(split, 32 if wide else 64), num_warps=4, num_stages=3, merge_warps=4,
-                           run_rows=4, run_warps=8 if wide else 4)
+                           run_rows=1 if wide else 4, run_warps=None if wide else 4)
 
 
 def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
