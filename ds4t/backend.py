@@ -187,7 +187,8 @@ FP8_ROUTES = {"direct": 0, "f32": 1, "tf32": 2, "fold": 3, "x2": 4, "f16": 5}
   (a first pass over the pair's activations: the K loop then only multiplies and converts, and every sum
   is the "f32" route's scaled by a power of two -- the interpreter gives the "f32" bits, unswapped
   tiles). On the GPU that holds if the tensor core sums scaled fp16 products as it sums the bf16 ones
-  (not measured yet).
+  (not measured). Timed on the H200: slower than "f32" in the MoE kernels and the linear
+  (bench/results/2026-12-01-h200-peers-32k.md); no table picks it.
 
 "direct", "f32", "tf32" and "f16" compute ``x . (fp8 * scale)`` with every product exact; SASS counted with
 cuobjdump (Triton 3.9, sm_90); which is fastest is measured per weight shape (bench/bench_kernels.py --fp8
