@@ -174,6 +174,33 @@ def _row_sum(p_hi, p_lo):
 
 
 @triton.jit
+def _scores(q_hi, q_lo, ktt):
+    """q . k for a tile: fp32 q (q_hi, passed twice) or its 16-bit hi / lo halves against the cache tile
+    ktt [D, BLOCK_N] of that dtype, fp32 [M, BLOCK_N]."""
+    sc = mma(q_hi, ktt, tl.zeros([q_hi.shape[0], ktt.shape[1]], tl.float32))
+    if q_hi.dtype != tl.float32:
+        sc = mma(q_lo, ktt, sc)
+    return sc
+
+
+@triton.jit
+def _fold(p, vt, acc, l_i, alpha):
+    """One tile of the online softmax: (l * alpha + rowsum(p), acc * alpha + p . V) with p fp32 [M, BLOCK_N]
+    (split into 16-bit hi / lo halves for a 16-bit V tile vt [BLOCK_N, BLOCK_DV])."""
+    acc = acc * alpha[:, None]
+    if vt.dtype == tl.float32:
+        l_i = l_i * alpha + _row_sum(p, p)
+        acc = mma(p, vt, acc)
+    else:
+        p_hi = cast(p, vt.dtype)
+        p_lo = cast(p - p_hi.to(tl.float32), vt.dtype)
+        l_i = l_i * alpha + _row_sum(p_hi, p_lo)
+        acc = mma(p_hi, vt, acc)
+        acc = mma(p_lo, vt, acc)
+    return l_i, acc
+
+
+@triton.jit
 def _store_rows(out_ptr, row_off, dv, so_d, mask, acc, l_i):
     """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split.
     row_off [M]: each tile row's offset in out (b * so_b + head * so_h)."""
@@ -247,23 +274,11 @@ def _attn_split_kernel(
         vt = tl.load(v_base + (t0 + n)[:, None] * svc_l + dv[None, :] * svc_d,
                      mask=pm[:, None] & dvm[None, :], other=0.0)
         ktt = tl.trans(kt)
-        sc = mma(q_hi, ktt, tl.zeros([BLOCK_H, BLOCK_N], tl.float32))
-        if kc_ptr.dtype.element_ty != tl.float32:
-            sc = mma(q_lo, ktt, sc)
-        sc = tl.where(pm[None, :], sc, float("-inf"))
+        sc = tl.where(pm[None, :], _scores(q_hi, q_lo, ktt), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
-        acc = acc * alpha[:, None]
-        if vc_ptr.dtype.element_ty == tl.float32:
-            l_i = l_i * alpha + _row_sum(p, p)
-            acc = mma(p, vt, acc)
-        else:
-            p_hi = cast(p, vc_ptr.dtype.element_ty)
-            p_lo = cast(p - p_hi.to(tl.float32), vc_ptr.dtype.element_ty)
-            l_i = l_i * alpha + _row_sum(p_hi, p_lo)
-            acc = mma(p_hi, vt, acc)
-            acc = mma(p_lo, vt, acc)
+        l_i, acc = _fold(p, vt, acc, l_i, alpha)
         m_i = m_new
 
     om = hm[:, None] & dvm[None, :]
@@ -352,26 +367,14 @@ def _attn_runs_kernel(
             vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d,
                          mask=pm[:, None] & dvm[None, :], other=0.0)
             ktt = tl.trans(kt)
-            sc = mma(q_hi, ktt, tl.zeros([RUN * BLOCK_H, BLOCK_N], tl.float32))
-            if kc_ptr.dtype.element_ty != tl.float32:
-                sc = mma(q_lo, ktt, sc)
             mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
             upd = grp & (t0 >= start) & (t0 < end)     # this tile is one of the row's own
-            sc = tl.where(mine, sc, float("-inf"))
+            sc = tl.where(mine, _scores(q_hi, q_lo, ktt), float("-inf"))
             # rows that skip this tile take max 0 (their results are dropped below): no -inf - -inf
             m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(mine & upd[:, None], tl.exp2(sc - m_new[:, None]), 0.0)
-            a_new = acc * alpha[:, None]
-            if vc_ptr.dtype.element_ty == tl.float32:
-                l_new = l_i * alpha + _row_sum(p, p)
-                a_new = mma(p, vt, a_new)
-            else:
-                p_hi = cast(p, vc_ptr.dtype.element_ty)
-                p_lo = cast(p - p_hi.to(tl.float32), vc_ptr.dtype.element_ty)
-                l_new = l_i * alpha + _row_sum(p_hi, p_lo)
-                a_new = mma(p_hi, vt, a_new)
-                a_new = mma(p_lo, vt, a_new)
+            l_new, a_new = _fold(p, vt, acc, l_i, alpha)
             m_i = tl.where(upd, m_new, m_i)
             l_i = tl.where(upd, l_new, l_i)
             acc = tl.where(upd[:, None], a_new, acc)
