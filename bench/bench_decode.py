@@ -496,7 +496,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             for k, us, calls in prof[:15]:
                 log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
     # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
-    runner = sessions = S = T = plan = None  # noqa: F841
+    runner = sessions = S = T = plan = s = None  # noqa: F841  (s: the last session a loop closed)
     del model
     gc.collect()
     _empty_cache()
