@@ -174,6 +174,20 @@ def _row_sum(p_hi, p_lo):
 
 
 @triton.jit
+def _q_halves(ptrs, mask, qk_scale, kc_ptr):
+    """A q tile loaded, upcast and pre-scaled (so that softmax uses exp2), as the operands of
+    :func:`_scores`: fp32 q twice for an fp32 cache, else its hi / lo halves in the cache dtype."""
+    q = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * qk_scale
+    if kc_ptr.dtype.element_ty == tl.float32:
+        q_hi = q
+        q_lo = q
+    else:
+        q_hi = cast(q, kc_ptr.dtype.element_ty)
+        q_lo = cast(q - q_hi.to(tl.float32), kc_ptr.dtype.element_ty)
+    return q_hi, q_lo
+
+
+@triton.jit
 def _scores(q_hi, q_lo, ktt):
     """q . k for a tile: fp32 q (q_hi, passed twice) or its 16-bit hi / lo halves against the cache tile
     ktt [D, BLOCK_N] of that dtype, fp32 [M, BLOCK_N]."""
@@ -249,15 +263,9 @@ def _attn_split_kernel(
     dm = d < D
     n = tl.arange(0, BLOCK_N)
 
-    # q of the G heads that share kv head g, pre-scaled so that softmax uses exp2.
-    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
-                mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
-    if kc_ptr.dtype.element_ty == tl.float32:
-        q_hi = q
-        q_lo = q
-    else:
-        q_hi = cast(q, kc_ptr.dtype.element_ty)
-        q_lo = cast(q - q_hi.to(tl.float32), kc_ptr.dtype.element_ty)
+    # q of the G heads that share kv head g
+    q_hi, q_lo = _q_halves(q_ptr + b * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d, hm[:, None] & dm[None, :],
+                           qk_scale, kc_ptr)
 
     # int64 for the slot / split base; offsets inside a split stay small.
     k_base = kc_ptr + slot * skc_s + g.to(tl.int64) * skc_h + split_start.to(tl.int64) * skc_l
@@ -338,14 +346,8 @@ def _attn_runs_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + b[:, None] * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
-                mask=hm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
-    if kc_ptr.dtype.element_ty == tl.float32:
-        q_hi = q
-        q_lo = q
-    else:
-        q_hi = cast(q, kc_ptr.dtype.element_ty)
-        q_lo = cast(q - q_hi.to(tl.float32), kc_ptr.dtype.element_ty)
+    q_hi, q_lo = _q_halves(q_ptr + b[:, None] * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
+                           hm[:, None] & dm[None, :], qk_scale, kc_ptr)
 
     todo = hm & (start < length)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
