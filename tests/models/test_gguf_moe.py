@@ -61,7 +61,12 @@ def test_f32_round_trip_is_the_preset(tmp_path, preset):
         ssm_a = next(t for t in r.tensors if t.name == "blk.0.ssm_a")
         A_log = ds4t.models.registry.preset_source(preset)[1].get("model.layers.0.linear_attn.A_log")
         assert torch.equal(torch.from_numpy(np.array(ssm_a.data)), -torch.exp(A_log))   # stored as -exp(A_log)
-        assert torch.equal(model.layers[0].mixer.A_log, src.layers[0].mixer.A_log)     # undone bit for bit
+        # exp is many-to-one in fp32, so A_log itself need not come back bit for bit (which of several
+        # values log() lands on depends on the platform's libm); the decay the model computes does.
+        got, want = model.layers[0].mixer.A_log, src.layers[0].mixer.A_log
+        assert torch.equal(torch.exp(got), torch.exp(want))
+        ulps = (got.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+        assert int(ulps.max()) <= 4
         assert model.mtp is None   # llama.cpp's converter drops mtp.* (convert(..., mtp=True) keeps it)
     if preset == "tiny-deepseek":
         assert "blk.0.attn_k_b.weight" in written and "blk.0.attn_kv_b.weight" not in written
