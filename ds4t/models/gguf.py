@@ -109,14 +109,15 @@ def _open(path: str):
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _meta(reader) -> dict:
-    """Every metadata key -> its Python value (strings, numbers, lists)."""
+def _meta(reader, path: str) -> dict:
+    """Every metadata key of the GGUF file at ``path`` (read by ``reader``) -> its Python value (strings,
+    numbers, lists)."""
     out = {}
     for k, f in reader.fields.items():
         try:
             out[k] = f.contents()
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{reader.path}: cannot read metadata key {k!r} ({e})") from None
+            raise CheckpointError(f"{path}: cannot read metadata key {k!r} ({e})") from None
     return out
 
 
@@ -938,7 +939,7 @@ def open_gguf(path: str):
     """``(hf config dict, GGUFSource, tokenizer or None, TextMeta)`` of the GGUF model at ``path``."""
     files = split_files(path)
     readers = [_open(f) for f in files]
-    meta = _meta(readers[0])
+    meta = _meta(readers[0], files[0])
     if len(files) > 1:
         want = meta.get("split.count")
         if want is not None and want != len(files):

@@ -357,3 +357,37 @@ def test_llama_gguf_with_a_sentencepiece_vocabulary_speaks(tmp_path):
     assert codec.eos_ids == [2]
     out = ds4t.generate(model, ["hello"], max_new_tokens=3)
     assert isinstance(out[0].text, str) and len(out[0].tokens) >= 1
+
+
+def test_corrupted_headers_are_clear_errors_or_models_that_run(tmp_path):
+    """Bytes changed in the metadata and tensor table (a bad copy, a broken writer): each file either fails
+    to load with a CheckpointError or loads a model that prefills; nothing else escapes (a metadata value
+    gguf-py could not decode once raised AttributeError from the error message itself). Tensor data has no
+    checksum in GGUF, so its bytes are not part of this. Control: the corruptions are real -- most of them
+    are refused."""
+    src = tmp_path / "m.gguf"
+    write_gguf(tiny_llama(), src, types={"matrix": "Q8_0"}, tokenizer=False)
+    data = src.read_bytes()
+    r = gguf.GGUFReader(str(src))
+    header = min(t.data_offset for t in r.tensors)
+    # the first byte of every string value: 0xFF is never UTF-8
+    strings = [int(f.parts[f.data[0]].ctypes.data - r.data.ctypes.data) for f in r.fields.values()
+               if f.types == [gguf.GGUFValueType.STRING]]
+    assert strings
+    rng = np.random.default_rng(0)
+    cases = [(pos, 0xFF) for pos in strings] + [(int(pos), None) for pos in
+                                                rng.choice(np.arange(4, header), size=32, replace=False)]
+    refused = 0
+    for i, (pos, value) in enumerate(cases):
+        bad = bytearray(data)
+        bad[pos] = value if value is not None else (bad[pos] + int(rng.integers(1, 256))) % 256
+        f = tmp_path / f"c{i}.gguf"
+        f.write_bytes(bytes(bad))
+        try:
+            model = ds4t.load(str(f))
+        except ds4t.CheckpointError as e:
+            assert str(f) in str(e)
+            refused += 1
+            continue
+        model.new_session(8).prefill([1, 2])
+    assert refused >= len(cases) // 2, (refused, len(cases))
