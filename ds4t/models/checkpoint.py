@@ -126,19 +126,88 @@ def read_config(path: str) -> dict:
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{path}: no config.json")
     try:
-        return json.load(open(cfg_path))
-    except json.JSONDecodeError as e:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_path}: should hold a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def require(cfg: dict, field: str, kind=None, where: str = "config.json"):
-    """cfg[field], with a clear error when it is missing or of the wrong type."""
+    """cfg[field], with a clear error when it is missing or of the wrong type (``int`` excludes bool)."""
     if field not in cfg or cfg[field] is None:
         raise CheckpointError(f"{where}: missing field {field!r}")
     v = cfg[field]
-    if kind is not None and not isinstance(v, kind):
+    if kind is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
         raise CheckpointError(f"{where}: field {field!r} = {v!r} should be {kind}")
     return v
+
+
+# The numeric and boolean fields of the configs ds4t reads (HF names), each with what a value must be. A
+# field that is absent or null keeps the family's default; a present one must fit, else the model would be
+# built from a string, a bool or a negative size and fail far from the cause (or allocate without bound).
+_COUNTS = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "n_routed_experts",
+           "num_experts", "num_experts_per_tok", "n_group", "topk_group", "moe_layer_freq", "linear_num_key_heads",
+           "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+           "full_attention_interval", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+           "qk_rope_head_dim", "v_head_dim", "original_max_position_embeddings")
+_ZERO_OR_MORE = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "mtp_num_hidden_layers",
+                 "shared_expert_intermediate_size")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "factor", "beta_fast", "beta_slow",
+                   "mscale", "mscale_all_dim", "attention_factor", "low_freq_factor", "high_freq_factor")
+_MOST = 2 ** 24   # a size or count past this is a corrupt field, not a model (vocabularies are ~2^18)
+_FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "mlp_bias",
+          "use_sliding_window")
+_LISTS = {"layer_types": str, "mlp_only_layers": int}   # lists of that element type
+_KNOWN = frozenset(_COUNTS + _ZERO_OR_MORE + _POSITIVE_REALS + _FLAGS + tuple(_LISTS) + ("partial_rotary_factor",))
+
+
+def _field_problem(field: str, v) -> Optional[str]:
+    """Why ``v`` cannot be config field ``field`` (None when it can, or the field is not in the tables)."""
+    import math
+
+    if field in _COUNTS or field in _ZERO_OR_MORE:
+        least = 1 if field in _COUNTS else 0
+        most = 2 ** 31 - 1 if field.endswith("max_position_embeddings") else _MOST
+        if not isinstance(v, int) or isinstance(v, bool) or not least <= v <= most:
+            return f"should be an integer in [{least}, {most}]"
+    elif field in _POSITIVE_REALS:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            return "should be a finite number > 0"
+    elif field == "partial_rotary_factor":
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+            return "should be a number in (0, 1]"
+    elif field in _FLAGS:
+        if not isinstance(v, bool):
+            return "should be true or false"
+    elif field in _LISTS:
+        kind = _LISTS[field]
+        if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+            return f"should be a list of {'strings' if kind is str else 'integers'}"
+    return None
+
+
+def check_fields(cfg: dict, where: str = "config.json") -> None:
+    """Every known numeric / boolean field of ``cfg`` (and of its ``rope_parameters`` / ``rope_scaling``)
+    holds a value of its kind, else a CheckpointError naming the field and the value. Known fields that
+    are null are removed (in place): null means the family's default, as an absent field does."""
+    for scope, d in (("", cfg), ("rope_parameters.", cfg.get("rope_parameters")),
+                     ("rope_scaling.", cfg.get("rope_scaling"))):
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where}: field {scope[:-1]!r} = {d!r} should be an object")
+        for field, v in list(d.items()):
+            if v is None:
+                if field in _KNOWN:
+                    del d[field]
+                continue
+            why = _field_problem(field, v)
+            if why:
+                raise CheckpointError(f"{where}: field {scope + field!r} = {v!r} {why}")
 
 
 def attention_heads(cfg: dict):

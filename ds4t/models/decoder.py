@@ -14,6 +14,7 @@ import torch
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
 from ds4t.models.blocks import Layer, store_kwargs
+from ds4t.models.checkpoint import CheckpointError
 from ds4t.models.mtp import MTPNames, MTPWeights
 
 
@@ -28,6 +29,21 @@ def stack_tensors(c) -> Dict[str, tuple]:
     for i in range(c.num_layers):
         t[f"model.layers.{i}.input_layernorm.weight"] = (D,)
         t[f"model.layers.{i}.post_attention_layernorm.weight"] = (D,)
+    return t
+
+
+def decoder_tensors(c, layer_tensors, mtp_names: MTPNames, with_mtp: bool, source=None) -> Dict[str, tuple]:
+    """HF names and shapes of a whole decoder checkpoint: the stack (:func:`stack_tensors`), each layer's
+    own tensors (``layer_tensors(c, table, prefix, i)`` adds layer i's to the table) and, ``with_mtp``,
+    the MTP module named by ``mtp_names`` (its layer at index ``c.num_layers``)."""
+    from ds4t.models.mtp import mtp_tensors
+
+    t = stack_tensors(c)
+    for i in range(c.num_layers):
+        layer_tensors(c, t, f"model.layers.{i}.", i)
+    if with_mtp:
+        t.update(mtp_tensors(mtp_names, c.hidden_size, c.vocab_size,
+                             lambda t_, p: layer_tensors(c, t_, p, c.num_layers), source))
     return t
 
 
@@ -49,8 +65,15 @@ class DecoderModel(Model):
     num_layers: int
     mtp: Optional[MTPWeights] = None   # the multi-token-prediction head (ds4t.models.mtp), when the checkpoint has one
 
-    def _init_stack(self, c, name: str, device, dtype: torch.dtype) -> None:
-        """Identity fields every family sets from its config ``c``."""
+    def _init_stack(self, c, name: str, device, dtype: torch.dtype, source) -> None:
+        """Identity fields every family sets from its config ``c``; checks that ``source`` holds as many
+        layers as ``c`` says before any name table is built (a corrupt layer count would make one without
+        bound)."""
+        last = f"model.layers.{c.num_layers - 1}.input_layernorm.weight"
+        if last not in source:
+            held = {k.split(".")[2] for k in source.keys() if k.startswith("model.layers.")}
+            raise CheckpointError(f"{source.origin}: missing tensor {last!r} (num_hidden_layers is {c.num_layers}; "
+                                  f"the checkpoint has tensors of {len(held)} layers)")
         self.cfg = c
         self.name, self.device, self.dtype = name, torch.device(device), dtype
         self.vocab_size, self.max_position = c.vocab_size, c.max_position

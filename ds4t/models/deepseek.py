@@ -52,8 +52,8 @@ from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_linear, moe_block,
                                 narrow_store, preset_init_plain, swiglu, yarn_inv_freq, yarn_mscale)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
-from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
+from ds4t.models.decoder import DecoderModel, decoder_tensors
+from ds4t.models.mtp import MTPNames, mtp_layers
 
 PRESETS = ("tiny-deepseek", "deepseek-v3-4l", "deepseek-v3-16l-fp8", "deepseek-v3-fp8")
 
@@ -132,13 +132,7 @@ class DeepseekConfig:
 def expected_tensors(c: DeepseekConfig, mtp: Optional[bool] = None, source=None) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout); with
     ``mtp`` (default: the config declares num_nextn_predict_layers) the MTP layer too."""
-    t = stack_tensors(c)
-    for i in range(c.num_layers):
-        _layer_tensors(c, t, f"model.layers.{i}.", i)
-    if c.mtp_layers if mtp is None else mtp:
-        t.update(mtp_tensors(MTPNames.nextn(c.num_layers), c.hidden_size, c.vocab_size,
-                             lambda t_, p: _layer_tensors(c, t_, p, c.num_layers), source))
-    return t
+    return decoder_tensors(c, _layer_tensors, MTPNames.nextn(c.num_layers), c.mtp_layers if mtp is None else mtp, source)
 
 
 def _layer_tensors(c: DeepseekConfig, t: Dict[str, tuple], p: str, i: int) -> None:
@@ -206,7 +200,7 @@ class DeepseekModel(DecoderModel):
                  native_path: str = "full"):
         c = DeepseekConfig.from_dict(cfg)
         self.native_path = native_path
-        self._init_stack(c, name, device, dtype)
+        self._init_stack(c, name, device, dtype, source)
         self._read_checkpoint(source, dtype, progress, MTPNames.nextn(c.num_layers),
                               lambda mtp: expected_tensors(c, mtp=mtp, source=source), self._load_layer,
                               ignore=c.ffn.unused_prefixes(c.num_layers + 1))

@@ -33,8 +33,8 @@ from ds4t.models.base import NativeRule, StepBatch
 from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, SigmoidMoEConfig, ffn,
                                 preset_init_plain)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
-from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
+from ds4t.models.decoder import DecoderModel, decoder_tensors
+from ds4t.models.mtp import MTPNames, mtp_layers
 
 PRESETS = ("tiny-glm", "glm-4.5-4l", "glm-4.5-fp8")
 
@@ -103,13 +103,7 @@ def _layer_tensors(c: GlmConfig, t: Dict[str, tuple], p: str, i: int) -> None:
 def expected_tensors(c: GlmConfig, mtp: Optional[bool] = None, source=None) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout); with
     ``mtp`` (default: the config declares num_nextn_predict_layers) the MTP layer too."""
-    t = stack_tensors(c)
-    for i in range(c.num_layers):
-        _layer_tensors(c, t, f"model.layers.{i}.", i)
-    if c.mtp_layers if mtp is None else mtp:
-        t.update(mtp_tensors(MTPNames.nextn(c.num_layers), c.hidden_size, c.vocab_size,
-                             lambda t_, p: _layer_tensors(c, t_, p, c.num_layers), source))
-    return t
+    return decoder_tensors(c, _layer_tensors, MTPNames.nextn(c.num_layers), c.mtp_layers if mtp is None else mtp, source)
 
 
 GlmAttentionWeights = GQAAttentionWeights
@@ -123,7 +117,7 @@ class GlmModel(GQAMixer, DecoderModel):
                  native_window: Optional[int] = DEFAULT_NATIVE_WINDOW):
         c = GlmConfig.from_dict(cfg)
         self.native_window = native_window
-        self._init_stack(c, name, device, dtype)
+        self._init_stack(c, name, device, dtype, source)
 
         def load_layer(get, p: str, i: int) -> Layer:
             return Layer(c.attn.load(get, p + "self_attn."), c.ffn.load(get, p + "mlp.", i))

@@ -138,7 +138,7 @@ class LlamaModel(GQAMixer, DecoderModel):
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "llama", progress=None):
         c = LlamaConfig.from_dict(cfg)
-        self._init_stack(c, name, device, dtype)
+        self._init_stack(c, name, device, dtype, source)
         get = WeightReader(source, expected_tensors(c), self.device, dtype, progress=progress)
         self._load_stack(get)
         for i in range(c.num_layers):

@@ -21,8 +21,8 @@ from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
                                fused_linear, narrow_store, stack_experts)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
-from ds4t.models.decoder import DecoderModel, stack_tensors
-from ds4t.models.mtp import MTPNames, mtp_layers, mtp_tensors
+from ds4t.models.decoder import DecoderModel, decoder_tensors
+from ds4t.models.mtp import MTPNames, mtp_layers
 
 
 @dataclasses.dataclass
@@ -83,6 +83,9 @@ class QwenConfig:
         step = c.get("decoder_sparse_step", 1) or 1
         mlp_only = set(c.get("mlp_only_layers") or [])
         sparse = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
+        top_k = c.get("num_experts_per_tok", 0)
+        if num_experts and not 1 <= top_k <= num_experts:
+            raise CheckpointError(f"config.json: num_experts_per_tok {top_k} must be in [1, num_experts = {num_experts}]")
         lk, lv = require(c, "linear_num_key_heads", int), require(c, "linear_num_value_heads", int)
         if lv % lk:
             raise CheckpointError(f"config.json: linear_num_value_heads {lv} not a multiple of linear_num_key_heads {lk}")
@@ -93,7 +96,7 @@ class QwenConfig:
             lin_k_heads=lk, lin_v_heads=lv, lin_k_dim=require(c, "linear_key_head_dim", int),
             lin_v_dim=require(c, "linear_value_head_dim", int), conv_kernel=c.get("linear_conv_kernel_dim", 4),
             intermediate_size=c.get("intermediate_size", 0), num_experts=num_experts,
-            top_k=c.get("num_experts_per_tok", 0), moe_intermediate_size=c.get("moe_intermediate_size", 0),
+            top_k=top_k, moe_intermediate_size=c.get("moe_intermediate_size", 0),
             shared_intermediate_size=c.get("shared_expert_intermediate_size", 0) or 0,
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), sparse_layers=sparse,
             max_position=c.get("max_position_embeddings", 4096), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
@@ -108,13 +111,7 @@ class QwenConfig:
 def expected_tensors(c: QwenConfig, mtp: Optional[bool] = None, source=None) -> Dict[str, tuple]:
     """Checkpoint tensor names and shapes implied by the config (HF save_pretrained layout); with
     ``mtp`` (default: the config declares an MTP module) the ``mtp.*`` module too."""
-    t = stack_tensors(c)
-    for i in range(c.num_layers):
-        _layer_tensors(c, t, f"model.layers.{i}.", i)
-    if c.mtp_layers if mtp is None else mtp:
-        t.update(mtp_tensors(MTPNames.qwen3_next(), c.hidden_size, c.vocab_size,
-                             lambda t_, p: _layer_tensors(c, t_, p, c.num_layers), source))
-    return t
+    return decoder_tensors(c, _layer_tensors, MTPNames.qwen3_next(), c.mtp_layers if mtp is None else mtp, source)
 
 
 def _layer_tensors(c: QwenConfig, t: Dict[str, tuple], p: str, i: int) -> None:
@@ -218,7 +215,7 @@ class QwenModel(DecoderModel):
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
         c = QwenConfig.from_dict(cfg)
-        self._init_stack(c, name, device, dtype)
+        self._init_stack(c, name, device, dtype, source)
         self._read_checkpoint(source, dtype, progress, MTPNames.qwen3_next(),
                               lambda mtp: expected_tensors(c, mtp=mtp, source=source), self._load_layer)
         self.router_cfg = RouterConfig("softmax", c.num_experts, c.top_k, c.norm_topk_prob)

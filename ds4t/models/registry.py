@@ -7,7 +7,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ds4t.backend import default_device
-from ds4t.models.checkpoint import CheckpointError, TensorSource, parse_dtype, read_config
+from ds4t.models.checkpoint import CheckpointError, TensorSource, check_fields, parse_dtype, read_config
 from ds4t.models.gguf import is_gguf
 from ds4t.models.loading import PresetSource
 from ds4t.models.quant import parse_quantization, quantize_option
@@ -125,6 +125,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
+    check_fields(cfg, f"{path_or_preset}/config.json" if os.path.isdir(str(path_or_preset)) else str(path_or_preset))
     source.tp = tp_runtime
     source.fp8 = parse_quantization(cfg)
     source.quantize = quantize_option(quantize, cfg)

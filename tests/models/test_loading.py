@@ -175,6 +175,57 @@ def test_config_missing_field(ckpt, field):
         ds4t.load(ckpt)
 
 
+@pytest.mark.parametrize("path, value, match", [
+    (("num_hidden_layers",), "two", r"field 'num_hidden_layers' = 'two' should be an integer in \[1, 16777216\]"),
+    (("num_hidden_layers",), True, "field 'num_hidden_layers' = True should be an integer"),
+    (("num_hidden_layers",), 10 ** 12, "field 'num_hidden_layers' = 1000000000000 should be an integer"),
+    (("head_dim",), -16, "field 'head_dim' = -16 should be an integer"),
+    (("max_position_embeddings",), 1.5, "field 'max_position_embeddings' = 1.5 should be an integer"),
+    (("rms_norm_eps",), "tiny", "field 'rms_norm_eps' = 'tiny' should be a finite number > 0"),
+    (("tie_word_embeddings",), "no", "field 'tie_word_embeddings' = 'no' should be true or false"),
+    (("rope_parameters", "rope_theta"), [1e4], r"field 'rope_parameters.rope_theta' = \[10000.0\] should be a finite"),
+    (("rope_parameters", "partial_rotary_factor"), 2, "'rope_parameters.partial_rotary_factor' = 2 should be a number"),
+    (("rope_parameters",), "default", "field 'rope_parameters' = 'default' should be an object"),
+    (("layer_types",), 2, "field 'layer_types' = 2 should be a list of strings"),
+    (("num_experts_per_tok",), None, r"num_experts_per_tok 0 must be in \[1, num_experts = 4\]"),
+])
+def test_config_field_of_the_wrong_kind(ckpt, path, value, match):
+    """A config value of the wrong kind is a CheckpointError naming the field (before: TypeError or
+    ValueError deep in the model, a layer count of 10**12 building its name table until the process was
+    killed)."""
+    def edit(c):
+        d = c
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    _edit_config(ckpt, edit)
+    with pytest.raises(ds4t.CheckpointError, match=match):
+        ds4t.load(ckpt)
+
+
+def test_null_config_fields_take_the_defaults(ckpt):
+    """null is an absent field (HF writes null for unset optional fields): the model loads and runs."""
+    _edit_config(ckpt, lambda c: c.update(max_position_embeddings=None, rms_norm_eps=None, head_dim=None,
+                                          num_key_value_heads=2))
+    model = ds4t.load(ckpt)
+    assert model.max_position == 4096
+    model.new_session(8).prefill([1, 2])
+
+
+def test_more_layers_in_the_config_than_in_the_checkpoint(ckpt):
+    _edit_config(ckpt, lambda c: c.update(num_hidden_layers=9, layer_types=["linear_attention"] * 9))
+    with pytest.raises(ds4t.CheckpointError, match=r"missing tensor 'model.layers.8.input_layernorm.weight' "
+                                                   r"\(num_hidden_layers is 9; the checkpoint has tensors of 2 layers\)"):
+        ds4t.load(ckpt)
+
+
+def test_config_that_is_not_an_object(ckpt):
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        f.write("[1, 2]")
+    with pytest.raises(ds4t.CheckpointError, match="config.json: should hold a JSON object, got list"):
+        ds4t.load(ckpt)
+
+
 def test_unsupported_model_type(ckpt):
     _edit_config(ckpt, lambda c: c.update(model_type="gpt_neox"))
     with pytest.raises(ds4t.CheckpointError, match=r"model_type 'gpt_neox' is not supported \(supported: .*'llama'"):
