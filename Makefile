@@ -25,9 +25,10 @@ demo: $(VENV)/.installed
 check: $(VENV)/.installed
 	$(VENV)/bin/ds4t check
 
-# -n 2: the suite is CPU-bound in the Triton interpreter; CI machines have 2 cores.
+# -n 2: the suite is CPU-bound in the Triton interpreter; CI machines have 2 cores. worksteal: an idle
+# worker takes tests queued on the busy one (the minutes-long tests run first: tests/conftest.py).
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --durations=15 tests
+	$(PY) -m pytest -n 2 --dist worksteal --durations=15 tests
 
 # pytest-benchmark over every kernel op (bench/micro): small shapes in the interpreter, real layer
 # shapes on a GPU (DS4T_MICRO_SIZE=small|real overrides). Not part of `make test`, which only runs

@@ -12,6 +12,20 @@ def pytest_configure(config):
     torch.manual_seed(0)
 
 
+# The few tests that take minutes in the Triton interpreter, run first: collected in path order they came
+# last (tests/test_*.py after every sub-folder) and one worker ran them alone while the other sat idle.
+# With `-n 2 --dist worksteal` (make test) they start at once and the rest of the suite balances around them.
+SLOW_FIRST = ("tests/test_gpu_compile.py::test_model_kernels_compile_for_the_gpu",
+              "tests/models/test_real_gguf.py::")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return next((i for i, p in enumerate(SLOW_FIRST) if item.nodeid.startswith(p)), len(SLOW_FIRST))
+
+    items.sort(key=rank)   # stable: every other test keeps its collected order
+
+
 @pytest.fixture
 def device(ds4t_device):
     return ds4t_device
