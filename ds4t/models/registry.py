@@ -112,7 +112,10 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         if os.path.exists(tok_path):
             from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_file(tok_path)
+            try:
+                tokenizer = Tokenizer.from_file(tok_path)
+            except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on a bad file
+                raise CheckpointError(f"{tok_path}: not a readable tokenizer ({e})") from None
     elif is_gguf(path_or_preset):
         from ds4t.models.gguf import open_gguf
 

@@ -270,6 +270,14 @@ def test_tokenizer_pickup(ckpt):
     assert got.decode(ids) == text
 
 
+@pytest.mark.parametrize("text", ['{"version": "1.0", "model": 5', '{"model": {"type": "BPE", "vocab": 3}}'])
+def test_a_broken_tokenizer_json_is_a_clear_error(ckpt, text):
+    with open(os.path.join(ckpt, "tokenizer.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(ds4t.CheckpointError, match=r"tokenizer.json: not a readable tokenizer"):
+        ds4t.load(ckpt)
+
+
 # -- 5. presets --------------------------------------------------------------------------------
 
 def test_preset_is_deterministic():
