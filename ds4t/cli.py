@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import List
+from typing import List, Optional
 
 
 class UsageError(Exception):
@@ -32,16 +33,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def int_at_least(lo: int):
-    """An argparse type: an integer >= ``lo`` (1: "a positive integer"), else a one-line error."""
-    what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+def int_at_least(lo: int, hi: Optional[int] = None):
+    """An argparse type: an integer >= ``lo`` (1: "a positive integer") and, given ``hi``, <= ``hi``, else
+    a one-line error."""
+    what = f"an integer in [{lo}, {hi}]" if hi is not None else "a positive integer" if lo == 1 \
+        else f"an integer >= {lo}"
 
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if v < lo:
+        if v < lo or (hi is not None and v > hi):
             raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
         return v
     parse.__name__ = what
@@ -477,10 +480,15 @@ def cmd_convert(args) -> int:
 
     if not args.dst.lower().endswith(".gguf"):
         raise UsageError(f"{args.dst!r}: the output must be a .gguf file")
+    folder = os.path.dirname(os.path.abspath(args.dst))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{args.dst!r}: the folder {folder!r} does not exist")
     try:
         return convert.main(args)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:   # the destination cannot be written (permissions, a full disk)
+        raise UsageError(f"{args.dst!r}: cannot write ({e.strerror or e})") from None
 
 
 def main(argv=None) -> int:

@@ -69,6 +69,9 @@ OTHER_DEVICE = "cpu" if torch.cuda.is_available() else "cuda"
     (["exactness", "--model", "tiny-glm", "--opt", "native_window=0"], "native_window must be a positive int"),
     (["demo", "--dtype", "fp8"], "unsupported dtype 'fp8'"),
     (["check", "--kernel", "lineaer"], "no such kernel; names: "),
+    (["convert", "tiny-llama", "/nonexistent-ds4t/x.gguf"], "the folder '/nonexistent-ds4t' does not exist"),
+    (["convert", "tiny-llama", "/proc/x.gguf"], "'/proc/x.gguf': cannot write"),
+    (["demo", "--model", __file__], "is neither a checkpoint directory"),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(capsys, argv, needle):
     rc, out, err = _run(argv, capsys)

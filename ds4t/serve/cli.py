@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ctx", type=pos, default=None, metavar="C",
                    help="context of every session (default: min(4096, the model's max positions))")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=nonneg, default=8000, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--port", type=int_at_least(0, 65535), default=8000, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--memory-limit", default=None, type=_size, metavar="SIZE",
                    help="refuse to start when the plan exceeds SIZE (e.g. 80GiB); default: the device's free memory")
     p.add_argument("--coalesce-us", type=nonneg, default=None, metavar="US",

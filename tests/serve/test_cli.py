@@ -159,6 +159,7 @@ def test_corrupt_saved_state_is_reported_and_reprefilled(model, tmp_path, damage
     (["--batched-session", "0"], "--batched-session"),
     (["--drain-timeout", "soon"], "--drain-timeout"),
     (["--kv-cache-dir", __file__], "--kv-cache-dir"),
+    (["--port", "99999"], "--port: expected an integer in [0, 65535]"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]))
 def test_bad_cli_values_are_one_line_errors(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
