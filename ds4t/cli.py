@@ -192,6 +192,9 @@ def cmd_demo(args) -> int:
     from ds4t.backend import device_name
 
     model = _load(args)
+    if args.mtp and getattr(model, "mtp", None) is None:
+        raise UsageError(f"--mtp {args.mtp}: {args.model!r} has no MTP head to draft with (its checkpoint holds "
+                         "no MTP weights)")
     text = args.model not in ds4t.presets() and model.tokenizer is not None
     print(f"ds4t demo: {args.model} ({model.family}, {model.dtype}) on {device_name()}; "
           f"{args.sessions} sessions x {args.steps} greedy steps"

@@ -72,6 +72,7 @@ OTHER_DEVICE = "cpu" if torch.cuda.is_available() else "cuda"
     (["convert", "tiny-llama", "/nonexistent-ds4t/x.gguf"], "the folder '/nonexistent-ds4t' does not exist"),
     (["convert", "tiny-llama", "/proc/x.gguf"], "'/proc/x.gguf': cannot write"),
     (["demo", "--model", __file__], "is neither a checkpoint directory"),
+    (["demo", "--model", "tiny-llama", "--mtp", "2"], "--mtp 2: 'tiny-llama' has no MTP head to draft with"),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(capsys, argv, needle):
     rc, out, err = _run(argv, capsys)
