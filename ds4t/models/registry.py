@@ -53,6 +53,20 @@ def preset_source(name: str, seed: int = 0):
     return cfg, PresetSource(expected(parse(cfg)), init, seed, origin=f"preset {name}")
 
 
+def _device(device) -> torch.device:
+    """load's ``device`` as a torch.device, or a clear ValueError (a name torch does not know, CUDA where
+    there is none)."""
+    if device is None:
+        return default_device()
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device ({e})") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA GPU (torch {torch.__version__}); use 'cpu'")
+    return d
+
+
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
          quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
@@ -77,7 +91,9 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     (default: the world, which must have ``tp`` ranks): this rank loads its shard (:mod:`ds4t.parallel`;
     ``device`` "cuda" is this rank's current CUDA device). Every rank must then run the same calls.
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = _device(device)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     tp_runtime = None
     if tp is not None:
         from ds4t.parallel.runtime import TensorParallel

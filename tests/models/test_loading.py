@@ -278,6 +278,15 @@ def test_a_broken_tokenizer_json_is_a_clear_error(ckpt, text):
         ds4t.load(ckpt)
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(device="tpu9"), "device 'tpu9' is not a device"),
+    (dict(seed="x"), "seed must be an int, got 'x'"),
+] + ([] if torch.cuda.is_available() else [(dict(device="cuda"), "device 'cuda': this machine has no CUDA GPU")]))
+def test_bad_load_arguments_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ds4t.load("tiny-qwen", **kw)
+
+
 # -- 5. presets --------------------------------------------------------------------------------
 
 def test_preset_is_deterministic():
