@@ -156,13 +156,14 @@ _COUNTS = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size"
            "qk_rope_head_dim", "v_head_dim", "original_max_position_embeddings")
 _ZERO_OR_MORE = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "mtp_num_hidden_layers",
                  "shared_expert_intermediate_size")
-_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "factor", "beta_fast", "beta_slow",
-                   "mscale", "mscale_all_dim", "attention_factor", "low_freq_factor", "high_freq_factor")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "factor", "attention_factor",
+                   "low_freq_factor", "high_freq_factor")
+_NONNEGATIVE_REALS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")   # yarn: 0 is a valid setting
 _MOST = 2 ** 24   # a size or count past this is a corrupt field, not a model (vocabularies are ~2^18)
 _FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "mlp_bias",
           "use_sliding_window")
 _LISTS = {"layer_types": str, "mlp_only_layers": int}   # lists of that element type
-_KNOWN = frozenset(_COUNTS + _ZERO_OR_MORE + _POSITIVE_REALS + _FLAGS + tuple(_LISTS) + ("partial_rotary_factor",))
+_KNOWN = frozenset(_COUNTS + _ZERO_OR_MORE + _POSITIVE_REALS + _NONNEGATIVE_REALS + _FLAGS + tuple(_LISTS) + ("partial_rotary_factor",))
 
 
 def _field_problem(field: str, v) -> Optional[str]:
@@ -174,9 +175,11 @@ def _field_problem(field: str, v) -> Optional[str]:
         most = 2 ** 31 - 1 if field.endswith("max_position_embeddings") else _MOST
         if not isinstance(v, int) or isinstance(v, bool) or not least <= v <= most:
             return f"should be an integer in [{least}, {most}]"
-    elif field in _POSITIVE_REALS:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            return "should be a finite number > 0"
+    elif field in _POSITIVE_REALS or field in _NONNEGATIVE_REALS:
+        positive = field in _POSITIVE_REALS
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+                or (positive and v == 0)):
+            return f"should be a finite number {'>' if positive else '>='} 0"
     elif field == "partial_rotary_factor":
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
             return "should be a number in (0, 1]"
