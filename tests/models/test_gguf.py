@@ -163,15 +163,16 @@ def test_no_tokenizer_metadata_means_no_tokenizer(tmp_path):
     assert ds4t.load(str(tmp_path / "m.gguf")).tokenizer is None
 
 
-def _rewrite(src, dst, arch=None, drop=(), meta_drop=(), rename=None):
-    """Copy a GGUF file, changing its architecture, dropping tensors or metadata keys, renaming tensors."""
+def _rewrite(src, dst, arch=None, drop=(), meta_drop=(), rename=None, meta_set=None):
+    """Copy a GGUF file, changing its architecture, dropping tensors or metadata keys, renaming tensors,
+    setting metadata values (``meta_set``: key -> value of the key's own type)."""
     r = gguf.GGUFReader(str(src))
     arch = arch or r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture" or k in meta_drop:
             continue
-        v = f.contents()
+        v = (meta_set or {}).get(k, f.contents())
         vt = f.types[0]
         if vt == gguf.GGUFValueType.ARRAY:
             w.add_key_value(k, v, vt, sub_type=f.types[-1])
@@ -209,6 +210,22 @@ def test_errors_name_the_problem(tmp_path):
         ds4t.load(str(tmp_path / "bad.gguf"))
     with pytest.raises(ds4t.CheckpointError, match="no such GGUF file"):
         ds4t.load(str(tmp_path / "absent.gguf"))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("llama.block_count", 10 ** 7, r"missing tensor 'model.layers.9999999.input_layernorm.weight' \(num_hidden_layers"),
+    ("llama.embedding_length", 10 ** 9, "field 'hidden_size' = 1000000000 should be an integer in"),
+    ("llama.rope.freq_base", -1.0, "field 'rope_parameters.rope_theta' = -1.0 should be a finite number > 0"),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), "field 'rms_norm_eps' = nan should be a finite number"),
+])
+def test_metadata_values_out_of_range_are_clear_errors(tmp_path, key, value, match):
+    """Metadata of the right type but an impossible value: a CheckpointError naming the file, at once (a
+    layer count of 10**7 is caught before a table of every layer is built)."""
+    src = tmp_path / "m.gguf"
+    write_gguf(tiny_llama(), src, types={"matrix": "Q8_0"}, tokenizer=False)
+    _rewrite(src, tmp_path / "bad.gguf", meta_set={key: value})
+    with pytest.raises(ds4t.CheckpointError, match=r"bad\.gguf: " + match):
+        ds4t.load(str(tmp_path / "bad.gguf"))
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.9, 100])
