@@ -191,7 +191,9 @@ class Model:
         Families with recurrent state restore it here (Qwen3-Next)."""
 
     # -- native-path eligibility (data, see NativeRule) --------------------------------------
-    native_rules: Tuple[NativeRule, ...] = (NativeRule("native", "always", "-"),)
+    native_rules: Tuple[NativeRule, ...] = (NativeRule(
+        "native", "always: every row (decode token or prompt chunk) joins the batched call",
+        "- (no fallback needed)"),)
 
     def row_reasons(self, rows: Sequence[Tuple[int, int]]) -> List[Optional[str]]:
         """For (pos, n_tokens) of each item: None when the native path can take it, else why not."""

@@ -22,7 +22,7 @@ import torch
 
 from ds4t.kernels import weights
 from ds4t.kernels.rope import default_inv_freq
-from ds4t.models.base import NativeRule, StepBatch
+from ds4t.models.base import StepBatch
 from ds4t.models.blocks import DenseMLP, GQAMixer, GQAShape, Layer, preset_init_plain, swiglu
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
@@ -132,9 +132,6 @@ def expected_tensors(c: LlamaConfig) -> Dict[str, tuple]:
 class LlamaModel(GQAMixer, DecoderModel):
     family = "llama"
 
-    native_rules = (NativeRule(
-        "native", "always: every row (decode token or prompt chunk) joins the batched call",
-        "- (no fallback needed)"),)
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "llama", progress=None):
         c = LlamaConfig.from_dict(cfg)

@@ -17,7 +17,7 @@ import torch
 from ds4t.kernels import ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
-from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
+from ds4t.models.base import CTX, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
                                fused_linear, narrow_store, stack_experts)
 from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
@@ -209,9 +209,6 @@ def _q_gate_order(c: QwenConfig):
 class QwenModel(DecoderModel):
     family = "qwen3_next"
     zero_centered_norms = True
-    native_rules = (NativeRule(
-        "native", "always: every row (decode token or prompt chunk) joins the batched call",
-        "- (no fallback needed)"),)
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
         c = QwenConfig.from_dict(cfg)
