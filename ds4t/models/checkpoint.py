@@ -148,14 +148,16 @@ def require(cfg: dict, field: str, kind=None, where: str = "config.json"):
 # The numeric and boolean fields of the configs ds4t reads (HF names), each with what a value must be. A
 # field that is absent or null keeps the family's default; a present one must fit, else the model would be
 # built from a string, a bool or a negative size and fail far from the cause (or allocate without bound).
-_COUNTS = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-           "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "n_routed_experts",
+_COUNTS = ("num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "max_position_embeddings", "n_routed_experts",
            "num_experts", "num_experts_per_tok", "n_group", "topk_group", "moe_layer_freq", "linear_num_key_heads",
            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
            "full_attention_interval", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
            "qk_rope_head_dim", "v_head_dim", "original_max_position_embeddings")
+# 0 is a setting here: no dense layers first, no shared expert, no MTP; an MLP width of 0 where a family
+# has no such MLP (the tensors' shapes then decide)
 _ZERO_OR_MORE = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "mtp_num_hidden_layers",
-                 "shared_expert_intermediate_size")
+                 "shared_expert_intermediate_size", "intermediate_size", "moe_intermediate_size")
 _POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "factor", "attention_factor",
                    "low_freq_factor", "high_freq_factor")
 _NONNEGATIVE_REALS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")   # yarn: 0 is a valid setting
