@@ -6,6 +6,7 @@ one look.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Dict, Iterable, Mapping, Optional
 
@@ -135,12 +136,22 @@ def read_config(path: str) -> dict:
     return cfg
 
 
+def _is_int(v) -> bool:
+    """An integer and not a bool (JSON true is Python's int too)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    """A number (int or float, not a bool) that is a finite float: an int past the float range is not."""
+    return (_is_int(v) and abs(v) < 2 ** 1024) or (isinstance(v, float) and math.isfinite(v))
+
+
 def require(cfg: dict, field: str, kind=None, where: str = "config.json"):
     """cfg[field], with a clear error when it is missing or of the wrong type (``int`` excludes bool)."""
     if field not in cfg or cfg[field] is None:
         raise CheckpointError(f"{where}: missing field {field!r}")
     v = cfg[field]
-    if kind is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+    if kind is not None and not (_is_int(v) if kind is int else isinstance(v, kind)):
         raise CheckpointError(f"{where}: field {field!r} = {v!r} should be {kind}")
     return v
 
@@ -165,33 +176,31 @@ _MOST = 2 ** 24   # a size or count past this is a corrupt field, not a model (v
 _FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "mlp_bias",
           "use_sliding_window")
 _LISTS = {"layer_types": str, "mlp_only_layers": int}   # lists of that element type
-_KNOWN = frozenset(_COUNTS + _ZERO_OR_MORE + _POSITIVE_REALS + _NONNEGATIVE_REALS + _FLAGS + tuple(_LISTS) + ("partial_rotary_factor",))
+_KNOWN = frozenset(_COUNTS + _ZERO_OR_MORE + _POSITIVE_REALS + _NONNEGATIVE_REALS + _FLAGS + tuple(_LISTS)
+                   + ("partial_rotary_factor",))
 
 
 def _field_problem(field: str, v) -> Optional[str]:
     """Why ``v`` cannot be config field ``field`` (None when it can, or the field is not in the tables)."""
-    import math
-
     if field in _COUNTS or field in _ZERO_OR_MORE:
         least = 1 if field in _COUNTS else 0
         most = 2 ** 31 - 1 if field.endswith("max_position_embeddings") else _MOST
-        if not isinstance(v, int) or isinstance(v, bool) or not least <= v <= most:
+        if not _is_int(v) or not least <= v <= most:
             return f"should be an integer in [{least}, {most}]"
     elif field in _POSITIVE_REALS or field in _NONNEGATIVE_REALS:
         positive = field in _POSITIVE_REALS
-        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
-                or (positive and v == 0)):
+        if not _is_real(v) or v < 0 or (positive and v == 0):
             return f"should be a finite number {'>' if positive else '>='} 0"
     elif field == "partial_rotary_factor":
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+        if not _is_real(v) or not 0 < v <= 1:
             return "should be a number in (0, 1]"
     elif field in _FLAGS:
         if not isinstance(v, bool):
             return "should be true or false"
     elif field in _LISTS:
-        kind = _LISTS[field]
-        if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
-            return f"should be a list of {'strings' if kind is str else 'integers'}"
+        ok = _is_int if _LISTS[field] is int else (lambda x: isinstance(x, str))
+        if not isinstance(v, list) or not all(ok(x) for x in v):
+            return f"should be a list of {'integers' if _LISTS[field] is int else 'strings'}"
     return None
 
 

@@ -15,7 +15,7 @@ from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
 from ds4t.models.blocks import Layer, store_kwargs
 from ds4t.models.checkpoint import CheckpointError
-from ds4t.models.mtp import MTPNames, MTPWeights
+from ds4t.models.mtp import MTPNames, MTPWeights, mtp_tensors
 
 
 def stack_tensors(c) -> Dict[str, tuple]:
@@ -36,8 +36,6 @@ def decoder_tensors(c, layer_tensors, mtp_names: MTPNames, with_mtp: bool, sourc
     """HF names and shapes of a whole decoder checkpoint: the stack (:func:`stack_tensors`), each layer's
     own tensors (``layer_tensors(c, table, prefix, i)`` adds layer i's to the table) and, ``with_mtp``,
     the MTP module named by ``mtp_names`` (its layer at index ``c.num_layers``)."""
-    from ds4t.models.mtp import mtp_tensors
-
     t = stack_tensors(c)
     for i in range(c.num_layers):
         layer_tensors(c, t, f"model.layers.{i}.", i)

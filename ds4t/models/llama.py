@@ -132,7 +132,6 @@ def expected_tensors(c: LlamaConfig) -> Dict[str, tuple]:
 class LlamaModel(GQAMixer, DecoderModel):
     family = "llama"
 
-
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "llama", progress=None):
         c = LlamaConfig.from_dict(cfg)
         self._init_stack(c, name, device, dtype, source)

@@ -106,6 +106,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     configs = _preset_configs()
     if path_or_preset in configs:
         cfg, source = preset_source(path_or_preset, seed)
+        where = path_or_preset
         model_cls = families[cfg["model_type"]][0]
         name = path_or_preset
         if dtype is None:
@@ -114,6 +115,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     elif os.path.isdir(str(path_or_preset)):
         path = str(path_or_preset)
         cfg = read_config(path)
+        where = os.path.join(path, "config.json")
         mt = cfg.get("model_type")
         if mt not in families:
             raise CheckpointError(f"{path}/config.json: model_type {mt!r} is not supported "
@@ -137,6 +139,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
 
         path = str(path_or_preset)
         cfg, source, tokenizer, text_meta = open_gguf(path)
+        where = path
         model_cls = families[cfg["model_type"]][0]
         name = os.path.abspath(path)
         if dtype is None:
@@ -144,7 +147,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
-    check_fields(cfg, f"{path_or_preset}/config.json" if os.path.isdir(str(path_or_preset)) else str(path_or_preset))
+    check_fields(cfg, where)
     source.tp = tp_runtime
     source.fp8 = parse_quantization(cfg)
     source.quantize = quantize_option(quantize, cfg)
