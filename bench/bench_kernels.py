@@ -266,6 +266,24 @@ def table_config(K, N, fp8=False):
     return linear_config(K, N, torch.bfloat16, torch.float32)
 
 
+def table_key(K, N, fp8=False):
+    """The linear table's key of a shape, JSON-ready (ds4t.kernels.config.overridden's format)."""
+    if fp8:
+        return [K, N, "torch.float8_e4m3fn", FP8_BLOCK[1], "torch.bfloat16"]
+    return [K, N, "torch.bfloat16"]
+
+
+def write_best_configs(path, best_cfgs, fp8=False):
+    """The sweep's winners as ``{"linear": [{"key": ..., "fields": ...}]}``: what ``--configs`` of the
+    decode benchmarks reads, so a model-level A/B of the winners runs in the same device call."""
+    import dataclasses
+    import json
+    entries = [{"key": table_key(K, N, fp8), "fields": dataclasses.asdict(c)} for (K, N), c in best_cfgs.items()]
+    with open(path, "w") as f:
+        json.dump({"linear": entries}, f, indent=1)
+    return path
+
+
 def variant_cfgs(K, N, fp8=False):
     import dataclasses
     base = table_config(K, N, fp8)
@@ -642,6 +660,8 @@ def main():
     if best_cfgs:
         md += ["\n### Sweep best configs (B=1 time, then max(B=1, B=16) among the top 4)\n"]
         md += [f"- {K}x{N}: `{best}`" for (K, N), best in best_cfgs.items()]
+        path = write_best_configs(os.path.join(OUT, "best_configs.json"), best_cfgs, fp8)
+        md.append(f"\nAs table overrides for `bench_decode.py --configs` / `bench_fp8.py --configs`: `{path}`")
 
     if args.no_attention:
         attn_rows, attn_err = None, "skipped (--no-attention)"
