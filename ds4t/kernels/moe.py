@@ -32,9 +32,9 @@ How it runs (no host synchronisation; every grid comes from shapes):
    With ``MoEConfig.swap`` (the FP8 table's choice) both kernels compute a tile as w [BN, BK] @ h^T
    [BK, BM]: a decode tile has one or two real pairs, and the weight rows fill the MMA's M side.
    With ``MoEConfig.split = S`` a kernel's grid gets an axis of S splits of its K (whole loop steps);
-   each stores fp32 partials and the next kernel adds them in split order (gate_up's: the down kernel,
-   before silu(g)·u; down's: the combine, before the routing weight): more programs for the few experts
-   of a decode step, no extra launch. Like every field it is fixed per key, never per batch.
+   each stores fp32 partials that are added in split order (gate_up's: ``_moe_act_kernel``, before
+   silu(g)·u; down's: the combine, before the routing weight): more programs, each with a shorter K
+   chain, for the few experts of a decode step. Like every field it is fixed per key, never per batch.
 4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
 
 Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
@@ -198,17 +198,32 @@ def _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT: tl.constexpr, EVEN_K: tl.constexpr = False):
-    """fp32 [BM, BK] activations silu(g) * u of pairs p, columns kk, for the down product: loaded as the
-    gate/up kernel stored them, or (GU_SPLIT > 1) made from its split partials g = act[0, p, kk] +
-    act[1, p, kk] + ... and u likewise at column I + kk, added in split order."""
-    ptrs = act_ptr + p[:, None] * sa_p + kk[None, :]
-    m = _pairs_mask(qm, km, EVEN_K)
-    if GU_SPLIT > 1:
-        a = _silu(split_sum(ptrs, m, sa_s, GU_SPLIT)) * split_sum(ptrs + I, m, sa_s, GU_SPLIT)
-    else:
-        a = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
-    return a
+def _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K: tl.constexpr = False):
+    """fp32 [BM, BK] activations silu(g) * u of pairs p, columns kk, for the down product, as the gate/up
+    kernel (or, after a split gate/up, :func:`_moe_act_kernel`) stored them."""
+    return tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _moe_act_kernel(part_ptr, sp_s, sp_p, act_ptr, sa_p, order_ptr, bounds_ptr, E, I,
+                    SPLIT: tl.constexpr, ACT_ROUNDED: tl.constexpr, WDT: tl.constexpr, BI: tl.constexpr):
+    """After a split gate/up (``MoEConfig.split`` = SPLIT): act[p, i] = silu(g) * u with g = part[0, p, i] +
+    part[1, p, i] + ... and u likewise at column I + i, added in split order (:func:`ds4t.backend.split_sum`),
+    rounded to WDT when ACT_ROUNDED -- what the unsplit gate/up kernel stores. Grid (P, cdiv(I, BI)):
+    program q takes the q-th grouped pair (order[q]); pairs past bounds[E] (ids -1: no expert) have no
+    partials and are skipped. A separate launch, so the down kernel reads one activation tile as after
+    an unsplit gate/up (reading and adding the partials there took it 96 KB of shared memory)."""
+    grid_dependency()
+    q = tl.program_id(0)
+    if q < tl.load(bounds_ptr + E):
+        p = tl.load(order_ptr + q).to(tl.int64)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)
+        m = i < I
+        ptrs = part_ptr + p * sp_p + i
+        act = _silu(split_sum(ptrs, m, sp_s, SPLIT)) * split_sum(ptrs + I, m, sp_s, SPLIT)
+        if ACT_ROUNDED:
+            act = cast(act, WDT)
+        tl.store(act_ptr + p * sa_p + i, act, mask=m)
 
 
 @triton.jit
@@ -291,7 +306,7 @@ def _moe_gate_up_kernel(
 
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
-    sa_p); the down kernel adds the SPLIT partials in split order and applies silu(g) * u itself."""
+    sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
@@ -393,13 +408,12 @@ def _moe_down_kernel(
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
-    GU_SPLIT: tl.constexpr = 1, sa_s=0, SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
+    SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
     EVEN_N as there (I a whole number of loop steps, D of N tiles).
-    GU_SPLIT > 1: act holds the gate/up kernel's split partials (:func:`_act_tile`). SPLIT > 1 (grid axis
-    2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
+    SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
@@ -424,7 +438,7 @@ def _moe_down_kernel(
                 amax = tl.zeros([BM], dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, BK):
                     kk = k0 + tl.arange(0, BK)
-                    a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, kk < I, I, GU_SPLIT, EVEN_K)
+                    a = _act_tile(act_ptr, sa_p, p, qm, kk, kk < I, EVEN_K)
                     amax = _f16_scale(amax, cast(a, WDT))
                 a_scale, a_inv = pow2_scale(amax, 14)
             for kb in range(k_lo, k_hi, KSTEP):
@@ -436,7 +450,7 @@ def _moe_down_kernel(
                 for ks in tl.static_range(0, KSTEP, BK):
                     kk = kb + ks + tl.arange(0, BK)
                     km = kk < I
-                    a = _act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT, EVEN_K)
+                    a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
                     w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT, FP8_ROUTE)
                     if TF32:
                         a = round_in_f32(a, WDT)
@@ -459,7 +473,7 @@ def _moe_down_kernel(
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
-                a = cast(_act_tile(act_ptr, sa_s, sa_p, p, qm, kk, km, I, GU_SPLIT, EVEN_K), WDT)
+                a = cast(_act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K), WDT)
                 acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), acc, SWAP, False)
         _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
 
@@ -565,7 +579,7 @@ class MoEConfig:
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
-    split: int = 1              # K splits (whole loop steps), summed by the next kernel; slower on the H200
+    split: int = 1              # K splits (whole loop steps), their partials summed in split order after it
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -750,10 +764,9 @@ def moe_experts(
     fmt = ("fp8",) if fp8 else ()
     gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B), _config("down", fmt, B))
     split = 1 if gguf else gu_cfg.split
-    if split > 1:   # fp32 partials [split, P, 2I] (g, then u), summed by the down kernel
-        act = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev)
-    else:
-        act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
+    act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
+    # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel
+    part = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act
     dn_split = 1 if gguf else dn_cfg.split
     y = torch.empty((dn_split, P, D) if dn_split > 1 else (P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
@@ -790,16 +803,22 @@ def moe_experts(
         kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
     if split > 1:
-        kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=act.stride(0))
+        kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=part.stride(0))
     kw.update(evenness(D, step, I, BN))
     _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN), split)](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
-        act, act.stride(-2),
+        part, part.stride(-2),
         D, I, KT, E,
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
         SWAP=cfg.swap, **kw, **LAUNCH,
     )
+    if split > 1:
+        BI = min(1024, triton.next_power_of_2(I))
+        _moe_act_kernel[(P, triton.cdiv(I, BI))](
+            part, part.stride(0), part.stride(1), act, act.stride(0), order, bounds, E, I,
+            SPLIT=split, ACT_ROUNDED=act_rounded, WDT=WDT, BI=BI, **LAUNCH,
+        )
     # 3. down
     cfg = dn_cfg
     BN, BK = cfg.tiles(D, I, sbk)
@@ -809,8 +828,6 @@ def moe_experts(
         step = k_step(I, BK, sbk)
         kw.update(sd_ptr=w_down.scale, ss_e=w_down.scale.stride(0), ss_n=w_down.scale.stride(1),
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
-    if split > 1:
-        kw.update(GU_SPLIT=split, sa_s=act.stride(0))
     if dn_split > 1:
         kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
     kw.update(evenness(I, step, D, BN))
