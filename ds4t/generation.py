@@ -161,7 +161,11 @@ def generate(model, prompts: Sequence[Prompt], max_new_tokens: Union[int, Sequen
 
 
 def _emit(g: Generation, toks: List[int], stops, budget: int, s) -> bool:
-    """Append a step's tokens; False when the prompt is done (a stop token, its budget or the context)."""
+    """Append a step's tokens; False when the prompt is done (a stop token, its budget or the context).
+    FloatingPointError when the model's logits held a NaN (sampling's NO_TOKEN): there is no token to emit."""
+    if sampling.NO_TOKEN in toks:
+        raise FloatingPointError(f"the model's logits hold a NaN after {len(g.tokens) + toks.index(sampling.NO_TOKEN)} "
+                                 f"generated tokens of a {len(g.prompt_tokens)}-token prompt: no token to choose")
     g.tokens += toks
     if g.tokens[-1] in stops:
         g.finish_reason = "stop"

@@ -22,6 +22,7 @@ import torch
 
 from ds4t.batch.session import is_int
 from ds4t.kernels import sampling as kernel
+from ds4t.kernels.sampling import NO_TOKEN  # noqa: F401  (the token of a row whose logits hold a NaN)
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this decode greedily (argmax), as if 0.
@@ -94,7 +95,8 @@ def sample(logits: torch.Tensor, temperature: Param = 0.0, top_k: Param = 0, top
     0: off), top_p (in (0, 1], 1: off), seed (any int; its low 64 bits are used), position (int
     in [0, 2^63): the position of the token being drawn, e.g. ``session.pos``), stream (int; default
     :func:`stream_id` of the seed). The token of a row is a function of its logits and its own
-    parameters only. Invalid parameters raise ValueError naming the row.
+    parameters only. Invalid parameters raise ValueError naming the row. A row whose logits hold a NaN
+    gets :data:`NO_TOKEN` (-1), never an index that looks like a token (no host sync is spent to check).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.is_complex() or not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor [B, V], got "

@@ -109,6 +109,26 @@ def test_sessions_are_closed_on_error(model, monkeypatch):
     assert open_slots(model) == before
 
 
+def test_nan_logits_raise_instead_of_a_token(model, monkeypatch):
+    """A NaN in the logits (a kernel or model fault) is an error naming it, not a token; sessions closed.
+    Negative control: the same run with finite logits completes."""
+    real = generation.eval_batch
+
+    def nan_step(items, mode):   # the first decode step (prompt chunks come as lists) gets a NaN
+        r = real(items, mode=mode)
+        if all(not isinstance(it.token, list) for it in items):
+            r.logits[len(items) - 1, 3] = float("nan")
+        return r
+
+    monkeypatch.setattr(generation, "eval_batch", nan_step)
+    before = open_slots(model)
+    with pytest.raises(FloatingPointError, match="logits hold a NaN after 1 generated tokens"):
+        ds4t.generate(model, PROMPTS, max_new_tokens=3)
+    assert open_slots(model) == before
+    monkeypatch.setattr(generation, "eval_batch", real)
+    assert all(len(g.tokens) == 3 for g in ds4t.generate(model, PROMPTS, max_new_tokens=3))
+
+
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(prompts="hello"), ValueError, "wrap one prompt in a list"),
     (dict(prompts=[]), ValueError, "non-empty list"),

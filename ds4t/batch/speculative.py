@@ -246,7 +246,9 @@ def _mtp_drafts(model, items: List[SpecItem], ks: List[int]) -> Dict[int, List[i
         s = items[i].session
         _set_backlog(s, _Backlog(chain[:0], [], s.pos))
     for j in range(1, max(ks[i] for i in idx)):
-        live = [(n, i) for n, i in enumerate(idx) if ks[i] > j]
+        live = [(n, i) for n, i in enumerate(idx) if ks[i] > j and drafts[i][-1] != sampling.NO_TOKEN]
+        if not live:
+            break
         segs = [SegmentSpec(items[i].session.slot, [drafts[i][-1]], items[i].session.pos + j - 1) for _, i in live]
         h = chain[[n for n, _ in live]]
         _mirror(model, "mtp_forward", segs, h)
@@ -257,6 +259,9 @@ def _mtp_drafts(model, items: List[SpecItem], ks: List[int]) -> Dict[int, List[i
             drafts[i].append(t)
         chain = chain.clone()
         chain[[n for n, _ in live]] = new
+    for i in idx:   # a NaN in the head's logits ends that draft (a draft is a guess: fewer change no token)
+        if sampling.NO_TOKEN in drafts[i]:
+            drafts[i] = drafts[i][:drafts[i].index(sampling.NO_TOKEN)]
     return drafts
 
 

@@ -1,6 +1,10 @@
 """Token selection: greedy argmax and seeded sampling with temperature, top-k and top-p.
 
-``argmax(logits)`` — the first index of the row maximum (NaN-free input assumed).
+``argmax(logits)`` — the first index of the row maximum.
+
+Both return :data:`NO_TOKEN` (-1) for a row holding a NaN: such a row has no maximum and no distribution
+(a model or kernel fault), and an index that looks like a token would hide it. Callers that feed tokens
+on check for it (:func:`ds4t.generation.generate` raises, the server fails that request alone).
 
 ``sample(logits, seeds, streams, positions, temperature, top_k, top_p)`` — per row b:
 
@@ -108,19 +112,23 @@ def _key(z):
 
 @triton.jit
 def _argmax_rows(x_ptr, sx, r, rm, V, BV: tl.constexpr, R: tl.constexpr):
-    """(first argmax, max) of rows r of x, in BV chunks; per lane strict '>' keeps the first index."""
+    """(first argmax, max) of rows r of x, in BV chunks; per lane strict '>' keeps the first index. A row
+    holding a NaN gets index NO_TOKEN (-1): it has no maximum."""
     c = tl.arange(0, BV)
     best = tl.full([R, BV], float("-inf"), tl.float32)
     bidx = tl.full([R, BV], 2147483647, tl.int32)
+    nan = tl.zeros([R, BV], dtype=tl.int32)
     for v0 in range(0, V, BV):
         v = v0 + c
         m = rm[:, None] & (v < V)[None, :]
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx + v[None, :], mask=m, other=float("-inf")).to(tl.float32)
+        nan = tl.where(x != x, 1, nan)
         better = m & ((x > best) | (bidx == 2147483647))
         best = tl.where(better, x, best)
         bidx = tl.where(better, v[None, :], bidx)
     mx = tl.max(best, axis=1)
     idx = tl.min(tl.where(best == mx[:, None], bidx, 2147483647), axis=1)
+    idx = tl.where(tl.max(nan, axis=1) > 0, -1, idx)
     return idx, mx
 
 
@@ -246,11 +254,15 @@ def _sample_kernel(
         bidx = tl.where(better, v[None, :], bidx)
     mx = tl.max(best, axis=1)
     idx = tl.min(tl.where(best == mx[:, None], bidx, 2147483647), axis=1)
-    idx = tl.where(greedy, amax, idx)
+    idx = tl.where(greedy | (amax == -1), amax, idx)   # amax -1: a NaN in the row, no token
     tl.store(out_ptr + r, idx.to(tl.int64), mask=rm)
 
 
 # ----------------------------------------------------------------------------- launchers
+
+
+NO_TOKEN = -1
+"""The token of a row whose logits hold a NaN."""
 
 
 def _check_logits(logits):
@@ -366,9 +378,13 @@ def candidates_ref(logits, temperature, top_k, top_p) -> torch.Tensor:
     return keep
 
 
+def _no_token_for_nan(logits, tokens):
+    return torch.where(logits.isnan().any(dim=-1), torch.full_like(tokens, NO_TOKEN), tokens)
+
+
 def argmax_ref(logits, *, out=None):
     """Plain-torch :func:`argmax` (torch.argmax returns the first index of the max)."""
-    r = torch.argmax(logits.float(), dim=-1)
+    r = _no_token_for_nan(logits, torch.argmax(logits.float(), dim=-1))
     if out is not None:
         out.copy_(r)
         return out
@@ -382,7 +398,7 @@ def sample_ref(logits, seeds, streams, positions, temperature, top_k, top_p, *, 
     z = logits.float() / torch.where(t == 0, torch.ones_like(t), t)[:, None]
     keep = candidates_ref(logits, temperature, top_k, top_p)
     sc = torch.where(keep, z + gumbel_noise(seeds, streams, positions, V), torch.full_like(z, float("-inf")))
-    r = torch.where(t == 0, torch.argmax(logits.float(), dim=-1), torch.argmax(sc, dim=-1))
+    r = _no_token_for_nan(logits, torch.where(t == 0, torch.argmax(logits.float(), dim=-1), torch.argmax(sc, dim=-1)))
     if out is not None:
         out.copy_(r)
         return out

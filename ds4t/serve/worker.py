@@ -618,6 +618,11 @@ class DecodeWorker:
                                position=[r.slot.session.pos for r in reqs]).tolist()
 
     def _deliver(self, r: Request, tok: int, now: float) -> None:
+        if tok == sampling.NO_TOKEN:   # this request's logits held a NaN: it alone fails, its state not kept
+            log.error("request %s: the model's logits hold a NaN; failing it", r.id)
+            self._fail(r, 500, "internal error: the model's logits for this request hold a NaN (no token to "
+                               "choose)", state_ok=False)
+            return
         if r.t_last is None:
             self.metrics.observe_ttft(now - r.t_submit)
         else:

@@ -122,3 +122,43 @@ def test_kept_states_hold_only_the_verify_rows():
         assert states.shape[0] == inputs.shape[0] == 4
         assert states.untyped_storage().nbytes() == 4 * states[0].numel() * 4   # 4 verify rows, not 44
     m.rollback(a.slot, 4)
+
+
+def test_a_nan_in_the_mtp_head_ends_the_draft_and_changes_no_token(monkeypatch):
+    """The MTP head's logits holding a NaN (its draft has no token) shorten that draft: the step emits the
+    tokens plain decoding emits (before: the sampler's 2**31 - 1 was fed back as a draft). Control: without
+    the NaN the same step drafts k tokens."""
+    m = ds4t.load("tiny-qwen")
+    prompt = [5, 6, 7, 8]
+
+    def step(nan_at):
+        s = m.new_session(32)
+        lg = spec.prefill([DecodeItem(s, prompt)])
+        calls = []
+        real = type(m).mtp_forward
+
+        def head(self, batch, h):
+            out = real(self, batch, h)
+            calls.append(1)
+            if len(calls) == nan_at:
+                out = out.clone()
+                out[0] = float("nan")
+            return out
+
+        monkeypatch.setattr(type(m), "mtp_forward", head)
+        (r,), _ = spec.spec_step([spec.SpecItem(s, int(lg[0].argmax()), k=3)])
+        monkeypatch.setattr(type(m), "mtp_forward", real)
+        s.close()
+        return r
+
+    plain = m.new_session(32)
+    lg = plain.prefill(prompt)
+    want = []
+    for _ in range(4):
+        want.append(int(lg.argmax()))
+        lg = ds4t.eval_batch([DecodeItem(plain, want[-1])]).logits[0]
+    plain.close()
+    assert step(nan_at=0).drafted == 3
+    for nan_at, drafted in [(1, 0), (2, 1)]:
+        r = step(nan_at)
+        assert r.drafted == drafted and r.tokens == want[1:len(r.tokens) + 1]

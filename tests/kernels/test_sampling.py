@@ -55,6 +55,31 @@ def test_argmax_vs_torch(B, V):
     assert torch.equal(out, argmax_ref(x))
 
 
+@pytest.mark.parametrize("V", [37, 1000])
+def test_a_row_holding_a_nan_has_no_token_and_its_neighbours_keep_theirs(V):
+    """A NaN anywhere in a row (or the whole row NaN) gives NO_TOKEN in argmax and in every sampling mode,
+    in the kernels and the references; the other rows of the call get the tokens they get without it.
+    (Before: an all-NaN row returned 2147483647, past any vocabulary; a partly-NaN row ignored the NaN.)"""
+    g = gen(V + 1)
+    B = 6
+    x = torch.randn(B, V, generator=g)
+    clean = x.clone()
+    x[1] = float("nan")
+    x[4, V // 2] = float("nan")
+    temp, tk, tp = _settings(B, g)
+    temp[1] = temp[4] = 0.9
+    ids = _ids(B, g)
+    ok = torch.tensor([i not in (1, 4) for i in range(B)])
+    for got, ref, want in [(argmax(x, out=_out(B)), argmax_ref(x), argmax(clean)),
+                           (sample(x, *ids, temp, tk, tp, out=_out(B)), sample_ref(x, *ids, temp, tk, tp),
+                            sample(clean, *ids, temp, tk, tp))]:
+        got = got.cpu()
+        assert got[1] == got[4] == S.NO_TOKEN and torch.equal(got, ref.cpu())
+        assert torch.equal(got[ok], want.cpu()[ok]) and (want >= 0).all()
+    greedy = torch.zeros(B)
+    assert torch.equal(sample(x, *ids, greedy, tk, tp).cpu(), argmax(x).cpu())
+
+
 def _chunked(V, block_v):
     """16 rows per program and vocab chunks of ``block_v``; the backend's warps."""
     warps = S.SAMPLING_CONFIGS(V).num_warps

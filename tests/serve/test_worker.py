@@ -191,6 +191,33 @@ def test_model_fault_fails_its_batch_and_serving_continues(model, worker, monkey
     assert sb.tokens == greedy_ref(model, [11, 12], 2)[0] and w.fatal is None
 
 
+def test_nan_logits_fail_only_their_request(model, worker, monkeypatch):
+    """A request whose logits hold a NaN fails alone (500 naming it); the request beside it in the same
+    step gets its tokens, and serving continues."""
+    import ds4t.serve.worker as wmod
+
+    real, poisoned = wmod.eval_batch, []
+
+    def nan_for_one(items, mode="auto"):
+        r = real(items, mode=mode)
+        for j, it in enumerate(items):
+            if it.session.tokens[:2] == [21, 22] and not poisoned:
+                r.logits[j] = float("nan")
+                poisoned.append(j)
+        return r
+
+    monkeypatch.setattr(wmod, "eval_batch", nan_for_one)
+    w = worker(2, start=False)
+    (_, sa), (_, sb) = submit(w, [21, 22], 3), submit(w, [23, 24], 3)
+    w.start()
+    wait_all([sa, sb])
+    assert poisoned and sa.final["status"] == 500 and "NaN" in sa.final["message"]
+    assert sb.final["type"] == "done" and sb.tokens == greedy_ref(model, [23, 24], 3)[0]
+    _, sc = submit(w, [21, 22], 2)
+    wait_all([sc])
+    assert sc.tokens == greedy_ref(model, [21, 22], 2)[0] and w.fatal is None
+
+
 def test_worker_that_cannot_go_on_fails_everything_and_reports_fatal(model, worker, monkeypatch):
     import ds4t.serve.worker as wmod
 
