@@ -204,10 +204,12 @@ def _field_problem(field: str, v) -> Optional[str]:
     return None
 
 
-def check_fields(cfg: dict, where: str = "config.json") -> None:
+def check_fields(cfg: dict, where: str = "config.json", origin=None) -> None:
     """Every known numeric / boolean field of ``cfg`` (and of its ``rope_parameters`` / ``rope_scaling``)
     holds a value of its kind, else a CheckpointError naming the field and the value. Known fields that
-    are null are removed (in place): null means the family's default, as an absent field does."""
+    are null are removed (in place): null means the family's default, as an absent field does.
+    ``origin`` (optional): field name (``"rope_parameters.rope_theta"`` style) -> where its value came from
+    in the file, or None -- a GGUF's metadata key, so the message names what the user can look up."""
     for scope, d in (("", cfg), ("rope_parameters.", cfg.get("rope_parameters")),
                      ("rope_scaling.", cfg.get("rope_scaling"))):
         if d is None:
@@ -221,7 +223,9 @@ def check_fields(cfg: dict, where: str = "config.json") -> None:
                 continue
             why = _field_problem(field, v)
             if why:
-                raise CheckpointError(f"{where}: field {scope + field!r} = {v!r} {why}")
+                src = origin(scope + field) if origin is not None else None
+                src = f" ({src})" if src else ""
+                raise CheckpointError(f"{where}: field {scope + field!r}{src} = {v!r} {why}")
 
 
 def attention_heads(cfg: dict):

@@ -617,6 +617,16 @@ def _expected_gguf_name(arch: str, hf: str) -> Optional[str]:
     return None
 
 
+def _check_blocks(a: str, blocks: int, shapes: Dict[str, tuple], path: str) -> None:
+    """block_count must match the file's ``blk.N.*`` tensors (a larger count would build tables for layers
+    that are not there; a smaller one would leave tensors unread)."""
+    ids = {int(m.group(1)) for m in (re.match(r"^blk\.(\d+)\.", k) for k in shapes) if m}
+    have = max(ids) + 1 if ids else 0
+    if isinstance(blocks, int) and blocks != have:
+        raise CheckpointError(f"{path}: metadata '{a}block_count' = {blocks} but the file's tensors are blocks "
+                              f"0..{have - 1} ({have} blocks)")
+
+
 def _get(meta: dict, key: str, kind, path: str, default=None):
     if key not in meta:
         if default is not None:
@@ -630,6 +640,44 @@ def _get(meta: dict, key: str, kind, path: str, default=None):
     return v
 
 
+# The metadata key (after "{arch}.") each HF config field is read from, for error messages; fields
+# derived from tensors or from several keys name them in words.
+_FIELD_KEYS = {
+    "num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+    "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "max_position_embeddings": "context_length",
+    "rope_parameters.rope_theta": "rope.freq_base", "rope_parameters.factor": "rope.scaling.factor",
+    "rope_parameters.original_max_position_embeddings": "rope.scaling.original_context_length",
+    "rope_parameters.beta_fast": "rope.scaling.yarn_beta_fast", "rope_parameters.beta_slow": "rope.scaling.yarn_beta_slow",
+    "rope_parameters.attention_factor": "rope.scaling.yarn_attn_factor",
+    "num_experts": "expert_count", "n_routed_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length", "n_shared_experts": "expert_shared_count",
+    "n_group": "expert_group_count", "topk_group": "expert_group_used_count",
+    "routed_scaling_factor": "expert_weights_scale", "first_k_dense_replace": "leading_dense_block_count",
+    "linear_num_key_heads": "ssm.group_count", "linear_key_head_dim": "ssm.state_size",
+    "linear_num_value_heads": "ssm.time_step_rank", "linear_conv_kernel_dim": "ssm.conv_kernel",
+    "q_lora_rank": "attention.q_lora_rank", "kv_lora_rank": "attention.kv_lora_rank",
+    "qk_rope_head_dim": "rope.dimension_count", "v_head_dim": "attention.value_length(_mla)",
+}
+
+
+def field_origin(cfg: dict):
+    """For :func:`ds4t.models.checkpoint.check_fields`: HF field -> "metadata '{arch}.{key}'" of a config
+    :func:`hf_config` made (None where no single key holds it)."""
+    arch = next(a for a, t in MODEL_TYPES.items() if t == cfg["model_type"])
+    named = {"vocab_size": "the rows of 'token_embd.weight'"}
+
+    def origin(field: str):
+        if field in named:
+            return named[field]
+        key = _FIELD_KEYS.get(field)
+        return f"metadata '{arch}.{key}'" if key else None
+
+    return origin
+
+
 def hf_config(meta: dict, tensor_shapes: Dict[str, tuple], path: str) -> dict:
     """The HF config dict of a GGUF model from its metadata (and, for what metadata leaves implicit,
     which tensors it holds: tied embeddings, attention bias, vocabulary size)."""
@@ -641,6 +689,7 @@ def hf_config(meta: dict, tensor_shapes: Dict[str, tuple], path: str) -> dict:
         return _moe_config(arch, meta, tensor_shapes, path)
     a = arch + "."
     n = _get(meta, a + "block_count", int, path)
+    _check_blocks(a, n, tensor_shapes, path)
     hidden = _get(meta, a + "embedding_length", int, path)
     heads = _get(meta, a + "attention.head_count", int, path)
     kv = _get(meta, a + "attention.head_count_kv", int, path, default=heads)
@@ -695,6 +744,7 @@ def _moe_config(arch: str, meta: dict, shapes: Dict[str, tuple], path: str) -> d
         return get(key, kind) if a + key in meta else None
 
     blocks = get("block_count", int)
+    _check_blocks(a, blocks, shapes, path)
     nextn = get("nextn_predict_layers", int, 0) if a + "nextn_predict_layers" in meta else 0
     n = blocks - nextn
     if n < 1:

@@ -102,6 +102,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         device = tp_runtime.device
     dtype = parse_dtype(dtype)
     text_meta = None   # GGUF: chat template and special tokens from its metadata (ds4t.text reads them)
+    origin = None      # GGUF: the metadata key each config field came from (check_fields' messages)
     families = _families()
     configs = _preset_configs()
     if path_or_preset in configs:
@@ -135,11 +136,12 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
             except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on a bad file
                 raise CheckpointError(f"{tok_path}: not a readable tokenizer ({e})") from None
     elif is_gguf(path_or_preset):
-        from ds4t.models.gguf import open_gguf
+        from ds4t.models.gguf import field_origin, open_gguf
 
         path = str(path_or_preset)
         cfg, source, tokenizer, text_meta = open_gguf(path)
         where = path
+        origin = field_origin(cfg)
         model_cls = families[cfg["model_type"]][0]
         name = os.path.abspath(path)
         if dtype is None:
@@ -147,7 +149,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
-    check_fields(cfg, where)
+    check_fields(cfg, where, origin)
     source.tp = tp_runtime
     source.fp8 = parse_quantization(cfg)
     source.quantize = quantize_option(quantize, cfg)
@@ -157,7 +159,12 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         bad = [k for k in options if k not in model_cls.load_options()]
         if bad:
             raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
-    model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
+    try:
+        model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
+    except CheckpointError as e:   # the family config checks say "config.json": name the real origin
+        if str(e).startswith("config.json:") and where != "config.json":
+            raise CheckpointError(where + str(e)[len("config.json"):]) from None
+        raise
     model.tokenizer = tokenizer
     if text_meta is not None:
         model.text_meta = text_meta

@@ -213,10 +213,15 @@ def test_errors_name_the_problem(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("llama.block_count", 10 ** 7, r"missing tensor 'model.layers.9999999.input_layernorm.weight' \(num_hidden_layers"),
-    ("llama.embedding_length", 10 ** 9, "field 'hidden_size' = 1000000000 should be an integer in"),
-    ("llama.rope.freq_base", -1.0, "field 'rope_parameters.rope_theta' = -1.0 should be a finite number > 0"),
-    ("llama.attention.layer_norm_rms_epsilon", float("nan"), "field 'rms_norm_eps' = nan should be a finite number"),
+    ("llama.block_count", 10 ** 7, r"metadata 'llama.block_count' = 10000000 but the file's tensors are blocks 0\.\.1 "),
+    ("llama.block_count", 1, r"metadata 'llama.block_count' = 1 but the file's tensors are blocks 0\.\.1 \(2 blocks\)"),
+    ("llama.embedding_length", 10 ** 9,
+     r"field 'hidden_size' \(metadata 'llama.embedding_length'\) = 1000000000 should be an integer in"),
+    ("llama.rope.freq_base", -1.0,
+     r"field 'rope_parameters.rope_theta' \(metadata 'llama.rope.freq_base'\) = -1.0 should be a finite number > 0"),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"),
+     r"field 'rms_norm_eps' \(metadata 'llama.attention.layer_norm_rms_epsilon'\) = nan should be a finite number"),
+    ("llama.attention.head_count", 5, r"num_attention_heads 5 not a multiple of num_key_value_heads"),
 ])
 def test_metadata_values_out_of_range_are_clear_errors(tmp_path, key, value, match):
     """Metadata of the right type but an impossible value: a CheckpointError naming the file, at once (a

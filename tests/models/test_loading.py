@@ -207,6 +207,15 @@ def test_config_field_of_the_wrong_kind(ckpt, path, value, match):
         ds4t.load(ckpt)
 
 
+def test_a_family_config_error_names_the_checkpoints_config(ckpt):
+    """The families' own config checks (layer types, head divisibility) name the file's path, not a bare
+    "config.json"."""
+    _edit_config(ckpt, lambda c: c.update(layer_types=["full_attention"]))
+    with pytest.raises(ds4t.CheckpointError) as e:
+        ds4t.load(ckpt)
+    assert str(e.value).startswith(os.path.join(str(ckpt), "config.json") + ": layer_types")
+
+
 def test_null_config_fields_take_the_defaults(ckpt):
     """null is an absent field (HF writes null for unset optional fields): the model loads and runs."""
     _edit_config(ckpt, lambda c: c.update(max_position_embeddings=None, rms_norm_eps=None, head_dim=None,
