@@ -214,6 +214,10 @@ FP8_ROUTES_SWEPT = ["f32"]
 is measured on request."""
 
 
+FP8_GRID = {"block_n": (32, 64, 128), "num_stages": (2, 3), "num_warps": (1, 2)}
+"""The FP8 sweep's tile rows, pipeline stages and warps (``--fp8-grid``; routes: :data:`FP8_ROUTES_SWEPT`)."""
+
+
 def fp8_candidates(K, N):
     """FP8 weights: BLOCK_K divides the 128-column scale block; splits on block boundaries; swapped
     operands (every bf16 sweep winner was); routes :data:`FP8_ROUTES_SWEPT`. Warps 1-2: the third
@@ -221,7 +225,7 @@ def fp8_candidates(K, N):
     weight rows (a wgmma's M side is 64 rows a warpgroup)."""
     bk_scale = FP8_BLOCK[1]
     out = []
-    for bn in (32, 64, 128):
+    for bn in FP8_GRID["block_n"]:
         for bk in (64, 128):
             for split in (1, 2, 4, 8, 16):
                 if split > 1 and (K % (split * bk_scale) or K // split < 4 * bk_scale):
@@ -229,12 +233,12 @@ def fp8_candidates(K, N):
                 ctas = cdiv(N, bn) * split
                 if ctas < 64 or (split > 1 and ctas > 4800):
                     continue
-                for stages in (2, 3):
+                for stages in FP8_GRID["num_stages"]:
                     if stages * (bn * bk + 16 * bk * 4) > 200 * 1024:
                         continue
                     for route in FP8_ROUTES_SWEPT:
                         # "x2" wants Hopper's wgmma: a warpgroup (4 warps) per 64 weight rows
-                        for warps in ((4, 8)[:bn // 64] if route == "x2" else (1, 2)):
+                        for warps in ((4, 8)[:bn // 64] if route == "x2" else FP8_GRID["num_warps"]):
                             out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
                                                     num_stages=stages, swap=True, fp8_route=route))
     return out
@@ -552,6 +556,9 @@ def main():
                     help="FP8 weights (128x128 blocks, bf16 activations) at FP8_SHAPES instead of bf16 at LINEAR_SHAPES")
     ap.add_argument("--shapes", default=None, help="comma-separated KxN to run instead of the default shapes")
     ap.add_argument("--fp8-routes", default="f32", help="--fp8 --sweep: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
+    ap.add_argument("--fp8-grid", default=None,
+                    help="--fp8 --sweep: replace grid axes, e.g. 'block_n=32;num_stages=3,4,6,8;num_warps=2' "
+                         f"(default {FP8_GRID})")
     ap.add_argument("--sweep-x", default="float32", choices=["float32", "bfloat16"],
                     help="--sweep: the dtype x is stored in while configs are timed")
     ap.add_argument("--sweep-budget", type=float, default=None,
@@ -579,6 +586,11 @@ def main():
     errors = {}
     fp8 = args.fp8
     FP8_ROUTES_SWEPT[:] = args.fp8_routes.split(",")
+    for axis in filter(None, (args.fp8_grid or "").split(";")):
+        name, values = axis.split("=")
+        if name not in FP8_GRID:
+            raise SystemExit(f"--fp8-grid: no axis {name!r} (axes: {sorted(FP8_GRID)})")
+        FP8_GRID[name] = tuple(int(v) for v in values.split(","))
     shapes = FP8_SHAPES if fp8 else LINEAR_SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")]
