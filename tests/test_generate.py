@@ -133,6 +133,7 @@ def test_nan_logits_raise_instead_of_a_token(model, monkeypatch):
     (dict(prompts="hello"), ValueError, "wrap one prompt in a list"),
     (dict(prompts=[]), ValueError, "non-empty list"),
     (dict(prompts=[[1], []]), ValueError, "prompt 1: no tokens"),
+    (dict(prompts=[5, 6]), ValueError, r"prompt 0 is the int 5: each prompt is a text or a list of token ids"),
     (dict(prompts=[[1], [256]]), BatchError, r"prompt 1: token 256 outside the vocabulary"),
     (dict(prompts=[[1], [True]]), BatchError, "prompt 1: token True is not an int"),
     (dict(max_new_tokens=0), ValueError, "prompt 0: max_new_tokens must be an int >= 1"),
