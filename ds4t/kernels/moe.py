@@ -578,6 +578,7 @@ class MoEConfig:
     fp8_route: str = "direct"   # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
     block_m: int = BLOCK_M      # pairs per tile (a row tile: more pairs share one weight-tile read)
     min_rows: int = 0           # a row-tile entry applies to launches of at least this many rows
+    max_rows: int = 0           # a few-rows entry applies to launches of at most this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
     split: int = 1              # K splits (whole loop steps), their partials summed in split order after it
 
@@ -610,14 +611,22 @@ _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
 """The interpreter's: few, big programs (it pays per program and per op)."""
 
 
-def _config(kernel: str, fmt: tuple, B: int) -> MoEConfig:
-    """The launch config of a B-row launch: the row-tile entry when B reaches its ``min_rows``, else
-    the decode entry. A row tile changes how many pairs share a weight-tile read and the MMA instruction,
+def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
+    """The launch config of a B-row launch over a K-column weight: the few-rows entry (key + ("few", K))
+    when B is at most its ``max_rows``, the row-tile entry when B reaches its ``min_rows``, else the decode
+    entry. A few-rows entry may differ from the decode entry in its pipeline depth alone (``num_stages``:
+    when loads are issued, not what is computed; checked here), so its bits are the decode entry's -- on an
+    H200 every stage count timed gave the default's bits (bench/moe_tiles.py ``same-bits``). A row tile changes how many pairs share a weight-tile read and the MMA instruction,
     not a pair's bits: the K order and (FP8) the scale steps are the same, the conversion route must be
     (checked here), and on an H200 the tile shape does not change an MMA's bits (bench/mma_shapes.py,
     bench/moe_tiles.py --rows). The interpreter has one config for every key (its MMA sums each K tile
     before adding it, so there a row tile must keep the K tile: tests force one that does)."""
     cfg = MOE_CONFIGS(kernel, *fmt)
+    few = MOE_CONFIGS(kernel, *fmt, "few", K)
+    if few is not None and B <= few.max_rows:
+        if dataclasses.replace(few, num_stages=cfg.num_stages, max_rows=cfg.max_rows) != cfg:
+            raise ValueError(f"moe {kernel}: a few-rows entry may change num_stages only ({few} vs {cfg})")
+        return few
     rows = MOE_CONFIGS(kernel, *fmt, "rows")
     if rows is None or B < rows.min_rows:
         return cfg
@@ -651,9 +660,13 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128),
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
-                                            min_rows=128)},
-    gpu_rule=lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else _unknown_kernel(kernel),
-    interp_rule=lambda kernel, *fmt: _INTERP_CONFIG,
+                                            min_rows=128),
+                # few rows (decode of 1-4 sessions) over Qwen3-Next's D = 2048: a deeper load pipeline
+                # for the K chain of the few experts a step touches; see below
+                ("gate_up", "fp8", "few", 2048): MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=8,
+                                                           fp8_route="f32", swap=True, max_rows=4)},
+    gpu_rule=lambda kernel, *fmt: None if "rows" in fmt or "few" in fmt else _unknown_kernel(kernel),
+    interp_rule=lambda kernel, *fmt: None if "few" in fmt else _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
            "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
@@ -667,7 +680,10 @@ the unswapped 4-warp tiles at N = 16 (87-90 % of copy bandwidth at the GLM-4.5 /
 had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row entries: the best summed time of 16
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
 equal to the decode tiles in bf16; none for FP8, where every row config of that sweep changed a row's
-bits (bench/results/2026-11-30-h200-prefill.md)."""
+bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entry (key + ("few", K), ``max_rows``; only
+``num_stages`` may differ, :func:`_config`): FP8 gate/up over D = 2048 with 8 stages, whole MoE call at
+Qwen3-Next's shape 37.8 -> 30.0 us at N = 1 (GLM-4.5's D = 5120: 104 -> 96 us; DeepSeek-V3's 7168: slower,
+no entry), slower from N = 16 (bench/results/2026-12-01-h200-real-gguf-moe-split.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,7 +778,7 @@ def moe_experts(
     # rounded (half the bytes the down kernel reads once per D tile; same bits).
     act_rounded = not gguf and adt in (torch.bfloat16, torch.float16)
     fmt = ("fp8",) if fp8 else ()
-    gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B), _config("down", fmt, B))
+    gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B, D), _config("down", fmt, B, I))
     split = 1 if gguf else gu_cfg.split
     act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
     # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel

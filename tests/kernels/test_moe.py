@@ -664,6 +664,73 @@ def test_row_tile_must_keep_the_mma_route():
             M._config("gate_up", ("fp8",), 4)
 
 
+# ----------------------------------------------------------------------------- few-rows entries (decode of 1-4 sessions)
+
+def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16):
+    """(B rows in one launch, each row alone) with the FP8 decode config for B rows and ``few_cfg`` (a
+    ("few", K) entry with max_rows 2) for the lone rows. ``check=False`` skips _config's field check (the
+    negative control's way past it)."""
+    E, I, D, k = 6, 72, 512, 2
+    wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
+    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=72))
+    h = torch.randn(B, D, generator=gen(73)).to(device)
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3)
+
+    def rule(kernel, *f):
+        if "few" in f:
+            return few_cfg if f[-1] == D else None
+        return None if "rows" in f else base
+
+    def run(rows):
+        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(rule):
+            return moe_experts(h[rows], ids[rows], w[rows], wg, wu, wd, shared_expert=E - 1,
+                               act_dtype=adt, out=poisoned((h[rows].shape[0], D), device=device))
+
+    real = M._config
+    if not check:   # what _config would return without its check: the few entry whenever B fits
+        def unchecked(kernel, fmt, n, K=0):
+            f = M.MOE_CONFIGS(kernel, *fmt, "few", K)
+            return f if f is not None and n <= f.max_rows else real(kernel, fmt, n, K)
+        M._config = unchecked
+    try:
+        return run(slice(None)), torch.cat([run(slice(i, i + 1)) for i in range(B)])
+    finally:
+        M._config = real
+
+
+def test_few_rows_entry_keeps_every_rows_bits(device):
+    """A launch of <= max_rows rows runs the ("few", K) entry (here 6 pipeline stages instead of 3): each row
+    alone equals that row in a 12-row launch (the decode entry), bitwise, on either backend, with bf16 and
+    fp32 activations."""
+    few = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=6, max_rows=2)
+    for adt in (torch.bfloat16, torch.float32):
+        full, alone = _few_rows_run(few, device, adt=adt)
+        assert not torch.isnan(full).any() and torch.equal(full, alone)
+
+
+def test_few_rows_control_a_split_k_is_caught(device):
+    """Negative control: a few-rows entry that splits K in two (((a + b) + c) + d becomes (a + b) + (c + d)),
+    let past the check, changes the lone rows, and the comparison above catches it."""
+    bad = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3, max_rows=2,
+                      split=2)
+    full, alone = _few_rows_run(bad, device, check=False, adt=torch.float32)   # (bf16 silu(g)*u hides an ulp)
+    assert not torch.equal(full, alone)
+
+
+def test_few_rows_entry_may_change_only_the_stages():
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True)
+    ok = dataclasses.replace(base, num_stages=8, max_rows=4)
+    bad = dataclasses.replace(base, tile_k=32, max_rows=4)
+    for few, want in ((ok, ok), (bad, None)):
+        with M.MOE_CONFIGS.forced(lambda kernel, *f: few if "few" in f else None if "rows" in f else base):
+            if want is None:
+                with pytest.raises(ValueError, match="num_stages only"):
+                    M._config("gate_up", ("fp8",), 4, 256)
+            else:
+                assert M._config("gate_up", ("fp8",), 4, 256) == want
+                assert M._config("gate_up", ("fp8",), 5, 256) == base   # past max_rows: the decode entry
+
+
 # ----------------------------------------------------------------------------- unmasked loads of even shapes
 
 
