@@ -646,6 +646,13 @@ def evenness(K: int, step: int, N: int, BN: int) -> dict:
     return dict(EVEN_K=K % step == 0, EVEN_N=N % BN == 0)
 
 
+def _few_default(kernel: str, fmt: tuple) -> MoEConfig:
+    """A few-rows key without an entry: the decode entry, applying to no launch (max_rows 0) -- so that a
+    benchmark's override (``config.overridden``: {"key": [kernel, ..., "few", K], "fields": {"num_stages": 8,
+    "max_rows": 1}}) has a base to change."""
+    return dataclasses.replace(MOE_CONFIGS(kernel, *fmt[:fmt.index("few")]), max_rows=0)
+
+
 def _unknown_kernel(kernel: str):
     raise KeyError(f"no MoE launch config for kernel {kernel!r}: the grouped kernels are 'gate_up' and 'down'")
 
@@ -660,12 +667,9 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128),
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
-                                            min_rows=128),
-                # few rows (decode of 1-4 sessions) over Qwen3-Next's D = 2048: a deeper load pipeline
-                # for the K chain of the few experts a step touches; see below
-                ("gate_up", "fp8", "few", 2048): MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=8,
-                                                           fp8_route="f32", swap=True, max_rows=4)},
-    gpu_rule=lambda kernel, *fmt: None if "rows" in fmt or "few" in fmt else _unknown_kernel(kernel),
+                                            min_rows=128)},
+    gpu_rule=lambda kernel, *fmt: _few_default(kernel, fmt) if "few" in fmt else
+    None if "rows" in fmt else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: None if "few" in fmt else _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
            "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights)")
@@ -680,10 +684,11 @@ the unswapped 4-warp tiles at N = 16 (87-90 % of copy bandwidth at the GLM-4.5 /
 had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row entries: the best summed time of 16
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
 equal to the decode tiles in bf16; none for FP8, where every row config of that sweep changed a row's
-bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entry (key + ("few", K), ``max_rows``; only
-``num_stages`` may differ, :func:`_config`): FP8 gate/up over D = 2048 with 8 stages, whole MoE call at
-Qwen3-Next's shape 37.8 -> 30.0 us at N = 1 (GLM-4.5's D = 5120: 104 -> 96 us; DeepSeek-V3's 7168: slower,
-no entry), slower from N = 16 (bench/results/2026-12-01-h200-real-gguf-moe-split.md)."""
+bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entries (key + ("few", K), ``max_rows``; only
+``num_stages`` may differ, :func:`_config`): none. Measured on an H200 for the FP8 gate/up with 8 stages:
+the MoE call alone at Qwen3-Next's shape 38.5 -> 29.2 us at N = 1 but slower from N = 2, and the
+full-depth 80B step at N = 1 no faster (3.79-3.89 against 3.77 ms; same bits: native == ordered across the
+two entries) (bench/results/2026-12-01-h200-real-gguf-moe-split.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
