@@ -105,16 +105,17 @@ def record_fp8() -> None:
         wts = torch.rand(3, 2, generator=g)
         rule = M.MOE_CONFIGS.interp_rule
         gpu_entry = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)  # noqa: E731
-        split = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
+        other = lambda fmt: "rows" in fmt or "few" in fmt   # noqa: E731  (row-tile / few-rows keys: none here)
+        split = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), split=2)
         # the GPU table's tiles again at dims divisible by 16, as the real expert shapes are (the compiler
         # then knows the K masks are 16-aligned: the code --sass reports is the GPU's)
         wga, wua, wda = (quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5) for s in ((8, 128, 256),) * 2
                          + ((8, 256, 128),))
         # the GPU table's tiles on the 16-bit-activation routes that convert no weight to bf16
-        f16 = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
+        f16 = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), fp8_route="f16")
-        x2 = lambda kernel, *fmt: None if fmt[-1:] == ("rows",) else dataclasses.replace(  # noqa: E731
+        x2 = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), fp8_route="x2", tile_n=64, num_warps=4)
         try:
             for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, split K
