@@ -53,7 +53,7 @@ def _prompt_ids(model, codec, prompts) -> List[List[int]]:
                          f"{type(prompts).__name__}{' (wrap one prompt in a list)' if isinstance(prompts, str) else ''}")
     out = []
     for i, p in enumerate(prompts):
-        if is_int(p) or isinstance(p, np.integer):   # [5, 6] is two prompts of one token: almost never meant
+        if is_int(p):   # [5, 6] is two prompts of one token: almost never meant
             raise ValueError(f"prompt {i} is the int {p!r}: each prompt is a text or a list of token ids "
                              f"(one prompt of ids: prompts=[[{p}, ...]])")
         if isinstance(p, str):

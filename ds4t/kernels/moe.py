@@ -45,6 +45,7 @@ tile; the rank combine is per row in a fixed order. No atomics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional
 
 import torch
@@ -622,7 +623,7 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     bench/moe_tiles.py --rows). The interpreter has one config for every key (its MMA sums each K tile
     before adding it, so there a row tile must keep the K tile: tests force one that does)."""
     cfg = MOE_CONFIGS(kernel, *fmt)
-    few = MOE_CONFIGS(kernel, *fmt, "few", K)
+    few = _few_entry(kernel, fmt, K)
     if few is not None and B <= few.max_rows:
         if dataclasses.replace(few, num_stages=cfg.num_stages, max_rows=cfg.max_rows) != cfg:
             raise ValueError(f"moe {kernel}: a few-rows entry may change num_stages only ({few} vs {cfg})")
@@ -651,6 +652,13 @@ def _few_default(kernel: str, fmt: tuple) -> MoEConfig:
     benchmark's override (``config.overridden``: {"key": [kernel, ..., "few", K], "fields": {"num_stages": 8,
     "max_rows": 1}}) has a base to change."""
     return dataclasses.replace(MOE_CONFIGS(kernel, *fmt[:fmt.index("few")]), max_rows=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _few_entry(kernel: str, fmt: tuple, K: int) -> Optional[MoEConfig]:
+    """MOE_CONFIGS' few-rows entry of (kernel, fmt, K), looked up once per key (every launch asks; the
+    entry-less answer is built by :func:`_few_default`). Cleared with the table (``MOE_CONFIGS.caches``)."""
+    return MOE_CONFIGS(kernel, *fmt, "few", K)
 
 
 def _unknown_kernel(kernel: str):
@@ -689,6 +697,7 @@ bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entries (key + ("few",
 the MoE call alone at Qwen3-Next's shape 38.5 -> 29.2 us at N = 1 but slower from N = 2, and the
 full-depth 80B step at N = 1 no faster (3.79-3.89 against 3.77 ms; same bits: native == ordered across the
 two entries) (bench/results/2026-12-01-h200-real-gguf-moe-split.md)."""
+MOE_CONFIGS.caches.append(_few_entry)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -622,7 +622,7 @@ def _check_blocks(a: str, blocks: int, shapes: Dict[str, tuple], path: str) -> N
     that are not there; a smaller one would leave tensors unread)."""
     ids = {int(m.group(1)) for m in (re.match(r"^blk\.(\d+)\.", k) for k in shapes) if m}
     have = max(ids) + 1 if ids else 0
-    if isinstance(blocks, int) and blocks != have:
+    if blocks != have:
         raise CheckpointError(f"{path}: metadata '{a}block_count' = {blocks} but the file's tensors are blocks "
                               f"0..{have - 1} ({have} blocks)")
 
