@@ -50,6 +50,7 @@ BATCHES = [8, 16, 64]
 SWEEP_CASES = [(32768, 8), (8192, 64), (8192, 8)]   # (L, B) the sweep ranks configs on (sum of times)
 
 LOG = []
+MLA_SPEC = None   # --mla-configs
 
 
 def log(*a):
@@ -71,7 +72,13 @@ def gqa_candidates(d):
     return out
 
 
-def mla_candidates():
+def mla_candidates(spec=None):
+    """Every (split, MLAConfig) of the grid, or those of ``spec`` (``"64x32x8x2,32x64x4x2"``: heads, tokens,
+    warps, stages a tile) with the default split schedule."""
+    if spec:
+        sched = default_split("mla", MLA_SHAPE)
+        return [(sched, M.MLAConfig(block_h=bh, block_n=bn, merge_heads=8, num_warps=w, num_stages=st))
+                for bh, bn, w, st in (map(int, c.split("x")) for c in spec.split(","))]
     out = []
     for split in (512, 1024, 2048):
         for bh, bn, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)):
@@ -101,7 +108,8 @@ def mla_problem(H, R, Dr, L, B, gen, rotate=True):
     n_rot = max(1, math.ceil(4 * L2_BYTES / nbytes)) if rotate else 1
     S = B * n_rot
     cache = (torch.randn(S, L, R + Dr, device="cuda", generator=gen) * 0.5).bfloat16()
-    ql = torch.randn(B, H, R, device="cuda", generator=gen) * 0.05
+    # q_latent in the cache dtype, as DeepSeek's model passes it (linear_heads stores it rounded); q_pe fp32
+    ql = (torch.randn(B, H, R, device="cuda", generator=gen) * 0.05).bfloat16()
     qp = torch.randn(B, H, Dr, device="cuda", generator=gen) * 0.05
     lengths = torch.full((B,), L, dtype=torch.int32, device="cuda")
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(B)).cuda()
@@ -259,7 +267,7 @@ def schedule_table(kind, shape, schedules, cells, gen, bw):
 
 
 def sweep(kind, shape, gen, bw, budget_end):
-    cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates()
+    cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates(MLA_SPEC)
     results = []
     probs = {c: (gqa_problem(*shape, *c, gen) if kind == "gqa" else mla_problem(*shape, *c, gen)) for c in SWEEP_CASES}
     for split, cfg in cands:
@@ -302,9 +310,14 @@ def main():
                          "'gqa=64-2048/32,2048;mla=256-1024/16,1024' (min-max/target or a fixed size)")
     ap.add_argument("--cells", default="4096x1,8192x1,32768x1,8192x8,32768x8,8192x64",
                     help="LxB cells of --schedules")
+    ap.add_argument("--mla-configs", default=None,
+                    help="sweep only these MLA tiles, heads x tokens x warps x stages (e.g. 64x32x8x2,32x64x4x2), "
+                         "with the default split schedule")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    global MLA_SPEC
+    MLA_SPEC = args.mla_configs
     os.makedirs(args.out, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -321,7 +334,7 @@ def main():
         jobs = []
         swept = [(k, sh) for k, sh in shapes if k in (args.sweep_only or args.only).split(",")]
         for kind, shape in swept:
-            cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates()
+            cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates(MLA_SPEC)
             Ls = sorted({L for L, _ in SWEEP_CASES} | set(lengths))
             jobs += [(kind, shape, L, split, dataclasses.asdict(cfg)) for split, cfg in cands for L in Ls]
         precompile(jobs, args.workers)

@@ -50,7 +50,8 @@ from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_linear, moe_block,
-                                narrow_store, preset_init_plain, swiglu, yarn_inv_freq, yarn_mscale)
+                                narrow_store, preset_init_plain, store_kwargs, swiglu, yarn_inv_freq,
+                                yarn_mscale)
 from ds4t.models.checkpoint import CheckpointError, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
@@ -315,7 +316,9 @@ class DeepseekModel(DecoderModel):
         ops.write_latent(c_kv, pe[:, H], cache, slots, positions)
         # Absorb W_UK into the query and apply W_UV after attention: per-head linears, all heads
         # in one launch each (bitwise the per-head loop; 2 launches instead of 2·H).
-        q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t)
+        # mla_decode rounds q_latent to the cache dtype; storing it so here is the same rounding
+        # (RNE) and lets the attention kernel keep it in shared memory.
+        q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t, **store_kwargs(cache.dtype))
         lat = ops.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
         o = ops.linear_heads(lat, w.w_uv, **narrow_store(lat, w.w_o))   # o_proj rounds it so anyway
         return fused_linear(o.view(n, H * dv), w.w_o, w.b_o)

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 import ds4t  # noqa: F401
 from ds4t.kernels.mla import (
+    MLA_CONFIGS,
     TOLERANCE,
+    MLAConfig,
     _check,
     default_split_schedule,
     mla_decode,
@@ -161,6 +163,36 @@ def test_prefill_rows_equal_single_decodes(device):
         alone = mla_decode(q[t:t + 1], qp[t:t + 1], cache, sl[t:t + 1], ln[t:t + 1], 0.2,
                            kv_lora_rank=R, split_size=16)
         assert torch.equal(full[t], alone[0])
+
+
+# The GPU's candidate tiles: 32 heads (mma.sync, q in registers) and 64 heads over 8 warps (wgmma on
+# Hopper, q taken from shared memory when it comes in the cache dtype). The interpreter runs both.
+_TILES = [MLAConfig(block_h=32, block_n=64, merge_heads=8, num_warps=4, num_stages=2),
+          MLAConfig(block_h=64, block_n=32, merge_heads=8, num_warps=8, num_stages=3)]
+
+
+@pytest.mark.parametrize("tile", _TILES, ids=lambda c: f"h{c.block_h}_w{c.num_warps}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_name)
+def test_query_in_cache_dtype_gives_the_same_bits(dtype, tile, device):
+    """q_latent / q_pe handed over already rounded to the cache dtype (DeepSeek's model stores q_latent so)
+    give the bits of fp32 queries the kernel rounds itself, for every row length and split. Negative
+    control: the same queries one ulp off (another rounding) change the output."""
+    H, R, Dr, S, L = 70, 64, 16, 3, 90
+    slots, lengths = [0, 1, 2, 1, 0], [90, 1, 33, 64, 17]
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, dtype, slots, lengths, seed=21, device=device)
+
+    def run(ql, qpe):
+        with MLA_CONFIGS.forced(lambda *k: tile):
+            return mla_decode(ql, qpe, cache, sl, ln, 0.2, kv_lora_rank=R, split_size=SplitSchedule(16, 64, 4),
+                              out=poisoned((len(slots), H, R), device=device))
+
+    wide = run(q, qp)
+    assert torch.isfinite(wide).all()
+    _assert_close(wide, mla_decode_ref(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R), dtype)
+    assert torch.equal(run(q.to(dtype), qp.to(dtype)), wide)
+    assert torch.equal(run(q.to(dtype), qp), wide)
+    off = (q.to(dtype).view(torch.int16) ^ 1).view(dtype)   # every element one ulp away
+    assert not torch.equal(run(off, qp.to(dtype)), wide)
 
 
 def test_default_split_schedule():

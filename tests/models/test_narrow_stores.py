@@ -1,7 +1,8 @@
 """Producers whose only reader is a linear store in the dtype that linear rounds to
 (``blocks.linear_input_dtype`` / ``narrow_store``): no bit changes.
 
-``swiglu`` stores silu(g)·u for its down projection, DeepSeek's MLA W_UV's output for o_proj, and Qwen3-Next
+``swiglu`` stores silu(g)·u for its down projection, DeepSeek's MLA W_UV's output for o_proj (and its query
+q_latent in the latent cache's dtype, which the attention kernel rounds it to), and Qwen3-Next
 its gated attention output (o_proj) and Gated DeltaNet's gated-norm output (out_proj; the decode step's fused
 norm and the prefill's separate one) as bf16 / fp16 where that linear rounds its input to that dtype anyway
 (16-bit weights, FP8 or GGUF blocks with a 16-bit activation dtype). Rounded to nearest even at the store as the linear would round at its load, so
@@ -33,9 +34,10 @@ def _logits(model):
 
 
 def _spy(monkeypatch):
-    """Records the dtype of every narrowed store while the model runs, and how many were MLA's."""
-    seen, mla = [], []
-    real, real_narrow = blocks.linear_input_dtype, deepseek.narrow_store
+    """Records the dtype of every narrowed store while the model runs, how many were MLA's W_UV output, and the
+    dtypes MLA's query (q_latent, which the attention kernel rounds to the cache dtype) was stored in."""
+    seen, mla, query = [], [], []
+    real, real_narrow, real_store = blocks.linear_input_dtype, deepseek.narrow_store, deepseek.store_kwargs
 
     def spy(x, w):
         seen.append(real(x, w))
@@ -45,29 +47,38 @@ def _spy(monkeypatch):
         mla.append(1)
         return real_narrow(x, w)
 
+    def query_spy(dt):
+        query.append(dt)
+        return real_store(dt)
+
     monkeypatch.setattr(blocks, "linear_input_dtype", spy)
     monkeypatch.setattr(deepseek, "narrow_store", mla_spy)
-    return seen, mla
+    monkeypatch.setattr(deepseek, "store_kwargs", query_spy)
+    return seen, mla, query
 
 
 @pytest.mark.parametrize("preset,quantize", CASES)
 def test_narrow_stores_change_no_bit(preset, quantize, monkeypatch):
     model = ds4t.load(preset, dtype=torch.bfloat16, quantize=quantize)
-    seen, mla = _spy(monkeypatch)
+    seen, mla, query = _spy(monkeypatch)
     narrow = _logits(model)
     assert seen and set(seen) == {torch.bfloat16}   # the model narrows (else this proves nothing)
     assert bool(mla) == preset.endswith("deepseek")  # MLA's W_UV output among them
+    assert set(query) == ({torch.bfloat16} if preset.endswith("deepseek") else set())   # and its query
     monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float32)
+    monkeypatch.setattr(deepseek, "store_kwargs", lambda dt: {})
     wide = _logits(model)
     assert not torch.isnan(narrow).any()
     assert torch.equal(narrow, wide)
 
 
-@pytest.mark.parametrize("where", ["swiglu", "mla", "qwen"])
+@pytest.mark.parametrize("where", ["swiglu", "mla", "mla_query", "qwen"])
 def test_a_narrowing_the_linear_does_not_do_is_caught(where, monkeypatch):
     model = ds4t.load("tiny-qwen" if where == "qwen" else "tiny-deepseek", dtype=torch.bfloat16)
     wide = _logits(model)
-    if where == "mla":   # only MLA's store in fp16
+    if where == "mla_query":   # only MLA's query in fp16 (then rounded again to the bf16 cache's dtype)
+        monkeypatch.setattr(deepseek, "store_kwargs", lambda dt: {"out_dtype": torch.float16})
+    elif where == "mla":   # only MLA's store in fp16
         monkeypatch.setattr(deepseek, "narrow_store", lambda x, w: {"out_dtype": torch.float16})
         monkeypatch.setattr(blocks, "linear_input_dtype", lambda x, w: torch.float32)
     elif where == "qwen":   # only Qwen3-Next's attention and Gated DeltaNet output stores in fp16
