@@ -53,9 +53,6 @@ from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, quantize
 
 SHAPES = ((7168, 36864), (2048, 151936))
 MOE = dict(E=512, I=512, D=2048, k=10)
-FOLDS = (False,)
-"""The routes a sweep tries (--sweep-fold): the exact route (False) and / or the fold route (True: each weight
-rounded once to bf16, one accumulator; checked against that rounded weight's product)."""
 
 
 def _rel(y, ref):
@@ -174,7 +171,6 @@ def linear_grid(K: int, N: int, qt: str):
            for w, st in ((2, 1), (2, 2), (2, 3), (4, 1), (4, 3), (4, 4)) for g in groups
            for pr in ((False, True) if bn <= 64 else (False,))]
     base = QLINEAR_CONFIGS(K, N, qt, torch.bfloat16)   # the table's (or rule's) current choice
-    out = [dataclasses.replace(c, fold=f) for c in out for f in FOLDS]
     return list(dict.fromkeys(out + [base]))
 
 
@@ -183,7 +179,6 @@ def moe_grid(kernel: str, qt: str):
     out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st, interleave=il)
            for bn in (16, 32, 64, 128) for w, st in ((2, 1), (2, 3), (4, 1), (4, 3)) for g in ((4, 8) if qt == "Q8_0" else (4,))
            for il in ((True, False) if kernel == "gate_up" else (True,))]
-    out = [dataclasses.replace(c, fold=f) for c in out for f in FOLDS]
     base = QMOE_CONFIGS(kernel, qt)
     return list(dict.fromkeys(out + [base]))
 
@@ -316,16 +311,14 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             xs = {B: [torch.randn(B, K, device=dev, generator=g, dtype=bf) for _ in range(2)] for B in SWEEP_B}
             for qt in types:
                 q = [quantize(w32, qt, act_dtype=bf) for _ in range(2)]
-                head = q[0][:256].dequantize()                    # gguf-py on 256 weight rows
-                ref = xs[16][0].double() @ head.double().t()
-                ref_fold = xs[16][0].double() @ head.to(bf).double().t()   # the fold route's weights
+                head = q[0][:256].dequantize().double()           # gguf-py on 256 weight rows
+                ref = xs[16][0].double() @ head.t()
                 outs = {B: torch.empty(B, N, device=dev) for B in SWEEP_B}
 
-                def check(cfg, q=q, ref=ref, ref_fold=ref_fold):
+                def check(cfg, q=q, ref=ref):
                     x = xs[16][0]
                     y = L.linear(x, q[0], config=cfg)
-                    r = ref_fold if cfg.fold else ref
-                    err = ((y[:, :256].double() - r).abs().max() / r.abs().max()).item()
+                    err = ((y[:, :256].double() - ref).abs().max() / ref.abs().max()).item()
                     inv = all(torch.equal(L.linear(x[i:i + 1], q[0], config=cfg)[0], y[i]) for i in (0, 7, 15))
                     return err, inv
 
@@ -356,20 +349,13 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             h3, ids3, wts3 = (t[:3] for t in routes[16])
             used, ids_used = torch.unique(ids3, return_inverse=True)
             ref = M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3, *(w[used] for w in ws))
-            if True in FOLDS:   # the fold route: the same weights rounded to bf16 in the kernel under test
-                deq = [w[used].dequantize().to(bf) for w in ws]
-                fold_refs = {k: M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3,
-                                                  *[deq[j] if (j < 2) == (k == "gate_up") else w[used]
-                                                    for j, w in enumerate(ws)])
-                             for k in ("gate_up", "down")}
 
             for kern in ("gate_up", "down"):
                 def check(cfg, ws=ws, ref=ref, kern=kern):
                     with QMOE_CONFIGS.forced(_moe_rule(kern, cfg)):
                         h, ids, wts = routes[16]
                         o = M.moe_experts(h, ids, wts, *ws)
-                        r = fold_refs[kern] if cfg.fold else ref
-                        err = ((o[:3] - r).abs().max() / r.abs().max()).item()
+                        err = ((o[:3] - ref).abs().max() / ref.abs().max()).item()
                         inv = all(torch.equal(M.moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], *ws)[0], o[i])
                                   for i in (0, 7, 15))
                     return err, inv
@@ -425,9 +411,6 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
-    ap.add_argument("--sweep-fold", default="no", choices=("no", "yes", "both"),
-                    help="the exact route only (no), the fold route only (yes), or both")
-    ap.add_argument("--sweep-shapes", default=None, help="linear shapes KxN to sweep (default: all of SHAPES)")
     ap.add_argument("--workers", type=int, default=15, help="compile processes for --sweep")
     ap.add_argument("--models", default="", help="comma list of presets")
     ap.add_argument("--formats", default="bf16,q4_k,q8_0", help="bf16 and/or load(quantize=) types")
@@ -464,12 +447,8 @@ def main() -> int:
     if args.sweep:
         log("\n## Sweep (bf16 activations)\n")
         types, what = [t for t in args.sweep_types.split(",") if t], [w for w in args.sweep_what.split(",") if w]
-        global FOLDS
-        FOLDS = {"no": (False,), "yes": (True,), "both": (False, True)}[args.sweep_fold]
-        shapes = (tuple(tuple(int(v) for v in sh.split("x")) for sh in args.sweep_shapes.split(","))
-                  if args.sweep_shapes else SHAPES)
         if cuda:
-            srows = sweep(bw, log, args.workers, types, what, shapes=shapes)
+            srows = sweep(bw, log, args.workers, types, what)
         else:   # a smoke run of the sweep's logic in the interpreter: tiny shapes, no compile processes
             srows = sweep(bw, log, 0, types, what, dev=args.device, shapes=((512, 96),),
                           moe=dict(E=8, I=256, D=256, k=2))

@@ -16,12 +16,6 @@ decoded from the block bytes in registers.
 planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-byte vector loads (32 or
 16 contiguous, aligned bytes a row), its scales with aligned 2- or 4-byte loads.
 
-The "fold" route (``QLinearConfig.fold``; bf16 / fp16 activations only) defines the product differently: each
-weight is dequantized in fp32 exactly as gguf-py computes it (``d * q``, ``(d * sc) * q - dmin * m``,
-``(d * sc) * q``), rounded once to A, and every sub-block's MMA adds into one accumulator over the whole K --
-what a 16-bit model holding the dequantized weights computes (transformers loading the GGUF in bf16), with no
-per-sub-block dot, wait and scaled add. Like the tiles, it is fixed per (K, N, type, A), never per batch.
-
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
 never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
 sub-block; a split-K count S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
@@ -108,35 +102,18 @@ def _scaled_dot(acc, q, xt, s):
 
 
 @triton.jit
-def _folded_dot(acc, qf, s, mn, xt, ADT: tl.constexpr, MINS: tl.constexpr):
-    """The "fold" route: acc [BN, BM] + w . xt with the weight ``w = qf * s - mn`` (MINS) or ``qf * s``
-    computed in fp32 as gguf-py's dequantize computes it and rounded once to ADT (what a 16-bit model
-    holding the dequantized weight multiplies), one accumulator over the whole K: no per-sub-block dot,
-    wait and scaled add. qf [BN, SB] the integers in fp32, s / mn [BN] fp32."""
-    if MINS:
-        w = tl.fma(qf, s[:, None], -mn[:, None])   # qf * s is exact in fp32 (<= 21 bits): one rounding
-    else:
-        w = qf * s[:, None]
-    return mma(cast(w, ADT), xt, acc)
-
-
-@triton.jit
-def _q8_0_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr):
+def _q8_0_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr):
     """acc + the G Q8_0 blocks of columns k .. k + 32 G, in K order. Planes: q int8 [KW] @0, d fp16
     [KW / 32] @KW."""
     for g in tl.static_range(G):
         kg = k + 32 * g
         d = tl.load((w_row + KW + kg // 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        if FOLD:
-            acc = _folded_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), tl.float32), d, d, _x_tile(x_row, kg, 32, ADT),
-                              ADT, False)
-        else:
-            acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), _x_tile(x_row, kg, 32, ADT), d)
+        acc = _scaled_dot(acc, int8_to(_raw_bytes(w_row, kg, 32), ADT), _x_tile(x_row, kg, 32, ADT), d)
     return acc
 
 
 @triton.jit
-def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr):
+def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
     """acc + the Q4_K 256-block at column k. Planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks
     2c low nibbles, 2c + 1 high), header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales
     and mins)."""
@@ -147,14 +124,6 @@ def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, FOLD: 
     w3 = tl.load(hdr + 3)
     d = _f16_bits(w0)
     dmin = _f16_bits(w0 >> 16)
-    if FOLD:
-        for c in tl.static_range(4):
-            lo, hi = nibbles_to(_raw_bytes(w_row, k // 2 + 32 * c, 32), tl.float32)
-            for h in tl.static_range(2):
-                sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
-                acc = _folded_dot(acc, lo if h == 0 else hi, d * sc.to(tl.float32), dmin * m.to(tl.float32),
-                                  _x_tile(x_row, k + 64 * c + 32 * h, 32, ADT), ADT, True)
-        return acc
     # the mins: sum_j m_j * (x_j . 1) as one MMA chain over the block (m_j broadcast along its
     # sub-block; small integers, exact in ADT), scaled by dmin once per block
     acc_m = tl.zeros(acc.shape, dtype=tl.float32)
@@ -170,7 +139,7 @@ def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, FOLD: 
 
 
 @triton.jit
-def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr):
+def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
     """acc + the Q6_K 256-block at column k. Planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8
     [KW / 16] @3 KW / 4, d fp16 [KW / 256] after. Element e of half hf of a block: low 4 bits in ql byte
     64 hf + e % 64 (nibble e // 64), high 2 in qh byte 32 hf + e % 32 (bits 2 (e // 32)): sub-block
@@ -192,31 +161,27 @@ def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, FOLD: 
             hi = _pick(i % 2, qh0, qh1, qh0, qh1)
             sw = _pick(i // 4, sw0, sw1, sw0, sw1)
             sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
-            xt = _x_tile(x_row, k + 128 * hf + 16 * i, 16, ADT)
-            if FOLD:
-                acc = _folded_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, tl.float32), d * sc, d, xt, ADT, False)
-            else:
-                acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT), xt, d * sc)
+            acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT),
+                              _x_tile(x_row, k + 128 * hf + 16 * i, 16, ADT), d * sc)
     return acc
 
 
 @triton.jit
-def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
-            FOLD: tl.constexpr):
+def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr):
     """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K: one
     256-block)."""
     if FMT == 0:
-        acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW, FOLD)
+        acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
     elif FMT == 1:
-        acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW, FOLD)
+        acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW)
     else:
-        acc = _q6_k_step(acc, w_row, x_row, k, ADT, KW, FOLD)
+        acc = _q6_k_step(acc, w_row, x_row, k, ADT, KW)
     return acc
 
 
 @triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
-         KW: tl.constexpr, FOLD: tl.constexpr):
+         KW: tl.constexpr):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
 
     w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
@@ -224,25 +189,24 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K (one 256-block per step). Sub-blocks run in K
     order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. The integers become
     ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``six_bit_to`` (packed bit tricks
-    on the GPU, plain conversions in the interpreter: the same exact values). FOLD: the "fold" route
-    (:func:`_folded_dot`; ADT bf16 / fp16 only), a launch constant like the tiles."""
+    on the GPU, plain conversions in the interpreter: the same exact values)."""
     STEP: tl.constexpr = 32 * G if FMT == 0 else 256
     for k in range(k_lo, k_hi, STEP):
-        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW)
     return acc
 
 
 @triton.jit
 def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr,
-              G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr):
+              G: tl.constexpr, KW: tl.constexpr):
     """(:func:`qdot` of w_row, :func:`qdot` of w2_row) in one loop: each K step of the one weight, then
     of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
     order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
     kernel computes)."""
     STEP: tl.constexpr = 32 * G if FMT == 0 else 256
     for k in range(k_lo, k_hi, STEP):
-        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
-        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW)
+        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW)
     return acc, acc2
 
 
@@ -252,7 +216,7 @@ def _qlinear_kernel(
     B, stride_xm, stride_wn, stride_ys, stride_ym,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False, FOLD: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N * (1 + PAIR)), SPLIT).
     Rows past B and weight rows past N load in-bounds rows (clamped) and are never stored. PAIR: the
@@ -271,11 +235,11 @@ def _qlinear_kernel(
         rn = 2 * pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn2 = rn + BLOCK_N
         acc, acc2 = qdot_pair(zero, zero, _w_rows(w_ptr, rn, N, stride_wn), _w_rows(w_ptr, rn2, N, stride_wn),
-                              x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD)
+                              x_row, k_lo, k_hi, FMT, ADT, G, K)
         _store_tile(acc2, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn2, B, N, HAS_BIAS)
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD)
+        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K)
     _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N, HAS_BIAS)
 
 
@@ -304,8 +268,7 @@ class QLinearConfig:
     group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
     num_warps: int = 4
     num_stages: int = 3
-    pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits)
-    fold: bool = False  # the "fold" route (qdot): weights rounded once to a 16-bit activation dtype, one chain
+    pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits; not yet timed on a GPU)
 
     def k_step(self, qtype: str) -> int:
         return 32 * self.group if qtype == "Q8_0" else 256
@@ -360,13 +323,6 @@ QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 
-def check_fold(fold: bool, act_dtype: torch.dtype) -> None:
-    """The fold route rounds weights to the activation dtype: defined for bf16 / fp16 activations only (with
-    fp32 activations it would be a silent loss of precision)."""
-    if fold and act_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"GGUF fold route: needs bf16 or fp16 activations, got {act_dtype}")
-
-
 @functools.lru_cache(maxsize=None)
 def qlinear_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> QLinearConfig:
     return QLINEAR_CONFIGS(K, N, qtype, act_dtype)
@@ -395,7 +351,6 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     kps = cfg.k_per_split(K, weight.qtype)
     if kps % cfg.k_step(weight.qtype) or (weight.qtype == "Q8_0" and (K // 32) % cfg.group):
         raise ValueError(f"qlinear: config {cfg} does not tile K={K} of {weight.qtype}")
-    check_fold(cfg.fold, act_dtype)
     split = triton.cdiv(K, kps)
     if B == 0:
         return out
@@ -403,7 +358,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     has_bias = bias is not None
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=cfg.fold, **launch_kwargs(cfg))
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:
         _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),

@@ -6,8 +6,7 @@ Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWei
 (one loop reads both), w_down GGUFWeight [E, D, I] of any kernel type (llama.cpp's mixes often keep
 ``ffn_down_exps`` one step above gate/up).
 Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
-activations (h, then silu(g)·u) rounded to the activation dtype A first (or, with ``QMoEConfig.fold``, qdot's
-fold route: weights dequantized and rounded once to A, one accumulator). Grouping, slot-to-expert
+activations (h, then silu(g)·u) rounded to the activation dtype A first. Grouping, slot-to-expert
 lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
 invariance there (a pair's value depends on its own row, its expert's blocks and launch constants
 that come from shapes and types only).
@@ -24,7 +23,7 @@ from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
-from ds4t.kernels.qlinear import _q8_group, check_fold, qdot, qdot_pair
+from ds4t.kernels.qlinear import _q8_group, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
 
@@ -36,7 +35,6 @@ def _qmoe_gate_up_kernel(
     I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
-    FOLD: tl.constexpr = False,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
@@ -55,10 +53,10 @@ def _qmoe_gate_up_kernel(
         x_row = h_ptr + (p // KTOP) * sh_b
         zero = tl.zeros((BN, BM), dtype=tl.float32)
         if INTERLEAVE:
-            acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD)
+            acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
         else:
-            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD)
-            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD)
+            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -70,7 +68,7 @@ def _qmoe_down_kernel(
     y_ptr, sy_p,
     D, E, I: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, FOLD: tl.constexpr = False,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     row_bytes(I)])."""
@@ -83,7 +81,7 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, FOLD)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
@@ -95,8 +93,7 @@ class QMoEConfig:
     q8_group: int = 4
     num_warps: int = 4
     num_stages: int = 3
-    interleave: bool = True   # gate_up: gate and up step through K together (same bits)
-    fold: bool = False        # the "fold" route of ds4t.kernels.qlinear.qdot (bf16 / fp16 activations only)
+    interleave: bool = True   # gate_up: gate and up step through K together (same bits; not yet timed on a GPU)
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -142,16 +139,14 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     BE = triton.next_power_of_2(E)
     ADT = tl_dtype(adt)
     cfg = QMOE_CONFIGS("gate_up", w_gate.qtype)
-    check_fold(cfg.fold, adt)
     BN, G = cfg.tiles(I, D, w_gate.qtype)
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=cfg.fold, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
-    check_fold(cfg.fold, adt)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
         D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, FOLD=cfg.fold, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
