@@ -181,6 +181,19 @@ def _text_prompts(model, n: int):
     return codec, qs, ids
 
 
+def _greedy(logits, where: str) -> list:
+    """Greedy tokens of logits [B, V] through ds4t.sampling (whose argmax gives a row holding a NaN
+    ``NO_TOKEN``, where torch's argmax gives the NaN's index, a token the demo would feed back):
+    FloatingPointError naming the session and ``where`` for such a row."""
+    from ds4t import sampling
+
+    toks = [int(t) for t in sampling.sample(logits).tolist()]
+    if sampling.NO_TOKEN in toks:
+        raise FloatingPointError(f"session {toks.index(sampling.NO_TOKEN)}'s logits hold a NaN {where}: "
+                                 "no token to choose")
+    return toks
+
+
 def cmd_demo(args) -> int:
     """N sessions, greedy decode, ordered then native; tok/s, speed-up, and a bit-exactness check.
     A checkpoint with a tokenizer (not a preset) gets chat prompts and its generated text printed."""
@@ -207,7 +220,7 @@ def cmd_demo(args) -> int:
     # Prefill once; the native run starts from copies of the same states (state_dict / load).
     first = [model.new_session(max_ctx=max_ctx) for _ in prompts]
     pre = ds4t.eval_batch([ds4t.DecodeItem(s, p) for s, p in zip(first, prompts)], mode="auto")   # one call
-    first_tok = [int(t) for t in pre.logits.argmax(dim=1).tolist()]
+    first_tok = _greedy(pre.logits, "after the prompt")
     snapshots = [(s.state_dict(), s.pos, list(s.tokens)) for s in first]
     runs = {}
     for mode in ("ordered", "native"):
@@ -223,10 +236,10 @@ def cmd_demo(args) -> int:
             torch.cuda.synchronize()
         bar = _progress(args, args.steps, mode)
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for step in range(args.steps):
             res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode=mode)
             rows.append(res.logits)
-            toks = [int(t) for t in res.logits.argmax(dim=1).tolist()]
+            toks = _greedy(res.logits, f"at {mode} step {step + 1}")
             bar.update()
         if model.device.type == "cuda":
             torch.cuda.synchronize()
@@ -238,6 +251,7 @@ def cmd_demo(args) -> int:
     n_tok = args.sessions * args.steps
     (lo, to, _, txt_o), (ln, tn, paths, txt_n) = runs["ordered"], runs["native"]
     exact = torch.equal(lo, ln) and txt_o == txt_n
+    last = _greedy(ln[-1], "at the last step")   # each session's last choice (fed tokens are in txt_n)
     print(_table(["mode", "steps", "tokens", "seconds", "tok/s"], [
         ["ordered", args.steps, n_tok, f"{to:.2f}", f"{n_tok / to:.1f}"],
         ["native", args.steps, n_tok, f"{tn:.2f}", f"{n_tok / tn:.1f}"],
@@ -248,12 +262,12 @@ def cmd_demo(args) -> int:
         print("generated text (greedy; the native run, equal to the ordered one when bit-exact):")
         stops = set(codec.eos_ids)
         for i, (q, toks) in enumerate(zip(questions, txt_n)):
-            gen = toks + [int(ln[-1][i].argmax())]   # every token fed, then the last step's choice
+            gen = toks + [last[i]]   # every token fed, then the last step's choice
             cut = next((k for k, t in enumerate(gen) if t in stops), len(gen))
             print(f"  {q!r} -> {codec.decode(gen[:cut])!r}")
     print(f"bit-exact: {'yes' if exact else 'NO'} ({lo.numel()} float32 logits compared)")
     if args.mtp:
-        emitted = [[first_tok[i]] + [int(t) for t in ln[:, i].argmax(dim=1).tolist()] for i in range(len(prompts))]
+        emitted = [toks + [last[i]] for i, toks in enumerate(txt_n)]
         exact = _demo_mtp(args, model, prompts, max_ctx, emitted, tn) and exact
     return 0 if exact else 1
 
@@ -270,7 +284,7 @@ def _demo_mtp(args, model, prompts, max_ctx, native_tokens, native_s) -> bool:
     sessions = [model.new_session(max_ctx=max_ctx) for _ in prompts]
     try:
         first = spec.prefill([spec.DecodeItem(s, p) for s, p in zip(sessions, prompts)])
-        out = [[int(t)] for t in first.argmax(dim=1).tolist()]
+        out = [[t] for t in _greedy(first, "after the prompt (speculative run)")]
         want = args.steps + 1
         drafted = accepted = calls = 0
         if model.device.type == "cuda":
@@ -586,6 +600,9 @@ def main(argv=None) -> int:
     except UsageError as err:
         print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:   # the model's logits held a NaN: a one-line failure, not a traceback
+        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

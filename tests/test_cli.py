@@ -33,6 +33,30 @@ def test_demo_small_is_bit_exact(capsys):
     assert "bit-exact: yes" in out and "speed-up" in out
 
 
+@pytest.mark.parametrize("call", [1, 3])   # the prompt's logits, a decode step's
+def test_demo_nan_logits_are_a_one_line_error(capsys, monkeypatch, call):
+    """A session whose logits hold a NaN has no greedy token (sampling's NO_TOKEN): the demo stops with one line
+    naming the session, exit 1 -- torch's argmax would feed the NaN's index back as a token."""
+    real, calls = ds4t.eval_batch, []
+
+    def poisoned(*a, **k):
+        res = real(*a, **k)
+        calls.append(1)
+        if len(calls) == call:
+            res.logits[1, 5] = float("nan")
+        return res
+
+    monkeypatch.setattr(ds4t, "eval_batch", poisoned)
+    rc, out, err = _run(["demo", "--sessions", "3", "--steps", "3"], capsys)
+    assert rc == 1 and len(calls) == call
+    assert err.strip().splitlines() == [err.strip()] and "session 1's logits hold a NaN" in err and "Traceback" not in err
+
+
+def test_demo_mtp_tokens_equal_the_native_run(capsys):
+    rc, out, err = _run(["demo", "--model", "tiny-deepseek", "--mtp", "2", "--sessions", "2", "--steps", "3"], capsys)
+    assert rc == 0 and "speculative tokens equal to the native run: yes" in out
+
+
 def test_support_lists_every_family_and_path(capsys):
     assert main(["support"]) == 0
     out = capsys.readouterr().out
