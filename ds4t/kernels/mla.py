@@ -192,9 +192,8 @@ def _mla_split_kernel(
         rp = tl.arange(0, DRP)
         pm = rp < DR
 
-        # A query already in the cache dtype is used as loaded: on Hopper the compiler then keeps
-        # it in shared memory as the MMA's A operand; one rounded here lives in registers, which a
-        # 64-head block cannot afford next to its [64, R] fp32 accumulator.
+        # A query already in the cache dtype is used as loaded: no conversion, and the compiler may
+        # keep it in shared memory as the MMA operand (wgmma tiles) instead of registers.
         q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + rr[None, :],
                     mask=hm[:, None] & rm[None, :], other=0.0)
         if q.dtype != dt:
@@ -349,9 +348,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     """Absorbed MLA attention over the latent cache; returns the latent output fp32 [B, H, R].
 
     q_latent [B, H, R] (q_nope @ W_UK) and q_pe [B, H, Dr] (after RoPE), any float dtype, rounded to
-    the cache dtype (RNE) in the kernel; passing them already in the cache dtype gives the same bits
-    and, on Hopper, lets a 64-head block take q from shared memory; cache [S, L, R + Dr] fp32/bf16/fp16, last dim
-    contiguous; slots, lengths [B] int32 (1 <= lengths[b] <= L; lengths are clamped to [0, L],
+    the cache dtype (RNE) in the kernel (passing them in the cache dtype gives the same bits from half
+    the bytes); cache [S, L, R + Dr] fp32/bf16/fp16, last dim contiguous; slots, lengths [B] int32 (1 <= lengths[b] <= L; lengths are clamped to [0, L],
     a row of length 0 gets zeros). ``scale`` multiplies q.k (include YaRN mscale). ``split_size``:
     tokens per KV split, an int (every row) or a :class:`~ds4t.kernels.splits.SplitSchedule`
     (default :func:`default_split_schedule`); results depend on it, never on B. ``out``: optional
