@@ -284,63 +284,6 @@ def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: t
 
 
 @triton.jit
-def _gate_up_step(acc_g, acc_u, kb, h_ptr, sh_b, b, qm, wg_ptr, wu_ptr, wbase, n, nm, sw_n, sw_k, sg_ptr, su_ptr,
-                  s_row, a_scale, D, WDT: tl.constexpr, BK: tl.constexpr, SBK: tl.constexpr, KSTEP: tl.constexpr,
-                  FP8_ROUTE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """(acc_g, acc_u) after the loop step at column kb of :func:`_moe_gate_up_kernel`: one FP8 scale block of
-    KSTEP columns (SBK > 0; its dot from zero, added times the rows' scales), or one BK tile of 16-bit weights."""
-    EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
-    if SBK > 0:
-        TF32: tl.constexpr = FP8_ROUTE == 2
-        j = kb // SBK
-        sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
-        su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
-        if FP8_ROUTE == 3:   # "fold": one accumulator over D
-            pg = acc_g
-            pu = acc_u
-        else:
-            pg = tl.zeros(acc_g.shape, dtype=tl.float32)
-            pu = pg
-        for ks in tl.static_range(0, KSTEP, BK):
-            kk = kb + ks + tl.arange(0, BK)
-            km = kk < D
-            a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
-            wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT, FP8_ROUTE)
-            wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT, FP8_ROUTE)
-            if TF32:
-                a = round_in_f32(a.to(tl.float32), WDT)
-            else:
-                a = cast(a.to(tl.float32), WDT)
-            if FP8_ROUTE == 4:   # "x2": the pieces of a meet the fp8 tiles as they are
-                x1, x2, inv = fp8_pieces(a)
-                pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
-                pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
-            elif FP8_ROUTE == 5:   # "f16": fp16 tiles and the pairs' scaled rows, sums in scaled units
-                a16 = f16_scaled(a, a_scale)
-                pg = _pair_dot(a16, wg, pg, SWAP, False)
-                pu = _pair_dot(a16, wu, pu, SWAP, False)
-            else:
-                pg = _pair_dot(a, wg, pg, SWAP, TF32)
-                pu = _pair_dot(a, wu, pu, SWAP, TF32)
-        if FP8_ROUTE == 3:
-            acc_g = pg
-            acc_u = pu
-        else:
-            acc_g = scaled_add(acc_g, pg, sg)
-            acc_u = scaled_add(acc_u, pu, su)
-    else:
-        kk = kb + tl.arange(0, BK)
-        km = kk < D
-        a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
-        a = cast(a.to(tl.float32), WDT)
-        wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
-        wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
-        acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
-        acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
-    return acc_g, acc_u
-
-
-@triton.jit
 def _moe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
@@ -350,7 +293,7 @@ def _moe_gate_up_kernel(
     DEVICE_LIST: tl.constexpr, BE: tl.constexpr, ACT_ROUNDED: tl.constexpr,
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0, SPLIT_INNER: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
@@ -364,23 +307,16 @@ def _moe_gate_up_kernel(
 
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
-    sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u.
-    SPLIT_INNER (SPLIT = 2, D = 2 K_PER_SPLIT, not the "f16" route; no split axis): the program runs both
-    splits' chains itself, a step of each per loop iteration, and adds them in split order before
-    silu(g) * u -- every operation of the split launch and its act kernel, so the same bits, without the
-    partials and the second launch (two independent chains in flight instead of more programs)."""
+    sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
-    if SPLIT_INNER:
-        k_lo = 0
-        k_hi = K_PER_SPLIT
-    else:
-        k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
+    k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
+    EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
-    STEP: tl.constexpr = KSTEP if SBK > 0 else BK
+    TF32: tl.constexpr = FP8_ROUTE == 2
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
@@ -391,37 +327,68 @@ def _moe_gate_up_kernel(
         else:
             acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = acc_g
-        s_row = e.to(tl.int64) * ss_e + n * ss_n
-        a_scale = tl.zeros([BM], dtype=tl.float32)
-        a_inv = a_scale
-        if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
-            amax = tl.zeros([BM], dtype=tl.float32)
+        if SBK > 0:
+            s_row = e.to(tl.int64) * ss_e + n * ss_n
+            if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
+                amax = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    a = _h_tile(h_ptr, sh_b, b, qm, kk, kk < D, EVEN_K)
+                    amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
+                a_scale, a_inv = pow2_scale(amax, 14)
+            for kb in range(k_lo, k_hi, KSTEP):
+                j = kb // SBK
+                sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
+                su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
+                if FP8_ROUTE == 3:   # "fold": one accumulator over D
+                    pg = acc_g
+                    pu = acc_u
+                else:
+                    pg = tl.zeros(acc_g.shape, dtype=tl.float32)
+                    pu = pg
+                for ks in tl.static_range(0, KSTEP, BK):
+                    kk = kb + ks + tl.arange(0, BK)
+                    km = kk < D
+                    a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
+                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
+                                     FP8_ROUTE)
+                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
+                                     FP8_ROUTE)
+                    if TF32:
+                        a = round_in_f32(a.to(tl.float32), WDT)
+                    else:
+                        a = cast(a.to(tl.float32), WDT)
+                    if FP8_ROUTE == 4:   # "x2": the pieces of a meet the fp8 tiles as they are
+                        x1, x2, inv = fp8_pieces(a)
+                        pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
+                        pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
+                    elif FP8_ROUTE == 5:   # "f16": fp16 tiles and the pairs' scaled rows, sums in scaled units
+                        a16 = f16_scaled(a, a_scale)
+                        pg = _pair_dot(a16, wg, pg, SWAP, False)
+                        pu = _pair_dot(a16, wu, pu, SWAP, False)
+                    else:
+                        pg = _pair_dot(a, wg, pg, SWAP, TF32)
+                        pu = _pair_dot(a, wu, pu, SWAP, TF32)
+                if FP8_ROUTE == 3:
+                    acc_g = pg
+                    acc_u = pu
+                else:
+                    acc_g = scaled_add(acc_g, pg, sg)
+                    acc_u = scaled_add(acc_u, pu, su)
+            if FP8_ROUTE == 5:
+                acc_g = acc_g * _pair_vec(a_inv, SWAP)
+                acc_u = acc_u * _pair_vec(a_inv, SWAP)
+        else:
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
-                a = _h_tile(h_ptr, sh_b, b, qm, kk, kk < D, EVEN_K)
-                amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
-            a_scale, a_inv = pow2_scale(amax, 14)
-        if SPLIT_INNER:
-            acc_g2 = acc_g
-            acc_u2 = acc_u
-            for kb in range(k_lo, k_hi, STEP):
-                acc_g, acc_u = _gate_up_step(acc_g, acc_u, kb, h_ptr, sh_b, b, qm, wg_ptr, wu_ptr, wbase, n, nm,
-                                             sw_n, sw_k, sg_ptr, su_ptr, s_row, a_scale, D, WDT, BK, SBK, KSTEP,
-                                             FP8_ROUTE, SWAP, EVEN_K, EVEN_N)
-                acc_g2, acc_u2 = _gate_up_step(acc_g2, acc_u2, kb + K_PER_SPLIT, h_ptr, sh_b, b, qm, wg_ptr, wu_ptr,
-                                               wbase, n, nm, sw_n, sw_k, sg_ptr, su_ptr, s_row, a_scale, D, WDT, BK,
-                                               SBK, KSTEP, FP8_ROUTE, SWAP, EVEN_K, EVEN_N)
-            acc_g = acc_g + acc_g2   # split order, as split_sum adds the partials
-            acc_u = acc_u + acc_u2
-        else:
-            for kb in range(k_lo, k_hi, STEP):
-                acc_g, acc_u = _gate_up_step(acc_g, acc_u, kb, h_ptr, sh_b, b, qm, wg_ptr, wu_ptr, wbase, n, nm,
-                                             sw_n, sw_k, sg_ptr, su_ptr, s_row, a_scale, D, WDT, BK, SBK, KSTEP,
-                                             FP8_ROUTE, SWAP, EVEN_K, EVEN_N)
-        if FP8_ROUTE == 5:
-            acc_g = acc_g * _pair_vec(a_inv, SWAP)
-            acc_u = acc_u * _pair_vec(a_inv, SWAP)
-        if SPLIT > 1 and not SPLIT_INNER:
+                km = kk < D
+                a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
+                a = cast(a.to(tl.float32), WDT)
+                wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
+                acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
+        if SPLIT > 1:
             part = act_ptr + tl.program_id(2) * sa_s
             _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
             _store_tile(part + I, p, sa_p, n, qm, nm, acc_u, SWAP)
@@ -615,7 +582,6 @@ class MoEConfig:
     max_rows: int = 0           # a few-rows entry applies to launches of at most this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
     split: int = 1              # K splits (whole loop steps), their partials summed in split order after it
-    split_inner: bool = False   # gate_up, split 2 in equal halves: both chains in one program (same bits, one launch)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -649,11 +615,9 @@ _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
 def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     """The launch config of a B-row launch over a K-column weight: the few-rows entry (key + ("few", K))
     when B is at most its ``max_rows``, the row-tile entry when B reaches its ``min_rows``, else the decode
-    entry. A few-rows entry may differ from the decode entry in its pipeline depth (``num_stages``: when
-    loads are issued, not what is computed) and in where a K split's chains run (``split_inner``: in one
-    program or in a program each, the same operations and sum order) alone, checked here, so its bits are the
-    decode entry's -- on an H200 every stage count timed gave the default's bits (bench/moe_tiles.py
-    ``same-bits``). A row tile changes how many pairs share a weight-tile read and the MMA instruction,
+    entry. A few-rows entry may differ from the decode entry in its pipeline depth alone (``num_stages``:
+    when loads are issued, not what is computed; checked here), so its bits are the decode entry's -- on an
+    H200 every stage count timed gave the default's bits (bench/moe_tiles.py ``same-bits``). A row tile changes how many pairs share a weight-tile read and the MMA instruction,
     not a pair's bits: the K order and (FP8) the scale steps are the same, the conversion route must be
     (checked here), and on an H200 the tile shape does not change an MMA's bits (bench/mma_shapes.py,
     bench/moe_tiles.py --rows). The interpreter has one config for every key (its MMA sums each K tile
@@ -661,10 +625,8 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     cfg = MOE_CONFIGS(kernel, *fmt)
     few = _few_entry(kernel, fmt, K)
     if few is not None and B <= few.max_rows:
-        if dataclasses.replace(few, num_stages=cfg.num_stages, max_rows=cfg.max_rows,
-                               split_inner=cfg.split_inner) != cfg:
-            raise ValueError(f"moe {kernel}: a few-rows entry may change num_stages and split_inner only "
-                             f"({few} vs {cfg})")
+        if dataclasses.replace(few, num_stages=cfg.num_stages, max_rows=cfg.max_rows) != cfg:
+            raise ValueError(f"moe {kernel}: a few-rows entry may change num_stages only ({few} vs {cfg})")
         return few
     rows = MOE_CONFIGS(kernel, *fmt, "rows")
     if rows is None or B < rows.min_rows:
@@ -706,10 +668,7 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
     "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
                 "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
                 ("gate_up", "fp8"): MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32",
-                                              swap=True, split=2, split_inner=True),
-                # a lone row (N = 1) runs the same split a program each: shorter chains, more programs
-                ("gate_up", "fp8", "few", 2048): MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=3,
-                                                           fp8_route="f32", swap=True, split=2, max_rows=1),
+                                              swap=True),
                 ("down", "fp8"): MoEConfig(tile_n=128, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32",
                                            swap=True),
                 # row tiles (prefill chunks; MoEConfig.min_rows, _config()): bf16 only, see below
@@ -835,19 +794,9 @@ def moe_experts(
     fmt = ("fp8",) if fp8 else ()
     gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B, D), _config("down", fmt, B, I))
     split = 1 if gguf else gu_cfg.split
-    inner = False
-    if split > 1:
-        sbk_gu = w_gate.block_k if fp8 else 0
-        bk_gu = gu_cfg.tiles(I, D, sbk_gu)[1]
-        gu_step = k_step(D, bk_gu, sbk_gu) if fp8 else bk_gu
-        split = min(split, triton.cdiv(D, gu_step))   # never more splits than loop steps (from D alone)
-        # split_inner where the split is two equal halves (and not the "f16" route, whose scales are per
-        # split); elsewhere the split runs a program each: the same bits either way
-        inner = (gu_cfg.split_inner and split == 2 and D % (2 * gu_step) == 0
-                 and not (fp8 and gu_cfg.fp8_route == "f16"))
     act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
     # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel
-    part = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 and not inner else act
+    part = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act
     dn_split = 1 if gguf else dn_cfg.split
     y = torch.empty((dn_split, P, D) if dn_split > 1 else (P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
@@ -884,9 +833,9 @@ def moe_experts(
         kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
     if split > 1:
-        kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=part.stride(0), SPLIT_INNER=inner)
+        kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=part.stride(0))
     kw.update(evenness(D, step, I, BN))
-    _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN), 1 if inner else split)](
+    _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN), split)](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         part, part.stride(-2),
@@ -894,7 +843,7 @@ def moe_experts(
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
         SWAP=cfg.swap, **kw, **LAUNCH,
     )
-    if split > 1 and not inner:
+    if split > 1:
         BI = min(1024, triton.next_power_of_2(I))
         _moe_act_kernel[(P, triton.cdiv(I, BI))](
             part, part.stride(0), part.stride(1), act, act.stride(0), order, bounds, E, I,

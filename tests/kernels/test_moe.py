@@ -666,7 +666,7 @@ def test_row_tile_must_keep_the_mma_route():
 
 # ----------------------------------------------------------------------------- few-rows entries (decode of 1-4 sessions)
 
-def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16, base=None, down=None):
+def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16):
     """(B rows in one launch, each row alone) with the FP8 decode config for B rows and ``few_cfg`` (a
     ("few", K) entry with max_rows 2) for the lone rows. ``check=False`` skips _config's field check (the
     negative control's way past it)."""
@@ -674,12 +674,12 @@ def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16, base=No
     wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
     ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=72))
     h = torch.randn(B, D, generator=gen(73)).to(device)
-    base = base or M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3)
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3)
 
     def rule(kernel, *f):
         if "few" in f:
             return few_cfg if f[-1] == D else None
-        return None if "rows" in f else down if kernel == "down" and down is not None else base
+        return None if "rows" in f else base
 
     def run(rows):
         with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(rule):
@@ -724,63 +724,11 @@ def test_few_rows_entry_may_change_only_the_stages():
     for few, want in ((ok, ok), (bad, None)):
         with M.MOE_CONFIGS.forced(lambda kernel, *f: few if "few" in f else None if "rows" in f else base):
             if want is None:
-                with pytest.raises(ValueError, match="num_stages and split_inner only"):
+                with pytest.raises(ValueError, match="num_stages only"):
                     M._config("gate_up", ("fp8",), 4, 256)
             else:
                 assert M._config("gate_up", ("fp8",), 4, 256) == want
                 assert M._config("gate_up", ("fp8",), 5, 256) == base   # past max_rows: the decode entry
-
-
-def test_few_rows_entry_may_run_the_split_in_separate_programs(device):
-    """A decode entry whose K split runs as two chains of one program (``split_inner``) and a few-rows entry
-    running the same split as a program each (partials, then the act kernel): each lone row equals that row in
-    the 12-row launch, bitwise (the negative control above shows a changed split is caught)."""
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3, split=2,
-                       split_inner=True)
-    few = dataclasses.replace(base, split_inner=False, max_rows=2)
-    down = dataclasses.replace(base, split=1, split_inner=False)
-    for adt in (torch.bfloat16, torch.float32):
-        full, alone = _few_rows_run(few, device, adt=adt, base=base, down=down)
-        assert not torch.isnan(full).any() and torch.equal(full, alone)
-
-
-@pytest.mark.parametrize("fmt,route,adt,swap", [
-    ("bf16", "direct", None, False),
-    ("bf16", "direct", None, True),
-    ("fp8", "f32", torch.float32, True),
-    ("fp8", "f32", torch.bfloat16, True),
-    ("fp8", "tf32", torch.bfloat16, False),
-    ("fp8", "fold", torch.bfloat16, True),
-], ids=str)
-def test_split_inner_is_the_split_launch_bitwise(fmt, route, adt, swap):
-    """``MoEConfig.split_inner``: gate_up's two K splits as two chains of one program, added in split order
-    there, give the bits of the split launch (a program a split, partials added by the act kernel); see
-    _config_case for the reference and the rows alone."""
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap, split=2)
-    inner = dataclasses.replace(base, split_inner=True)
-    down = dataclasses.replace(base, split=1)
-    y, run, ref, tol = _config_case(fmt, adt, 512, 72, 91, inner, down)
-    assert torch.equal(y, run(gu=base, dn=down))
-
-
-@pytest.mark.parametrize("D,route,split", [(768, "f32", 3),    # three splits
-                                           (320, "f32", 2),    # 320 = 256 + 64: unequal halves
-                                           (512, "f16", 2),    # a pair's scale per split: not one program's
-                                           (128, "f32", 2)])   # one loop step: no split at all
-def test_split_inner_falls_back_to_the_split_launch(D, route, split):
-    """Where a split is not two equal halves (or is the "f16" route) ``split_inner`` runs it a program each:
-    the bits of the same config without split_inner; a split never outnumbers K's loop steps."""
-    E, I, k, B = 4, 40, 2, 3
-    wg, wu, wd = _fp8_weights(E, I, D, 5)
-    ids, w = _routing(B, E, k, seed=6)
-    h = torch.randn(B, D, generator=gen(7))
-    cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, split=split)
-    outs = []
-    for c in (cfg, dataclasses.replace(cfg, split_inner=True)):
-        with use_variants({"moe_experts": GPU}), \
-                M.MOE_CONFIGS.forced(lambda kernel, *f: c if kernel == "gate_up" else dataclasses.replace(c, split=1)):
-            outs.append(moe_experts(h, ids, w, wg, wu, wd, act_dtype=torch.bfloat16, out=poisoned((B, D))))
-    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 
 # ----------------------------------------------------------------------------- unmasked loads of even shapes
