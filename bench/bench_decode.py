@@ -728,6 +728,9 @@ def main():
                          "output, Qwen3-Next's attention and Gated DeltaNet outputs) in fp32 instead (a bf16 "
                          "model stores them in bf16, which their linear rounds to)")
     args = ap.parse_args()
+    if args.deadline is not None and args.deadline <= RESERVE_S:
+        # every model would be skipped before it starts, leaving an empty table
+        ap.error(f"--deadline {args.deadline:g}: must exceed the {RESERVE_S:.0f} s kept for each model")
     if args.wide_norms:
         from ds4t.models.decoder import DecoderModel
         DecoderModel.norm_dtype = lambda self, i, site: torch.float32

@@ -35,3 +35,14 @@ def test_smoke_and_the_model_is_released_before_the_hf_peer(tmp_path, monkeypatc
     bd.main()
     assert alive == [False], "the ds4t model was still referenced when the HF peer would load"
     assert "| tiny-glm | 16 | 2 |" in (tmp_path / "decode.md").read_text()
+
+
+def test_a_deadline_no_model_fits_is_refused(monkeypatch, capsys):
+    """--deadline at or under the reserve a model keeps would skip every model and print an empty table."""
+    import pytest
+
+    bd = load("bench/bench_decode.py", "bench_decode_deadline")
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--device", "cpu", "--models", "tiny-glm", "--deadline", "140"])
+    with pytest.raises(SystemExit) as e:
+        bd.main()
+    assert e.value.code == 2 and "--deadline 140: must exceed" in capsys.readouterr().err

@@ -22,3 +22,10 @@ def test_weights_of_every_kind(kind, cls):
 def test_refuses_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         nt.main(["linear", "--weights", "q4_k"])
+
+
+def test_mla_target_runs_a_forced_tile():
+    """``ncu_target.py mla``: DeepSeek-V3's MLA decode at a given context, a tile forced by --tile (here in the
+    interpreter; the command itself needs a GPU)."""
+    run = nt._mla_run(1, 32, "64x32x8x2", torch.Generator().manual_seed(0), "cpu")
+    run()
