@@ -459,6 +459,9 @@ def _rank_main(name: str, args) -> int:
     except UsageError as err:
         print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:   # as main(): NaN logits are a one-line failure on every rank
+        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
+        return 1
 
 
 def import_user_modules(names) -> None:
