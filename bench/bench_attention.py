@@ -50,7 +50,6 @@ BATCHES = [8, 16, 64]
 SWEEP_CASES = [(32768, 8), (8192, 64), (8192, 8)]   # (L, B) the sweep ranks configs on (sum of times)
 
 LOG = []
-MLA_SPEC = None   # --mla-configs
 
 
 def log(*a):
@@ -266,8 +265,8 @@ def schedule_table(kind, shape, schedules, cells, gen, bw):
     return rows
 
 
-def sweep(kind, shape, gen, bw, budget_end):
-    cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates(MLA_SPEC)
+def sweep(kind, shape, gen, bw, budget_end, mla_spec=None):
+    cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates(mla_spec)
     results = []
     probs = {c: (gqa_problem(*shape, *c, gen) if kind == "gqa" else mla_problem(*shape, *c, gen)) for c in SWEEP_CASES}
     for split, cfg in cands:
@@ -316,8 +315,6 @@ def main():
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
-    global MLA_SPEC
-    MLA_SPEC = args.mla_configs
     os.makedirs(args.out, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -334,14 +331,14 @@ def main():
         jobs = []
         swept = [(k, sh) for k, sh in shapes if k in (args.sweep_only or args.only).split(",")]
         for kind, shape in swept:
-            cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates(MLA_SPEC)
+            cands = gqa_candidates(shape[2]) if kind == "gqa" else mla_candidates(args.mla_configs)
             Ls = sorted({L for L, _ in SWEEP_CASES} | set(lengths))
             jobs += [(kind, shape, L, split, dataclasses.asdict(cfg)) for split, cfg in cands for L in Ls]
         precompile(jobs, args.workers)
         end = time.time() + args.sweep_budget_s
         for i, (kind, shape) in enumerate(swept):
             share = (end - time.time()) / (len(swept) - i)
-            chosen[(kind, shape)] = sweep(kind, shape, gen, bw, time.time() + share)
+            chosen[(kind, shape)] = sweep(kind, shape, gen, bw, time.time() + share, args.mla_configs)
 
     rows = []
     if args.schedules:

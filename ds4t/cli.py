@@ -181,6 +181,13 @@ def _text_prompts(model, n: int):
     return codec, qs, ids
 
 
+def _one_line_error(args, err: Exception) -> int:
+    """Print a command's error as one line; exit status 2 for a usage error, 1 for a model whose logits held a
+    NaN (FloatingPointError: the command ran, the model failed)."""
+    print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
+    return 2 if isinstance(err, UsageError) else 1
+
+
 def _greedy(logits, where: str) -> list:
     """Greedy tokens of logits [B, V] through ds4t.sampling (whose argmax gives a row holding a NaN
     ``NO_TOKEN``, where torch's argmax gives the NaN's index, a token the demo would feed back):
@@ -456,12 +463,8 @@ def _rank_main(name: str, args) -> int:
     import_user_modules(getattr(args, "imports", []))
     try:
         return globals()[name](args)
-    except UsageError as err:
-        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
-        return 2
-    except FloatingPointError as err:   # as main(): NaN logits are a one-line failure on every rank
-        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
-        return 1
+    except (UsageError, FloatingPointError) as err:
+        return _one_line_error(args, err)
 
 
 def import_user_modules(names) -> None:
@@ -600,12 +603,8 @@ def main(argv=None) -> int:
         if getattr(args, "tp", 1) > 1 and args.cmd != "serve":   # serve starts its ranks itself
             return _on_ranks(run, args)
         return run(args)
-    except UsageError as err:
-        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
-        return 2
-    except FloatingPointError as err:   # the model's logits held a NaN: a one-line failure, not a traceback
-        print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
-        return 1
+    except (UsageError, FloatingPointError) as err:
+        return _one_line_error(args, err)
 
 
 if __name__ == "__main__":

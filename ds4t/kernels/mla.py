@@ -349,7 +349,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
 
     q_latent [B, H, R] (q_nope @ W_UK) and q_pe [B, H, Dr] (after RoPE), any float dtype, rounded to
     the cache dtype (RNE) in the kernel (passing them in the cache dtype gives the same bits from half
-    the bytes); cache [S, L, R + Dr] fp32/bf16/fp16, last dim contiguous; slots, lengths [B] int32 (1 <= lengths[b] <= L; lengths are clamped to [0, L],
+    the bytes); cache [S, L, R + Dr] fp32/bf16/fp16, last dim contiguous; slots, lengths [B] int32
+    (1 <= lengths[b] <= L; lengths are clamped to [0, L],
     a row of length 0 gets zeros). ``scale`` multiplies q.k (include YaRN mscale). ``split_size``:
     tokens per KV split, an int (every row) or a :class:`~ds4t.kernels.splits.SplitSchedule`
     (default :func:`default_split_schedule`); results depend on it, never on B. ``out``: optional

@@ -316,8 +316,8 @@ class DeepseekModel(DecoderModel):
         ops.write_latent(c_kv, pe[:, H], cache, slots, positions)
         # Absorb W_UK into the query and apply W_UV after attention: per-head linears, all heads
         # in one launch each (bitwise the per-head loop; 2 launches instead of 2·H).
-        # mla_decode rounds q_latent to the cache dtype; storing it so here is the same rounding
-        # (RNE) and lets the attention kernel keep it in shared memory.
+        # mla_decode rounds q_latent to the cache dtype; storing it so here is the same rounding (RNE):
+        # the same bits from half the bytes.
         q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t, **store_kwargs(cache.dtype))
         lat = ops.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
         o = ops.linear_heads(lat, w.w_uv, **narrow_store(lat, w.w_o))   # o_proj rounds it so anyway
