@@ -599,6 +599,15 @@ def k_step(K: int, BK: int, scale_bk: int) -> int:
     return min(scale_bk, triton.cdiv(K, BK) * BK)
 
 
+FEW_ROWS_FREE = {"fp8": ("num_stages",), "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k")}
+"""The fields a few-rows entry may change from the decode entry, per weight format (:func:`_config`).
+16-bit weights: the fields a row tile may change as well -- on an H200 every bf16 tile shape, K tile and
+warp count gives the decode tile's bits (bench/mma_shapes.py; bench/moe_tiles.py ``same-bits`` at one row).
+FP8 weights: the pipeline depth only -- an 8-bit operand's layout follows the tile and the MMA it feeds,
+and 4-warp tiles of the same sweep changed bits (bench/results/2026-12-02-h200-few-rows.md). In the
+interpreter a K tile changes bits (its MMA sums each K tile before adding it); it has no few-rows entries."""
+
+
 def k_per_split(K: int, split: int, step: int) -> int:
     """Columns per split of a grouped kernel's K: whole loop steps of ``step`` columns (from K and the
     config only). Raises when the split would leave a split empty."""
@@ -615,9 +624,11 @@ _INTERP_CONFIG = MoEConfig(tile_n=128, tile_k=128)
 def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     """The launch config of a B-row launch over a K-column weight: the few-rows entry (key + ("few", K))
     when B is at most its ``max_rows``, the row-tile entry when B reaches its ``min_rows``, else the decode
-    entry. A few-rows entry may differ from the decode entry in its pipeline depth alone (``num_stages``:
-    when loads are issued, not what is computed; checked here), so its bits are the decode entry's -- on an
-    H200 every stage count timed gave the default's bits (bench/moe_tiles.py ``same-bits``). A row tile changes how many pairs share a weight-tile read and the MMA instruction,
+    entry. A few-rows entry may differ from the decode entry only in fields that leave a pair's bits alone
+    (:data:`FEW_ROWS_FREE`, checked here): for FP8 weights the pipeline depth (``num_stages``: when loads
+    are issued, not what is computed), for 16-bit weights also the N / K tiles and warps, which a row tile
+    may change too (below). On an H200 every such config timed gave the default's bits (bench/moe_tiles.py
+    ``same-bits``; bench/step_ab.py on whole steps). A row tile changes how many pairs share a weight-tile read and the MMA instruction,
     not a pair's bits: the K order and (FP8) the scale steps are the same, the conversion route must be
     (checked here), and on an H200 the tile shape does not change an MMA's bits (bench/mma_shapes.py,
     bench/moe_tiles.py --rows). The interpreter has one config for every key (its MMA sums each K tile
@@ -625,8 +636,9 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     cfg = MOE_CONFIGS(kernel, *fmt)
     few = _few_entry(kernel, fmt, K)
     if few is not None and B <= few.max_rows:
-        if dataclasses.replace(few, num_stages=cfg.num_stages, max_rows=cfg.max_rows) != cfg:
-            raise ValueError(f"moe {kernel}: a few-rows entry may change num_stages only ({few} vs {cfg})")
+        free = FEW_ROWS_FREE["fp8" if "fp8" in fmt else "16-bit"]
+        if dataclasses.replace(few, max_rows=cfg.max_rows, **{f: getattr(cfg, f) for f in free}) != cfg:
+            raise ValueError(f"moe {kernel}: a few-rows entry may change {', '.join(free)} only ({few} vs {cfg})")
         return few
     rows = MOE_CONFIGS(kernel, *fmt, "rows")
     if rows is None or B < rows.min_rows:

@@ -666,19 +666,29 @@ def test_row_tile_must_keep_the_mma_route():
 
 # ----------------------------------------------------------------------------- few-rows entries (decode of 1-4 sessions)
 
-def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16):
-    """(B rows in one launch, each row alone) with the FP8 decode config for B rows and ``few_cfg`` (a
-    ("few", K) entry with max_rows 2) for the lone rows. ``check=False`` skips _config's field check (the
+_FEW_BASE = {"fp8": M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3),
+             # K tiles of 16: the down product's K (72) takes five steps, so a K split there changes sums
+             "bf16": M.MoEConfig(tile_n=64, tile_k=16, num_warps=4, num_stages=3)}
+
+
+def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16, fmt="fp8"):
+    """(B rows in one launch, each row alone) with the decode config of ``fmt`` weights (FP8, or bf16
+    with fp32 activations) for B rows and ``few_cfg`` (a ("few", K) entry with max_rows 2) for the lone
+    rows (FP8: the gate/up kernel's, bf16: both kernels'). ``check=False`` skips _config's field check (the
     negative control's way past it)."""
     E, I, D, k = 6, 72, 512, 2
-    wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
+    if fmt == "fp8":
+        wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
+    else:
+        wg, wu, wd = (w.to(device) for w in _weights(E, I, D, torch.bfloat16, seed=71))
+        adt = None
     ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=72))
     h = torch.randn(B, D, generator=gen(73)).to(device)
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3)
+    base = _FEW_BASE[fmt]
 
     def rule(kernel, *f):
-        if "few" in f:
-            return few_cfg if f[-1] == D else None
+        if "few" in f:   # bf16: both kernels (its gate/up rounds silu(g)*u to bf16, which can hide an ulp)
+            return few_cfg if f[-1] == D or fmt == "bf16" else None
         return None if "rows" in f else base
 
     def run(rows):
@@ -717,18 +727,44 @@ def test_few_rows_control_a_split_k_is_caught(device):
     assert not torch.equal(full, alone)
 
 
-def test_few_rows_entry_may_change_only_the_stages():
+def test_few_rows_bf16_entry_with_other_tiles_keeps_every_rows_bits(device):
+    """16-bit weights: a few-rows entry may take other N tiles, warps and stages (FEW_ROWS_FREE); each lone
+    row equals that row in the 12-row launch of the decode entry, bitwise. (The K tile is free on the GPU
+    only: the interpreter's MMA sums each K tile before adding it, so this entry keeps it.)"""
+    few = M.MoEConfig(tile_n=32, tile_k=16, num_warps=2, num_stages=4, max_rows=2)
+    full, alone = _few_rows_run(few, device, fmt="bf16")
+    assert not torch.isnan(full).any() and torch.equal(full, alone)
+
+
+def test_few_rows_bf16_control_a_split_k_is_caught(device):
+    """Negative control of the test above: the same comparison sees a few-rows entry that splits K."""
+    bad = M.MoEConfig(tile_n=32, tile_k=16, num_warps=2, num_stages=4, max_rows=2, split=2)
+    full, alone = _few_rows_run(bad, device, check=False, fmt="bf16")
+    assert not torch.equal(full, alone)
+
+
+@pytest.mark.parametrize("fmt", [("fp8",), ()])
+def test_few_rows_entry_may_change_only_the_free_fields(fmt):
+    """FP8: the stages alone; 16-bit weights: the stages, warps and N / K tiles (FEW_ROWS_FREE). Never the
+    K split, the operand order or the route, in either format."""
     base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True)
-    ok = dataclasses.replace(base, num_stages=8, max_rows=4)
-    bad = dataclasses.replace(base, tile_k=32, max_rows=4)
-    for few, want in ((ok, ok), (bad, None)):
+    ok = [dataclasses.replace(base, num_stages=8, max_rows=4)]
+    bad = [dataclasses.replace(base, split=2, max_rows=4), dataclasses.replace(base, swap=False, max_rows=4),
+           dataclasses.replace(base, fp8_route="tf32", max_rows=4)]
+    tiles = [dataclasses.replace(base, tile_k=32, max_rows=4), dataclasses.replace(base, tile_n=64, max_rows=4),
+             dataclasses.replace(base, num_warps=8, max_rows=4)]
+    if fmt:
+        bad += tiles
+    else:
+        ok += tiles
+    for few in ok + bad:
         with M.MOE_CONFIGS.forced(lambda kernel, *f: few if "few" in f else None if "rows" in f else base):
-            if want is None:
-                with pytest.raises(ValueError, match="num_stages only"):
-                    M._config("gate_up", ("fp8",), 4, 256)
+            if few in bad:
+                with pytest.raises(ValueError, match="may change num_stages"):
+                    M._config("gate_up", fmt, 4, 256)
             else:
-                assert M._config("gate_up", ("fp8",), 4, 256) == want
-                assert M._config("gate_up", ("fp8",), 5, 256) == base   # past max_rows: the decode entry
+                assert M._config("gate_up", fmt, 4, 256) == few
+                assert M._config("gate_up", fmt, 5, 256) == base   # past max_rows: the decode entry
 
 
 # ----------------------------------------------------------------------------- unmasked loads of even shapes

@@ -1,0 +1,195 @@
+"""A/B launch-config entries on a whole decode step, in one process.
+
+A config-table entry that wins in a kernel sweep often does not move the step it sits in (a kernel
+timed alone replays the same expert weights from L2, or overlaps differently with its neighbours under
+programmatic dependent launch), and two processes timing the same step differ by 2-4 %: a gain smaller
+than that cannot be read from two ``bench_decode --configs`` runs. This script loads the model once,
+gives every session a random state at ``--ctx`` tokens (as ``bench_fp8`` does: a step's cost does not
+depend on the values), and then for ``--rounds`` rounds times the native step under each variant in
+turn (the order rotates every round; each variant's CUDA graphs are captured afresh, since a graph
+replays the kernels it was captured with). The median of the round medians is reported with its
+spread, next to the base (no override) and the bytes floor.
+
+Each variant is also run once from the same saved state as the base: its logits and every session's
+state after the step must be the base's bit for bit when the variant only changes how a result is
+computed (a few-rows entry, a tile that keeps the K order). ``bits`` says which variants did; one that
+changes bits is still timed, but is no table entry for batch-invariant decoding at every N.
+
+    python bench/step_ab.py --model glm-4.5-4l:fp8 --ns 1,2,16 --ctx 4096 --rounds 5 --iters 20 \\
+        --variant st4='{"moe": [{"key": ["gate_up", "fp8", "few", 5120], "fields": {"num_stages": 4, "max_rows": 2}}]}' \\
+        --variant path/to/configs.json
+
+A variant is ``NAME=SPEC`` (or a bare SPEC, named by position), SPEC a JSON file or inline JSON in the
+``ds4t.kernels.config.overridden`` format. ``--device cpu`` runs the script on tiny presets (a smoke
+run: the interpreter ignores GPU config entries, so every variant keeps the base's bits there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ds4t  # noqa: E402
+from bench import bench_decode  # noqa: E402
+from bench.bench_fp8 import synthetic_sessions  # noqa: E402
+from ds4t.batch.graphs import graphs_for  # noqa: E402
+from ds4t.kernels.config import overridden  # noqa: E402
+
+
+def parse_variant(text: str, index: int):
+    """``NAME=SPEC`` or ``SPEC`` -> (name, spec dict). SPEC: inline JSON (starts with ``{``) or a JSON file."""
+    name, sep, spec = text.partition("=")
+    if not sep or name.lstrip().startswith("{"):
+        name, spec = f"v{index}", text
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            value = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--variant {name}: not valid JSON ({e})") from None
+    else:
+        if not os.path.isfile(spec):
+            raise SystemExit(f"--variant {name}: no such file {spec!r} (give a JSON file or inline JSON)")
+        with open(spec) as f:
+            value = json.load(f)
+    if not isinstance(value, dict):
+        raise SystemExit(f"--variant {name}: the spec must be a JSON object {{table: [entries]}}")
+    return name.strip(), value
+
+
+def same_result(a, b) -> bool:
+    """Two (logits, [state dict per session]) pairs equal bit for bit (NaNs included: ``torch.equal``
+    is False for NaN, so both sides are compared as raw bits)."""
+    (la, sa), (lb, sb) = a, b
+
+    def bits(x):
+        x = x.contiguous()
+        return x.view(torch.uint8) if x.dtype.is_floating_point and x.dim() else x
+
+    def eq(x, y):
+        return x.shape == y.shape and x.dtype == y.dtype and torch.equal(bits(x), bits(y))
+    return eq(la, lb) and len(sa) == len(sb) and all(
+        x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x) for x, y in zip(sa, sb))
+
+
+def _clear_graphs(model) -> None:
+    g = graphs_for(model)
+    if g is not None:
+        g.clear()
+
+
+def one_step(model, sessions, toks, saved):
+    """The native step from the saved states: (logits, state dicts after it), on the host."""
+    for s, (st, tk) in zip(sessions, saved):
+        s.load_state_dict(st, len(tk), tk)
+    res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode="native")
+    assert all(p == "native" for p in res.paths), res.paths
+    return res.logits.detach().cpu().clone(), [s.state_dict("cpu") for s in sessions]
+
+
+def run(model, ns, ctx: int, variants, rounds: int, iters: int, bw: float, log):
+    """Rows {n, variant, ms (median of round medians), lo, hi, vs_base, bits, floor_ms}."""
+    rows = []
+    # every timing rewinds to ctx first: room for one call's warm-up and iterations
+    sessions, toks = synthetic_sessions(model, max(ns), ctx, iters + 8, seed=7)
+    try:
+        for n in ns:
+            ss, tt = sessions[:n], toks[:n]
+            saved = [(s.state_dict("cpu"), list(s.tokens)) for s in ss]
+            results = {}
+            for name, spec in variants:
+                with overridden(spec):
+                    _clear_graphs(model)
+                    results[name] = one_step(model, ss, tt, saved)
+            _clear_graphs(model)
+            for s, (st, tk) in zip(ss, saved):
+                s.load_state_dict(st, len(tk), tk)
+            times = {name: [] for name, _ in variants}
+            for r in range(rounds):
+                k = r % len(variants)
+                for name, spec in variants[k:] + variants[:k]:
+                    with overridden(spec):
+                        _clear_graphs(model)
+                        times[name].append(bench_decode.time_step(model, ss, tt, ctx, "native", iters))
+                    _clear_graphs(model)
+            floor = bench_decode.step_floor_bytes(model, n, ctx)["total"] / bw * 1e3
+            base = statistics.median(times[variants[0][0]])
+            for name, _ in variants:
+                ms = statistics.median(times[name])
+                rows.append(dict(n=n, variant=name, ms=ms, lo=min(times[name]), hi=max(times[name]),
+                                 vs_base=ms / base, bits=same_result(results[name], results[variants[0][0]]),
+                                 floor_ms=floor, rounds=times[name]))
+                log(f"N={n} {name}: {ms:.3f} ms ({min(times[name]):.3f}-{max(times[name]):.3f}) "
+                    f"x{ms / base:.3f} of base, bits {'same' if rows[-1]['bits'] else 'DIFFER'}")
+    finally:
+        for s in sessions:
+            s.close()
+    return rows
+
+
+def table(rows) -> str:
+    out = ["| N | variant | step ms (median of rounds) | rounds min-max | vs base | floor ms | floor / step | "
+           "bits as base |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['n']} | {r['variant']} | {r['ms']:.3f} | {r['lo']:.3f}-{r['hi']:.3f} | "
+                   f"{r['vs_base']:.3f} | {r['floor_ms']:.3f} | {100 * r['floor_ms'] / r['ms']:.0f} % | "
+                   f"{'yes' if r['bits'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a preset or path, optionally :fp8 (quantize at load)")
+    ap.add_argument("--ns", default="1,16")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=SPEC (JSON file or inline JSON)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args(argv)
+    if not args.variant:
+        raise SystemExit("step_ab: give at least one --variant to compare with the base")
+    if args.rounds < 1 or args.iters < 1:
+        raise SystemExit("step_ab: --rounds and --iters must be at least 1")
+    variants = [("base", {})] + [parse_variant(v, i + 1) for i, v in enumerate(args.variant)]
+    names = [n for n, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"step_ab: variant names must differ, got {names}")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("step_ab: no CUDA GPU here (use --device cpu for a smoke run on a tiny preset)")
+    bench_decode.DEVICE = dev
+    ns = bench_decode.ints(args.ns)
+    os.makedirs(args.out, exist_ok=True)
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    name, _, q = args.model.partition(":")
+    model = ds4t.load(name, device=dev, quantize=q or None)
+    bw = bench_decode.copy_bandwidth(dev)
+    log(f"# step A/B: {args.model}, {args.ctx} tokens of context, commit {args.commit or '?'}")
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s; {args.rounds} rounds x {args.iters} steps a variant")
+    for n_, spec in variants[1:]:
+        log(f"variant {n_}: {json.dumps(spec)}")
+    rows = run(model, ns, args.ctx, variants, args.rounds, args.iters, bw, log)
+    log("")
+    log(table(rows))
+    with open(os.path.join(args.out, "step_ab.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "step_ab.json"), "w") as f:
+        json.dump(dict(model=args.model, ctx=args.ctx, commit=args.commit, variants=dict(variants), rows=rows), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""bench/step_ab.py: variant parsing, the bitwise comparison (with its control), and a CPU smoke run."""
+import json
+
+import pytest
+import torch
+
+from tests.bench_scripts import load
+
+ab = load("bench/step_ab.py", "bench_step_ab")
+
+SPEC = {"moe": [{"key": ["gate_up", "fp8", "few", 64], "fields": {"num_stages": 4, "max_rows": 2}}]}
+
+
+def test_variants_inline_file_and_unnamed(tmp_path):
+    f = tmp_path / "v.json"
+    f.write_text(json.dumps(SPEC))
+    assert ab.parse_variant(f"st4={json.dumps(SPEC)}", 1) == ("st4", SPEC)
+    assert ab.parse_variant(f"file={f}", 2) == ("file", SPEC)
+    assert ab.parse_variant(json.dumps(SPEC), 3) == ("v3", SPEC)
+    with pytest.raises(SystemExit, match="no such file"):
+        ab.parse_variant("x=missing.json", 1)
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        ab.parse_variant("x={oops", 1)
+
+
+def test_same_result_sees_one_bit():
+    """The comparison a variant's 'bits' column rests on: equal results are equal, one flipped bit of the
+    logits or of one session's state is not (negative controls), and a NaN equals itself bit for bit."""
+    logits = torch.randn(2, 8)
+    logits[0, 3] = float("nan")
+    states = [{"k": torch.randn(3, 4).bfloat16(), "pos": torch.tensor([5])}]
+    a = (logits, states)
+    assert ab.same_result(a, (logits.clone(), [{k: v.clone() for k, v in states[0].items()}]))
+    moved = logits.clone()
+    moved.view(torch.int32)[1, 2] ^= 1
+    assert not ab.same_result(a, (moved, states))
+    st = {k: v.clone() for k, v in states[0].items()}
+    st["k"].view(torch.int16)[0, 0] ^= 1
+    assert not ab.same_result(a, (logits, [st]))
+
+
+def test_smoke_on_a_tiny_preset(tmp_path):
+    """The whole script on the CPU: the interpreter ignores GPU entries, so the variant keeps the base's bits."""
+    assert ab.main(["--model", "tiny-qwen", "--device", "cpu", "--ns", "1,2", "--ctx", "8", "--rounds", "2",
+                    "--iters", "1", "--variant", f"st4={json.dumps(SPEC)}", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "step_ab.json").read_text())["rows"]
+    assert [(r["n"], r["variant"]) for r in rows] == [(1, "base"), (1, "st4"), (2, "base"), (2, "st4")]
+    assert all(r["bits"] and len(r["rounds"]) == 2 for r in rows)
+    assert "| 1 | st4 |" in (tmp_path / "step_ab.md").read_text()
+
+
+def test_refusals():
+    with pytest.raises(SystemExit, match="at least one --variant"):
+        ab.main(["--model", "tiny-qwen", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="names must differ"):
+        ab.main(["--model", "tiny-qwen", "--device", "cpu", "--variant", "a={}", "--variant", "a={}"])
