@@ -10,10 +10,12 @@ turn (the order rotates every round; each variant's CUDA graphs are captured afr
 replays the kernels it was captured with). The median of the round medians is reported with its
 spread, next to the base (no override) and the bytes floor.
 
-Each variant is also run once from the same saved state as the base: its logits and every session's
-state after the step must be the base's bit for bit when the variant only changes how a result is
-computed (a few-rows entry, a tile that keeps the K order). ``bits`` says which variants did; one that
-changes bits is still timed, but is no table entry for batch-invariant decoding at every N.
+Each variant is also run once from the same saved state as the base, natively and (N >= 2) ordered,
+each session alone. ``bits``: its logits and every session's state after the step are the base's bit for
+bit -- what a few-rows entry (one that applies to launches of at most so many rows) must keep, since the
+ordered fallback runs it and a native batch does not. ``native == ordered``: the variant's own native
+step equals its ordered one bit for bit -- what any entry must keep, including one that changes a
+shape's bits at every N (a new decode entry for a linear).
 
     python bench/step_ab.py --model glm-4.5-4l:fp8 --ns 1,2,16 --ctx 4096 --rounds 5 --iters 20 \\
         --variant st4='{"moe": [{"key": ["gate_up", "fp8", "few", 5120], "fields": {"num_stages": 4, "max_rows": 2}}]}' \\
@@ -83,12 +85,13 @@ def _clear_graphs(model) -> None:
         g.clear()
 
 
-def one_step(model, sessions, toks, saved):
-    """The native step from the saved states: (logits, state dicts after it), on the host."""
+def one_step(model, sessions, toks, saved, mode: str = "native"):
+    """One step (``mode`` "native" or "ordered") from the saved states: (logits, state dicts after it),
+    on the host."""
     for s, (st, tk) in zip(sessions, saved):
         s.load_state_dict(st, len(tk), tk)
-    res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode="native")
-    assert all(p == "native" for p in res.paths), res.paths
+    res = ds4t.eval_batch([ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)], mode=mode)
+    assert all(p == mode for p in res.paths), res.paths
     return res.logits.detach().cpu().clone(), [s.state_dict("cpu") for s in sessions]
 
 
@@ -101,11 +104,12 @@ def run(model, ns, ctx: int, variants, rounds: int, iters: int, bw: float, log):
         for n in ns:
             ss, tt = sessions[:n], toks[:n]
             saved = [(s.state_dict("cpu"), list(s.tokens)) for s in ss]
-            results = {}
+            results, exact = {}, {}
             for name, spec in variants:
                 with overridden(spec):
                     _clear_graphs(model)
                     results[name] = one_step(model, ss, tt, saved)
+                    exact[name] = same_result(results[name], one_step(model, ss, tt, saved, "ordered")) if n > 1 else None
             _clear_graphs(model)
             for s, (st, tk) in zip(ss, saved):
                 s.load_state_dict(st, len(tk), tk)
@@ -123,22 +127,27 @@ def run(model, ns, ctx: int, variants, rounds: int, iters: int, bw: float, log):
                 ms = statistics.median(times[name])
                 rows.append(dict(n=n, variant=name, ms=ms, lo=min(times[name]), hi=max(times[name]),
                                  vs_base=ms / base, bits=same_result(results[name], results[variants[0][0]]),
-                                 floor_ms=floor, rounds=times[name]))
+                                 exact=exact[name], floor_ms=floor, rounds=times[name]))
                 log(f"N={n} {name}: {ms:.3f} ms ({min(times[name]):.3f}-{max(times[name]):.3f}) "
-                    f"x{ms / base:.3f} of base, bits {'same' if rows[-1]['bits'] else 'DIFFER'}")
+                    f"x{ms / base:.3f} of base, bits {'same' if rows[-1]['bits'] else 'DIFFER'}, "
+                    f"native == ordered {_yes(exact[name])}")
     finally:
         for s in sessions:
             s.close()
     return rows
 
 
+def _yes(v) -> str:
+    return "-" if v is None else "yes" if v else "NO"
+
+
 def table(rows) -> str:
     out = ["| N | variant | step ms (median of rounds) | rounds min-max | vs base | floor ms | floor / step | "
-           "bits as base |", "|---|---|---|---|---|---|---|---|"]
+           "bits as base | native == ordered |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['n']} | {r['variant']} | {r['ms']:.3f} | {r['lo']:.3f}-{r['hi']:.3f} | "
                    f"{r['vs_base']:.3f} | {r['floor_ms']:.3f} | {100 * r['floor_ms'] / r['ms']:.0f} % | "
-                   f"{'yes' if r['bits'] else 'NO'} |")
+                   f"{_yes(r['bits'])} | {_yes(r['exact'])} |")
     return "\n".join(out)
 
 

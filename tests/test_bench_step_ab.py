@@ -39,13 +39,15 @@ def test_same_result_sees_one_bit():
     assert not ab.same_result(a, (logits, [st]))
 
 
-def test_smoke_on_a_tiny_preset(tmp_path):
-    """The whole script on the CPU: the interpreter ignores GPU entries, so the variant keeps the base's bits."""
-    assert ab.main(["--model", "tiny-qwen", "--device", "cpu", "--ns", "1,2", "--ctx", "8", "--rounds", "2",
+def test_smoke_on_a_tiny_preset(tmp_path, device):
+    """The whole script on a tiny preset (the interpreter ignores GPU entries; on a GPU this FP8 entry does
+    not apply to bf16 experts), so the variant keeps the base's bits."""
+    assert ab.main(["--model", "tiny-qwen", "--device", str(device), "--ns", "1,2", "--ctx", "8", "--rounds", "2",
                     "--iters", "1", "--variant", f"st4={json.dumps(SPEC)}", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "step_ab.json").read_text())["rows"]
     assert [(r["n"], r["variant"]) for r in rows] == [(1, "base"), (1, "st4"), (2, "base"), (2, "st4")]
     assert all(r["bits"] and len(r["rounds"]) == 2 for r in rows)
+    assert [r["exact"] for r in rows] == [None, None, True, True]   # N = 1 has no ordered twin to differ from
     assert "| 1 | st4 |" in (tmp_path / "step_ab.md").read_text()
 
 
