@@ -43,6 +43,17 @@ TILES_K = (64, 128, 256)
 STAGES = (3, 4)
 
 
+def _warm(fn, seconds: float = 0.3) -> None:
+    """Run fn back to back for ``seconds`` first: timed straight after the host built a shape's weights
+    (an idle GPU), the default config's line read ~10 % slower than the same config timed later in the
+    same sweep (bench/results/2026-12-02-h200-few-rows.md)."""
+    import time
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        torch.cuda.synchronize()
+
+
 def _time(fn, iters=20):
     for _ in range(3):
         fn()
@@ -89,6 +100,7 @@ def sweep_rows(args) -> None:
             M.MOE_CONFIGS.gpu.clear()
             M.MOE_CONFIGS.gpu.update(default)
             alone = [run(1)[0], M.moe_experts(h[R - 1:], ids[R - 1:], w[R - 1:], *ws, shared_expert=E, act_dtype=adt)[0]]
+            _warm(run)
             base_ms = _time(run, 5)
             print(f"{name} {'fp8' if fp8 else 'bf16'}: default {base_ms:.3f} ms = {flops / base_ms / 1e9:.0f} TFLOP/s, "
                   f"{nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW for every expert's bytes", flush=True)
@@ -183,6 +195,7 @@ def main():
             run = lambda: M.moe_experts(h, ids, w, wg, wu, wd, shared_expert=E, act_dtype=adt)  # noqa: E731
             M.MOE_CONFIGS.gpu.update(default)
             ref = run()
+            _warm(run)
             base_ms = _time(run)
             print(f"{name} N={n}: {used} experts, {nbytes / 1e6:.0f} MB, default {base_ms * 1e3:.1f} us "
                   f"({nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW)", flush=True)

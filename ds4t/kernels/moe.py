@@ -704,11 +704,13 @@ the unswapped 4-warp tiles at N = 16 (87-90 % of copy bandwidth at the GLM-4.5 /
 had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row entries: the best summed time of 16
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
 equal to the decode tiles in bf16; none for FP8, where every row config of that sweep changed a row's
-bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entries (key + ("few", K), ``max_rows``; only
-``num_stages`` may differ, :func:`_config`): none. Measured on an H200 for the FP8 gate/up with 8 stages:
-the MoE call alone at Qwen3-Next's shape 38.5 -> 29.2 us at N = 1 but slower from N = 2, and the
-full-depth 80B step at N = 1 no faster (3.79-3.89 against 3.77 ms; same bits: native == ordered across the
-two entries) (bench/results/2026-12-01-h200-real-gguf-moe-split.md)."""
+bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entries (key + ("few", K), ``max_rows``; the fields
+of :data:`FEW_ROWS_FREE` may differ, :func:`_config`): none. Measured on an H200: the best one- and two-row
+configs made the MoE call alone 10-25 % faster (FP8 GLM-4.5 gate/up with 4 stages 96.6 -> 78.4 us, bf16
+DeepSeek-V3 32 x 64 tiles 226.5 -> 200.7 us) and moved no whole step by more than 3 % either way, timed in
+one process with ``bench/step_ab.py`` (full-depth Qwen3-Next-80B FP8, the 4-layer presets; every variant
+kept the steps' bits) (bench/results/2026-12-02-h200-few-rows.md; earlier, 8 stages:
+bench/results/2026-12-01-h200-real-gguf-moe-split.md)."""
 MOE_CONFIGS.caches.append(_few_entry)
 
 
