@@ -355,44 +355,44 @@ class SigmoidMoEConfig:
     def from_dict(cls, c: dict, num_layers: int, defaults: dict) -> "SigmoidMoEConfig":
         """Parse (and check) the fields from an HF config dict; ``defaults`` are the family's HF
         class defaults for fields a config.json may leave out."""
-        from ds4t.models.checkpoint import CheckpointError, require
+        from ds4t.models.checkpoint import ConfigError, require
 
         def get(field, kind):
             v = c.get(field)
             if v is None:
                 v = defaults.get(field)
             if v is None:
-                raise CheckpointError(f"config.json: missing field {field!r}")
+                raise ConfigError(f"missing field {field!r}")
             if kind is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
             if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-                raise CheckpointError(f"config.json: field {field!r} = {v!r} should be {kind.__name__}")
+                raise ConfigError(f"field {field!r} = {v!r} should be {kind.__name__}")
             return v
 
         act = c.get("hidden_act", "silu")
         if act != "silu":
-            raise CheckpointError(f"config.json: hidden_act {act!r} not supported (only 'silu')")
+            raise ConfigError(f"hidden_act {act!r} not supported (only 'silu')")
         if c.get("scoring_func", "sigmoid") != "sigmoid":
-            raise CheckpointError(f"config.json: scoring_func {c['scoring_func']!r} not supported (only 'sigmoid')")
+            raise ConfigError(f"scoring_func {c['scoring_func']!r} not supported (only 'sigmoid')")
         if c.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise CheckpointError(f"config.json: topk_method {c['topk_method']!r} not supported (only 'noaux_tc')")
+            raise ConfigError(f"topk_method {c['topk_method']!r} not supported (only 'noaux_tc')")
         if c.get("moe_layer_freq", 1) != 1:
-            raise CheckpointError(f"config.json: moe_layer_freq {c['moe_layer_freq']!r} not supported (only 1)")
+            raise ConfigError(f"moe_layer_freq {c['moe_layer_freq']!r} not supported (only 1)")
         dense = get("first_k_dense_replace", int)
         if not 0 <= dense <= num_layers:
-            raise CheckpointError(f"config.json: first_k_dense_replace {dense} outside "
+            raise ConfigError(f"first_k_dense_replace {dense} outside "
                                   f"[0, num_hidden_layers={num_layers}]")
         E = get("n_routed_experts", int)
         n_group, topk_group, top_k = get("n_group", int), get("topk_group", int), get("num_experts_per_tok", int)
         if E < 1 or n_group < 1 or E % n_group:
-            raise CheckpointError(f"config.json: n_routed_experts {E} is not a positive multiple of n_group {n_group}")
+            raise ConfigError(f"n_routed_experts {E} is not a positive multiple of n_group {n_group}")
         if E // n_group < 2:
-            raise CheckpointError(f"config.json: groups of {E // n_group} expert(s): the group score sums the top 2 "
+            raise ConfigError(f"groups of {E // n_group} expert(s): the group score sums the top 2 "
                                   f"of each group, so n_routed_experts / n_group must be >= 2")
         if not 1 <= topk_group <= n_group:
-            raise CheckpointError(f"config.json: topk_group {topk_group} outside [1, n_group={n_group}]")
+            raise ConfigError(f"topk_group {topk_group} outside [1, n_group={n_group}]")
         if not 1 <= top_k <= topk_group * (E // n_group):
-            raise CheckpointError(f"config.json: num_experts_per_tok {top_k} outside [1, topk_group * experts per "
+            raise ConfigError(f"num_experts_per_tok {top_k} outside [1, topk_group * experts per "
                                   f"group = {topk_group * (E // n_group)}]")
         inter = c.get("intermediate_size")
         if dense > 0:

@@ -17,6 +17,17 @@ class CheckpointError(ValueError):
     """A checkpoint is missing something, or holds something ds4t cannot use."""
 
 
+class ConfigError(CheckpointError):
+    """A config value ds4t cannot use, found where the config is read (a family's config check, the
+    quantization settings): ``detail`` names the field, not the file. Its message says ``config.json: ...``;
+    :func:`ds4t.load` raises it again as a CheckpointError naming where the config really came from (a
+    checkpoint directory's config.json, a GGUF file's metadata, a preset)."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+        super().__init__(f"config.json: {detail}")
+
+
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -146,13 +157,13 @@ def _is_real(v) -> bool:
     return (_is_int(v) and abs(v) < 2 ** 1024) or (isinstance(v, float) and math.isfinite(v))
 
 
-def require(cfg: dict, field: str, kind=None, where: str = "config.json"):
-    """cfg[field], with a clear error when it is missing or of the wrong type (``int`` excludes bool)."""
+def require(cfg: dict, field: str, kind=None):
+    """cfg[field], with a ConfigError when it is missing or of the wrong type (``int`` excludes bool)."""
     if field not in cfg or cfg[field] is None:
-        raise CheckpointError(f"{where}: missing field {field!r}")
+        raise ConfigError(f"missing field {field!r}")
     v = cfg[field]
     if kind is not None and not (_is_int(v) if kind is int else isinstance(v, kind)):
-        raise CheckpointError(f"{where}: field {field!r} = {v!r} should be {kind}")
+        raise ConfigError(f"field {field!r} = {v!r} should be {kind}")
     return v
 
 
@@ -235,7 +246,7 @@ def attention_heads(cfg: dict):
     hidden = require(cfg, "hidden_size", int)
     kv = cfg.get("num_key_value_heads") or heads
     if heads % kv:
-        raise CheckpointError(f"config.json: num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
+        raise ConfigError(f"num_attention_heads {heads} not a multiple of num_key_value_heads {kv}")
     return heads, kv, cfg.get("head_dim") or hidden // heads, hidden
 
 

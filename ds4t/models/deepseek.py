@@ -52,7 +52,7 @@ from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_linear, moe_block,
                                 narrow_store, preset_init_plain, store_kwargs, swiglu, yarn_inv_freq,
                                 yarn_mscale)
-from ds4t.models.checkpoint import CheckpointError, require, rope_params
+from ds4t.models.checkpoint import ConfigError, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
 
@@ -97,27 +97,27 @@ class DeepseekConfig:
     def from_dict(cls, c: dict) -> "DeepseekConfig":
         n = require(c, "num_hidden_layers", int)
         if n < 1:
-            raise CheckpointError(f"config.json: num_hidden_layers {n} must be >= 1")
+            raise ConfigError(f"num_hidden_layers {n} must be >= 1")
         q_lora = c.get("q_lora_rank")
         if q_lora is not None and (not isinstance(q_lora, int) or q_lora < 1):
-            raise CheckpointError(f"config.json: q_lora_rank {q_lora!r} should be a positive int or null")
+            raise ConfigError(f"q_lora_rank {q_lora!r} should be a positive int or null")
         rp = rope_params(c)
         if rp["rope_type"] not in ("default", "yarn"):
-            raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for deepseek_v3 "
+            raise ConfigError(f"rope_type {rp['rope_type']!r} not supported for deepseek_v3 "
                                   "(supported: 'default', 'yarn')")
         if rp.get("partial_rotary_factor", 1.0) != 1.0:
-            raise CheckpointError("config.json: partial_rotary_factor must be 1 for deepseek_v3 "
+            raise ConfigError("partial_rotary_factor must be 1 for deepseek_v3 "
                                   "(RoPE covers qk_rope_head_dim)")
         max_pos = c.get("max_position_embeddings", 4096)
         if rp["rope_type"] == "yarn":
             if rp.get("factor") is None:
                 orig = rp.get("original_max_position_embeddings")
                 if not orig:
-                    raise CheckpointError("config.json: yarn rope needs 'factor' or 'original_max_position_embeddings'")
+                    raise ConfigError("yarn rope needs 'factor' or 'original_max_position_embeddings'")
                 rp["factor"] = max_pos / orig
         rope_dim = require(c, "qk_rope_head_dim", int)
         if rope_dim % 2:
-            raise CheckpointError(f"config.json: qk_rope_head_dim {rope_dim} must be even")
+            raise ConfigError(f"qk_rope_head_dim {rope_dim} must be even")
         return cls(
             vocab_size=require(c, "vocab_size", int), hidden_size=require(c, "hidden_size", int), num_layers=n,
             eps=c.get("rms_norm_eps", 1e-6), num_heads=require(c, "num_attention_heads", int), q_lora_rank=q_lora,

@@ -32,7 +32,7 @@ from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import NativeRule, StepBatch
 from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, SigmoidMoEConfig, ffn,
                                 preset_init_plain)
-from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
+from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
 
@@ -74,14 +74,14 @@ class GlmConfig:
     def from_dict(cls, c: dict) -> "GlmConfig":
         n = require(c, "num_hidden_layers", int)
         if n < 1:
-            raise CheckpointError(f"config.json: num_hidden_layers {n} must be >= 1")
+            raise ConfigError(f"num_hidden_layers {n} must be >= 1")
         heads, kv, head_dim, hidden = attention_heads(c)
         rp = rope_params(c)
         if rp["rope_type"] != "default":
-            raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for glm4_moe yet")
+            raise ConfigError(f"rope_type {rp['rope_type']!r} not supported for glm4_moe yet")
         rotary = int(head_dim * rp.get("partial_rotary_factor", 0.5))   # HF's default for GLM: 0.5
         if rotary < 2 or rotary % 2 or rotary > head_dim:
-            raise CheckpointError(f"config.json: partial_rotary_factor gives {rotary} rotary dims of head_dim "
+            raise ConfigError(f"partial_rotary_factor gives {rotary} rotary dims of head_dim "
                                   f"{head_dim}: need an even number in [2, head_dim]")
         return cls(
             vocab_size=require(c, "vocab_size", int), hidden_size=hidden, num_layers=n,

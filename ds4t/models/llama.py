@@ -24,7 +24,7 @@ from ds4t.kernels import weights
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import StepBatch
 from ds4t.models.blocks import DenseMLP, GQAMixer, GQAShape, Layer, preset_init_plain, swiglu
-from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
+from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader
 
@@ -33,7 +33,7 @@ PRESETS = ("tiny-llama",)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_inv_freq(head_dim: int, p: dict, where: str = "config.json") -> torch.Tensor:
+def rope_inv_freq(head_dim: int, p: dict) -> torch.Tensor:
     """fp32 [head_dim / 2] RoPE frequencies for HF rope parameters ``p`` (``rope_params``)."""
     kind = p["rope_type"]
     theta = float(p["rope_theta"])
@@ -42,21 +42,21 @@ def rope_inv_freq(head_dim: int, p: dict, where: str = "config.json") -> torch.T
         ff = p.get("freq_factors")   # a GGUF's rope_freqs (llama.cpp's llama3 scaling): per-pair divisors
         return inv if ff is None else inv / torch.tensor(ff, dtype=torch.float32)
     if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{where}: rope_type {kind!r} is not supported for llama/qwen3 "
+        raise ConfigError(f"rope_type {kind!r} is not supported for llama/qwen3 "
                               f"(supported: {list(ROPE_TYPES)})")
     factor = p.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-        raise CheckpointError(f"{where}: rope_type {kind!r} needs a positive 'factor', got {factor!r}")
+        raise ConfigError(f"rope_type {kind!r} needs a positive 'factor', got {factor!r}")
     factor = float(factor)
     if kind == "linear":
         return inv / factor
     # llama3 (HF _compute_llama3_parameters)
     for f in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if not isinstance(p.get(f), (int, float)):
-            raise CheckpointError(f"{where}: rope_type 'llama3' needs {f!r}")
+            raise ConfigError(f"rope_type 'llama3' needs {f!r}")
     low, high, old_ctx = float(p["low_freq_factor"]), float(p["high_freq_factor"]), p["original_max_position_embeddings"]
     if high == low:
-        raise CheckpointError(f"{where}: rope_type 'llama3': high_freq_factor == low_freq_factor ({low})")
+        raise ConfigError(f"rope_type 'llama3': high_freq_factor == low_freq_factor ({low})")
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     wavelen = 2 * math.pi / inv
     inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -92,20 +92,20 @@ class LlamaConfig:
         mt = c.get("model_type", "llama")
         n = require(c, "num_hidden_layers", int)
         if n < 1:
-            raise CheckpointError(f"config.json: num_hidden_layers {n} must be >= 1")
+            raise ConfigError(f"num_hidden_layers {n} must be >= 1")
         heads, kv, head_dim, hidden = attention_heads(c)
         if head_dim % 2:
-            raise CheckpointError(f"config.json: head_dim {head_dim} must be even (RoPE pairs)")
+            raise ConfigError(f"head_dim {head_dim} must be even (RoPE pairs)")
         act = c.get("hidden_act", "silu")
         if act != "silu":
-            raise CheckpointError(f"config.json: hidden_act {act!r} not supported (only 'silu')")
+            raise ConfigError(f"hidden_act {act!r} not supported (only 'silu')")
         if c.get("mlp_bias"):
-            raise CheckpointError("config.json: mlp_bias true is not supported (SwiGLU MLPs without bias only)")
+            raise ConfigError("mlp_bias true is not supported (SwiGLU MLPs without bias only)")
         if mt == "qwen3" and c.get("use_sliding_window"):
-            raise CheckpointError("config.json: use_sliding_window true is not supported for qwen3")
+            raise ConfigError("use_sliding_window true is not supported for qwen3")
         rp = rope_params(c)
         if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise CheckpointError(f"config.json: partial_rotary_factor {rp['partial_rotary_factor']} not supported "
+            raise ConfigError(f"partial_rotary_factor {rp['partial_rotary_factor']} not supported "
                                   f"for {mt} (RoPE over the whole head only)")
         rope_inv_freq(head_dim, rp)   # errors for unsupported scaling now, at config time
         return cls(

@@ -19,7 +19,7 @@ import dataclasses
 import re
 from typing import Optional, Tuple
 
-from ds4t.models.checkpoint import CheckpointError
+from ds4t.models.checkpoint import ConfigError
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_STORED = "F8_E4M3"   # safetensors' name of float8_e4m3fn
@@ -46,33 +46,33 @@ def is_quantized_linear(name: str) -> bool:
     return bool(_LINEAR.match(name))
 
 
-def parse_quantization(cfg: dict, where: str = "config.json") -> Optional[FP8Config]:
-    """The FP8 settings of a config dict (None without ``quantization_config``); CheckpointError naming
+def parse_quantization(cfg: dict) -> Optional[FP8Config]:
+    """The FP8 settings of a config dict (None without ``quantization_config``); ConfigError naming
     the field for anything ds4t would run wrong."""
     q = cfg.get("quantization_config")
     if q is None:
         return None
     if not isinstance(q, dict):
-        raise CheckpointError(f"{where}: quantization_config must be an object, got {q!r}")
+        raise ConfigError(f"quantization_config must be an object, got {q!r}")
     method = q.get("quant_method")
     if method != "fp8":
-        raise CheckpointError(f"{where}: quantization_config.quant_method {method!r} is not supported "
+        raise ConfigError(f"quantization_config.quant_method {method!r} is not supported "
                               f"(ds4t reads block-FP8 checkpoints: 'fp8')")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise CheckpointError(f"{where}: quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+        raise ConfigError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
     act = q.get("activation_scheme", "dynamic")
     if act != "dynamic":
-        raise CheckpointError(f"{where}: quantization_config.activation_scheme {act!r} is not supported: ds4t "
+        raise ConfigError(f"quantization_config.activation_scheme {act!r} is not supported: ds4t "
                               f"runs FP8 weights with unquantized activations ('dynamic' checkpoints)")
     block = q.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise CheckpointError(f"{where}: quantization_config.weight_block_size must be two positive ints "
+        raise ConfigError(f"quantization_config.weight_block_size must be two positive ints "
                               f"(per-tensor FP8 is not supported), got {block!r}")
     skip = q.get("modules_to_not_convert") or []
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
-        raise CheckpointError(f"{where}: quantization_config.modules_to_not_convert must be a list of "
+        raise ConfigError(f"quantization_config.modules_to_not_convert must be a list of "
                               f"module names, got {skip!r}")
     return FP8Config(block=(int(block[0]), int(block[1])), not_converted=tuple(skip))
 

@@ -20,7 +20,7 @@ from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
                                fused_linear, narrow_store, stack_experts)
-from ds4t.models.checkpoint import CheckpointError, attention_heads, require, rope_params
+from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
 
@@ -73,11 +73,11 @@ class QwenConfig:
             interval = c.get("full_attention_interval", 4)
             types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
         if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
-            raise CheckpointError(f"config.json: layer_types {types!r} must list {n} of full_attention/linear_attention")
+            raise ConfigError(f"layer_types {types!r} must list {n} of full_attention/linear_attention")
         heads, kv, head_dim, hidden = attention_heads(c)
         rp = rope_params(c)
         if rp["rope_type"] != "default":
-            raise CheckpointError(f"config.json: rope_type {rp['rope_type']!r} not supported for qwen3_next yet")
+            raise ConfigError(f"rope_type {rp['rope_type']!r} not supported for qwen3_next yet")
         rotary = int(head_dim * rp.get("partial_rotary_factor", 1.0))
         num_experts = c.get("num_experts", 0) or 0
         step = c.get("decoder_sparse_step", 1) or 1
@@ -85,10 +85,10 @@ class QwenConfig:
         sparse = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
         top_k = c.get("num_experts_per_tok", 0)
         if num_experts and not 1 <= top_k <= num_experts:
-            raise CheckpointError(f"config.json: num_experts_per_tok {top_k} must be in [1, num_experts = {num_experts}]")
+            raise ConfigError(f"num_experts_per_tok {top_k} must be in [1, num_experts = {num_experts}]")
         lk, lv = require(c, "linear_num_key_heads", int), require(c, "linear_num_value_heads", int)
         if lv % lk:
-            raise CheckpointError(f"config.json: linear_num_value_heads {lv} not a multiple of linear_num_key_heads {lk}")
+            raise ConfigError(f"linear_num_value_heads {lv} not a multiple of linear_num_key_heads {lk}")
         return cls(
             vocab_size=require(c, "vocab_size", int), hidden_size=hidden, num_layers=n, layer_types=list(types),
             eps=c.get("rms_norm_eps", 1e-6), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,

@@ -7,7 +7,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ds4t.backend import default_device
-from ds4t.models.checkpoint import CheckpointError, TensorSource, check_fields, parse_dtype, read_config
+from ds4t.models.checkpoint import CheckpointError, ConfigError, TensorSource, check_fields, parse_dtype, read_config
 from ds4t.models.gguf import is_gguf
 from ds4t.models.loading import PresetSource
 from ds4t.models.quant import parse_quantization, quantize_option
@@ -151,20 +151,18 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
             f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")
     check_fields(cfg, where, origin)
     source.tp = tp_runtime
-    source.fp8 = parse_quantization(cfg)
-    source.quantize = quantize_option(quantize, cfg)
-    if path_or_preset in configs and source.fp8 is not None:
-        source.quantize, source.fp8 = source.fp8, None  # a preset's weights are drawn in float
-    if options:
-        bad = [k for k in options if k not in model_cls.load_options()]
-        if bad:
-            raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
     try:
+        source.fp8 = parse_quantization(cfg)
+        source.quantize = quantize_option(quantize, cfg)
+        if path_or_preset in configs and source.fp8 is not None:
+            source.quantize, source.fp8 = source.fp8, None  # a preset's weights are drawn in float
+        if options:
+            bad = [k for k in options if k not in model_cls.load_options()]
+            if bad:
+                raise TypeError(f"load: {model_cls.family} models take no option {bad[0]!r}")
         model = model_cls(cfg, source, device, dtype, name=name, progress=progress, **options)
-    except CheckpointError as e:   # the family config checks say "config.json": name the real origin
-        if str(e).startswith("config.json:") and where != "config.json":
-            raise CheckpointError(where + str(e)[len("config.json"):]) from None
-        raise
+    except ConfigError as e:   # a config check names the field; name where the config came from
+        raise CheckpointError(f"{where}: {e.detail}") from None
     model.tokenizer = tokenizer
     if text_meta is not None:
         model.text_meta = text_meta

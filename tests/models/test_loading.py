@@ -172,6 +172,29 @@ def test_config_that_is_not_a_json_object(ckpt, text, match):
         ds4t.load(ckpt)
 
 
+@pytest.mark.parametrize("edit, detail", [
+    (lambda c: c.update(layer_types=["full_attention"]), "layer_types ['full_attention'] must list"),
+    (lambda c: c.pop("vocab_size"), "missing field 'vocab_size'"),
+    (lambda c: c.update(quantization_config={"quant_method": "gptq"}), "quantization_config.quant_method 'gptq'"),
+])
+def test_config_errors_name_the_file_they_came_from(ckpt, edit, detail):
+    """A family's config check and the quantization settings raise ConfigError, which names the field only
+    ("config.json: ..."); load names the file the config came from. Control: the error caught is the load's
+    CheckpointError with the directory's path, not the ConfigError itself."""
+    _edit_config(ckpt, edit)
+    with pytest.raises(ds4t.CheckpointError) as e:
+        ds4t.load(ckpt)
+    assert str(e.value).startswith(os.path.join(ckpt, "config.json") + ": ") and detail in str(e.value)
+    assert type(e.value) is ds4t.CheckpointError
+
+
+def test_config_error_says_config_json_outside_load():
+    from ds4t.models.checkpoint import ConfigError, require
+    with pytest.raises(ConfigError, match="^config.json: missing field 'hidden_size'$") as e:
+        require({}, "hidden_size", int)
+    assert e.value.detail == "missing field 'hidden_size'" and isinstance(e.value, ds4t.CheckpointError)
+
+
 @pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "linear_key_head_dim"])
 def test_config_missing_field(ckpt, field):
     _edit_config(ckpt, lambda c: c.pop(field))
