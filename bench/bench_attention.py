@@ -71,13 +71,18 @@ def gqa_candidates(d):
     return out
 
 
+def mla_tile(spec: str) -> "M.MLAConfig":
+    """An MLA tile written ``"64x32x8x2"``: heads, tokens, warps, stages a program (merge over 8 heads)."""
+    bh, bn, w, st = (int(v) for v in spec.split("x"))
+    return M.MLAConfig(block_h=bh, block_n=bn, merge_heads=8, num_warps=w, num_stages=st)
+
+
 def mla_candidates(spec=None):
-    """Every (split, MLAConfig) of the grid, or those of ``spec`` (``"64x32x8x2,32x64x4x2"``: heads, tokens,
-    warps, stages a tile) with the default split schedule."""
+    """Every (split, MLAConfig) of the grid, or the tiles of ``spec`` (``"64x32x8x2,32x64x4x2"``,
+    :func:`mla_tile`) with the default split schedule."""
     if spec:
         sched = default_split("mla", MLA_SHAPE)
-        return [(sched, M.MLAConfig(block_h=bh, block_n=bn, merge_heads=8, num_warps=w, num_stages=st))
-                for bh, bn, w, st in (map(int, c.split("x")) for c in spec.split(","))]
+        return [(sched, mla_tile(c)) for c in spec.split(",")]
     out = []
     for split in (512, 1024, 2048):
         for bh, bn, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)):

@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -47,7 +48,6 @@ def _warm(fn, seconds: float = 0.3) -> None:
     """Run fn back to back for ``seconds`` first: timed straight after the host built a shape's weights
     (an idle GPU), the default config's line read ~10 % slower than the same config timed later in the
     same sweep (bench/results/2026-12-02-h200-few-rows.md)."""
-    import time
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         fn()

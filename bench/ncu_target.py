@@ -54,8 +54,9 @@ def _mla_run(B: int, ctx: int, tile, g: torch.Generator, dev: str):
     lengths = torch.full((B,), ctx, device=dev, dtype=torch.int32)
     cfg = None
     if tile:
-        bh, bn, w, st = (int(v) for v in tile.split("x"))
-        cfg = mla.MLAConfig(block_h=bh, block_n=bn, merge_heads=8, num_warps=w, num_stages=st)
+        from bench.bench_attention import mla_tile
+
+        cfg = mla_tile(tile)
 
     def run():
         with mla.MLA_CONFIGS.forced(lambda *k: cfg) if cfg else contextlib.nullcontext():

@@ -28,6 +28,7 @@ run: the interpreter ignores GPU config entries, so every variant keeps the base
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -85,6 +86,18 @@ def _clear_graphs(model) -> None:
         g.clear()
 
 
+@contextlib.contextmanager
+def applied(model, spec):
+    """The variant's table entries in force, the model's CUDA graphs dropped on entry and on exit (a graph
+    replays the kernels it was captured with, so none may outlive the entries it was captured under)."""
+    with overridden(spec):
+        _clear_graphs(model)
+        try:
+            yield
+        finally:
+            _clear_graphs(model)
+
+
 def one_step(model, sessions, toks, saved, mode: str = "native"):
     """One step (``mode`` "native" or "ordered") from the saved states: (logits, state dicts after it),
     on the host."""
@@ -106,21 +119,17 @@ def run(model, ns, ctx: int, variants, rounds: int, iters: int, bw: float, log):
             saved = [(s.state_dict("cpu"), list(s.tokens)) for s in ss]
             results, exact = {}, {}
             for name, spec in variants:
-                with overridden(spec):
-                    _clear_graphs(model)
+                with applied(model, spec):
                     results[name] = one_step(model, ss, tt, saved)
                     exact[name] = same_result(results[name], one_step(model, ss, tt, saved, "ordered")) if n > 1 else None
-            _clear_graphs(model)
             for s, (st, tk) in zip(ss, saved):
                 s.load_state_dict(st, len(tk), tk)
             times = {name: [] for name, _ in variants}
             for r in range(rounds):
                 k = r % len(variants)
                 for name, spec in variants[k:] + variants[:k]:
-                    with overridden(spec):
-                        _clear_graphs(model)
+                    with applied(model, spec):
                         times[name].append(bench_decode.time_step(model, ss, tt, ctx, "native", iters))
-                    _clear_graphs(model)
             floor = bench_decode.step_floor_bytes(model, n, ctx)["total"] / bw * 1e3
             base = statistics.median(times[variants[0][0]])
             for name, _ in variants:

@@ -381,19 +381,19 @@ class SigmoidMoEConfig:
         dense = get("first_k_dense_replace", int)
         if not 0 <= dense <= num_layers:
             raise ConfigError(f"first_k_dense_replace {dense} outside "
-                                  f"[0, num_hidden_layers={num_layers}]")
+                              f"[0, num_hidden_layers={num_layers}]")
         E = get("n_routed_experts", int)
         n_group, topk_group, top_k = get("n_group", int), get("topk_group", int), get("num_experts_per_tok", int)
         if E < 1 or n_group < 1 or E % n_group:
             raise ConfigError(f"n_routed_experts {E} is not a positive multiple of n_group {n_group}")
         if E // n_group < 2:
             raise ConfigError(f"groups of {E // n_group} expert(s): the group score sums the top 2 "
-                                  f"of each group, so n_routed_experts / n_group must be >= 2")
+                              f"of each group, so n_routed_experts / n_group must be >= 2")
         if not 1 <= topk_group <= n_group:
             raise ConfigError(f"topk_group {topk_group} outside [1, n_group={n_group}]")
         if not 1 <= top_k <= topk_group * (E // n_group):
             raise ConfigError(f"num_experts_per_tok {top_k} outside [1, topk_group * experts per "
-                                  f"group = {topk_group * (E // n_group)}]")
+                              f"group = {topk_group * (E // n_group)}]")
         inter = c.get("intermediate_size")
         if dense > 0:
             inter = require(c, "intermediate_size", int)

@@ -104,10 +104,10 @@ class DeepseekConfig:
         rp = rope_params(c)
         if rp["rope_type"] not in ("default", "yarn"):
             raise ConfigError(f"rope_type {rp['rope_type']!r} not supported for deepseek_v3 "
-                                  "(supported: 'default', 'yarn')")
+                              "(supported: 'default', 'yarn')")
         if rp.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError("partial_rotary_factor must be 1 for deepseek_v3 "
-                                  "(RoPE covers qk_rope_head_dim)")
+                              "(RoPE covers qk_rope_head_dim)")
         max_pos = c.get("max_position_embeddings", 4096)
         if rp["rope_type"] == "yarn":
             if rp.get("factor") is None:

@@ -82,7 +82,7 @@ class GlmConfig:
         rotary = int(head_dim * rp.get("partial_rotary_factor", 0.5))   # HF's default for GLM: 0.5
         if rotary < 2 or rotary % 2 or rotary > head_dim:
             raise ConfigError(f"partial_rotary_factor gives {rotary} rotary dims of head_dim "
-                                  f"{head_dim}: need an even number in [2, head_dim]")
+                              f"{head_dim}: need an even number in [2, head_dim]")
         return cls(
             vocab_size=require(c, "vocab_size", int), hidden_size=hidden, num_layers=n,
             eps=c.get("rms_norm_eps", 1e-5), num_heads=heads, num_kv_heads=kv, head_dim=head_dim,

@@ -43,7 +43,7 @@ def rope_inv_freq(head_dim: int, p: dict) -> torch.Tensor:
         return inv if ff is None else inv / torch.tensor(ff, dtype=torch.float32)
     if kind not in ROPE_TYPES:
         raise ConfigError(f"rope_type {kind!r} is not supported for llama/qwen3 "
-                              f"(supported: {list(ROPE_TYPES)})")
+                          f"(supported: {list(ROPE_TYPES)})")
     factor = p.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
         raise ConfigError(f"rope_type {kind!r} needs a positive 'factor', got {factor!r}")
@@ -106,7 +106,7 @@ class LlamaConfig:
         rp = rope_params(c)
         if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError(f"partial_rotary_factor {rp['partial_rotary_factor']} not supported "
-                                  f"for {mt} (RoPE over the whole head only)")
+                              f"for {mt} (RoPE over the whole head only)")
         rope_inv_freq(head_dim, rp)   # errors for unsupported scaling now, at config time
         return cls(
             vocab_size=require(c, "vocab_size", int), hidden_size=hidden,

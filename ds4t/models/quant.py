@@ -57,23 +57,23 @@ def parse_quantization(cfg: dict) -> Optional[FP8Config]:
     method = q.get("quant_method")
     if method != "fp8":
         raise ConfigError(f"quantization_config.quant_method {method!r} is not supported "
-                              f"(ds4t reads block-FP8 checkpoints: 'fp8')")
+                          f"(ds4t reads block-FP8 checkpoints: 'fp8')")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
     act = q.get("activation_scheme", "dynamic")
     if act != "dynamic":
         raise ConfigError(f"quantization_config.activation_scheme {act!r} is not supported: ds4t "
-                              f"runs FP8 weights with unquantized activations ('dynamic' checkpoints)")
+                          f"runs FP8 weights with unquantized activations ('dynamic' checkpoints)")
     block = q.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ConfigError(f"quantization_config.weight_block_size must be two positive ints "
-                              f"(per-tensor FP8 is not supported), got {block!r}")
+                          f"(per-tensor FP8 is not supported), got {block!r}")
     skip = q.get("modules_to_not_convert") or []
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
         raise ConfigError(f"quantization_config.modules_to_not_convert must be a list of "
-                              f"module names, got {skip!r}")
+                          f"module names, got {skip!r}")
     return FP8Config(block=(int(block[0]), int(block[1])), not_converted=tuple(skip))
 
 
