@@ -49,7 +49,8 @@ from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group  # noqa: E402
 from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
-from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, quantize  # noqa: E402
+from ds4t.kernels.qlinear import qlinear_config  # noqa: E402
+from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
 
 SHAPES = ((7168, 36864), (2048, 151936))
 MOE = dict(E=512, I=512, D=2048, k=10)
@@ -74,7 +75,8 @@ def correctness(dev, log) -> bool:
         for adt in (torch.float32, torch.bfloat16):
             x = torch.randn(16, K, generator=g).to(dev)
             y = L.linear(x, w, act_dtype=adt)
-            err = _rel(y, x.to(adt).double() @ deq.double().t())
+            fold = adt == torch.bfloat16 and qlinear_config(K, N, qt, adt).fold   # the route's own weights
+            err = _rel(y, x.to(adt).double() @ (fold_weights(w) if fold else deq).double().t())
             inv = all(torch.equal(L.linear(x[i:i + 1], w, act_dtype=adt)[0], y[i]) for i in range(16))
             good = err <= 1e-4 and inv and bitwise
             ok &= good
@@ -160,25 +162,34 @@ TOP = 4
 """Linear configs timed at every B: the TOP fastest at B = 1 (the linear's time hardly moves with B <= 16)."""
 
 
-def linear_grid(K: int, N: int, qt: str):
-    """The linear configs tried for one (shape, type): 32- to 128-row tiles, split-K 1 or 2 (the FP8
-    sweeps' winners split K = 7168 in two), 2 or 4 warps (FP8's winners had 2), 1-4 stages (1: no
-    cp.async pipeline: the bytes load to registers, fewer instructions), Q8_0 at 4 and
-    8 blocks a step, 32- / 64-row tiles also in pairs (``pair``); plus the table's config."""
-    groups = sorted({_q8_group(K, 4), _q8_group(K, 8)}) if qt == "Q8_0" else [1]
-    out = [QLinearConfig(block_n=bn, split=sp, group=g, num_warps=w, num_stages=st, pair=pr)
-           for bn, sp in ((32, 1), (32, 2), (64, 1), (64, 2), (128, 1))
-           for w, st in ((2, 1), (2, 2), (2, 3), (4, 1), (4, 3), (4, 4)) for g in groups
-           for pr in ((False, True) if bn <= 64 else (False,))]
+def linear_grid(K: int, N: int, qt: str, routes=("exact", "fold")):
+    """The linear configs tried for one (shape, type). Exact route: 32- to 128-row tiles, split-K 1 or 2
+    (the FP8 sweeps' winners split K = 7168 in two), 2 or 4 warps (FP8's winners had 2), 1-4 stages (1: no
+    cp.async pipeline: the bytes load to registers, fewer instructions), Q8_0 at 4 and 8 blocks a step,
+    32- / 64-row tiles also in pairs (``pair``). Fold route (bf16 activations): 32- to 128-row tiles,
+    split 1 / 2 / 4, 2 / 4 / 8 warps, Q8_0 at 4 / 8 / 16 blocks a step. Plus the table's config."""
+    out = []
+    if "exact" in routes:
+        groups = sorted({_q8_group(K, 4), _q8_group(K, 8)}) if qt == "Q8_0" else [1]
+        out += [QLinearConfig(block_n=bn, split=sp, group=g, num_warps=w, num_stages=st, pair=pr)
+                for bn, sp in ((32, 1), (32, 2), (64, 1), (64, 2), (128, 1))
+                for w, st in ((2, 1), (2, 2), (2, 3), (4, 1), (4, 3), (4, 4)) for g in groups
+                for pr in ((False, True) if bn <= 64 else (False,))]
+    if "fold" in routes:
+        groups = sorted({_q8_group(K, 4), _q8_group(K, 8), _q8_group(K, 16)}) if qt == "Q8_0" else [1]
+        out += [QLinearConfig(block_n=bn, split=sp, group=g, num_warps=w, num_stages=st, fold=True)
+                for bn, sp in ((32, 2), (32, 4), (64, 1), (64, 2), (128, 2))
+                for w, st in ((2, 3), (4, 1), (4, 3), (8, 3)) for g in groups]
     base = QLINEAR_CONFIGS(K, N, qt, torch.bfloat16)   # the table's (or rule's) current choice
     return list(dict.fromkeys(out + [base]))
 
 
-def moe_grid(kernel: str, qt: str):
+def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
     """The configs tried for one grouped kernel and type (the other kernel keeps its table config)."""
-    out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st, interleave=il)
+    out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st, interleave=il, fold=fo)
+           for fo in [r == "fold" for r in routes]
            for bn in (16, 32, 64, 128) for w, st in ((2, 1), (2, 3), (4, 1), (4, 3)) for g in ((4, 8) if qt == "Q8_0" else (4,))
-           for il in ((True, False) if kernel == "gate_up" else (True,))]
+           for il in ((True, False) if kernel == "gate_up" and not fo else (True,))]
     base = QMOE_CONFIGS(kernel, qt)
     return list(dict.fromkeys(out + [base]))
 
@@ -256,16 +267,18 @@ def _entry(key, cfg) -> str:
     return f"    {key}: {type(cfg).__name__}({fields}),"
 
 
-def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), dev="cuda", shapes=SHAPES, moe=MOE):
+def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), dev="cuda", shapes=SHAPES, moe=MOE,
+          routes=("exact", "fold")):
     """Try each config of the grids: correctness, row invariance, GB/s at B = 1, 4, 16. Returns the rows.
     (``dev="cpu"`` with tiny ``shapes`` / ``moe`` and ``workers=0``: a smoke run of the script's logic.)"""
     bf = torch.bfloat16
     jobs = []
     if "linear" in what:
-        jobs += [_job("linear", K, N, qt, cfg=c) for K, N in shapes for qt in types for c in linear_grid(K, N, qt)]
+        jobs += [_job("linear", K, N, qt, cfg=c) for K, N in shapes for qt in types
+                 for c in linear_grid(K, N, qt, routes)]
     if "moe" in what:
         jobs += [_job("moe", kern, qt, cfg=c)
-                 for qt in types for kern in ("gate_up", "down") for c in moe_grid(kern, qt)]
+                 for qt in types for kern in ("gate_up", "down") for c in moe_grid(kern, qt, routes)]
     errors = precompile(jobs, min(workers, len(jobs)), log) if workers > 0 else {}
     rows, best = [], []
     g = torch.Generator(device=dev).manual_seed(0)
@@ -311,13 +324,15 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             xs = {B: [torch.randn(B, K, device=dev, generator=g, dtype=bf) for _ in range(2)] for B in SWEEP_B}
             for qt in types:
                 q = [quantize(w32, qt, act_dtype=bf) for _ in range(2)]
-                head = q[0][:256].dequantize().double()           # gguf-py on 256 weight rows
-                ref = xs[16][0].double() @ head.t()
+                # gguf-py on 256 weight rows (exact route), the fold route's bf16 weights (fold)
+                refs = {fo: xs[16][0].double() @ (fold_weights(q[0][:256]) if fo else q[0][:256].dequantize()).double().t()
+                        for fo in (False, True)}
                 outs = {B: torch.empty(B, N, device=dev) for B in SWEEP_B}
 
-                def check(cfg, q=q, ref=ref):
+                def check(cfg, q=q, refs=refs):
                     x = xs[16][0]
                     y = L.linear(x, q[0], config=cfg)
+                    ref = refs[cfg.fold]
                     err = ((y[:, :256].double() - ref).abs().max() / ref.abs().max()).item()
                     inv = all(torch.equal(L.linear(x[i:i + 1], q[0], config=cfg)[0], y[i]) for i in (0, 7, 15))
                     return err, inv
@@ -327,7 +342,7 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
 
                 nbytes = lambda B, q=q: q[0].nbytes   # noqa: E731
                 sel = [measure(("linear", K, N, qt), c, fns, nbytes, check, bs=SWEEP_B[:1])
-                       for c in linear_grid(K, N, qt)]
+                       for c in linear_grid(K, N, qt, routes)]
                 top = sorted((r for r in sel if r["status"] == "ok"), key=lambda r: r["ms_b1"])[:TOP]
                 for r in top:
                     time_at(r, _cfg_of(r), SWEEP_B[1:], fns, nbytes)
@@ -348,10 +363,19 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             # B = 16 batch, over just the experts they use (ids renumbered)
             h3, ids3, wts3 = (t[:3] for t in routes[16])
             used, ids_used = torch.unique(ids3, return_inverse=True)
-            ref = M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3, *(w[used] for w in ws))
+            exact = [w[used] for w in ws]
+            table = {k: QMOE_CONFIGS(k, qt).fold for k in ("gate_up", "down")}
+
+            def moe_ref(fold):   # fold: {kernel: route} -- gate / up through gate_up's, down through down's
+                wr = [fold_weights(w).float() if fo else w.dequantize() for w, fo in
+                      zip(exact, (fold["gate_up"], fold["gate_up"], fold["down"]))]
+                return M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3, *wr, act_dtype=bf)
 
             for kern in ("gate_up", "down"):
-                def check(cfg, ws=ws, ref=ref, kern=kern):
+                refs = {fo: moe_ref({**table, kern: fo}) for fo in (False, True)}
+
+                def check(cfg, ws=ws, refs=refs, kern=kern):
+                    ref = refs[cfg.fold]
                     with QMOE_CONFIGS.forced(_moe_rule(kern, cfg)):
                         h, ids, wts = routes[16]
                         o = M.moe_experts(h, ids, wts, *ws)
@@ -370,7 +394,7 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
                     return [call]
 
                 sel = [measure(("moe", kern, qt), c, fns, lambda B: per_expert * touched[B], check)
-                       for c in moe_grid(kern, qt)]
+                       for c in moe_grid(kern, qt, routes)]
                 pick(sel, f"({kern!r}, {qt!r})", f"moe_experts {kern} E={E} I={I} D={D} top{moe['k']} {qt}")
             del ws
     log("\n### Best config per (shape, type): least summed time over B = 1, 4, 16\n")
@@ -411,6 +435,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
+    ap.add_argument("--sweep-routes", default="exact,fold", help="exact and/or fold: the routes whose configs the sweep tries")
     ap.add_argument("--workers", type=int, default=15, help="compile processes for --sweep")
     ap.add_argument("--models", default="", help="comma list of presets")
     ap.add_argument("--formats", default="bf16,q4_k,q8_0", help="bf16 and/or load(quantize=) types")
@@ -447,11 +472,12 @@ def main() -> int:
     if args.sweep:
         log("\n## Sweep (bf16 activations)\n")
         types, what = [t for t in args.sweep_types.split(",") if t], [w for w in args.sweep_what.split(",") if w]
+        routes = [r for r in args.sweep_routes.split(",") if r]
         if cuda:
-            srows = sweep(bw, log, args.workers, types, what)
+            srows = sweep(bw, log, args.workers, types, what, routes=routes)
         else:   # a smoke run of the sweep's logic in the interpreter: tiny shapes, no compile processes
             srows = sweep(bw, log, 0, types, what, dev=args.device, shapes=((512, 96),),
-                          moe=dict(E=8, I=256, D=256, k=2))
+                          moe=dict(E=8, I=256, D=256, k=2), routes=routes)
             write_sweep_csv(os.path.join(args.out, "sweep.csv"), srows)
             ok &= not any(r["status"] == "BAD" for r in srows)
     for name in [m for m in args.models.split(",") if m]:

@@ -349,6 +349,23 @@ def nibbles_to(b, dtype: tl.constexpr):
 
 
 @triton.jit
+def fma_bf16(a, b, c):
+    """``a * b + c`` rounded once to bf16 (nearest, ties to even): one packed ``fma.rn.bf16x2`` per two
+    elements on the GPU. a, b, c bf16 tiles of one shape. The interpreter computes the sum in fp64 (exact
+    for bf16 operands within 2^37 of each other) and rounds it once from the fp64 bits (normal bf16
+    range: the GGUF fold route's weights, never near 2^-126)."""
+    if _INTERPRET_C:
+        v = a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)
+        bits = v.to(tl.uint64, bitcast=True)
+        bits = (bits + (((bits >> 45) & 1) + 0xFFFFFFFFFFF)) & 0xFFFFE00000000000
+        out = bits.to(tl.float64, bitcast=True).to(tl.float32).to(tl.bfloat16)
+    else:
+        out = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                        dtype=tl.bfloat16, is_pure=True, pack=2)
+    return out
+
+
+@triton.jit
 def fp8_scaled_to(w, s, dtype: tl.constexpr):
     """fp8 tile ``w`` times fp32 scales ``s`` (broadcast against it), in fp32, rounded once to ``dtype``:
     the operand of :data:`FP8_ROUTES` ``"fold"``."""

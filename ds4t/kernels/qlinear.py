@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, cast, grid_dependency, int8_to, mma, nibbles_to, scaled_add, six_bit_to, tl_dtype
+from ds4t.backend import LAUNCH, cast, fma_bf16, grid_dependency, int8_to, mma, nibbles_to, scaled_add, six_bit_to, tl_dtype
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -167,10 +167,107 @@ def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr):
+def _x_cols(x_row, cols, ADT: tl.constexpr):
+    """Activations [len(cols), BM] of columns ``cols`` (any order), rounded to ADT."""
+    return cast(tl.load(x_row[None, :] + cols[:, None]).to(tl.float32), ADT)
+
+
+@triton.jit
+def _spread(v, RUN: tl.constexpr):
+    """[BN, J] -> [BN, J * RUN]: column j repeated RUN times (a sub-block's scale along its columns)."""
+    BN: tl.constexpr = v.shape[0]
+    J: tl.constexpr = v.shape[1]
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, J, RUN)), (BN, J * RUN))
+
+
+@triton.jit
+def _columns4(a0, a1, a2, a3):
+    """[BN, 4] with columns a0, a1, a2, a3 ([BN] each)."""
+    t = tl.join(tl.join(a0, a2), tl.join(a1, a3))   # [BN, 2, 2]: [n, i, j] = a_{2 i + j}
+    return tl.reshape(t, (a0.shape[0], 4))
+
+
+@triton.jit
+def _fold_dot(acc, q, s, mn, xt):
+    """Fold route: acc + (q * s - mn) . xt, the weight ``fma(q, s, -mn)`` rounded once to bf16 (one packed
+    FMA per two weights), one MMA into acc. q [BN, SB] bf16 integers (exact), s / mn fp32 [BN, SB] (each
+    rounded to bf16 first), xt [SB, BM] bf16."""
+    s16 = cast(s, tl.bfloat16)
+    return mma(fma_bf16(q, s16, cast(0.0 - mn, tl.bfloat16)), xt, acc)
+
+
+@triton.jit
+def _q8_0_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr):
+    """Fold route, Q8_0: the G blocks of columns k .. k + 32 G in one MMA."""
+    dp = (w_row + KW + 2 * (k // 32)).to(tl.pointer_type(tl.float16))
+    d = _spread(tl.load(dp[:, None] + tl.arange(0, G)[None, :]).to(tl.float32), 32)
+    q = int8_to(_raw_bytes(w_row, k, 32 * G), tl.bfloat16)
+    return _fold_dot(acc, q, d, tl.zeros_like(d), _x_tile(x_row, k, 32 * G, tl.bfloat16))
+
+
+@triton.jit
+def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
+    """Fold route, Q4_K: the 256-block at k in two MMAs (low nibbles: sub-blocks 0, 2, 4, 6; high nibbles:
+    1, 3, 5, 7; each over its 128 columns)."""
+    hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
+    w0 = tl.load(hdr)
+    w1 = tl.load(hdr + 1)
+    w2 = tl.load(hdr + 2)
+    w3 = tl.load(hdr + 3)
+    d = _f16_bits(w0)[:, None]
+    dmin = _f16_bits(w0 >> 16)[:, None]
+    s0, m0 = _q4k_scale_min(w1, w2, w3, 0)
+    s1, m1 = _q4k_scale_min(w1, w2, w3, 1)
+    s2, m2 = _q4k_scale_min(w1, w2, w3, 2)
+    s3, m3 = _q4k_scale_min(w1, w2, w3, 3)
+    s4, m4 = _q4k_scale_min(w1, w2, w3, 4)
+    s5, m5 = _q4k_scale_min(w1, w2, w3, 5)
+    s6, m6 = _q4k_scale_min(w1, w2, w3, 6)
+    s7, m7 = _q4k_scale_min(w1, w2, w3, 7)
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
+    j = tl.arange(0, 128)
+    cols = k + (j // 32) * 64 + j % 32      # byte 32 c + l: low nibble column 64 c + l, high 64 c + 32 + l
+    acc = _fold_dot(acc, lo, _spread(_columns4(s0, s2, s4, s6).to(tl.float32) * d, 32),
+                    _spread(_columns4(m0, m2, m4, m6).to(tl.float32) * dmin, 32), _x_cols(x_row, cols, tl.bfloat16))
+    return _fold_dot(acc, hi, _spread(_columns4(s1, s3, s5, s7).to(tl.float32) * d, 32),
+                     _spread(_columns4(m1, m3, m5, m7).to(tl.float32) * dmin, 32),
+                     _x_cols(x_row, cols + 32, tl.bfloat16))
+
+
+@triton.jit
+def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
+    """Fold route, Q6_K: the 256-block at k in eight MMAs of 32 columns (two 16-column sub-blocks each).
+    Half hf, quarter t: ql bytes 64 hf + 32 (t % 2) .. + 32, nibble t // 2; qh bytes 32 hf .. + 32, bit
+    pair t; columns 128 hf + 32 t .. + 32; sub-blocks 8 hf + 2 t, + 1."""
+    blk = k // 256
+    d = tl.load((w_row + (3 * KW // 4 + KW // 16) + blk * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    scp = (w_row + 3 * KW // 4 + blk * 16).to(tl.pointer_type(tl.int8))
+    for hf in tl.static_range(2):
+        qh = _raw_bytes(w_row, KW // 2 + blk * 64 + 32 * hf, 32)
+        qa = _raw_bytes(w_row, blk * 128 + 64 * hf, 32)
+        qb = _raw_bytes(w_row, blk * 128 + 64 * hf + 32, 32)
+        for t in tl.static_range(4):
+            ql = qa if t % 2 == 0 else qb
+            sc = tl.load(scp[:, None] + (8 * hf + 2 * t + tl.arange(0, 2))[None, :]).to(tl.float32)
+            s = _spread(sc * d[:, None], 16)
+            acc = _fold_dot(acc, six_bit_to(ql, qh, t // 2, t, tl.bfloat16), s, tl.zeros_like(s),
+                            _x_tile(x_row, k + 128 * hf + 32 * t, 32, tl.bfloat16))
+    return acc
+
+
+@triton.jit
+def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
+            FOLD: tl.constexpr = False):
     """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K: one
     256-block)."""
-    if FMT == 0:
+    if FOLD:
+        if FMT == 0:
+            acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
+        elif FMT == 1:
+            acc = _q4_k_fold(acc, w_row, x_row, k, KW)
+        else:
+            acc = _q6_k_fold(acc, w_row, x_row, k, KW)
+    elif FMT == 0:
         acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
     elif FMT == 1:
         acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW)
@@ -181,7 +278,7 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
 
 @triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
-         KW: tl.constexpr):
+         KW: tl.constexpr, FOLD: tl.constexpr = False):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
 
     w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
@@ -192,21 +289,21 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     on the GPU, plain conversions in the interpreter: the same exact values)."""
     STEP: tl.constexpr = 32 * G if FMT == 0 else 256
     for k in range(k_lo, k_hi, STEP):
-        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
     return acc
 
 
 @triton.jit
 def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr,
-              G: tl.constexpr, KW: tl.constexpr):
+              G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr = False):
     """(:func:`qdot` of w_row, :func:`qdot` of w2_row) in one loop: each K step of the one weight, then
     of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
     order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
     kernel computes)."""
     STEP: tl.constexpr = 32 * G if FMT == 0 else 256
     for k in range(k_lo, k_hi, STEP):
-        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW)
-        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
+        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
     return acc, acc2
 
 
@@ -216,7 +313,7 @@ def _qlinear_kernel(
     B, stride_xm, stride_wn, stride_ys, stride_ym,
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N * (1 + PAIR)), SPLIT).
     Rows past B and weight rows past N load in-bounds rows (clamped) and are never stored. PAIR: the
@@ -235,11 +332,11 @@ def _qlinear_kernel(
         rn = 2 * pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn2 = rn + BLOCK_N
         acc, acc2 = qdot_pair(zero, zero, _w_rows(w_ptr, rn, N, stride_wn), _w_rows(w_ptr, rn2, N, stride_wn),
-                              x_row, k_lo, k_hi, FMT, ADT, G, K)
+                              x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD)
         _store_tile(acc2, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn2, B, N, HAS_BIAS)
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K)
+        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD)
     _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N, HAS_BIAS)
 
 
@@ -269,6 +366,7 @@ class QLinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits; not yet timed on a GPU)
+    fold: bool = False  # bf16 activations: the fold route (module docstring); other dtypes: exact
 
     def k_step(self, qtype: str) -> int:
         return 32 * self.group if qtype == "Q8_0" else 256
@@ -358,7 +456,8 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     has_bias = bias is not None
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, **launch_kwargs(cfg))
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=cfg.fold and act_dtype == torch.bfloat16,
+                  **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:
         _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),

@@ -35,6 +35,7 @@ def _qmoe_gate_up_kernel(
     I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
+    FOLD: tl.constexpr = False,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
@@ -53,10 +54,10 @@ def _qmoe_gate_up_kernel(
         x_row = h_ptr + (p // KTOP) * sh_b
         zero = tl.zeros((BN, BM), dtype=tl.float32)
         if INTERLEAVE:
-            acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+            acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD)
         else:
-            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
-            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D)
+            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD)
+            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -68,7 +69,7 @@ def _qmoe_down_kernel(
     y_ptr, sy_p,
     D, E, I: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
+    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, FOLD: tl.constexpr = False,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     row_bytes(I)])."""
@@ -81,7 +82,7 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, FOLD)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
@@ -94,6 +95,7 @@ class QMoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     interleave: bool = True   # gate_up: gate and up step through K together (same bits; not yet timed on a GPU)
+    fold: bool = False   # bf16 activations: qlinear's fold route; other dtypes: exact
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -143,10 +145,10 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=cfg.fold and adt == torch.bfloat16, **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
         D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, FOLD=cfg.fold and adt == torch.bfloat16, **launch_kwargs(cfg), **LAUNCH)

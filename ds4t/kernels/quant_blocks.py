@@ -246,6 +246,56 @@ def dequantize(data: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(*data.shape[:-1], K).to(data.device)
 
 
+def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The terms of every element of ggml blocks ``data`` uint8 ``[..., N, K / QK * BPB]``: (q, s, mn) fp64
+    ``[..., N, K]`` with the dequantized value ``s * q - mn`` (q the integer, s = d * sc and mn = dmin * m
+    its sub-block's fp32-exact scale and min; mn = 0 but for Q4_K). On ``data``'s device."""
+    f = block_format(qtype)
+    lead = data.shape[:-1]
+    b = data.reshape(-1, f.bpb)
+    n = b.shape[0]
+
+    def f16(lo):
+        return b[:, lo:lo + 2].contiguous().view(torch.float16).double()   # [n, 1]
+
+    if qtype == "Q8_0":
+        q = b[:, 2:].view(torch.int8).double()
+        s = f16(0).expand(n, 32)
+        mn = torch.zeros_like(q)
+    elif qtype == "Q4_K":
+        qs = b[:, 16:].reshape(n, 4, 1, 32).int()
+        q = torch.cat([qs & 15, qs >> 4], 2).reshape(n, 256).double()
+        p = b[:, 4:16].int()
+        j = torch.arange(4, device=b.device)
+        sc = torch.cat([p[:, j] & 63, (p[:, 8 + j] & 15) | ((p[:, j] >> 6) << 4)], 1)
+        m = torch.cat([p[:, 4 + j] & 63, (p[:, 8 + j] >> 4) | ((p[:, 4 + j] >> 6) << 4)], 1)
+        s = (f16(0) * sc.double()).repeat_interleave(32, 1)
+        mn = (f16(2) * m.double()).repeat_interleave(32, 1)
+    else:
+        e = torch.arange(128, device=b.device)
+        ql = b[:, :128].reshape(n, 2, 64).int()[:, :, e % 64]
+        qh = b[:, 128:192].reshape(n, 2, 32).int()[:, :, e % 32]
+        q = (((ql >> (4 * (e // 64))) & 15) | (((qh >> (2 * (e // 32))) & 3) << 4)).reshape(n, 256).double() - 32
+        s = (f16(208) * b[:, 192:208].view(torch.int8).double()).repeat_interleave(16, 1)
+        mn = torch.zeros_like(q)
+    return tuple(t.reshape(*lead, K) for t in (q, s, mn))
+
+
+def _rne_bf16(v: torch.Tensor) -> torch.Tensor:
+    """fp64 ``v`` rounded once to bf16 (nearest, ties to even; normal range), from its bits."""
+    bits = v.contiguous().view(torch.int64)
+    bits = (bits + (((bits >> 45) & 1) + (1 << 44) - 1)) & ~((1 << 45) - 1)
+    return bits.view(torch.float64).float().to(torch.bfloat16)
+
+
+def fold_weights(w: "GGUFWeight") -> torch.Tensor:
+    """bf16 ``[..., N, K]``: the weights the fold route multiplies (:mod:`ds4t.kernels.qlinear`): per
+    element ``q * bf16(s) - bf16(mn)`` rounded once to bf16, what one packed ``fma.rn.bf16x2`` gives."""
+    q, s, mn = block_terms(w.blocks(), w.qtype, w.k)
+    s16, mn16 = (t.float().to(torch.bfloat16).double() for t in (s, mn))
+    return _rne_bf16(q * s16 - mn16)
+
+
 # ----------------------------------------------------------------------------------------------
 # Quantizing (the converter, tests, load-time quantization), in torch on the weight's device. Q8_0 is
 # ggml's reference (bit-exact with gguf-py's ``quants.quantize``); gguf-py has no K-quant quantizer, so
