@@ -186,10 +186,14 @@ def linear_grid(K: int, N: int, qt: str, routes=("exact", "fold")):
 
 def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
     """The configs tried for one grouped kernel and type (the other kernel keeps its table config)."""
-    out = [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st, interleave=il, fold=fo)
-           for fo in [r == "fold" for r in routes]
-           for bn in (16, 32, 64, 128) for w, st in ((2, 1), (2, 3), (4, 1), (4, 3)) for g in ((4, 8) if qt == "Q8_0" else (4,))
-           for il in ((True, False) if kernel == "gate_up" and not fo else (True,))]
+    out = []
+    if "exact" in routes:
+        out += [QMoEConfig(tile_n=bn, q8_group=g, num_warps=w, num_stages=st, interleave=il)
+                for bn in (16, 32, 64, 128) for w, st in ((2, 1), (2, 3), (4, 1), (4, 3))
+                for g in ((4, 8) if qt == "Q8_0" else (4,)) for il in ((True, False) if kernel == "gate_up" else (True,))]
+    if "fold" in routes:
+        out += [QMoEConfig(tile_n=bn, q8_group=4, num_warps=w, num_stages=st, fold=True)
+                for bn in (32, 64) for w, st in ((2, 3), (4, 1), (4, 3))]
     base = QMOE_CONFIGS(kernel, qt)
     return list(dict.fromkeys(out + [base]))
 
@@ -352,8 +356,8 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             del w32
     if "moe" in what:
         E, I, D = moe["E"], moe["I"], moe["D"]
-        routes = {B: _moe_routes(B, moe, dev) for B in SWEEP_B}
-        touched = {B: len(set(routes[B][1].flatten().tolist())) for B in SWEEP_B}
+        routing = {B: _moe_routes(B, moe, dev) for B in SWEEP_B}
+        touched = {B: len(set(routing[B][1].flatten().tolist())) for B in SWEEP_B}
         wf = [torch.randn(*s, device=dev, generator=g, dtype=bf) * s[-1] ** -0.5
               for s in ((E, I, D), (E, I, D), (E, D, I))]
         for qt in types:
@@ -361,15 +365,14 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             per_expert = sum(w.nbytes for w in ws) / E
             # gguf-py's dequantize of all 512 experts takes too long: the reference covers rows 0..2 of the
             # B = 16 batch, over just the experts they use (ids renumbered)
-            h3, ids3, wts3 = (t[:3] for t in routes[16])
+            h3, ids3, wts3 = (t[:3] for t in routing[16])
             used, ids_used = torch.unique(ids3, return_inverse=True)
             exact = [w[used] for w in ws]
             table = {k: QMOE_CONFIGS(k, qt).fold for k in ("gate_up", "down")}
 
             def moe_ref(fold):   # fold: {kernel: route} -- gate / up through gate_up's, down through down's
-                wr = [fold_weights(w).float() if fo else w.dequantize() for w, fo in
-                      zip(exact, (fold["gate_up"], fold["gate_up"], fold["down"]))]
-                return M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3, *wr, act_dtype=bf)
+                wr = [fold_weights(w) if fo else w for w, fo in zip(exact, (fold["gate_up"], fold["gate_up"], fold["down"]))]
+                return M.moe_experts_ref(h3, ids_used.to(torch.int32), wts3, *wr)   # activations in bf16 either way
 
             for kern in ("gate_up", "down"):
                 refs = {fo: moe_ref({**table, kern: fo}) for fo in (False, True)}
@@ -377,7 +380,7 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
                 def check(cfg, ws=ws, refs=refs, kern=kern):
                     ref = refs[cfg.fold]
                     with QMOE_CONFIGS.forced(_moe_rule(kern, cfg)):
-                        h, ids, wts = routes[16]
+                        h, ids, wts = routing[16]
                         o = M.moe_experts(h, ids, wts, *ws)
                         err = ((o[:3] - ref).abs().max() / ref.abs().max()).item()
                         inv = all(torch.equal(M.moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], *ws)[0], o[i])
@@ -385,7 +388,7 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
                     return err, inv
 
                 def fns(B, cfg, ws=ws, kern=kern):
-                    h, ids, wts = routes[B]
+                    h, ids, wts = routing[B]
                     out = torch.empty(B, D, device=dev)
 
                     def call():

@@ -385,39 +385,48 @@ def _q8_group(K: int, cap: int) -> int:
 
 
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
-    """Not swept yet: 64-row weight tiles, 4 Q8_0 blocks a step; split K (by K alone) while the grid
-    has fewer than ~2 programs per SM of an H200 (264) and each split keeps >= 8 loop steps."""
-    group = _q8_group(K, 4) if qtype == "Q8_0" else 1
+    """64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
+    H200 (264) and each split keeps >= 8 loop steps. bf16 activations, Q8_0 / Q4_K: the fold route with
+    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps; Q4_K 1 stage); otherwise the exact route,
+    4 Q8_0 blocks a step, 4 warps, 3 stages."""
+    fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
+    group = _q8_group(K, 8 if fold else 4) if qtype == "Q8_0" else 1
     step = 32 * group if qtype == "Q8_0" else 256
     block_n = max(16, min(64, triton.next_power_of_2(N)))
     split = 1
     while triton.cdiv(N, block_n) * split < 264 and K // step >= 16 * split:
         split *= 2
-    return QLinearConfig(block_n=block_n, split=split, group=group, num_warps=4, num_stages=3)
+    warps, stages = ((2, 3) if qtype == "Q8_0" else (4, 1)) if fold else (4, 3)
+    return QLinearConfig(block_n=block_n, split=split, group=group, num_warps=warps, num_stages=stages, fold=fold)
 
 
 def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
-    # few, big programs (the interpreter pays per program and per op); mma materialises [BN, SB, 16]
+    # few, big programs (the interpreter pays per program and per op); mma materialises [BN, SB, 16];
+    # the GPU's route, so a bf16 model computes the same arithmetic on either backend
     group = _q8_group(K, 8) if qtype == "Q8_0" else 1
     return QLinearConfig(block_n=max(16, min(256, triton.next_power_of_2(N))), split=1, group=group,
-                         num_warps=4, num_stages=1)
+                         num_warps=4, num_stages=1, fold=act_dtype == torch.bfloat16 and qtype in FOLD_TYPES)
 
+
+FOLD_TYPES = ("Q8_0", "Q4_K")
+"""Types whose rule takes the fold route for bf16 activations: faster on the H200 in every swept shape;
+Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-fold.md)."""
 
 _GPU_TABLE = {
-    # H200 sweep with the packed integer conversions (bench/results/2026-11-30-h200-gguf-round3.md): the
-    # least summed time over B = 1, 4, 16 per (shape, type); 28-52 % of copy bandwidth.
-    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=2, num_stages=2),
-    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
+    # H200 sweeps (bench/results/2026-12-02-h200-gguf-fold.md; Q6_K: 2026-11-30-h200-gguf-round3.md): the
+    # least summed time over B = 1, 4, 16 per (shape, type)
+    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=8, num_warps=2, num_stages=3, fold=True),
+    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=1, fold=True),
     (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
-    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=4, num_warps=4, num_stages=1),
-    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
+    (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=8, num_warps=2, num_stages=3, fold=True),
+    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=1, fold=True),
     (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
 }
 
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
-    source="bench/results/2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py --sweep); other shapes: "
-           "the rule (64-row tiles, split-K to ~264 programs)")
+    source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
+           "--sweep); other shapes: the rule (64-row tiles, split-K to ~264 programs, fold for bf16 Q8_0 / Q4_K)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 

@@ -23,7 +23,7 @@ from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
-from ds4t.kernels.qlinear import _q8_group, qdot, qdot_pair
+from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
 
@@ -105,18 +105,20 @@ class QMoEConfig:
 
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={
-        # H200 sweep (bench/results/2026-11-30-h200-gguf-round3.md), Qwen3-Next's experts (E=512 I=512 D=2048)
-        ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
-        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1),
-        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1),
-        ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3),
+        # H200 sweeps, Qwen3-Next's experts (E=512 I=512 D=2048): Q8_0 / Q4_K take the fold route with bf16
+        # activations (bench/results/2026-12-02-h200-gguf-fold.md); Q6_K the exact route (2026-11-30-h200-gguf-round3.md)
+        ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True),
+        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True),
+        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
+        ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
         ("gate_up", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
         ("down", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
     },
-    gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3),
-    interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1),
-    source="bench/results/2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py --sweep); the rule: "
-           "64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step")
+    gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, fold=qtype in FOLD_TYPES),
+    interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1,
+                                                 fold=qtype in FOLD_TYPES),
+    source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
+           "--sweep); the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step, fold for Q8_0 / Q4_K")
 """Keyed on (kernel "gate_up" | "down", GGUF type)."""
 
 

@@ -19,16 +19,28 @@ from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, qdot, qdot_pair, qlinear_config
-from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, dequantize, quantize, quantize_numpy, repack,
-                                       unpack)
+from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, block_terms, dequantize, fold_weights, quantize,
+                                       quantize_numpy, repack, unpack)
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
 DEV = torch.device("cpu" if INTERPRET else "cuda")
 ADTS = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
-"""Max |kernel - ref| / max |ref| by activation dtype. Both sides use the same (exact) dequantized weights
-and the same rounded activations; the kernel sums s * (x . q) - mn * sum(x) per sub-block, the reference
-x . w: fp32 sums in different orders."""
+"""Max |kernel - ref| / max |ref| by activation dtype. Both sides use the same weights (the exact dequantized
+ones, or the fold route's bf16 ones: :func:`_route_weights`) and the same rounded activations; the kernel sums
+per sub-block or per loop step, the reference x . w: fp32 sums in different orders."""
+
+
+def _folds(cfg, qtype, adt) -> bool:
+    """Does a launch with ``cfg`` (None: the table's) take the fold route?"""
+    if adt != torch.bfloat16:
+        return False
+    return cfg.fold if cfg is not None else qtype in ("Q8_0", "Q4_K")
+
+
+def _route_weights(w: GGUFWeight, fold: bool) -> torch.Tensor:
+    """fp32 [N, K]: the weights a route multiplies -- gguf-py's dequantized values, or the fold route's."""
+    return (fold_weights(w) if fold else w.dequantize()).float().to(DEV)
 
 
 def random_blocks(shape, qtype: str, seed: int, exp=(-4, -2)) -> GGUFWeight:
@@ -141,8 +153,29 @@ def test_kernel_decodes_blocks_bitwise_as_gguf_py(qtype, adt):
     six_bit_to)."""
     K = 256
     w = random_blocks((40, K), qtype, seed=3).with_act_dtype(adt)
-    y = linear(torch.eye(K, device=DEV), w, out=poisoned((K, 40), device=DEV))
+    exact = dataclasses.replace(qlinear_config(K, 40, qtype, adt), fold=False)
+    y = linear(torch.eye(K, device=DEV), w, config=exact, out=poisoned((K, 40), device=DEV))
     assert torch.equal(y.t().cpu(), dequantize(w.blocks().cpu(), qtype, K))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_fold_route_decodes_blocks_as_fold_weights(qtype):
+    """The fold route (bf16 activations) multiplies each weight as one packed bf16 FMA gives it,
+    ``q * bf16(s) - bf16(mn)`` rounded once: the identity reads back :func:`fold_weights` bit for bit, whose
+    terms are gguf-py's (s * q - mn equals its dequantize). Control: those weights are not gguf-py's values
+    rounded once to bf16 (the scales' own rounding shows), and fp32 activations keep the exact route."""
+    K = 512
+    w = random_blocks((40, K), qtype, seed=3).with_act_dtype(torch.bfloat16)
+    q, s, mn = block_terms(w.blocks(), qtype, K)
+    deq = dequantize(w.blocks().cpu(), qtype, K)
+    assert torch.equal((q * s - mn).float().cpu(), deq)
+    cfg = QLinearConfig(block_n=16, split=2, group=4 if qtype == "Q8_0" else 1, fold=True)
+    y = linear(torch.eye(K, device=DEV), w, config=cfg, out=poisoned((K, 40), device=DEV))
+    folded = fold_weights(w)
+    assert folded.dtype == torch.bfloat16 and torch.equal(y.t().cpu(), folded.float().cpu())
+    assert not torch.equal(folded.float().cpu(), deq.to(torch.bfloat16).float())
+    y32 = linear(torch.eye(K, device=DEV), w.with_act_dtype(torch.float32), config=cfg)
+    assert torch.equal(y32.t().cpu(), deq)
 
 
 @pytest.mark.parametrize("adt", ADTS, ids=str)
@@ -152,6 +185,10 @@ def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
     x = _x(B, K, seed=B)
     b = torch.randn(N).to(DEV)
     y = linear(x, w, b, out=poisoned((B, N), device=DEV))
+    if _folds(None, qtype, adt):   # the table's route for bf16 Q8_0 / Q4_K: against its own weights
+        ref = x.to(adt).double() @ _route_weights(w, True).double().t() + b.double()
+        assert _rel(y.double(), ref) <= TOL[adt]
+        return
     ref = linear_ref(x, w, b)   # gguf-py's dequantize (as_float), x rounded to adt, fp32 matmul
     assert _rel(y, ref) <= TOL[adt]
     deq = torch.from_numpy(__import__("gguf").quants.dequantize(
@@ -163,18 +200,21 @@ def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
 # Configs that exercise the GPU code paths in the interpreter: split-K (ragged last split), several N
 # tiles, Q8_0 blocks per step.
 PATH_CONFIGS = [QLinearConfig(block_n=16, split=3, group=2), QLinearConfig(block_n=64, split=2, group=1),
-                QLinearConfig(block_n=32, split=1, group=4)]
+                QLinearConfig(block_n=32, split=1, group=4), QLinearConfig(block_n=16, split=3, group=2, fold=True),
+                QLinearConfig(block_n=64, split=2, group=1, fold=True)]
 
 
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_gpu_paths_match_reference(qtype, cfg):
+def test_gpu_paths_match_reference(qtype, cfg, adt):
     K = 768 if qtype != "Q8_0" else 256
     w = random_blocks((50, K), qtype, seed=11)
     x = _x(4, K, seed=2)
     b = torch.randn(50).to(DEV)
-    y = linear(x, w, b, config=cfg, out=poisoned((4, 50), device=DEV))
-    assert _rel(y, linear_ref(x, w, b)) <= TOL[torch.float32]
+    y = linear(x, w, b, config=cfg, act_dtype=adt, out=poisoned((4, 50), device=DEV))
+    ref = x.to(adt).double() @ _route_weights(w, _folds(cfg, qtype, adt)).double().t() + b.double()
+    assert _rel(y.double(), ref) <= TOL[adt]
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -193,9 +233,10 @@ def test_linear_pair_changes_no_bit(qtype):
 
 def test_config_never_sees_the_batch():
     for qt in QTYPES:
-        cfg = _gpu_rule(4096, 14336, qt)
-        assert cfg == _gpu_rule(4096, 14336, qt, torch.bfloat16)
-        assert cfg.k_per_split(4096, qt) % cfg.k_step(qt) == 0
+        for adt in (torch.float32, torch.bfloat16):
+            cfg = _gpu_rule(4096, 14336, qt, adt)
+            assert cfg.k_per_split(4096, qt) % cfg.k_step(qt) == 0
+            assert cfg.fold == (adt == torch.bfloat16 and qt != "Q6_K")
     assert qlinear_config(512, 80, "Q4_K", torch.float32) is qlinear_config(512, 80, "Q4_K", torch.float32)
     with pytest.raises(ValueError, match="does not tile"):
         linear(_x(1, 96, 0), random_blocks((8, 96), "Q8_0", 0), config=QLinearConfig(block_n=16, split=1, group=2))
@@ -279,7 +320,11 @@ def _moe_case(qg, qd, adt):
     gate = torch.randn(h.shape[0]).to(DEV)
     o = moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, act_dtype=adt,
                     out=poisoned((h.shape[0], h.shape[1]), device=DEV))
-    ref = moe_experts_ref(h, ids, wts, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, act_dtype=adt)
+    # each kernel against the weights of its route (the table's: fold for bf16 Q8_0 / Q4_K)
+    wr = [_route_weights(w, _folds(None, w.qtype, adt)).to(adt) if _folds(None, w.qtype, adt) else w
+          for w in (wg, wu, wd)]
+    ref = moe_experts_ref(h, ids, wts, *wr, shared_expert=E - 1, shared_gate=gate,
+                          act_dtype=None if isinstance(wr[0], torch.Tensor) else adt)
     assert _rel(o, ref) <= 1e-4
     for i in (0, 1, 4):   # rows 0 and 1 share their experts
         one = moe_experts(h[i:i + 1], ids[i:i + 1], wts[i:i + 1], wg, wu, wd, shared_expert=E - 1,
