@@ -292,7 +292,7 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
             ms = _timed(fns_for(B, cfg), dev)
             r[f"ms_b{B}"], r[f"pct_b{B}"] = ms, 100 * nbytes_for(B) / ms / 1e-3 / bw
 
-    def measure(key, cfg, fns_for, nbytes_for, check, bs=SWEEP_B):
+    def measure(key, cfg, fns_for, nbytes_for, check, bs=SWEEP_B, tol=1e-4):
         job = json.dumps(_job(*key, cfg=cfg))
         r = dict(kernel=key[0], key=" ".join(map(str, key[1:])), config=str(cfg))
         if job in errors:
@@ -302,7 +302,7 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
                 err, inv = check(cfg)
                 r.update(err=err, inv=inv)
                 time_at(r, cfg, bs, fns_for, nbytes_for)
-                r["status"] = "ok" if err <= 1e-4 and inv else "BAD"
+                r["status"] = "ok" if err <= tol and inv else "BAD"
             except Exception as e:
                 if dev != "cpu":
                     torch.cuda.synchronize()
@@ -396,7 +396,9 @@ def sweep(bw: float, log, workers: int, types=QTYPES, what=("linear", "moe"), de
                             M.moe_experts(h, ids, wts, *ws, out=out)
                     return [call]
 
-                sel = [measure(("moe", kern, qt), c, fns, lambda B: per_expert * touched[B], check)
+                # tol: silu(g) * u is rounded to bf16 before the down product, so a last-bit difference of an
+                # fp32 sum (kernel vs reference order) moves an activation by a bf16 ulp: ~1e-4..3e-4 at D = 2048
+                sel = [measure(("moe", kern, qt), c, fns, lambda B: per_expert * touched[B], check, tol=1e-3)
                        for c in moe_grid(kern, qt, routes)]
                 pick(sel, f"({kern!r}, {qt!r})", f"moe_experts {kern} E={E} I={I} D={D} top{moe['k']} {qt}")
             del ws

@@ -16,6 +16,12 @@ decoded from the block bytes in registers.
 planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-byte vector loads (32 or
 16 contiguous, aligned bytes a row), its scales with aligned 2- or 4-byte loads.
 
+Fold route (``QLinearConfig.fold``, bf16 activations only): per loop step the integers, converted the same
+way, become weights ``fma(q, bf16(s), -bf16(mn))`` in one packed bf16 FMA (:func:`ds4t.backend.fma_bf16`),
+the sub-blocks of the step side by side with their scales spread along their columns and the activation
+columns gathered in the same order, and meet ``acc`` in one MMA (Q8_0: G blocks; Q4_K: two of 128 columns,
+low and high nibbles; Q6_K: eight of 32). The weights are :func:`ds4t.kernels.quant_blocks.fold_weights`.
+
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
 never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
 sub-block; a split-K count S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
@@ -259,7 +265,7 @@ def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
 def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
             FOLD: tl.constexpr = False):
     """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K: one
-    256-block)."""
+    256-block), by the exact or (FOLD) the fold route."""
     if FOLD:
         if FMT == 0:
             acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
@@ -286,7 +292,8 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K (one 256-block per step). Sub-blocks run in K
     order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. The integers become
     ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``six_bit_to`` (packed bit tricks
-    on the GPU, plain conversions in the interpreter: the same exact values)."""
+    on the GPU, plain conversions in the interpreter: the same exact values). FOLD (ADT bf16 only): the
+    fold route, one packed FMA a weight pair and one MMA a step (module docstring)."""
     STEP: tl.constexpr = 32 * G if FMT == 0 else 256
     for k in range(k_lo, k_hi, STEP):
         acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)

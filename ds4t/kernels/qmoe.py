@@ -6,7 +6,8 @@ Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWei
 (one loop reads both), w_down GGUFWeight [E, D, I] of any kernel type (llama.cpp's mixes often keep
 ``ffn_down_exps`` one step above gate/up).
 Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
-activations (h, then silu(g)·u) rounded to the activation dtype A first. Grouping, slot-to-expert
+activations (h, then silu(g)·u) rounded to the activation dtype A first; with bf16 activations a
+``QMoEConfig.fold`` entry takes qdot's fold route (the table's choice for Q8_0 and Q4_K). Grouping, slot-to-expert
 lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
 invariance there (a pair's value depends on its own row, its expert's blocks and launch constants
 that come from shapes and types only).

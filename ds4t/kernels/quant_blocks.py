@@ -57,6 +57,15 @@ returns (fp32; the identity-matrix test checks it). The kernel's result differs 
 never depend on the other rows (the sums run along the row's own K in a fixed order; launch constants
 come from shapes and the format only), so batch and chunk invariance hold as for float weights.
 
+**The fold route** (bf16 activations; a launch constant, ``QLinearConfig.fold`` / ``QMoEConfig.fold``, the
+default for Q8_0 and Q4_K): each weight is dequantized in bf16 arithmetic as ``q * bf16(s) - bf16(mn)``
+rounded once (one packed ``fma.rn.bf16x2`` per two weights), and the dequantized sub-blocks of a loop step
+meet one fp32 accumulator in one MMA. Its weights are :func:`fold_weights` bit for bit -- within ~1.5 bf16
+ulps of gguf-py's value, what any bf16 model holding the dequantized weight multiplies -- and cost a third of
+the exact route's instructions (H200: Q8_0 66-83 % of copy bandwidth against 39-55 %;
+bench/results/2026-12-02-h200-gguf-fold.md). Like every launch constant it comes from shapes, type and
+activation dtype, never from the batch; fp32 and fp16 activations always take the exact route.
+
 Other GGUF types are dequantized at load (:mod:`ds4t.models.gguf`).
 """
 from __future__ import annotations
