@@ -148,8 +148,9 @@ def record_gguf() -> None:
             x = torch.randn(3, K, generator=g)
             w = quantize(torch.randn(N, K, generator=g) / K ** 0.5, qt)
             b = torch.randn(N, generator=g)
-            for cfg in (None, Q._gpu_rule(K, N, qt), Q.QLinearConfig(block_n=32, split=2, group=2),
-                        Q.QLinearConfig(block_n=32, split=2, group=2, pair=True)):
+            for cfg in (None, Q._gpu_rule(K, N, qt, adt), Q.QLinearConfig(block_n=32, split=2, group=2),
+                        Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
+                        Q.QLinearConfig(block_n=32, split=2, group=2, fold=True)):   # fold: bf16 only
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
         E, I, D = 4, 256, 256
         for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")):

@@ -238,3 +238,36 @@ def test_fp8_route_f16_needs_16_bit_activations():
         assert backend.fp8_route("t", "f16", dt) == backend.FP8_ROUTES["f16"]
     with pytest.raises(ValueError, match="f16"):
         backend.fp8_route("t", "f16", torch.float32)
+
+
+@triton.jit
+def _fma_bf16_kernel(a_ptr, b_ptr, c_ptr, o_ptr, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + r)
+    b = tl.load(b_ptr + r)
+    c = tl.load(c_ptr + r)
+    tl.store(o_ptr + r, backend.fma_bf16(a, b, c))
+
+
+def test_fma_bf16_rounds_once(device):
+    """a * b + c rounded once to bf16 (the GGUF fold route's weights): against an fp64 reference rounded
+    from its bits, with products whose exact sum sits on or next to a bf16 tie (two roundings -- fp32, then
+    bf16 -- would break those) and c = -0 / large cancellations."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-64, 64, (4096,), generator=g).double()
+    b = (torch.randn(4096, generator=g).double() * 2.0 ** torch.randint(-12, 4, (4096,), generator=g)).float()
+    b = b.bfloat16().double()
+    c = -(a * b).float().bfloat16().double() * torch.randint(0, 2, (4096,), generator=g)   # cancellations
+    c[:512] = (a[:512] * b[:512]) * 2.0 ** -9   # near-ties: a*b + c lands between bf16 neighbours
+    # 5 * 77/256 = 1.10000001b, a bf16 tie that RNE rounds down; + 2^-30 must round it up, but fp32 first
+    # rounds the sum back onto the tie
+    a[:8], b[:8], c[:8] = 5.0, 77 / 256, 2.0 ** -30
+    a[4:8] = -5.0
+    a16, b16, c16 = (t.float().bfloat16() for t in (a, b, c))
+    exact = a16.double() * b16.double() + c16.double()
+    bits = exact.view(torch.int64)
+    ref = ((bits + (((bits >> 45) & 1) + (1 << 44) - 1)) & ~((1 << 45) - 1)).view(torch.float64).float().bfloat16()
+    out = torch.empty(4096, dtype=torch.bfloat16, device=device)
+    _fma_bf16_kernel[(1,)](a16.to(device), b16.to(device), c16.to(device), out, BLOCK=4096)
+    assert torch.equal(out.cpu(), ref)
+    assert not torch.equal(ref, (a16.float() * b16.float() + c16.float()).bfloat16())   # the control: 2 roundings differ

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, cast, fma_bf16, grid_dependency, int8_to, mma, nibbles_to, scaled_add, six_bit_to, tl_dtype
+from ds4t.backend import (LAUNCH, cast, fma_bf16, grid_dependency, int8_to, mma, nibbles_to, scaled_add, six_bit_to,
+                          tl_dtype)
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 

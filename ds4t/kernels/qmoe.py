@@ -148,7 +148,8 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=cfg.fold and adt == torch.bfloat16, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=cfg.fold and adt == torch.bfloat16,
+        **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
