@@ -15,7 +15,7 @@
    bench_fp8.bench_model.
 
 4. Sweep (``--sweep``, one call of a few minutes on an H200): per GGUF type, a small grid of launch configs
-   (N tile, warps, stages, split-K, Q8_0 blocks a step) of the quantized linear at
+   (route -- ``--sweep-routes exact,fold`` --, N tile, warps, stages, split-K, Q8_0 blocks a step) of the quantized linear at
    SHAPES and of each grouped MoE kernel (gate_up, down) at MOE, all compiled first in ``--workers``
    processes; each checked (max error against gguf-py's dequantize on 256 weight rows / 3 MoE rows, rows
    alone == rows in a batch of 16, bitwise) and timed at B = 1, 4, 16 (linear: all at B = 1, the fastest 4
@@ -47,9 +47,8 @@ import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
-from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group  # noqa: E402
+from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, qlinear_config  # noqa: E402
 from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
-from ds4t.kernels.qlinear import qlinear_config  # noqa: E402
 from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
 
 SHAPES = ((7168, 36864), (2048, 151936))
