@@ -358,16 +358,7 @@ class SigmoidMoEConfig:
         from ds4t.models.checkpoint import ConfigError, require
 
         def get(field, kind):
-            v = c.get(field)
-            if v is None:
-                v = defaults.get(field)
-            if v is None:
-                raise ConfigError(f"missing field {field!r}")
-            if kind is float and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-                raise ConfigError(f"field {field!r} = {v!r} should be {kind.__name__}")
-            return v
+            return require(c, field, kind, default=defaults.get(field))
 
         act = c.get("hidden_act", "silu")
         if act != "silu":

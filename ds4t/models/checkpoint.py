@@ -157,13 +157,22 @@ def _is_real(v) -> bool:
     return (_is_int(v) and abs(v) < 2 ** 1024) or (isinstance(v, float) and math.isfinite(v))
 
 
-def require(cfg: dict, field: str, kind=None):
-    """cfg[field], with a ConfigError when it is missing or of the wrong type (``int`` excludes bool)."""
-    if field not in cfg or cfg[field] is None:
+def require(cfg: dict, field: str, kind=None, default=None):
+    """cfg[field] (``default`` where it is absent or null), with a ConfigError when there is neither or it is
+    of the wrong type (``int`` excludes bool; ``float`` takes an int, as a float)."""
+    v = cfg.get(field)
+    if v is None:
+        v = default
+    if v is None:
         raise ConfigError(f"missing field {field!r}")
-    v = cfg[field]
-    if kind is not None and not (_is_int(v) if kind is int else isinstance(v, kind)):
-        raise ConfigError(f"field {field!r} = {v!r} should be {kind}")
+    if kind is float and _is_int(v):
+        v = float(v)
+    if kind is int:
+        ok = _is_int(v)
+    else:   # a JSON true is no float or string, but it is a bool
+        ok = kind is None or isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
+    if not ok:
+        raise ConfigError(f"field {field!r} = {v!r} should be {kind.__name__}")
     return v
 
 
