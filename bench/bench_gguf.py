@@ -47,7 +47,7 @@ import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
-from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, qlinear_config  # noqa: E402
+from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, qlinear_config  # noqa: E402
 from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
 from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
 
@@ -74,7 +74,7 @@ def correctness(dev, log) -> bool:
         for adt in (torch.float32, torch.bfloat16):
             x = torch.randn(16, K, generator=g).to(dev)
             y = L.linear(x, w, act_dtype=adt)
-            fold = adt == torch.bfloat16 and qlinear_config(K, N, qt, adt).fold   # the route's own weights
+            fold = folds(qlinear_config(K, N, qt, adt), adt)   # against the route's own weights
             err = _rel(y, x.to(adt).double() @ (fold_weights(w) if fold else deq).double().t())
             inv = all(torch.equal(L.linear(x[i:i + 1], w, act_dtype=adt)[0], y[i]) for i in range(16))
             good = err <= 1e-4 and inv and bitwise

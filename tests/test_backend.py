@@ -5,6 +5,7 @@ import triton.language as tl
 
 from ds4t import backend
 from ds4t.backend import cast, mma
+from ds4t.kernels.quant_blocks import bf16_of_f64
 
 
 @triton.jit
@@ -264,9 +265,7 @@ def test_fma_bf16_rounds_once(device):
     a[:8], b[:8], c[:8] = 5.0, 77 / 256, 2.0 ** -30
     a[4:8] = -5.0
     a16, b16, c16 = (t.float().bfloat16() for t in (a, b, c))
-    exact = a16.double() * b16.double() + c16.double()
-    bits = exact.view(torch.int64)
-    ref = ((bits + (((bits >> 45) & 1) + (1 << 44) - 1)) & ~((1 << 45) - 1)).view(torch.float64).float().bfloat16()
+    ref = bf16_of_f64(a16.double() * b16.double() + c16.double())   # exact in fp64, rounded once
     out = torch.empty(4096, dtype=torch.bfloat16, device=device)
     _fma_bf16_kernel[(1,)](a16.to(device), b16.to(device), c16.to(device), out, BLOCK=4096)
     assert torch.equal(out.cpu(), ref)

@@ -95,8 +95,7 @@ def _raw_bytes(p, OFF, W: tl.constexpr):
 def _x_tile(x_row, k, SB: tl.constexpr, ADT: tl.constexpr):
     """Activations [SB, BM] of columns k .. k + SB, rounded to ADT; x_row [BM] pointers to each row's
     column 0 (rows in bounds)."""
-    kk = k + tl.arange(0, SB)
-    return cast(tl.load(x_row[None, :] + kk[:, None]).to(tl.float32), ADT)
+    return _x_cols(x_row, k + tl.arange(0, SB), ADT)
 
 
 @triton.jit
@@ -416,6 +415,12 @@ def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
                          num_warps=4, num_stages=1, fold=act_dtype == torch.bfloat16 and qtype in FOLD_TYPES)
 
 
+def folds(cfg, act_dtype: torch.dtype) -> bool:
+    """Does a launch with ``cfg`` (a QLinearConfig or qmoe.QMoEConfig) take the fold route? Only with bf16
+    activations: fp32 and fp16 always take the exact route."""
+    return cfg.fold and act_dtype == torch.bfloat16
+
+
 FOLD_TYPES = ("Q8_0", "Q4_K")
 """Types whose rule takes the fold route for bf16 activations: faster on the H200 in every swept shape;
 Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-fold.md)."""
@@ -473,7 +478,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     has_bias = bias is not None
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=cfg.fold and act_dtype == torch.bfloat16,
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=folds(cfg, act_dtype),
                   **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:

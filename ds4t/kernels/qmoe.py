@@ -24,7 +24,7 @@ from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
-from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, qdot, qdot_pair
+from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
 
@@ -148,11 +148,11 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=cfg.fold and adt == torch.bfloat16,
-        **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt), **launch_kwargs(cfg),
+        **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
         D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, FOLD=cfg.fold and adt == torch.bfloat16, **launch_kwargs(cfg), **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, FOLD=folds(cfg, adt), **launch_kwargs(cfg), **LAUNCH)

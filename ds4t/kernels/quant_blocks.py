@@ -290,7 +290,7 @@ def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, t
     return tuple(t.reshape(*lead, K) for t in (q, s, mn))
 
 
-def _rne_bf16(v: torch.Tensor) -> torch.Tensor:
+def bf16_of_f64(v: torch.Tensor) -> torch.Tensor:
     """fp64 ``v`` rounded once to bf16 (nearest, ties to even; normal range), from its bits."""
     bits = v.contiguous().view(torch.int64)
     bits = (bits + (((bits >> 45) & 1) + (1 << 44) - 1)) & ~((1 << 45) - 1)
@@ -302,7 +302,7 @@ def fold_weights(w: "GGUFWeight") -> torch.Tensor:
     element ``q * bf16(s) - bf16(mn)`` rounded once to bf16, what one packed ``fma.rn.bf16x2`` gives."""
     q, s, mn = block_terms(w.blocks(), w.qtype, w.k)
     s16, mn16 = (t.float().to(torch.bfloat16).double() for t in (s, mn))
-    return _rne_bf16(q * s16 - mn16)
+    return bf16_of_f64(q * s16 - mn16)
 
 
 # ----------------------------------------------------------------------------------------------

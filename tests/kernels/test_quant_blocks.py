@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ds4t.backend import INTERPRET
-from ds4t.kernels import weights
+from ds4t.kernels import qmoe, weights
 from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
-from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, qdot, qdot_pair, qlinear_config
+from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
 from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, block_terms, dequantize, fold_weights, quantize,
                                        quantize_numpy, repack, unpack)
 from tests.kernels.invariance import assert_rows_invariant, poisoned
@@ -29,13 +29,6 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}
 """Max |kernel - ref| / max |ref| by activation dtype. Both sides use the same weights (the exact dequantized
 ones, or the fold route's bf16 ones: :func:`_route_weights`) and the same rounded activations; the kernel sums
 per sub-block or per loop step, the reference x . w: fp32 sums in different orders."""
-
-
-def _folds(cfg, qtype, adt) -> bool:
-    """Does a launch with ``cfg`` (None: the table's) take the fold route?"""
-    if adt != torch.bfloat16:
-        return False
-    return cfg.fold if cfg is not None else qtype in ("Q8_0", "Q4_K")
 
 
 def _route_weights(w: GGUFWeight, fold: bool) -> torch.Tensor:
@@ -185,7 +178,7 @@ def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
     x = _x(B, K, seed=B)
     b = torch.randn(N).to(DEV)
     y = linear(x, w, b, out=poisoned((B, N), device=DEV))
-    if _folds(None, qtype, adt):   # the table's route for bf16 Q8_0 / Q4_K: against its own weights
+    if folds(qlinear_config(K, N, qtype, adt), adt):   # the table's route (bf16 Q8_0 / Q4_K): its own weights
         ref = x.to(adt).double() @ _route_weights(w, True).double().t() + b.double()
         assert _rel(y.double(), ref) <= TOL[adt]
         return
@@ -213,7 +206,7 @@ def test_gpu_paths_match_reference(qtype, cfg, adt):
     x = _x(4, K, seed=2)
     b = torch.randn(50).to(DEV)
     y = linear(x, w, b, config=cfg, act_dtype=adt, out=poisoned((4, 50), device=DEV))
-    ref = x.to(adt).double() @ _route_weights(w, _folds(cfg, qtype, adt)).double().t() + b.double()
+    ref = x.to(adt).double() @ _route_weights(w, folds(cfg, adt)).double().t() + b.double()
     assert _rel(y.double(), ref) <= TOL[adt]
 
 
@@ -321,8 +314,8 @@ def _moe_case(qg, qd, adt):
     o = moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, shared_gate=gate, act_dtype=adt,
                     out=poisoned((h.shape[0], h.shape[1]), device=DEV))
     # each kernel against the weights of its route (the table's: fold for bf16 Q8_0 / Q4_K)
-    wr = [_route_weights(w, _folds(None, w.qtype, adt)).to(adt) if _folds(None, w.qtype, adt) else w
-          for w in (wg, wu, wd)]
+    routes = (folds(qmoe.QMOE_CONFIGS(k, w.qtype), adt) for k, w in (("gate_up", wg), ("gate_up", wu), ("down", wd)))
+    wr = [_route_weights(w, True).to(adt) if fo else w for w, fo in zip((wg, wu, wd), routes)]
     ref = moe_experts_ref(h, ids, wts, *wr, shared_expert=E - 1, shared_gate=gate,
                           act_dtype=None if isinstance(wr[0], torch.Tensor) else adt)
     assert _rel(o, ref) <= 1e-4
@@ -334,8 +327,6 @@ def _moe_case(qg, qd, adt):
 
 def test_moe_interleave_changes_no_bit():
     """QMoEConfig.interleave (gate and up through K together, or one after the other): the same bits."""
-    from ds4t.kernels import qmoe
-
     h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q8_0", seed=11)
     E = wg.shape[0]
     outs = []
