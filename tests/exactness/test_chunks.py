@@ -129,3 +129,17 @@ def test_chunks_on_the_gpu_attention_launches(preset, monkeypatch):
         rep = run_chunk_check(ds4t.load(preset), PROMPT, chunks=(1, 5, len(PROMPT)))
     assert rep.ok, rep.first_mismatch
     assert launches, "no chunk took the runs kernel"
+
+
+@pytest.mark.parametrize("preset,qtype", [("tiny-qwen", "q4_k"), ("tiny-deepseek", "q8_0")])
+def test_gguf_fold_route_keeps_chunk_invariance(preset, qtype):
+    """GGUF blocks with bf16 activations take the fold route (one packed bf16 FMA a weight pair, one MMA a
+    loop step: ds4t.kernels.qlinear): whole prompt, chunks and token-by-token decoding give the same bits."""
+    from ds4t.kernels.qlinear import folds, qlinear_config
+    from tests.models.test_gguf_blocks import _block_weights
+
+    model = ds4t.load(preset, quantize=qtype, dtype="bf16")
+    kept = _block_weights(model)
+    assert kept and any(folds(qlinear_config(256, 64, q, model.dtype), model.dtype) for _, q in kept)
+    rep = run_chunk_check(model, PROMPT, chunks=(1, 5, len(PROMPT)))
+    assert rep.ok, rep.first_mismatch
