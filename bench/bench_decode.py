@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -127,34 +128,56 @@ def _empty_cache() -> None:
 
 
 def profile_step(model, n: int, ctx: int, steps: int = 5):
-    """Per-kernel GPU time of eager native steps (torch.profiler): [(kernel, us per step, calls per
-    step)], most expensive first, and the summed kernel time per step. Compared with the graph
-    step time it splits a step into kernel time and launch / idle gaps."""
+    """Where a graph-replayed native step's GPU time goes (torch.profiler; CUPTI reports the kernels
+    inside a graph). Under programmatic dependent launch a kernel starts while its predecessor drains
+    and waits, so its own duration overstates it: each kernel is charged its *increment*, from the
+    previous kernel's end to its own. Returns (rows [(kernel, increment us, calls, duration us) per
+    step, largest increment first], span us of one step from its first kernel's start to its last
+    kernel's end). The step time minus the span is host work before the graph starts (metadata copy,
+    launch) and after it."""
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
-    model.cuda_graphs = False
-    sessions, toks = _sessions(model, n, ctx, steps + 8, seed=n + 1000)
+    from bench.bench_fp8 import synthetic_sessions   # bench_fp8 imports this module
+
+    sessions, toks = synthetic_sessions(model, n, ctx, steps + 16, seed=n + 1000)
     items = lambda: [ds4t.DecodeItem(s, t) for s, t in zip(sessions, toks)]  # noqa: E731
     try:
-        ds4t.eval_batch(items(), mode="native")   # compile outside the profile
-        torch.cuda.synchronize()
+        for _ in range(3):   # compile and capture outside the profile
+            ds4t.eval_batch(items(), mode="native")
+        _sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 ds4t.eval_batch(items(), mode="native")
-            torch.cuda.synchronize()
+                _sync()
     finally:
-        model.cuda_graphs = True
         for s in sessions:
             s.close()
-    rows = []
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(ev, "cuda_time_total", 0)
-        if dev_us and ev.count:
-            rows.append((ev.key, dev_us / steps, ev.count / steps))
-    rows.sort(key=lambda r: -r[1])
-    return rows, sum(r[1] for r in rows)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    per = len(events) // steps
+    if not per:   # no GPU kernels (a CPU smoke run)
+        return [], 0.0
+    agg, spans = {}, []
+    for k in range(steps):
+        step = events[k * per:(k + 1) * per]
+        prev_end = step[0]["ts"]
+        for e in step:
+            end = e["ts"] + e["dur"]
+            a = agg.setdefault(e["name"], [0.0, 0, 0.0])
+            a[0] += max(end, prev_end) - prev_end
+            a[1] += 1
+            a[2] += e["dur"]
+            prev_end = max(end, prev_end)
+        spans.append(prev_end - step[0]["ts"])
+    rows = sorted(((k, v[0] / steps, v[1] / steps, v[2] / steps) for k, v in agg.items()), key=lambda r: -r[1])
+    return rows, statistics.median(spans)
 
 
 def graph_exactness(model, n: int = 6, steps: int = 6) -> bool:
@@ -486,15 +509,19 @@ def bench_model(name, args, bw, log, rows, hf_budget):
         if paths[0] is not None:
             model.native_path = paths[0]
         for n in ns:
-            prof, total_us = profile_step(model, n, ctxs[0])
-            step = next((r["native_ms"] for r in mine if r["n"] == n and "native_ms" in r), float("nan"))
-            log(f"\n### {name}: profile of an eager native step, N={n} (torch.profiler, GPU time)\n")
-            log(f"summed kernel time {total_us / 1e3:.3f} ms per step; graph-replayed step {step:.3f} ms; "
-                f"{sum(r[2] for r in prof):.0f} kernels per step\n")
-            log("| kernel | us per step | calls per step |")
-            log("|---|---|---|")
-            for k, us, calls in prof[:15]:
-                log(f"| `{k[:90]}` | {us:.1f} | {calls:.0f} |")
+            prof, span_us = profile_step(model, n, ctxs[0])
+            step = next((r["native_ms"] for r in mine if r["n"] == n and r["ctx"] == ctxs[0] and "native_ms" in r),
+                        float("nan"))
+            log(f"\n### {name}: where a graph-replayed native step's GPU time goes, N={n}, {ctxs[0]} tokens "
+                f"(torch.profiler)\n")
+            log(f"GPU span {span_us / 1e3:.3f} ms per step (first kernel's start to last kernel's end); step "
+                f"{step:.3f} ms; {sum(r[2] for r in prof):.0f} kernels per step. Increment: from the previous "
+                "kernel's end to this one's (under programmatic dependent launch a kernel's own duration "
+                "includes its wait)\n")
+            log("| kernel | increment us per step | calls per step | duration us per step |")
+            log("|---|---|---|---|")
+            for k, inc, calls, dur in prof[:20]:
+                log(f"| `{k[:90]}` | {inc:.1f} | {calls:.0f} | {dur:.1f} |")
     # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
     runner = sessions = S = T = plan = s = None  # noqa: F841  (s: the last session a loop closed)
     del model
@@ -714,7 +741,8 @@ def main():
                     help="seconds from the start by which the run should end: HF static runs that would end later "
                          f"than {RESERVE_S:.0f} s per model still to run are skipped, and a model that would start "
                          "after it is skipped (the summary is still printed)")
-    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of an eager native step at each --ns")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel GPU time of a graph-replayed native step at each --ns (first --ctx)")
     ap.add_argument("--commit", default=None, help="commit to record (the device copy has no .git)")
     ap.add_argument("--configs", default=None,
                     help="JSON file of GPU config-table entries to use instead (ds4t.kernels.config.overridden)")

@@ -485,18 +485,37 @@ _GPU_TABLE.update({
 })
 
 
+SMALL_WEIGHT_BYTES = 4 << 20
+"""Weights up to this size (a router) are latency-bound at decode: a few programs with long K loops
+take many times their bytes' worth (see :func:`_gpu_heuristic`)."""
+
+
+def _latency_bound(K: int, N: int, wbytes: int) -> bool:
+    """fp32 weights (an IEEE fp32 product on the FMA units, ``backend.mma``: bound by the FMA chain of
+    each program, not by bytes) or a weight of at most :data:`SMALL_WEIGHT_BYTES`."""
+    return wbytes == 4 or K * N * wbytes <= SMALL_WEIGHT_BYTES
+
+
 def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
     """What the sweep found for bf16 weights, generalised: 256-byte weight rows per tile
     (BLOCK_K = 128 bf16), swapped operands, 64-row weight tiles, >= ~192 programs. Split K (by
-    K alone) only while each split keeps >= 16 K blocks; if that is not enough, 32-row tiles."""
+    K alone) only while each split keeps >= 16 K blocks; if that is not enough, 32-row tiles.
+
+    A latency-bound weight (:func:`_latency_bound`: fp32, or a router-sized one) narrows its tiles to
+    16 rows and splits K down to 4 blocks a split first: GLM-4.5's fp32 router (5120 x 160) took 49 us
+    a step on 20 programs on the H200 (bench/results/2026-12-02-h200-n1-steps.md)."""
     block_k = max(16, min(256 // wbytes, triton.next_power_of_2(K)))
     block_n = max(16, min(64, triton.next_power_of_2(N)))
     k_blocks = triton.cdiv(K, block_k)
+    latency = _latency_bound(K, N, wbytes)
+    min_blocks, narrowest = (4, 16) if latency else (16, 32)
+    while latency and triton.cdiv(N, block_n) < 192 and block_n > narrowest:
+        block_n //= 2
     split = 1
-    while triton.cdiv(N, block_n) * split < 192 and k_blocks >= 32 * split:
+    while triton.cdiv(N, block_n) * split < 192 and k_blocks >= 2 * min_blocks * split:
         split *= 2
-    if triton.cdiv(N, block_n) * split < 192 and block_n > 32:
-        block_n = 32
+    if triton.cdiv(N, block_n) * split < 192 and block_n > narrowest:
+        block_n = narrowest
     return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
 
 
