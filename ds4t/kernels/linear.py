@@ -485,15 +485,15 @@ _GPU_TABLE.update({
 })
 
 
-SMALL_WEIGHT_BYTES = 4 << 20
-"""Weights up to this size (a router) are latency-bound at decode: a few programs with long K loops
-take many times their bytes' worth (see :func:`_gpu_heuristic`)."""
+ROUTER_SIZED = (1024, 8 << 20)
+"""(K at least, bytes at most) of a latency-bound weight at decode, a router: a few programs, each
+with a long K loop, take many times the weight's bytes' worth (see :func:`_gpu_heuristic`). Per-head
+weights (``linear_heads``: K of 128-512) and every weight above 8 MiB keep the bandwidth rule."""
 
 
 def _latency_bound(K: int, N: int, wbytes: int) -> bool:
-    """fp32 weights (an IEEE fp32 product on the FMA units, ``backend.mma``: bound by the FMA chain of
-    each program, not by bytes) or a weight of at most :data:`SMALL_WEIGHT_BYTES`."""
-    return wbytes == 4 or K * N * wbytes <= SMALL_WEIGHT_BYTES
+    """A router-sized weight (:data:`ROUTER_SIZED`): long rows, few of them."""
+    return K >= ROUTER_SIZED[0] and K * N * wbytes <= ROUTER_SIZED[1]
 
 
 def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
@@ -501,9 +501,9 @@ def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
     (BLOCK_K = 128 bf16), swapped operands, 64-row weight tiles, >= ~192 programs. Split K (by
     K alone) only while each split keeps >= 16 K blocks; if that is not enough, 32-row tiles.
 
-    A latency-bound weight (:func:`_latency_bound`: fp32, or a router-sized one) narrows its tiles to
-    16 rows and splits K down to 4 blocks a split first: GLM-4.5's fp32 router (5120 x 160) took 49 us
-    a step on 20 programs on the H200 (bench/results/2026-12-02-h200-n1-steps.md)."""
+    A router-sized weight (:func:`_latency_bound`) narrows its tiles to 16 rows and splits K down to
+    4 blocks a split first: GLM-4.5's fp32 router (5120 x 160; an IEEE fp32 product, on the FMA units)
+    took 49 us a step on 20 programs on the H200 (bench/results/2026-12-02-h200-n1-steps.md)."""
     block_k = max(16, min(256 // wbytes, triton.next_power_of_2(K)))
     block_n = max(16, min(64, triton.next_power_of_2(N)))
     k_blocks = triton.cdiv(K, block_k)
