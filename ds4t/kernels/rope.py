@@ -70,7 +70,8 @@ ROPE_CONFIGS: ConfigTable[RopeConfig] = ConfigTable(
 
 
 @triton.jit
-def _cos_sin(a):
+def cos_sin(a):
+    """cos(a), sin(a) in fp32: libdevice's on the GPU (numpy's in the interpreter)."""
     if _INTERPRET_C:
         c = tl.cos(a)
         s = tl.sin(a)
@@ -97,7 +98,7 @@ def _rope_kernel(
     im = i < HALF
     pos = tl.load(pos_ptr + b).to(tl.float32)
     f = tl.load(freq_ptr + i, mask=im, other=0.0).to(tl.float32)
-    c, s = _cos_sin(pos * f)
+    c, s = cos_sin(pos * f)
     c = c * scale
     s = s * scale
     if INTERLEAVED:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid
-from ds4t.kernels.rope import _cos_sin
+from ds4t.kernels.rope import cos_sin
 from ds4t.kernels.splits import split_of
 
 
@@ -173,7 +173,7 @@ def _norm_rope_kv_kernel(
     f = tl.load(freq_ptr + d % HALF)
     pos = tl.load(pos_ptr + rl)
     ang = pos.to(tl.float32)[:, None, None] * f[None, None, :]
-    c, sn = _cos_sin(ang)                        # libdevice on the GPU, as rope
+    c, sn = cos_sin(ang)                        # libdevice on the GPU, as rope
     first = d3 < HALF
     sn = tl.where(first, -sn, sn)                # y1*c - y2*s == y1*c + y2*(-s), exactly
     rot = d3 < ROT
