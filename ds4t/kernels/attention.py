@@ -162,6 +162,41 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _norm_rope_head(x_row, sd, w_ptr, c, s, eps,
+                    D: tl.constexpr, HALF: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One head of :func:`_norm_rope_kv_kernel`: (rotated first half, rotated second half, pass-through
+    part), fp32 [1, BLOCK_HALF] x 2 and [1, BLOCK_P]. The sum of squares is the norm kernel's: a
+    [1, BLOCK_D] tile loaded at unit stride (``sd``: the caller's stride argument, which Triton
+    specialises to 1 as the norm kernel's rows are, so the load vectorises and the tile is laid out --
+    and reduced -- the same way), unmasked when D fills it."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    if D == BLOCK_D:
+        v = tl.load(x_row + d * sd).to(tl.float32)
+    else:
+        v = tl.load(x_row + d * sd, mask=d < D, other=0.0).to(tl.float32)
+    sq = tl.zeros((1, BLOCK_D), dtype=tl.float32)
+    sq += v * v
+    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((1,), D, tl.float32))
+    rstd = tl.div_rn(tl.full((1,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    im = i < HALF
+    w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + i + HALF, mask=im, other=0.0).to(tl.float32)
+    pd = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
+    pm = pd < D
+    wp = tl.load(w_ptr + pd, mask=pm, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w1 = 1.0 + w1
+        w2 = 1.0 + w2
+        wp = 1.0 + wp
+    x1 = (tl.load(x_row + i * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w1
+    x2 = (tl.load(x_row + (i + HALF) * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w2
+    xp = (tl.load(x_row + pd * sd, mask=pm, other=0.0).to(tl.float32) * rstd) * wp
+    return x1 * c - x2 * s, x2 * c + x1 * s, xp
+
+
+@triton.jit
 def _norm_rope_kv_kernel(
     x_ptr, sx_b, sx_h, sx_d, k_ptr, sk_b, sk_h, sk_d, v_ptr, sv_b, sv_h, sv_d,
     qn_ptr, kn_ptr, freq_ptr, pos_ptr, slots_ptr,
@@ -173,53 +208,29 @@ def _norm_rope_kv_kernel(
 ):
     """Program (row b, head j): q head j (j < H) normed and rotated into out, or k head j - H normed,
     rotated and stored into the cache with its v head. Each step is the separate kernels' own
-    arithmetic on the same values: the sum of squares of a [1, BLOCK_D] tile at the norm kernel's warps
-    (so its layout and shuffle tree, hence rstd's bits), ``(x * rstd) * w`` per element, the rope's
-    rotation, the cache dtype's rounding -- so the result is theirs bit for bit with one launch for four."""
+    arithmetic on the same values (:func:`_norm_rope_head`; the rope's angles and rotation, the cache
+    dtype's rounding), so the result is theirs bit for bit with one launch for four or five."""
     grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    is_q = j < H
-    jk = tl.maximum(j - H, 0)
-    if is_q:
-        x_row = x_ptr + b * sx_b + j * sx_h
-        w_ptr = qn_ptr
-    else:
-        x_row = k_ptr + b * sk_b + jk * sk_h
-        w_ptr = kn_ptr
-    sd = tl.where(is_q, sx_d, sk_d)
-    d = tl.arange(0, BLOCK_D)[None, :]
-    v = tl.load(x_row + d * sd, mask=d < D, other=0.0).to(tl.float32)
-    sq = tl.zeros((1, BLOCK_D), dtype=tl.float32)
-    sq += v * v
-    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((1,), D, tl.float32))
-    rstd = tl.div_rn(tl.full((1,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     im = i < HALF
-    w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + i + HALF, mask=im, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w1 = 1.0 + w1
-        w2 = 1.0 + w2
-    x1 = (tl.load(x_row + i * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w1
-    x2 = (tl.load(x_row + (i + HALF) * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w2
+    pd = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
+    pm = (pd < D) & (D > 2 * HALF)
     pos = tl.load(pos_ptr + b)
     f = tl.load(freq_ptr + i, mask=im, other=0.0).to(tl.float32)
     c, s = rope.cos_sin(pos.to(tl.float32) * f)
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
-    pd = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
-    pm = pd < D
-    wp = tl.load(w_ptr + pd, mask=pm, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        wp = 1.0 + wp
-    xp = (tl.load(x_row + pd * sd, mask=pm, other=0.0).to(tl.float32) * rstd) * wp
-    if is_q:
+    if j < H:
+        o1, o2, xp = _norm_rope_head(x_ptr + b * sx_b + j * sx_h, sx_d, qn_ptr, c, s, eps,
+                                     D, HALF, ZERO_CENTERED, BLOCK_D, BLOCK_HALF, BLOCK_P)
         o_row = out_ptr + b * so_b + j * so_h
         tl.store(o_row + i * so_d, o1, mask=im)
         tl.store(o_row + (i + HALF) * so_d, o2, mask=im)
-        tl.store(o_row + pd * so_d, xp, mask=pm & (D > 2 * HALF))
+        tl.store(o_row + pd * so_d, xp, mask=pm)
     else:
+        jk = j - H
+        o1, o2, xp = _norm_rope_head(k_ptr + b * sk_b + jk * sk_h, sk_d, kn_ptr, c, s, eps,
+                                     D, HALF, ZERO_CENTERED, BLOCK_D, BLOCK_HALF, BLOCK_P)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         p64 = pos.to(tl.int64)
         ok = (slot >= 0) & (slot < S) & (p64 >= 0) & (p64 < L)   # never write outside the pool
@@ -703,12 +714,10 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
                                                  slots, rotary_dim, zero_centered, out)
         return out
     # One launch (_norm_rope_kv_kernel), the separate kernels' bits: the norm's warps, hence its
-    # reduction layout, come from its own table. A program picks q's or k's pointers at run time, so
-    # they need one type: where the dtypes differ both are read as fp32 (exact, as the norm reads them).
-    if q.dtype != k.dtype:
-        q, k = q.float(), k.float()
-    if q_norm.dtype != k_norm.dtype:
-        q_norm, k_norm = q_norm.float(), k_norm.float()
+    # reduction layout, come from its own table; like the norm kernel's rows, q and k need a unit
+    # last stride (copied if not, as the norm's reshape copies them).
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
     HALF = rotary_dim // 2
     _norm_rope_kv_kernel[(R, H + KV)](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
