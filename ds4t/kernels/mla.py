@@ -91,7 +91,6 @@ class MLAConfig:
     num_warps: int
     num_stages: int = 2
     merge_warps: int = 4
-    merge_unroll: int = 0   # the merge's first splits unrolled, their loads issued together (same bits)
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -250,7 +249,7 @@ def _mla_merge_kernel(
     po_ptr, pm_ptr, pl_ptr,
     lengths_ptr, H, L, NS,
     R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, UNROLL: tl.constexpr = 0,
+    MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
 ):
     grid_dependency()
     hb = tl.program_id(0)
@@ -265,26 +264,13 @@ def _mla_merge_kernel(
         rr = tl.arange(0, RP)
         om = hm[:, None] & (rr < R)[None, :]
         row0 = b64 * NS * H + heads
-        # UNROLL > 0: the first UNROLL splits unrolled, so their loads (independent of the fold) are in
-        # flight together instead of one split's per loop trip; a split past n changes nothing (max
-        # with -inf, the selects), so the arithmetic, in ascending split order, is the loops'.
         m_max = tl.full([MH], float("-inf"), tl.float32)
-        for s in tl.static_range(UNROLL):
-            ok = tl.full([MH], s, tl.int32) < n   # a vector: the interpreter masks with no scalar
-            m_max = tl.maximum(m_max, tl.load(pm_ptr + row0 + s * H, mask=hm & ok, other=float("-inf")))
-        for s in range(UNROLL, n):
+        for s in range(0, n):
             m_s = tl.load(pm_ptr + row0 + s * H, mask=hm, other=0.0)
             m_max = tl.maximum(m_max, m_s)
         num = tl.zeros([MH, RP], tl.float32)
         den = tl.zeros([MH], tl.float32)
-        for s in tl.static_range(UNROLL):
-            ok = tl.full([MH], s, tl.int32) < n
-            prow = row0 + s * H
-            w = tl.exp2(tl.load(pm_ptr + prow, mask=hm & ok, other=0.0) - m_max)
-            den = tl.where(ok, den + w * tl.load(pl_ptr + prow, mask=hm & ok, other=1.0), den)
-            a = tl.load(po_ptr + prow[:, None] * R + rr[None, :], mask=om & ok[:, None], other=0.0)
-            num = tl.where(ok[:, None], num + w[:, None] * a, num)
-        for s in range(UNROLL, n):  # ascending split order, always
+        for s in range(0, n):  # ascending split order, always
             prow = row0 + s * H
             w = tl.exp2(tl.load(pm_ptr + prow, mask=hm, other=0.0) - m_max)
             den = den + w * tl.load(pl_ptr + prow, mask=hm, other=1.0)
@@ -423,7 +409,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 o_c, out.stride(0), out.stride(1),
                 po_c, pm_c, pl_c,
                 lengths[b0:b1], H, L, NS,
-                R=R, RP=RP, MH=MH, **sched.kernel_args(), UNROLL=min(cfg.merge_unroll, NS),
+                R=R, RP=RP, MH=MH, **sched.kernel_args(),
                 num_warps=cfg.merge_warps, **LAUNCH,
             )
     return out

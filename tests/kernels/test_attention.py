@@ -411,7 +411,7 @@ def test_one_split_needs_no_merge(path, device, dtype):
 
 
 @pytest.mark.parametrize("unroll", [1, 2, 4])
-def test_merge_unroll_keeps_the_bits(device, unroll):
+def test_merge_unroll_keeps_the_bits(device, unroll, monkeypatch):
     """``AttentionConfig.merge_unroll``: the merge's first splits unrolled (their loads in flight
     together) give the loop's bits for rows with fewer, as many and more splits than it unrolls, NaN
     past every used length. Control: a fixed split size differs."""
@@ -429,10 +429,10 @@ def test_merge_unroll_keeps_the_bits(device, unroll):
     with launcher_path(A, False):
         loop = _run(q, kc, vc, slots, lengths, 0.25, split_size=sched)
         table = A.ATTENTION_CONFIGS
-        rule = table.interp_rule if torch.device(device).type == "cpu" else table.gpu_rule
-        with table.forced(lambda *k: dataclasses.replace(rule(*k), merge_unroll=unroll)):
-            got = _run(q, kc, vc, slots, lengths, 0.25, split_size=sched)
-            fixed = _run(q, kc, vc, slots, lengths, 0.25, split_size=16)
+        monkeypatch.setattr(A, "ATTENTION_CONFIGS",
+                            lambda *k: dataclasses.replace(table(*k), merge_unroll=unroll))
+        got = _run(q, kc, vc, slots, lengths, 0.25, split_size=sched)
+        fixed = _run(q, kc, vc, slots, lengths, 0.25, split_size=16)
     assert not torch.isnan(got).any() and torch.equal(got, loop)
     assert not torch.equal(fixed, got)
 

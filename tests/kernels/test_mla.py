@@ -1,7 +1,6 @@
 """Tests for ds4t.kernels.mla: latent-cache writes and absorbed MLA decode (split-KV, MQA)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -194,28 +193,6 @@ def test_query_in_cache_dtype_gives_the_same_bits(dtype, tile, device):
     assert torch.equal(run(q.to(dtype), qp), wide)
     off = (q.to(dtype).view(torch.int16) ^ 1).view(dtype)   # every element one ulp away
     assert not torch.equal(run(off, qp.to(dtype)), wide)
-
-
-@pytest.mark.parametrize("unroll", [1, 2, 4])
-def test_merge_unroll_keeps_the_bits(unroll, device):
-    """``MLAConfig.merge_unroll``: the merge's first splits unrolled give the loops' bits for rows with
-    fewer, as many and more splits than it unrolls (NaN past every used length). Control: a fixed
-    split size differs."""
-    H, R, Dr, S, L = 6, 48, 16, 3, 150
-    slots, lengths = [0, 1, 2, 0, 1, 2], [1, 17, 64, 65, 129, 150]
-    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.float32, slots, lengths, seed=5, device=device)
-    sched = SplitSchedule(16, 32, 4)   # 1 .. 5 splits a row at these lengths
-    rule = MLA_CONFIGS.interp_rule if torch.device(device).type == "cpu" else MLA_CONFIGS.gpu_rule
-
-    def run(split, k):
-        with MLA_CONFIGS.forced(lambda *key: dataclasses.replace(rule(*key), merge_unroll=k)):
-            return mla_decode(q, qp, cache, sl, ln, 0.3, kv_lora_rank=R, split_size=split,
-                              out=poisoned((len(slots), H, R), device=device))
-
-    loop = run(sched, 0)
-    got = run(sched, unroll)
-    assert torch.isfinite(got).all() and torch.equal(got, loop)
-    assert not torch.equal(run(16, unroll), got)
 
 
 def test_default_split_schedule():
