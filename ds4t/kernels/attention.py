@@ -96,7 +96,6 @@ class AttentionConfig:
     merge_warps: Optional[int] = None
     run_rows: int = 1               # rows per program of a launch told its rows come in same-slot runs
     run_warps: Optional[int] = None
-    merge_unroll: int = 0           # the merge's first splits unrolled, their loads issued together (same bits)
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -485,7 +484,7 @@ def _attn_merge_kernel(
     L, NS,
     HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr, UNROLL: tl.constexpr = 0,
+    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr,
 ):
     # grid (B, Hkv, value-column blocks): the merge is elementwise in the value columns, so the
     # column block changes no bit; it only gives a row more programs.
@@ -505,22 +504,7 @@ def _attn_merge_kernel(
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, MERGE_DV], tl.float32)
-    # UNROLL > 0: the first UNROLL splits unrolled, so their loads (independent of the fold) can all be
-    # in flight at once instead of one split's per loop trip; a split past nvalid changes nothing (the
-    # selects below), so every row's arithmetic, in ascending split order, is the loop's.
-    for s in tl.static_range(UNROLL):
-        ok = tl.full([BLOCK_H], s, tl.int32) < nvalid   # a vector: the interpreter masks with no scalar
-        row = (b * NS + s) * HQ + qh
-        m_s = tl.load(m_ptr + row, mask=hm & ok, other=0.0)
-        l_s = tl.load(l_ptr + row, mask=hm & ok, other=0.0)
-        o_s = tl.load(o_ptr + row[:, None] * DV + dv[None, :], mask=om & ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        a = tl.exp2(m_run - m_new)
-        c = tl.exp2(m_s - m_new)
-        acc = tl.where(ok[:, None], acc * a[:, None] + o_s * c[:, None], acc)
-        l_run = tl.where(ok, l_run * a + l_s * c, l_run)
-        m_run = tl.where(ok, m_new, m_run)
-    for s in range(UNROLL, nvalid):               # fixed ascending order
+    for s in range(0, nvalid):               # fixed ascending order
         row = (b * NS + s) * HQ + qh
         m_s = tl.load(m_ptr + row, mask=hm, other=0.0)
         l_s = tl.load(l_ptr + row, mask=hm, other=0.0)
@@ -663,7 +647,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out, *out.stride(),
             L, NS,
             HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv,
-            UNROLL=min(cfg.merge_unroll, NS),
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     if gate is not None and out_dtype != torch.float32:

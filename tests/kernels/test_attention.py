@@ -1,5 +1,4 @@
 """write_kv and split-KV decode attention: reference, splits, NaN leaks, batch invariance."""
-import dataclasses
 import math
 
 import pytest
@@ -408,33 +407,6 @@ def test_one_split_needs_no_merge(path, device, dtype):
     _assert_close(got[1:], decode_attention_ref(q[1:], kc, vc, slots[1:], lengths[1:], 0.3), dtype)
     alone = _run(q[3:], kc, vc, slots[3:], lengths[3:], 0.3, split_size=32)
     assert torch.equal(alone[0], got[3])
-
-
-@pytest.mark.parametrize("unroll", [1, 2, 4])
-def test_merge_unroll_keeps_the_bits(device, unroll, monkeypatch):
-    """``AttentionConfig.merge_unroll``: the merge's first splits unrolled (their loads in flight
-    together) give the loop's bits for rows with fewer, as many and more splits than it unrolls, NaN
-    past every used length. Control: a fixed split size differs."""
-    HQ, HKV, D = 6, 2, 48
-    g = _gen(17)
-    kc, vc = _cache(3, 160, HKV, D, D, torch.float32, device, g)
-    slots = torch.tensor([0, 1, 2, 0, 1, 2, 1], dtype=torch.int32, device=device)
-    lengths = torch.tensor([1, 17, 64, 65, 129, 150, 40], dtype=torch.int32, device=device)
-    for sl in range(3):
-        used = int(lengths[slots == sl].max())
-        kc[sl, used:] = float("nan")
-        vc[sl, used:] = float("nan")
-    q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
-    sched = SplitSchedule(16, 32, 4)    # 1 .. 5 splits a row at these lengths
-    with launcher_path(A, False):
-        loop = _run(q, kc, vc, slots, lengths, 0.25, split_size=sched)
-        table = A.ATTENTION_CONFIGS
-        monkeypatch.setattr(A, "ATTENTION_CONFIGS",
-                            lambda *k: dataclasses.replace(table(*k), merge_unroll=unroll))
-        got = _run(q, kc, vc, slots, lengths, 0.25, split_size=sched)
-        fixed = _run(q, kc, vc, slots, lengths, 0.25, split_size=16)
-    assert not torch.isnan(got).any() and torch.equal(got, loop)
-    assert not torch.equal(fixed, got)
 
 
 @pytest.mark.parametrize("split", [16, 64])
