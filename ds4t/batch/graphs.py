@@ -7,9 +7,6 @@ lengths and slots stay on the device), so it can be captured. For each key a mod
 kernels run) the first step runs eagerly on a static metadata buffer and is then captured
 reading that buffer; later steps copy their metadata into it and replay. Replay runs the same
 kernels on the same addresses, so its bits equal the eager step's (tests/batch/test_cuda_graphs.py).
-The host -> device copy of the metadata is itself a node of the graph, reading a pinned host buffer
-the step fills first: at N = 1 a step's host work before the GPU starts is part of its latency,
-and a separate pinned staging copy plus its own copy call cost more than the rest of it together.
 
 Only whole decode batches (one token per session) are captured, at their exact size: padding
 to a bucket would make padded rows pick MoE experts and read weights no session needs.
@@ -97,19 +94,8 @@ def max_rows() -> int:
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    host: torch.Tensor     # pinned host input: the step's metadata (StepBatch.host_meta layout), which
-                           # the graph's first node copies to the device
+    meta: torch.Tensor     # static device input: the step's metadata (StepBatch.host_meta layout)
     logits: torch.Tensor   # static device output
-    done: torch.cuda.Event  # recorded after each replay: ``host`` may be refilled once it has passed
-
-    def replay(self, meta: torch.Tensor) -> torch.Tensor:
-        # a replay still queued reads ``host`` when it runs: wait for it before writing the next
-        # step's metadata (free when the caller has read the last logits, as a decode loop does)
-        self.done.synchronize()
-        self.host.copy_(meta)
-        self.graph.replay()
-        self.done.record()
-        return self.logits.clone()
 
 
 @dataclasses.dataclass
@@ -154,12 +140,13 @@ class StepGraphs:
             return model.forward(StepBatch.from_meta(to_device(meta, model.device), n, o, segs))
         cap = self.graphs.get(key)
         if cap is not None:
+            to_device(meta, model.device, out=cap.meta)
+            cap.graph.replay()
             self.stats.replays += 1
-            return cap.replay(meta)
+            return cap.logits.clone()
         # First step of this key: run it for real on the static buffer (compiling every kernel
-        # it needs), then record the same launches, the copy from the pinned host buffer first.
-        host = meta.pin_memory()
-        static = to_device(host, model.device)
+        # it needs), then record the same launches reading that buffer.
+        static = to_device(meta, model.device)
         logits = model.forward(StepBatch.from_meta(static, n, o, segs))
         self.stats.eager += 1
         if self._pool is None:
@@ -167,16 +154,13 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                static.copy_(host, non_blocking=True)
                 out = model.forward(StepBatch.from_meta(static, n, o, segs))
         except Exception as e:  # a host sync or an uncapturable op: stay eager for this key
             self.failed.add(key)
             self.stats.failures += 1
             warnings.warn(f"ds4t: CUDA graph capture failed for {key} ({type(e).__name__}: {e}); running it eagerly")
             return logits
-        done = torch.cuda.Event()
-        done.record()
-        self.graphs[key] = _Captured(graph, host, out, done)
+        self.graphs[key] = _Captured(graph, static, out)
         self.stats.captures += 1
         return logits
 
