@@ -135,7 +135,6 @@ def profile_step(model, n: int, ctx: int, steps: int = 5):
     step, largest increment first], span us of one step from its first kernel's start to its last
     kernel's end). The step time minus the span is host work before the graph starts (metadata copy,
     launch) and after it."""
-    import json
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
