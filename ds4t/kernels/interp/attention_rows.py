@@ -173,7 +173,7 @@ def _norm_rope_kv_kernel(
     f = tl.load(freq_ptr + d % HALF)
     pos = tl.load(pos_ptr + rl)
     ang = pos.to(tl.float32)[:, None, None] * f[None, None, :]
-    c, sn = cos_sin(ang)                        # libdevice on the GPU, as rope
+    c, sn = cos_sin(ang)                         # libdevice on the GPU, as rope
     first = d3 < HALF
     sn = tl.where(first, -sn, sn)                # y1*c - y2*s == y1*c + y2*(-s), exactly
     rot = d3 < ROT
