@@ -7,6 +7,11 @@ lengths and slots stay on the device), so it can be captured. For each key a mod
 kernels run) the first step runs eagerly on a static metadata buffer and is then captured
 reading that buffer; later steps copy their metadata into it and replay. Replay runs the same
 kernels on the same addresses, so its bits equal the eager step's (tests/batch/test_cuda_graphs.py).
+The host -> device copy of the metadata is the graph's first node, reading a pinned host buffer the
+step fills: at N = 1 the host work before the GPU starts is part of a step's latency, and a pinned
+staging tensor plus a copy call per step cost more than the rest of that work together. An event
+recorded right after that node tells the host when the buffer may be refilled, so back-to-back
+replays of one graph (the ordered path's sessions) never read the next step's metadata.
 
 Only whole decode batches (one token per session) are captured, at their exact size: padding
 to a bucket would make padded rows pick MoE experts and read weights no session needs.
@@ -94,8 +99,17 @@ def max_rows() -> int:
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    meta: torch.Tensor     # static device input: the step's metadata (StepBatch.host_meta layout)
-    logits: torch.Tensor   # static device output
+    host: torch.Tensor      # pinned host input: the step's metadata (StepBatch.host_meta layout)
+    meta: torch.Tensor      # its device copy, the graph's first node; held here because the graph
+                            # does not keep it alive (freed, its memory would go to other tensors)
+    logits: torch.Tensor    # static device output
+    copied: torch.cuda.Event  # an event node right after the copy: ``host`` is free once it fired
+
+    def replay(self, meta: torch.Tensor) -> torch.Tensor:
+        self.copied.synchronize()   # an earlier replay still queued would read ``host`` when it runs
+        self.host.copy_(meta)
+        self.graph.replay()
+        return self.logits.clone()
 
 
 @dataclasses.dataclass
@@ -140,13 +154,14 @@ class StepGraphs:
             return model.forward(StepBatch.from_meta(to_device(meta, model.device), n, o, segs))
         cap = self.graphs.get(key)
         if cap is not None:
-            to_device(meta, model.device, out=cap.meta)
-            cap.graph.replay()
             self.stats.replays += 1
-            return cap.logits.clone()
+            return cap.replay(meta)
         # First step of this key: run it for real on the static buffer (compiling every kernel
-        # it needs), then record the same launches reading that buffer.
-        static = to_device(meta, model.device)
+        # it needs), then record the same launches, the copy from the pinned host buffer first.
+        host = meta.pin_memory()
+        static = host.to(model.device, non_blocking=True)
+        copied = torch.cuda.Event(external=True)   # external: recorded inside the graph, it is a node
+        copied.record()
         logits = model.forward(StepBatch.from_meta(static, n, o, segs))
         self.stats.eager += 1
         if self._pool is None:
@@ -154,13 +169,15 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
+                static.copy_(host, non_blocking=True)
+                copied.record()
                 out = model.forward(StepBatch.from_meta(static, n, o, segs))
         except Exception as e:  # a host sync or an uncapturable op: stay eager for this key
             self.failed.add(key)
             self.stats.failures += 1
             warnings.warn(f"ds4t: CUDA graph capture failed for {key} ({type(e).__name__}: {e}); running it eagerly")
             return logits
-        self.graphs[key] = _Captured(graph, static, out)
+        self.graphs[key] = _Captured(graph, host, static, out, copied)
         self.stats.captures += 1
         return logits
 

@@ -128,3 +128,68 @@ def test_overrides_are_captured_only_inside_the_explicit_opt_in():
                 assert not graphs.enabled_for(m)
         assert not graphs.enabled_for(m)
     assert graphs.enabled_for(m) and graphs.graph_key(m, 3) == ("decode", 3)
+
+
+def _sessions(model, prompts):
+    out = []
+    for p in prompts:
+        s = model.new_session(64)
+        s.prefill(p)
+        out.append(s)
+    return out
+
+
+def _alone(model, sessions, tok=5):
+    """Each session's decode step alone (one N = 1 graph for all), queued without reading logits."""
+    from ds4t.batch.engine import run_segments
+    return [run_segments(model, [(s, [tok])]) for s in sessions]
+
+
+@gpu
+@pytest.mark.parametrize("control", [False, True])
+def test_back_to_back_replays_read_their_own_metadata(control):
+    """The graph's first node copies the metadata from a pinned host buffer when the GPU reaches it;
+    replays queued behind slow work must each see their own step's metadata. Control: without the
+    wait for the copy's event, the queued replays read the last one's."""
+    prompts = [[1 + i] * (3 + 5 * i) for i in range(5)]
+    model = ds4t.load("tiny-glm", device="cuda")
+    twin = ds4t.load("tiny-glm", device="cuda")
+    twin.cuda_graphs = False
+    warm, ref = _sessions(model, prompts), _sessions(twin, prompts)
+    _alone(model, warm)
+    expect = _alone(twin, ref) + _alone(twin, ref)
+    cap = graphs.graphs_for(model).graphs[model.graph_key(1)]
+    if control:
+        cap.copied = type("NoWait", (), {"synchronize": lambda self: None})()
+    torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU work ahead of the replays: they queue
+    got = _alone(model, warm)
+    same = all(torch.equal(a, b) for a, b in zip(got, expect[len(prompts):]))
+    assert same != control
+    for s in warm + ref:
+        s.close()
+
+
+@gpu
+@pytest.mark.parametrize("control", [False, True])
+def test_static_metadata_outlives_other_allocations(control):
+    """The device buffer the graph's copy node writes must stay allocated: if only the graph pointed
+    at it, the caching allocator would hand it to the next small tensors. Control: drop the
+    reference and fill small allocations with zeros; the replays then read token 0 at slot 0."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    model = ds4t.load("tiny-glm", device="cuda")
+    twin = ds4t.load("tiny-glm", device="cuda")
+    twin.cuda_graphs = False
+    warm, ref = _sessions(model, prompts), _sessions(twin, prompts)
+    _alone(model, warm)
+    _alone(twin, ref)
+    cap = graphs.graphs_for(model).graphs[model.graph_key(1)]
+    if control:
+        cap.meta = None
+        torch.cuda.synchronize()
+    junk = [torch.zeros(64, dtype=torch.int64, device="cuda") for _ in range(256)]   # valid ids: no fault
+    got, expect = _alone(model, warm), _alone(twin, ref)
+    same = all(torch.equal(a, b) for a, b in zip(got, expect))
+    assert same != control
+    del junk
+    for s in warm + ref:
+        s.close()
