@@ -26,6 +26,7 @@ def test_refuses_without_a_gpu():
 
 def test_mla_target_runs_a_forced_tile():
     """``ncu_target.py mla``: DeepSeek-V3's MLA decode at a given context, a tile forced by --tile (here in the
-    interpreter; the command itself needs a GPU)."""
-    run = nt._mla_run(1, 32, "64x32x8x2", torch.Generator().manual_seed(0), "cpu")
+    interpreter, or on the GPU where there is one: Triton runs CPU tensors only in the interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run = nt._mla_run(1, 32, "64x32x8x2", torch.Generator(device).manual_seed(0), device)
     run()

@@ -161,6 +161,92 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _norm_rope_head(x_row, sd, w_ptr, c, s, eps,
+                    D: tl.constexpr, HALF: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One head of :func:`_norm_rope_kv_kernel`: (rotated first half, rotated second half, pass-through
+    part), fp32 [1, BLOCK_HALF] x 2 and [1, BLOCK_P]. The sum of squares: a [1, BLOCK_D] tile loaded at
+    unit stride (``sd``: the caller's stride argument, which Triton specialises to 1, so the load
+    vectorises), unmasked when D fills it."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    if D == BLOCK_D:
+        v = tl.load(x_row + d * sd).to(tl.float32)
+    else:
+        v = tl.load(x_row + d * sd, mask=d < D, other=0.0).to(tl.float32)
+    sq = tl.zeros((1, BLOCK_D), dtype=tl.float32)
+    sq += v * v
+    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((1,), D, tl.float32))
+    rstd = tl.div_rn(tl.full((1,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    im = i < HALF
+    w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + i + HALF, mask=im, other=0.0).to(tl.float32)
+    pd = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
+    pm = pd < D
+    wp = tl.load(w_ptr + pd, mask=pm, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w1 = 1.0 + w1
+        w2 = 1.0 + w2
+        wp = 1.0 + wp
+    x1 = (tl.load(x_row + i * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w1
+    x2 = (tl.load(x_row + (i + HALF) * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w2
+    xp = (tl.load(x_row + pd * sd, mask=pm, other=0.0).to(tl.float32) * rstd) * wp
+    return x1 * c - x2 * s, x2 * c + x1 * s, xp
+
+
+@triton.jit
+def _norm_rope_kv_kernel(
+    x_ptr, sx_b, sx_h, sx_d, k_ptr, sk_b, sk_h, sk_d, v_ptr, sv_b, sv_h, sv_d,
+    qn_ptr, kn_ptr, freq_ptr, pos_ptr, slots_ptr,
+    kc_ptr, skc_s, skc_l, skc_h, skc_d, vc_ptr, svc_s, svc_l, svc_h, svc_d,
+    out_ptr, so_b, so_h, so_d,
+    S, L, eps,
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Program (row b, head j): q head j (j < H) normed and rotated into out, or k head j - H normed,
+    rotated and stored into the cache with its v head. Each step is the separate kernels' arithmetic
+    (:func:`_norm_rope_head`; the rope's angles and rotation, the cache dtype's rounding) in one
+    launch for four or five; the sum of squares' order is this kernel's own (see
+    :func:`norm_rope_write_kv`)."""
+    grid_dependency()
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    im = i < HALF
+    pd = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
+    pm = (pd < D) & (D > 2 * HALF)
+    pos = tl.load(pos_ptr + b)
+    f = tl.load(freq_ptr + i, mask=im, other=0.0).to(tl.float32)
+    c, s = rope.cos_sin(pos.to(tl.float32) * f)
+    if j < H:
+        o1, o2, xp = _norm_rope_head(x_ptr + b * sx_b + j * sx_h, sx_d, qn_ptr, c, s, eps,
+                                     D, HALF, ZERO_CENTERED, BLOCK_D, BLOCK_HALF, BLOCK_P)
+        o_row = out_ptr + b * so_b + j * so_h
+        tl.store(o_row + i * so_d, o1, mask=im)
+        tl.store(o_row + (i + HALF) * so_d, o2, mask=im)
+        tl.store(o_row + pd * so_d, xp, mask=pm)
+    else:
+        jk = j - H
+        o1, o2, xp = _norm_rope_head(k_ptr + b * sk_b + jk * sk_h, sk_d, kn_ptr, c, s, eps,
+                                     D, HALF, ZERO_CENTERED, BLOCK_D, BLOCK_HALF, BLOCK_P)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        p64 = pos.to(tl.int64)
+        ok = (slot >= 0) & (slot < S) & (p64 >= 0) & (p64 < L)   # never write outside the pool
+        lim = tl.where(ok, D, 0)   # (a scalar bool & a tensor mask is a bad mask in the interpreter)
+        kc_row = kc_ptr + slot * skc_s + p64 * skc_l + jk * skc_h
+        kdt = kc_ptr.dtype.element_ty
+        tl.store(kc_row + i * skc_d, cast(o1, kdt), mask=im & (i < lim))
+        tl.store(kc_row + (i + HALF) * skc_d, cast(o2, kdt), mask=im & (i + HALF < lim))
+        tl.store(kc_row + pd * skc_d, cast(xp, kdt), mask=pm & (pd < lim))
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        vm = dv < tl.where(ok, DV, 0)
+        vx = tl.load(v_ptr + b * sv_b + jk * sv_h + dv * sv_d, mask=vm, other=0.0)
+        tl.store(vc_ptr + slot * svc_s + p64 * svc_l + jk * svc_h + dv * svc_d, cast(vx, vc_ptr.dtype.element_ty),
+                 mask=vm)
+
+
+@triton.jit
 def _row_sum(p_hi, p_lo):
     """Each row's sum of p [M, N] (fp32 p passed twice, or a 16-bit tile's hi / lo halves), as MMAs
     against ones: the MMA's K order is a row's own whatever the tile's M and layout, where tl.sum's
@@ -581,9 +667,14 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
 
     q [R, H, D], k [R, KV, D], v [R, KV, Dv] (any float dtype, any strides), positions / slots
     [R] int32 or int64, inv_freq [rotary_dim / 2] fp32, caches [S, L, KV, D|Dv]. Is
-    ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1): those kernels on the GPU,
-    one launch of the interpreter's twin (variant ``"interp"``,
-    :mod:`ds4t.kernels.interp.attention_rows`), bitwise the same there. Batch invariant.
+    ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1) in one launch: on the GPU
+    :func:`_norm_rope_kv_kernel` (a program per row and head), in the interpreter its twin (variant
+    ``"interp"``, :mod:`ds4t.kernels.interp.attention_rows`). In the interpreter the result is the
+    separate kernels' bit for bit; on the GPU its sum of squares may reduce in another order than the
+    norm kernel's (the compiler lays the [1, D] tile out by the pointers' alignment: 1 ulp of rstd at
+    D = 16 on the H200), so it is the only q/k-norm path there: every row, prefill or decode, of
+    every model with q/k norms goes through it. Batch invariant (a row's result never depends on
+    the others).
     """
     _check_cache(k_cache, v_cache)
     S, L, KV, D = k_cache.shape
@@ -610,12 +701,21 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
         attention_rows.launch_norm_rope_write_kv(q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,
                                                  slots, rotary_dim, zero_centered, out)
         return out
-    # The separate kernels (the norm of a [R*H, D] view for one row, of a copy for many, as the
-    # Qwen3-Next layer passes them).
-    qn = norm.rms_norm(q.reshape(R * H, D), q_norm, eps, zero_centered=zero_centered).view(R, H, D)
-    kn = norm.rms_norm(k.reshape(R * KV, D), k_norm, eps, zero_centered=zero_centered).view(R, KV, D)
-    rope.rope(qn, positions, inv_freq, rotary_dim=rotary_dim, out=out)
-    write_kv(rope.rope(kn, positions, inv_freq, rotary_dim=rotary_dim), v, k_cache, v_cache, slots, positions)
+    # One launch (_norm_rope_kv_kernel) at the norm's warps; q and k need a unit last stride for the
+    # sum of squares to load as one vector (copied if not, as the norm's reshape copies them).
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    HALF = rotary_dim // 2
+    _norm_rope_kv_kernel[(R, H + KV)](
+        q, *q.stride(), k, *k.stride(), v, *v.stride(),
+        q_norm.contiguous(), k_norm.contiguous(), inv_freq.contiguous(), positions, slots,
+        k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), out, *out.stride(),
+        S, L, float(eps),
+        H=H, D=D, DV=DV, HALF=HALF, ZERO_CENTERED=bool(zero_centered),
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_HALF=triton.next_power_of_2(HALF),
+        BLOCK_P=triton.next_power_of_2(max(D - 2 * HALF, 1)), BLOCK_DV=triton.next_power_of_2(DV),
+        num_warps=norm.NORM_CONFIGS(D).num_warps, **LAUNCH,
+    )
     return out
 
 

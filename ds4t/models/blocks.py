@@ -294,23 +294,22 @@ class GQAShape:
 def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq: torch.Tensor,
                   kc: torch.Tensor, vc: torch.Tensor, batch) -> torch.Tensor:
     """One GQA attention layer on rows x fp32 [R, D]: fused q/k/v (+ bias), optional per-head q/k
-    RMSNorm (plain x̂·w), rotate-half RoPE on the first ``a.rotary_dim`` dims of q and k in one
-    launch, the rows' k/v written into the caches ``kc`` / ``vc`` at their slots and positions,
+    RMSNorm (plain x̂·w), rotate-half RoPE on the first ``a.rotary_dim`` dims of q and k, the rows'
+    k/v written into the caches ``kc`` / ``vc`` at their slots and positions (all of it one launch),
     split-KV decode attention (scale hd^-1/2), o_proj (+ bias)."""
     R, H, KV, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
     qkv = fused_linear(x, w.w_qkv, w.b_qkv)
-    if a.qk_norm:
-        qk = torch.empty((R, H + KV, hd), dtype=torch.float32, device=x.device)
-        q = qkv[:, :H * hd].reshape(R * H, hd)
-        k = qkv[:, H * hd:(H + KV) * hd].reshape(R * KV, hd)
-        qk[:, :H] = ops.rms_norm(q, w.q_norm, a.eps).view(R, H, hd)
-        qk[:, H:] = ops.rms_norm(k, w.k_norm, a.eps).view(R, KV, hd)
-    else:
-        qk = qkv[:, :(H + KV) * hd].view(R, H + KV, hd)
-    qk = ops.rope(qk, batch.positions, inv_freq, rotary_dim=a.rotary_dim)   # q and k in one launch
     v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
-    ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
-    o = ops.decode_attention(qk[:, :H], kc, vc, batch.slots, batch.lengths, hd ** -0.5,
+    if a.qk_norm:   # norms, RoPE and the cache write in one launch
+        q = ops.norm_rope_write_kv(qkv[:, :H * hd].view(R, H, hd), qkv[:, H * hd:(H + KV) * hd].view(R, KV, hd), v,
+                                   w.q_norm, w.k_norm, a.eps, batch.positions, inv_freq, kc, vc, batch.slots,
+                                   rotary_dim=a.rotary_dim)
+    else:
+        qk = ops.rope(qkv[:, :(H + KV) * hd].view(R, H + KV, hd), batch.positions, inv_freq,
+                      rotary_dim=a.rotary_dim)   # q and k in one launch
+        ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
+        q = qk[:, :H]
+    o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5,
                              same_slot_runs=not batch.all_single)
     return fused_linear(o.reshape(R, H * hd), w.w_o, w.b_o)
 
