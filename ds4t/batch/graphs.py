@@ -9,7 +9,8 @@ reading that buffer; later steps copy their metadata into it and replay. Replay 
 kernels on the same addresses, so its bits equal the eager step's (tests/batch/test_cuda_graphs.py).
 The host -> device copy of the metadata is the graph's first node, reading a pinned host buffer the
 step fills: at N = 1 the host work before the GPU starts is part of a step's latency, and a pinned
-staging tensor plus a copy call per step cost more than the rest of that work together. An event
+staging tensor plus a copy call per step cost 0.7-2.7 % of an N = 1 step on the H200
+(bench/results/2026-12-02-h200-n1-launches.md). An event
 recorded right after that node tells the host when the buffer may be refilled, so back-to-back
 replays of one graph (the ordered path's sessions) never read the next step's metadata.
 
