@@ -106,9 +106,9 @@ class _Captured:
     logits: torch.Tensor    # static device output
     copied: torch.cuda.Event  # an event node right after the copy: ``host`` is free once it fired
 
-    def replay(self, meta: torch.Tensor) -> torch.Tensor:
+    def replay(self, step_meta: torch.Tensor) -> torch.Tensor:
         self.copied.synchronize()   # an earlier replay still queued would read ``host`` when it runs
-        self.host.copy_(meta)
+        self.host.copy_(step_meta)
         self.graph.replay()
         return self.logits.clone()
 
@@ -160,7 +160,7 @@ class StepGraphs:
         # First step of this key: run it for real on the static buffer (compiling every kernel
         # it needs), then record the same launches, the copy from the pinned host buffer first.
         host = meta.pin_memory()
-        static = host.to(model.device, non_blocking=True)
+        static = to_device(host, model.device)
         copied = torch.cuda.Event(external=True)   # external: recorded inside the graph, it is a node
         copied.record()
         logits = model.forward(StepBatch.from_meta(static, n, o, segs))
