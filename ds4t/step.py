@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 
@@ -71,13 +72,15 @@ class StepBatch:
 
     @staticmethod
     def host_meta(segments: Sequence, all_logits: bool = False):
-        """The metadata of a step on the host: (meta int64 [3R + O + S + H + 4M], R, O, segments, H).
+        """The metadata of a step on the host: (meta int64 [R + O + S + H + 4M + ceil(3R / 2)], R, O,
+        segments, H).
 
         segments, in item order: (slot, token ids, start position) tuples (logits of the last token,
         or of every token with ``all_logits``) or :class:`SegmentSpec`. ``meta`` holds tokens,
-        positions, slots, out_rows, single_rows, hidden_rows and the M multi-token segments'
-        (first row, rows, slot, states row) back to back, so one host->device copy carries all of it (see
-        :meth:`from_meta`).
+        out_rows, single_rows, hidden_rows and the M multi-token segments' (first row, rows, slot,
+        states row) back to back, then positions, slots and lengths as int32 packed two to an int64
+        word, so one host->device copy carries all of it and the device needs no kernel to convert
+        or derive any of it (see :meth:`from_meta`).
         """
         toks, pos, slots, out_rows, hidden, segs = [], [], [], [], [], []
         kept = 0   # rows of kept states so far
@@ -97,27 +100,32 @@ class StepBatch:
                 hidden += range(r0, r0 + len(ids))
         singles = [sg.start_row for sg in segs if sg.n == 1]
         multi = [v for sg in segs if sg.n > 1 for v in (sg.start_row, sg.n, sg.slot, sg.states_row)]
-        meta = torch.tensor(toks + pos + slots + out_rows + singles + hidden + multi, dtype=torch.int64)
-        return meta, len(toks), len(out_rows), segs, len(hidden)
+        wide = toks + out_rows + singles + hidden + multi
+        narrow = pos + slots + [p + 1 for p in pos]
+        k = len(wide)
+        meta = np.zeros(k + (len(narrow) + 1) // 2, dtype=np.int64)
+        meta[:k] = wide
+        meta[k:].view(np.int32)[:len(narrow)] = narrow
+        return torch.from_numpy(meta), len(toks), len(out_rows), segs, len(hidden)
 
     @classmethod
     def from_meta(cls, meta: torch.Tensor, n: int, o: int, segs: List[Segment], h: int = 0) -> "StepBatch":
-        """A batch whose tensors are views of / computed from ``meta`` on the device (no host
-        sync, so a CUDA graph can capture it with ``meta`` as its input buffer)."""
-        positions = meta[n:2 * n].to(torch.int32)
+        """A batch whose tensors are views of ``meta`` (:meth:`host_meta`'s layout) on its device:
+        no host sync and no kernel, so a CUDA graph can capture it with ``meta`` as its input buffer."""
         s = sum(1 for sg in segs if sg.n == 1)
         m = len(segs) - s
-        e = 3 * n + o + s + h   # end of hidden_rows
+        e = n + o + s + h   # end of hidden_rows
+        narrow = meta[e + 4 * m:].view(torch.int32)
         return cls(
             tokens=meta[:n],
-            positions=positions,
-            slots=meta[2 * n:3 * n].to(torch.int32),
-            lengths=positions + 1,
-            out_rows=meta[3 * n:3 * n + o],
-            single_rows=meta[3 * n + o:3 * n + o + s],
+            positions=narrow[:n],
+            slots=narrow[n:2 * n],
+            lengths=narrow[2 * n:3 * n],
+            out_rows=meta[n:n + o],
+            single_rows=meta[n + o:n + o + s],
             segments=segs,
             all_single=all(sg.n == 1 for sg in segs),
-            hidden_rows=meta[3 * n + o + s:e] if h else None,
+            hidden_rows=meta[n + o + s:e] if h else None,
             multi_segments=meta[e:e + 4 * m].view(m, 4) if m else None,
         )
 

@@ -28,13 +28,18 @@ def test_a_decode_step_has_no_segment_table():
     b = StepBatch.build([(0, [5], 3), (1, [6], 9)], "cpu")
     assert b.all_single and b.multi_segments is None and b.hidden_rows is None
     meta, n, o, segs, h = StepBatch.host_meta([(0, [5], 3), (1, [6], 9)])
-    assert meta.numel() == 3 * n + o + 2 and h == 0   # a graph's static buffer: no table appended
+    # a graph's static buffer: tokens, out rows, single rows, then positions / slots / lengths as int32 pairs
+    assert meta.numel() == n + o + 2 + (3 * n + 1) // 2 and h == 0
+    b = StepBatch.from_meta(meta, n, o, segs, h)
+    assert b.lengths.tolist() == [4, 10] and b.positions.dtype == b.slots.dtype == b.lengths.dtype == torch.int32
 
 
 def test_segment_table_is_a_view_of_the_one_copy():
     meta, n, o, segs, h = StepBatch.host_meta([SegmentSpec(2, [1, 2], 0), (4, [3], 5)])
     b = StepBatch.from_meta(meta, n, o, segs, h)
-    assert b.multi_segments.data_ptr() == meta[-4:].data_ptr() and b.multi_segments.dtype == torch.int64
+    # after tokens (3), out rows (2), single rows (1): the one multi-token segment's (first row, rows, slot, -1)
+    assert b.multi_segments.data_ptr() == meta[6:].data_ptr() and b.multi_segments.dtype == torch.int64
+    assert b.multi_segments.tolist() == [[0, 2, 2, -1]]
 
 
 def test_kept_chunks_get_consecutive_states_rows():
@@ -43,3 +48,14 @@ def test_kept_chunks_get_consecutive_states_rows():
                          SegmentSpec(3, [7, 8], 9, keep=True), SegmentSpec(4, [9], 1, keep=True)], "cpu")
     assert [s.states_row for s in b.segments] == [0, -1, 3, -1]   # a one-token segment keeps nothing
     assert b.multi_segments[:, 3].tolist() == [0, -1, 3]
+
+
+def test_every_view_shares_the_one_buffer():
+    """Positions, slots and lengths are int32 views of the one meta buffer: a step's device copy needs no
+    kernel to convert or derive them (an odd row count leaves one pad half-word)."""
+    meta, n, o, segs, h = StepBatch.host_meta([(0, [5], 3), (1, [6], 9), (7, [2], 0)])
+    b = StepBatch.from_meta(meta, n, o, segs, h)
+    lo, hi = meta.data_ptr(), meta.data_ptr() + meta.numel() * meta.element_size()
+    for t in (b.tokens, b.positions, b.slots, b.lengths, b.out_rows, b.single_rows):
+        assert lo <= t.data_ptr() < hi
+    assert (b.positions.tolist(), b.slots.tolist(), b.lengths.tolist()) == ([3, 9, 0], [0, 1, 7], [4, 10, 1])
