@@ -59,8 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import INTERPRET, LAUNCH, cast, grid_dependency, mma, timer, tl_dtype
-from ds4t.kernels import activation, norm, rope
+from ds4t.backend import INTERPRET, LAUNCH, cast, grid_dependency, mma, sigmoid, timer, tl_dtype
+from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
 from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
@@ -301,11 +301,22 @@ def _fold(p, vt, acc, l_i, alpha):
 
 
 @triton.jit
-def _store_rows(out_ptr, row_off, dv, so_d, mask, acc, l_i):
-    """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split.
-    row_off [M]: each tile row's offset in out (b * so_b + head * so_h)."""
+def _store_out(out_ptr, row_off, dv, so_d, mask, res, gate_ptr, g_off, GATED: tl.constexpr):
+    """res fp32 [M, BLOCK_DV] into the output rows at row_off [M] (each row's offset in out), rounded to
+    out's dtype; GATED: times sigmoid(gate) first, the expression of
+    :func:`ds4t.kernels.activation.sigmoid_mul` (gate values at gate_ptr + g_off [M] + dv)."""
+    if GATED:
+        gt = tl.load(gate_ptr + g_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
+        res = res * sigmoid(gt)
+    tl.store(out_ptr + row_off[:, None] + dv[None, :] * so_d, cast(res, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_rows(out_ptr, row_off, dv, so_d, mask, acc, l_i, gate_ptr, g_off, GATED: tl.constexpr):
+    """acc / l for the rows of l > 0, else 0 (a row with no position): the output of one split
+    (:func:`_store_out`)."""
     res = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + row_off[:, None] + dv[None, :] * so_d, res, mask=mask)
+    _store_out(out_ptr, row_off, dv, so_d, mask, res, gate_ptr, g_off, GATED)
 
 
 @triton.jit
@@ -316,10 +327,12 @@ def _attn_split_kernel(
     slots_ptr, lens_ptr,
     o_ptr, m_ptr, l_ptr,            # partials: o [B, NS, HQ, DV], m / l [B, NS, HQ] fp32
     out_ptr, so_b, so_h, so_d,      # the output [B, HQ, DV] (rows with one split)
+    gate_ptr, sg_b,                 # GATED: the gate [B, HQ * DV] (row stride sg_b)
     qk_scale, L, NS,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     # A row with one split (length <= its split size) normalises and writes its output here and the
     # merge skips it. FINAL (NS == 1, from L and the schedule only): every row has one split, no
@@ -338,9 +351,9 @@ def _attn_split_kernel(
     dvm = dv < DV
     qh = g * G + h
     if split_start >= length:
-        if FINAL:  # a row with length 0 returns zeros
-            tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dv[None, :] * so_d,
-                     tl.zeros([BLOCK_H, BLOCK_DV], tl.float32), mask=hm[:, None] & dvm[None, :])
+        if FINAL:  # a row with length 0 returns zeros (gated, as sigmoid_mul would gate them)
+            _store_out(out_ptr, b * so_b + qh * so_h, dv, so_d, hm[:, None] & dvm[None, :],
+                       tl.zeros([BLOCK_H, BLOCK_DV], tl.float32), gate_ptr, b * sg_b + qh * DV, GATED)
         return
     split_end = tl.minimum(split_start + split, length)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -378,7 +391,7 @@ def _attn_split_kernel(
     om = hm[:, None] & dvm[None, :]
     # One split (always so under FINAL): the merge of one split is acc / l, bitwise what is stored here.
     if length <= split:
-        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_i)
+        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_i, gate_ptr, b * sg_b + qh * DV, GATED)
     else:
         row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
         tl.store(m_ptr + row, m_i, mask=hm)
@@ -394,11 +407,12 @@ def _attn_runs_kernel(
     slots_ptr, lens_ptr,
     o_ptr, m_ptr, l_ptr,
     out_ptr, so_b, so_h, so_d,
+    gate_ptr, sg_b,
     qk_scale, L, NS, B,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
-    RUN: tl.constexpr,
+    RUN: tl.constexpr, GATED: tl.constexpr,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
     # one slot (a prefill chunk) share each K / V tile load and one MMA of RUN * BLOCK_H rows (tile
@@ -427,8 +441,8 @@ def _attn_runs_kernel(
     dv = tl.arange(0, BLOCK_DV)
     dvm = dv < DV
     if FINAL:  # rows of length 0 return zeros
-        tl.store(out_ptr + (b * so_b + qh * so_h)[:, None] + dv[None, :] * so_d,
-                 tl.zeros([RUN * BLOCK_H, BLOCK_DV], tl.float32), mask=(hm & (length == 0))[:, None] & dvm[None, :])
+        _store_out(out_ptr, b * so_b + qh * so_h, dv, so_d, (hm & (length == 0))[:, None] & dvm[None, :],
+                   tl.zeros([RUN * BLOCK_H, BLOCK_DV], tl.float32), gate_ptr, b * sg_b + qh * DV, GATED)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     n = tl.arange(0, BLOCK_N)
@@ -467,7 +481,8 @@ def _attn_runs_kernel(
             l_i = tl.where(upd, l_new, l_i)
             acc = tl.where(upd[:, None], a_new, acc)
         one = length <= split
-        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc, l_i)
+        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc, l_i,
+                    gate_ptr, b * sg_b + qh * DV, GATED)
         part = grp & (length > split)
         row = (b * NS + s) * HQ + qh
         tl.store(m_ptr + row, m_i, mask=part)
@@ -481,10 +496,11 @@ def _attn_merge_kernel(
     o_ptr, m_ptr, l_ptr,
     lens_ptr,
     out_ptr, so_b, so_h, so_d,
+    gate_ptr, sg_b,
     L, NS,
     HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr, GATED: tl.constexpr,
 ):
     # grid (B, Hkv, value-column blocks): the merge is elementwise in the value columns, so the
     # column block changes no bit; it only gives a row more programs.
@@ -515,7 +531,7 @@ def _attn_merge_kernel(
         acc = acc * a[:, None] + o_s * c[:, None]
         l_run = l_run * a + l_s * c
         m_run = m_new
-    _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_run)
+    _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_run, gate_ptr, b * sg_b + qh * DV, GATED)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -590,10 +606,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     :class:`~ds4t.kernels.splits.SplitSchedule` (default :func:`default_split_schedule`) or an int
     (one split size for every row); splits are powers of two >= 16. ``gate`` [B, Hq*Dv]
     (any float dtype, unit column stride): the output is multiplied by sigmoid(gate) as
-    :func:`ds4t.kernels.activation.sigmoid_mul` does (gated attention), bitwise the same. Returns
-    fp32 [B, Hq, Dv] (written into ``out`` if given); with ``out_dtype`` bf16 / fp16 a new tensor of the
-    fp32 result rounded to nearest even (``out`` then holds the fp32 result before the gate: what a
-    linear reading the output in that dtype would round it to). Batch invariant; no host synchronisation.
+    :func:`ds4t.kernels.activation.sigmoid_mul` does (gated attention), bitwise the same, by the
+    kernel that stores the row (no launch of its own). Returns fp32 [B, Hq, Dv] (written into ``out`` if
+    given); with ``out_dtype`` bf16 / fp16 a new tensor of the fp32 result rounded to nearest even (what
+    a linear reading the output in that dtype would round it to; with a gate ``out`` is then scratch).
+    Batch invariant; no host synchronisation.
 
     ``same_slot_runs``: a launch hint that rows come in runs of one slot (prefill chunks): programs
     then take ``AttentionConfig.run_rows`` consecutive rows and share each K / V tile among a run's
@@ -629,10 +646,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o_part = torch.empty((B, NS, HQ, DV), dtype=torch.float32, device=q.device)
         m_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B, NS, HQ), dtype=torch.float32, device=q.device)
+    # A gate is applied where a row's output is stored, into the returned tensor y in out_dtype.
+    gated = gate is not None
+    y = out if not gated or out_dtype == torch.float32 else torch.empty((B, HQ, DV), dtype=out_dtype, device=q.device)
+    g_args = (gate, gate.stride(0)) if gated else (y, 0)   # any pointer when not gated (never read)
     args = (q, *q.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), slots, lengths,
-            o_part, m_part, l_part, out, *out.stride(), float(scale) * _LOG2E, L, NS)
+            o_part, m_part, l_part, y, *y.stride(), *g_args, float(scale) * _LOG2E, L, NS)
     consts = dict(HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-                  BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final)
+                  BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, GATED=gated)
     if same_slot_runs and cfg.run_rows > 1 and B > 1:
         warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
         stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
@@ -644,16 +665,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         merge_dv = min(_MERGE_DV, BLOCK_DV)
         _attn_merge_kernel[(B, HKV, triton.cdiv(DV, merge_dv))](
             o_part, m_part, l_part, lengths,
-            out, *out.stride(),
+            y, *y.stride(), *g_args,
             L, NS,
-            HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv,
+            HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv, GATED=gated,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
-    if gate is not None and out_dtype != torch.float32:
-        return activation.sigmoid_mul(out.view(B, HQ * DV), gate, out_dtype=out_dtype).view(B, HQ, DV)
-    if gate is not None:
-        activation.sigmoid_mul(out.view(B, HQ * DV), gate, out=out.view(B, HQ * DV))
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return y if gated or out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,

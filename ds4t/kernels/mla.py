@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import LAUNCH, cast, grid_dependency, mma, timer
+from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
@@ -324,6 +325,116 @@ def write_latent_ref(c_kv, k_pe, cache, slots, positions) -> None:
     cache[slots.long(), positions.long()] = row
 
 
+@triton.jit
+def _norm_rope_latent_kernel(
+    q_ptr, sq_b, sq_h, sq_d,
+    kv_ptr, skv_b,
+    kpe_ptr, skpe_b,
+    w_ptr, eps,
+    pos_ptr, freq_ptr, scale,
+    slots_ptr, cache_ptr, s_cs, s_cl, S, L,
+    out_ptr, so_b, so_h, so_d,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Program (row b, j): q_pe heads j*BLOCK_H.. rotated into out, or (the row's last program) the
+    cache entry [rms_norm(kv) * w || rope(k_pe)] rounded to the cache dtype. The rotation is
+    :func:`ds4t.kernels.rope.rotate`; the norm the norm kernel's arithmetic on one [1, BLOCK_R] row,
+    its sum of squares in this kernel's order (see :func:`norm_rope_write_latent`)."""
+    grid_dependency()
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    HALF: tl.constexpr = DR // 2
+    c, s = rope.angles(pos_ptr, b, freq_ptr, scale, HALF, BLOCK_HALF)
+    d1, d2 = rope.pair_columns(HALF, INTERLEAVED, BLOCK_HALF)
+    im = (tl.arange(0, BLOCK_HALF) < HALF)[None, :]
+    if j * BLOCK_H < H:
+        h = j * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = (h < H)[:, None] & im
+        o1, o2 = rope.rotate(q_ptr + b * sq_b + h[:, None] * sq_h, sq_d, m, d1, d2, c, s)
+        ob = out_ptr + b * so_b + h[:, None] * so_h
+        tl.store(ob + d1[None, :] * so_d, o1, mask=m)
+        tl.store(ob + d2[None, :] * so_d, o2, mask=m)
+    else:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        ok = (slot >= 0) & (slot < S) & (pos >= 0) & (pos < L)   # never write outside the pool
+        rr = tl.arange(0, BLOCK_R)[None, :]
+        rm = rr < R
+        v = tl.load(kv_ptr + b * skv_b + rr, mask=rm, other=0.0).to(tl.float32)
+        sq = tl.zeros((1, BLOCK_R), dtype=tl.float32)
+        sq += v * v
+        ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((1,), R, tl.float32))
+        rstd = tl.div_rn(tl.full((1,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+        y = (v * rstd) * tl.load(w_ptr + rr, mask=rm, other=0.0).to(tl.float32)
+        dst = cache_ptr + slot * s_cs + pos * s_cl
+        dt = cache_ptr.dtype.element_ty
+        # (a scalar bool & a tensor mask is a bad mask in the interpreter: limits instead)
+        tl.store(dst + rr, cast(y, dt), mask=rr < tl.where(ok, R, 0))
+        km = im & (tl.arange(0, BLOCK_HALF) < tl.where(ok, HALF, 0))[None, :]
+        k1, k2 = rope.rotate((kpe_ptr + b * skpe_b + tl.arange(0, 1))[:, None], 1, km, d1, d2, c, s)
+        tl.store(dst + R + d1[None, :], cast(k1, dt), mask=km)
+        tl.store(dst + R + d2[None, :], cast(k2, dt), mask=km)
+
+
+def norm_rope_write_latent(c_kv: torch.Tensor, kv_norm: torch.Tensor, eps: float, q_pe: torch.Tensor,
+                           k_pe: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           cache: torch.Tensor, slots: torch.Tensor, *, interleaved: bool = False,
+                           scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """MLA's per-token prologue in one launch: ``cache[slots[b], positions[b]] = [rms_norm(c_kv[b]) ·
+    kv_norm || rope(k_pe[b])]`` (rounded to the cache dtype) and the returned ``rope(q_pe)``.
+
+    c_kv [B, R] (the latent before kv_a_layernorm) and k_pe [B, Dr] (any float, unit column stride:
+    views of the down-projection), kv_norm [R], q_pe [B, H, Dr] (any strides), positions / slots [B]
+    int32, inv_freq [Dr / 2] fp32 (every rope dim rotates), cache [S, L, R + Dr] with a contiguous last
+    dim; ``interleaved`` / ``scale`` as :func:`ds4t.kernels.rope.rope`. Returns fp32 [B, H, Dr] (``out``
+    if given). The same values as :func:`ds4t.kernels.norm.rms_norm`, :func:`ds4t.kernels.rope.rope` and
+    :func:`write_latent` in turn (bitwise in the interpreter) in one launch instead of five (two
+    copies assembled rope's input). On a GPU the norm's sum of squares follows this kernel's reduction
+    order, which may differ in the last bit from the norm kernel's: every MLA row (decode, prefill,
+    native, ordered) goes through this kernel, so nothing compares the two. Rows past the pool (a slot
+    or position out of range) write nothing. Batch invariant: one row per program."""
+    B, R = c_kv.shape
+    Dr = k_pe.shape[-1]
+    if (k_pe.shape != (B, Dr) or q_pe.dim() != 3 or q_pe.shape[0] != B or q_pe.shape[2] != Dr
+            or cache.dim() != 3 or cache.shape[-1] != R + Dr):
+        raise ValueError(f"norm_rope_write_latent: shapes c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, "
+                         f"q_pe {tuple(q_pe.shape)}, cache {tuple(cache.shape)} do not fit [B,R], [B,Dr], "
+                         f"[B,H,Dr], [S,L,R+Dr]")
+    if kv_norm.shape != (R,) or inv_freq.shape != (Dr // 2,) or Dr % 2:
+        raise ValueError(f"norm_rope_write_latent: kv_norm must be [{R}] and inv_freq [{Dr // 2}] (Dr={Dr} even), "
+                         f"got {tuple(kv_norm.shape)} and {tuple(inv_freq.shape)}")
+    if slots.shape != (B,) or positions.shape != (B,):
+        raise ValueError("norm_rope_write_latent: slots and positions must be [B]")
+    if cache.stride(-1) != 1:
+        raise ValueError("norm_rope_write_latent: cache must have a contiguous last dim")
+    H = q_pe.shape[1]
+    if out is None:
+        out = torch.empty((B, H, Dr), dtype=torch.float32, device=q_pe.device)
+    elif out.shape != (B, H, Dr) or out.dtype != torch.float32:
+        raise ValueError(f"norm_rope_write_latent: out must be float32 [{B}, {H}, {Dr}]")
+    if B == 0:
+        return out
+    c_kv, k_pe = _last_contig(c_kv), _last_contig(k_pe)
+    cfg = rope.ROPE_CONFIGS(H, Dr, Dr)
+    _norm_rope_latent_kernel[(B, triton.cdiv(H, cfg.block_h) + 1)](
+        q_pe, *q_pe.stride(), c_kv, c_kv.stride(0), k_pe, k_pe.stride(0), kv_norm.contiguous(), float(eps),
+        positions, inv_freq, float(scale), slots, cache, cache.stride(0), cache.stride(1), cache.shape[0],
+        cache.shape[1], out, *out.stride(),
+        H=H, R=R, DR=Dr, INTERLEAVED=bool(interleaved), BLOCK_H=cfg.block_h, BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_HALF=cfg.block_half, num_warps=norm.NORM_CONFIGS(R).num_warps, **LAUNCH,
+    )
+    return out
+
+
+def norm_rope_write_latent_ref(c_kv, kv_norm, eps, q_pe, k_pe, positions, inv_freq, cache, slots, *,
+                               interleaved=False, scale=1.0, out=None):
+    """Plain-torch :func:`norm_rope_write_latent`: the three references in turn."""
+    k = rope.rope_ref(k_pe[:, None], positions, inv_freq, interleaved=interleaved, scale=scale)[:, 0]
+    write_latent_ref(norm.rms_norm_ref(c_kv, kv_norm, eps), k, cache, slots, positions)
+    return rope.rope_ref(q_pe, positions, inv_freq, interleaved=interleaved, scale=scale, out=out)
+
+
 def _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank):
     if q_latent.dim() != 3 or q_pe.dim() != 3 or cache.dim() != 3:
         raise ValueError("mla_decode: q_latent [B,H,R], q_pe [B,H,Dr], cache [S,L,R+Dr] expected")
@@ -488,4 +599,5 @@ def _check(device) -> List[CheckResult]:
 # ----------------------------------------------------------------------------- ops (the models call these)
 
 register_op(write_latent, reference=write_latent_ref)
+register_op(norm_rope_write_latent, reference=norm_rope_write_latent_ref)
 register_op(mla_decode, reference=mla_decode_ref)

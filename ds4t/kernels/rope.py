@@ -83,6 +83,40 @@ def cos_sin(a):
 
 
 @triton.jit
+def angles(pos_ptr, b, freq_ptr, scale, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Row b's (cos, sin) [BLOCK_HALF] fp32 of its position times each inverse frequency, both times
+    ``scale``: the module docstring's c and s (zeros past HALF)."""
+    i = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(pos_ptr + b).to(tl.float32)
+    f = tl.load(freq_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+    c, s = cos_sin(pos * f)
+    return c * scale, s * scale
+
+
+@triton.jit
+def pair_columns(HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """(d1, d2) [BLOCK_HALF]: the columns of each rotated pair (i, i + HALF), or (2i, 2i + 1) interleaved."""
+    i = tl.arange(0, BLOCK_HALF)
+    if INTERLEAVED:
+        d1 = 2 * i
+        d2 = 2 * i + 1
+    else:
+        d1 = i
+        d2 = i + HALF
+    return d1, d2
+
+
+@triton.jit
+def rotate(xb, sx_d, m, d1, d2, c, s):
+    """The rotated pairs (o1, o2) fp32 of the heads at pointers xb [BLOCK_H, 1] (column stride sx_d):
+    x1 * c - x2 * s and x2 * c + x1 * s, loaded where m [BLOCK_H, BLOCK_HALF] holds. Every op that
+    rotates (:func:`rope`, :func:`ds4t.kernels.mla.norm_rope_write_latent`) computes it here."""
+    x1 = tl.load(xb + d1[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + d2[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+    return x1 * c[None, :] - x2 * s[None, :], x2 * c[None, :] + x1 * s[None, :]
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, sx_b, sx_h, sx_d,
     pos_ptr, freq_ptr,
@@ -95,30 +129,16 @@ def _rope_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
-    i = tl.arange(0, BLOCK_HALF)
-    im = i < HALF
-    pos = tl.load(pos_ptr + b).to(tl.float32)
-    f = tl.load(freq_ptr + i, mask=im, other=0.0).to(tl.float32)
-    c, s = cos_sin(pos * f)
-    c = c * scale
-    s = s * scale
-    if INTERLEAVED:
-        d1 = 2 * i
-        d2 = 2 * i + 1
-    else:
-        d1 = i
-        d2 = i + HALF
-    m = hm[:, None] & im[None, :]
+    c, s = angles(pos_ptr, b, freq_ptr, scale, HALF, BLOCK_HALF)
+    d1, d2 = pair_columns(HALF, INTERLEAVED, BLOCK_HALF)
+    m = hm[:, None] & (tl.arange(0, BLOCK_HALF) < HALF)[None, :]
     xb = x_ptr + b * sx_b + h[:, None] * sx_h
     ob = out_ptr + b * so_b + h[:, None] * so_h
-    x1 = tl.load(xb + d1[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + d2[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+    o1, o2 = rotate(xb, sx_d, m, d1, d2, c, s)
     if D > 2 * HALF:
         pd = 2 * HALF + tl.arange(0, BLOCK_P)
         pm = hm[:, None] & (pd < D)[None, :]
         xp = tl.load(xb + pd[None, :] * sx_d, mask=pm, other=0.0).to(tl.float32)
-    o1 = x1 * c[None, :] - x2 * s[None, :]
-    o2 = x2 * c[None, :] + x1 * s[None, :]
     # every load above precedes every store: out may alias x (in place)
     tl.store(ob + d1[None, :] * so_d, o1, mask=m)
     tl.store(ob + d2[None, :] * so_d, o2, mask=m)

@@ -301,25 +301,21 @@ class DeepseekModel(DecoderModel):
         n, H, R = a.shape[0], c.num_heads, c.kv_lora_rank
         dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         qw = c.q_width
-        dev = a.device
         if c.q_lora_rank:
             q = fused_linear(ops.rms_norm(a[:, :qw], w.q_a_norm, c.eps), w.w_qb)
         else:
             q = a[:, :qw]
-        c_kv = ops.rms_norm(a[:, qw:qw + R], w.kv_a_norm, c.eps)
-        # RoPE on q_pe of every head and the shared k_pe in one launch: pe [n, H + 1, dr].
-        pe = torch.empty((n, H + 1, dr), dtype=torch.float32, device=dev)
-        pe[:, :H] = q[:, H * dn:].view(n, H, dr)
-        pe[:, H] = a[:, qw + R:]
-        ops.rope(pe, positions, self.inv_freq, interleaved=c.rope_interleave, scale=self.rope_scale, out=pe)
         cache = self.pool.tensors[f"layers.{i}.latent"]
-        ops.write_latent(c_kv, pe[:, H], cache, slots, positions)
+        # kv_a_layernorm, RoPE on q_pe of every head and on the shared k_pe, and the cache write: one launch.
+        q_pe = ops.norm_rope_write_latent(a[:, qw:qw + R], w.kv_a_norm, c.eps, q[:, H * dn:].view(n, H, dr),
+                                          a[:, qw + R:], positions, self.inv_freq, cache, slots,
+                                          interleaved=c.rope_interleave, scale=self.rope_scale)
         # Absorb W_UK into the query and apply W_UV after attention: per-head linears, all heads
         # in one launch each (bitwise the per-head loop; 2 launches instead of 2·H).
         # mla_decode rounds q_latent to the cache dtype; storing it so here is the same rounding (RNE):
         # the same bits from half the bytes.
         q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t, **store_kwargs(cache.dtype))
-        lat = ops.mla_decode(q_lat, pe[:, :H], cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
+        lat = ops.mla_decode(q_lat, q_pe, cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
         o = ops.linear_heads(lat, w.w_uv, **narrow_store(lat, w.w_o))   # o_proj rounds it so anyway
         return fused_linear(o.view(n, H * dv), w.w_o, w.b_o)
 

@@ -409,10 +409,12 @@ def test_one_split_needs_no_merge(path, device, dtype):
     assert torch.equal(alone[0], got[3])
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "same_slot_runs"])
 @pytest.mark.parametrize("split", [16, 64])
-def test_gate_is_sigmoid_mul(path, device, split):
+def test_gate_is_sigmoid_mul(path, device, split, runs):
     """decode_attention(..., gate=g) == sigmoid_mul(decode_attention(...), g), bitwise (the gate a
-    strided column slice, as in the Qwen3-Next projection)."""
+    strided column slice, as in the Qwen3-Next projection), whichever kernel stores a row: the split
+    kernel (one split), the merge, or the same-slot-runs kernel."""
     HQ, HKV, D = 6, 2, 16
     g = _gen(12)
     kc, vc = _cache(3, 48, HKV, D, D, torch.float32, device, g)
@@ -423,11 +425,12 @@ def test_gate_is_sigmoid_mul(path, device, split):
     slots = torch.tensor([0, 2, 1, 2, 0], dtype=torch.int32, device=device)
     lengths = torch.tensor([48, 20, 1, 33, 7], dtype=torch.int32, device=device)
     plain = _run(q, kc, vc, slots, lengths, 0.25, split_size=split)
-    gated = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate)
+    gated = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate, same_slot_runs=runs)
     assert torch.equal(gated, activation.sigmoid_mul(plain.view(B, HQ * D), gate).view(B, HQ, D))
     # out_dtype: the same fp32 result rounded to nearest even (what a bf16 o_proj rounds it to); fp16 differs
     for dt in (torch.bfloat16, torch.float16):
-        narrow = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate, out_dtype=dt)
+        narrow = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, gate=gate, out_dtype=dt,
+                                  same_slot_runs=runs)
         assert narrow.dtype == dt and torch.equal(narrow, gated.to(dt))
         plain16 = decode_attention(q, kc, vc, slots, lengths, 0.25, split_size=split, out_dtype=dt)
         assert torch.equal(plain16, plain.to(dt))

@@ -17,9 +17,12 @@ from ds4t.kernels.mla import (
     default_split_schedule,
     mla_decode,
     mla_decode_ref,
+    norm_rope_write_latent,
+    norm_rope_write_latent_ref,
     write_latent,
     write_latent_ref,
 )
+from ds4t.kernels import norm, rope
 from ds4t.kernels.splits import SplitSchedule
 from tests.kernels.invariance import assert_rows_invariant, poisoned
 
@@ -72,6 +75,93 @@ def test_write_latent_matches_ref(dtype, device):
     write_latent_ref(c_kv, k_pe, ref, slots, pos)
     torch.testing.assert_close(cache.cpu(), ref, atol=0, rtol=0, equal_nan=True)
     assert torch.isnan(cache[1, 0]).all()  # untouched rows stay as they were
+
+
+# ------------------------------------------------------------------------ norm_rope_write_latent
+
+def _prologue(B, H, R, Dr, S, L, dtype, device, seed):
+    """The down-projection's views (latent, k_pe) and a strided q_pe, norm weight, slots, positions,
+    inverse frequencies and a NaN-poisoned cache, as DeepSeek-V3's MLA hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, R + Dr, generator=g).to(device)
+    q = torch.randn(B, H * (8 + Dr), generator=g).to(device)
+    w = (1 + 0.3 * torch.randn(R, generator=g)).to(device)
+    slots = (torch.arange(B, dtype=torch.int32) // L) % S   # distinct (slot, position) pairs while B <= S * L
+    pos = torch.arange(B, dtype=torch.int32) % L
+    inv = rope.default_inv_freq(Dr, 10000.0, device=device)
+    return (a[:, :R], a[:, R:], q[:, H * 8:].view(B, H, Dr), w, slots.to(device), pos.to(device), inv,
+            poisoned((S, L, R + Dr), dtype, device=device))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d_R%d_Dr%d" % s)
+def test_norm_rope_write_latent_is_norm_then_rope_then_write(shape, dtype, interleaved, device):
+    """One launch == rms_norm, rope (over q_pe and k_pe) and write_latent in turn, as DeepSeek-V3 ran
+    them, and == the references. In the interpreter bitwise; on the GPU the rotation is bitwise (one
+    helper) and the latent may differ by the norm's sum-of-squares order (an rstd ulp, then the cache
+    dtype's rounding): every MLA row goes through this kernel there, so nothing compares the two."""
+    H, R, Dr = shape
+    c_kv, k_pe, q_pe, w, slots, pos, inv, cache = _prologue(7, H, R, Dr, 2, 5, dtype, device, seed=3)
+    pos[0] = cache.shape[1]   # out of the pool: row 0 writes nothing (its q_pe is still rotated)
+    c1, c2 = cache.clone(), cache.clone()
+    out = poisoned((7, H, Dr), device=device)
+    got = norm_rope_write_latent(c_kv, w, 1e-6, q_pe, k_pe, pos, inv, c1, slots, interleaved=interleaved,
+                                 scale=1.1, out=out)
+    assert got is out
+    pe = torch.empty(7, H + 1, Dr, device=device)
+    pe[:, :H] = q_pe
+    pe[:, H] = k_pe
+    rope.rope(pe, pos, inv, interleaved=interleaved, scale=1.1, out=pe)
+    keep = pos < cache.shape[1]   # write_latent has no bounds check: give it the rows in range only
+    write_latent(norm.rms_norm(c_kv, w, 1e-6)[keep], pe[keep, H], c2, slots[keep], pos[keep])
+    assert torch.equal(got, pe[:, :H])
+    if torch.device(device).type == "cpu":
+        torch.testing.assert_close(c1, c2, atol=0, rtol=0, equal_nan=True)
+    else:
+        ulp = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+        torch.testing.assert_close(c1.float(), c2.float(), rtol=0, atol=ulp * float(c2.float().nan_to_num().abs().max()),
+                                   equal_nan=True)
+    ref_cache = cache.cpu().clone()
+    k = keep.cpu()
+    ref = norm_rope_write_latent_ref(c_kv.cpu()[k], w.cpu(), 1e-6, q_pe.cpu()[k], k_pe.cpu()[k], pos.cpu()[k],
+                                     inv.cpu(), ref_cache, slots.cpu()[k], interleaved=interleaved, scale=1.1)
+    torch.testing.assert_close(got.cpu()[k], ref, atol=1e-5, rtol=1e-5)
+    # fp32 values rounded to the cache dtype: the reference's fp32 rstd may sit an ulp away
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    torch.testing.assert_close(c1.cpu().float(), ref_cache.float(), atol=tol * 8, rtol=tol, equal_nan=True)
+    written = ~torch.isnan(c1.float()).all(-1)
+    assert int(written.sum()) == int(keep.sum())   # row 0 (position L) wrote nothing; no other entry moved
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_norm_rope_write_latent_rows_invariant(data):
+    """Row i among B rows == row i alone (its q_pe and the cache entry it writes), bitwise."""
+    device = ds4t.backend.default_device()
+    c_kv, k_pe, q_pe, w, slots, pos, inv, cache = _prologue(33, 4, 48, 16, 3, 11, torch.bfloat16, device, seed=4)
+    B = data.draw(st.integers(1, 33), label="B")
+    rows = data.draw(st.permutations(range(33)), label="order")[:B]
+    i = data.draw(st.integers(0, B - 1), label="i")
+
+    def run(r):
+        idx = torch.tensor(r, dtype=torch.long, device=device)
+        c1 = cache.clone()
+        qo = norm_rope_write_latent(c_kv[idx], w, 1e-6, q_pe[idx], k_pe[idx], pos[idx], inv, c1, slots[idx],
+                                    interleaved=True)
+        return torch.cat([qo.flatten(1), c1[slots[idx].long(), pos[idx].long()].float()], 1)
+
+    assert_rows_invariant(run, rows, i)
+
+
+def test_norm_rope_write_latent_shape_errors(device):
+    c_kv, k_pe, q_pe, w, slots, pos, inv, cache = _prologue(3, 4, 48, 16, 2, 5, torch.float32, device, seed=5)
+    with pytest.raises(ValueError, match="kv_norm"):
+        norm_rope_write_latent(c_kv, w[:-1], 1e-6, q_pe, k_pe, pos, inv, cache, slots)
+    with pytest.raises(ValueError, match="shapes"):
+        norm_rope_write_latent(c_kv, w, 1e-6, q_pe, k_pe[:, :-2], pos, inv, cache, slots)
+    with pytest.raises(ValueError, match="slots and positions"):
+        norm_rope_write_latent(c_kv, w, 1e-6, q_pe, k_pe, pos[:2], inv, cache, slots)
 
 
 # ---------------------------------------------------------------------------------- mla_decode
