@@ -228,6 +228,18 @@ def _write_latent(dev, real):
     return lambda: mla.write_latent(c, kp, cache, slots, pos)
 
 
+def _norm_rope_write_latent(dev, real):
+    S, L, H, R, Dr = _mla_dims(real)
+    cache = _rand(dev, S, L, R + Dr, dtype=_wdt(real))
+    a = _rand(dev, S, R + Dr, seed=1)
+    q_pe, w = _rand(dev, S, H, Dr, seed=2), _rand(dev, R, scale=0.1, seed=3) + 1
+    slots = torch.arange(S, dtype=torch.int32, device=dev)
+    pos = torch.full((S,), L // 2, dtype=torch.int32, device=dev)
+    inv = rope.default_inv_freq(Dr, 10000.0, device=dev)
+    return lambda: mla.norm_rope_write_latent(a[:, :R], w, 1e-6, q_pe, a[:, R:], pos, inv, cache, slots,
+                                              interleaved=True)
+
+
 def _moe_experts(dev, real):
     b, E, k, D, I = (B, 512, 10, 2048, 512) if real else (6, 10, 3, 48, 40)
     g = torch.Generator().manual_seed(0)
@@ -296,7 +308,7 @@ CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
     "conv1d_update": _conv1d_update, "conv1d_prefill": _conv1d_prefill,
     "conv1d_prefill_segments": _conv1d_prefill_segments,
     "gdn_decode": _gdn_decode, "gdn_prefill": _gdn_prefill, "gdn_prefill_segments": _gdn_prefill_segments,
-    "mla_decode": _mla_decode, "write_latent": _write_latent,
+    "mla_decode": _mla_decode, "write_latent": _write_latent, "norm_rope_write_latent": _norm_rope_write_latent,
     "moe_experts": _moe_experts, "moe_experts_fp8": _moe_experts_fp8,
     "router_softmax_topk": _router_softmax_topk, "router_sigmoid_grouped": _router_sigmoid_grouped,
     "argmax": _argmax, "sample": _sample,
