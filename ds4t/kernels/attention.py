@@ -175,8 +175,7 @@ def _norm_rope_head(x_row, sd, w_ptr, c, s, eps,
         v = tl.load(x_row + d * sd, mask=d < D, other=0.0).to(tl.float32)
     sq = tl.zeros((1, BLOCK_D), dtype=tl.float32)
     sq += v * v
-    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((1,), D, tl.float32))
-    rstd = tl.div_rn(tl.full((1,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+    rstd = norm.rstd_of(sq, D, eps)
     i = tl.arange(0, BLOCK_HALF)[None, :]
     im = i < HALF
     w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)

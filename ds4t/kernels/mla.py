@@ -397,9 +397,7 @@ def _norm_rope_latent_kernel(
         v = tl.load(kv_ptr + b * skv_b + rr, mask=rm, other=0.0).to(tl.float32)
         sq = tl.zeros((1, BLOCK_R), dtype=tl.float32)
         sq += v * v
-        ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((1,), R, tl.float32))
-        rstd = tl.div_rn(tl.full((1,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
-        y = (v * rstd) * tl.load(w_ptr + rr, mask=rm, other=0.0).to(tl.float32)
+        y = (v * norm.rstd_of(sq, R, eps)) * tl.load(w_ptr + rr, mask=rm, other=0.0).to(tl.float32)
         dst = cache_ptr + slot * s_cs + pos * s_cl
         dt = cache_ptr.dtype.element_ty
         # (a scalar bool & a tensor mask is a bad mask in the interpreter: limits instead)

@@ -67,6 +67,15 @@ NORM_CONFIGS: ConfigTable[NormConfig] = ConfigTable(
 
 
 @triton.jit
+def rstd_of(sq, D: tl.constexpr, eps):
+    """1 / sqrt(mean + eps) [M, 1] of each row's squares sq fp32 [M, BLOCK] (zeros past D): one tl.sum a row,
+    IEEE sqrt and division (not the approximate GPU defaults), as torch computes them. Every RMSNorm in
+    ds4t (this module's kernel and the fused prologues) computes it here."""
+    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((sq.shape[0],), D, tl.float32))
+    return tl.div_rn(tl.full((sq.shape[0],), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+
+
+@triton.jit
 def _norm_kernel(
     x_ptr, r_ptr, z_ptr, w_ptr, y_ptr, s_ptr,
     R, stride_x, stride_r, stride_z, stride_y, stride_s, eps,
@@ -103,9 +112,7 @@ def _norm_kernel(
                 v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
                 tl.store(s_row + cc, v, mask=m)
         sq += v * v
-    # IEEE sqrt and division (not the approximate GPU defaults), as torch computes them.
-    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((ROWS,), D, tl.float32))
-    rstd = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+    rstd = rstd_of(sq, D, eps)
 
     # Pass 2: normalise and scale. One chunk: the row is still in registers. More: re-read it
     # (the sum of squares needs the whole row first).
