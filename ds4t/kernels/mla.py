@@ -92,63 +92,30 @@ class MLAConfig:
     num_warps: int
     num_stages: int = 2
     merge_warps: int = 4
-    max_rows: int = 0   # a few-rows entry (key + ("few",)) applies to launches of at most this many rows
 
 
-FEW_ROWS_FREE = ("block_h", "num_warps", "num_stages", "merge_heads", "merge_warps")
-"""The fields a few-rows entry may change from the decode config (:func:`mla_config`): how many heads a
-program takes and how it is pipelined. A row's bits follow its tokens per tile (``block_n``) and split
-schedule, which it keeps; on the H200 16- and 32-head tiles gave the same bits
-(bench/results/2026-12-02-h200-n1-launches.md)."""
-
-
-def _gpu_config(H: int, R: int, Dr: int, split: int, *few) -> Optional[MLAConfig]:
+def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
     # 32 heads x 64 tokens per tile, 4 warps: the best of 84 configs in the H200 sweep at R = 512
     # (bench/results/2026-11-30-h200-attention.md), 2x the 64-head / 8-warp tile, whose fp32
     # accumulator [64, 512] does not fit the registers. Each cache tile is read once per 32 heads
     # (DeepSeek-V3: 4 head blocks; the repeats mostly hit L2). tl.dot needs M >= 16.
-    if few:   # few-rows keys have entries, no rule
-        return None
     return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
                      block_n=max(16, min(64, triton.next_power_of_2(split))),
                      merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
                      num_warps=4, num_stages=2)
 
 
-def _interp_config(H: int, R: int, Dr: int, split: int, *few) -> Optional[MLAConfig]:
-    # Few, big programs: every head in one block, long tiles. No few-rows entries.
-    if few:
-        return None
+def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
+    # Few, big programs: every head in one block, long tiles.
     return MLAConfig(block_h=max(16, triton.next_power_of_2(H)),
                      block_n=max(16, min(128, triton.next_power_of_2(split))),
                      merge_heads=triton.next_power_of_2(H), num_warps=4)
 
 
 MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
-    "mla_decode",
-    # DeepSeek-V3 (128 heads, R 512, Dr 64, bf16 splits of 128..1024) at one or two rows: 16-head tiles, 3
-    # stages, twice the programs of the 32-head tile; 4 us a layer faster at B = 1, 40-70 % slower at B >= 8
-    # (bench/results/2026-12-02-h200-n1-launches.md), same bits.
-    gpu={(128, 512, 64, 128, "few"): MLAConfig(block_h=16, block_n=64, merge_heads=8, num_warps=4, num_stages=3,
-                                               max_rows=2)},
-    gpu_rule=_gpu_config, interp_rule=_interp_config,
-    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); few-rows: "
-           "bench/results/2026-12-02-h200-n1-launches.md")
-"""Keyed on (heads, latent rank R, rope dim Dr, the schedule's smallest split): never on the batch; a
-few-rows entry on that key + ("few",) (:func:`mla_config`)."""
-
-
-def mla_config(H: int, R: int, Dr: int, split: int, B: int) -> MLAConfig:
-    """The launch config of a B-row mla_decode: the few-rows entry when B is at most its ``max_rows``, else
-    the decode config. A few-rows entry may differ only in :data:`FEW_ROWS_FREE` (checked here), so a row's
-    bits are the same whichever a launch takes."""
-    cfg = MLA_CONFIGS(H, R, Dr, split)
-    few = MLA_CONFIGS(H, R, Dr, split, "few")
-    if few is None or B > few.max_rows:
-        return cfg
-    if dataclasses.replace(few, max_rows=cfg.max_rows, **{f: getattr(cfg, f) for f in FEW_ROWS_FREE}) != cfg:
-        raise ValueError(f"mla_decode: a few-rows entry may change {', '.join(FEW_ROWS_FREE)} only ({few} vs {cfg})")
-    return few
+    "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
+    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
+"""Keyed on (heads, latent rank R, rope dim Dr, the schedule's smallest split): never on the batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +480,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     q_pe = _last_contig(q_pe)
 
     NS = sched.max_splits(L)
-    cfg = mla_config(H, R, Dr, sched.min_split, B)
+    cfg = MLA_CONFIGS(H, R, Dr, sched.min_split)
     BH, BLOCK_N, MH, warps = cfg.block_h, cfg.block_n, cfg.merge_heads, cfg.num_warps
     RP = triton.next_power_of_2(R)
     DRP = max(16, triton.next_power_of_2(max(Dr, 1)))

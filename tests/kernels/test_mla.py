@@ -1,7 +1,6 @@
 """Tests for ds4t.kernels.mla: latent-cache writes and absorbed MLA decode (split-KV, MQA)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -15,7 +14,6 @@ from ds4t.kernels.mla import (
     TOLERANCE,
     MLAConfig,
     _check,
-    mla_config,
     default_split_schedule,
     mla_decode,
     mla_decode_ref,
@@ -285,35 +283,6 @@ def test_query_in_cache_dtype_gives_the_same_bits(dtype, tile, device):
     assert torch.equal(run(q.to(dtype), qp), wide)
     off = (q.to(dtype).view(torch.int16) ^ 1).view(dtype)   # every element one ulp away
     assert not torch.equal(run(off, qp.to(dtype)), wide)
-
-
-def test_few_rows_entry_keeps_a_rows_bits(device):
-    """A launch of at most ``max_rows`` rows takes the few-rows entry (16-head tiles, other stages), a larger
-    one the decode config; a row's bits are the same either way, since the entry keeps the tokens per tile.
-    Controls: a few-rows entry changing the token tile is refused, and the token tile does change bits
-    (so the equality below could fail)."""
-    H, R, Dr, S, L = 64, 64, 16, 3, 90
-    slots, lengths = [0, 1, 2], [90, 57, 33]
-    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.bfloat16, slots, lengths, seed=23, device=device)
-    sched = SplitSchedule(16, 64, 4)
-    base = MLAConfig(block_h=32, block_n=16, merge_heads=8, num_warps=4, num_stages=2)
-    few = MLAConfig(block_h=16, block_n=16, merge_heads=4, num_warps=4, num_stages=3, max_rows=2)
-
-    def run(rows, few_cfg=few, cfg=base):
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
-        with MLA_CONFIGS.forced(lambda *k: few_cfg if "few" in k else cfg):
-            return mla_decode(q[idx], qp[idx], cache, sl[idx], ln[idx], 0.2, kv_lora_rank=R, split_size=sched,
-                              out=poisoned((len(rows), H, R), device=device))
-
-    with MLA_CONFIGS.forced(lambda *k: few if "few" in k else base):
-        assert mla_config(H, R, Dr, 16, 2) == few and mla_config(H, R, Dr, 16, 3) == base
-    batch = run([0, 1, 2])
-    for i in range(3):
-        assert torch.equal(run([i])[0], batch[i])            # one row: the few-rows entry
-    assert torch.equal(run([2, 0])[1], batch[0])              # two rows: still the entry
-    with pytest.raises(ValueError, match="few-rows entry"):
-        run([0], few_cfg=dataclasses.replace(few, block_n=32))
-    assert not torch.equal(run([0, 1, 2], cfg=dataclasses.replace(base, block_n=32))[0], batch[0])
 
 
 def test_default_split_schedule():
