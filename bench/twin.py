@@ -299,6 +299,15 @@ def write_latent(c_kv, k_pe, cache, slots, positions):
     cache[slots.long(), positions.long()] = torch.cat([c_kv.float(), k_pe.float()], dim=-1).to(cache.dtype)
 
 
+def norm_rope_write_latent(c_kv, kv_norm, eps, q_pe, k_pe, positions, inv_freq, cache, slots, *, interleaved=False,
+                           scale=1.0, out=None):
+    """MLA's prologue: kv_a RMSNorm, RoPE on k_pe into the latent row written to the cache; returns RoPE(q_pe)
+    fp32 [R, H, Dr]."""
+    k = rope_ref(k_pe[:, None], positions, inv_freq, interleaved=interleaved, scale=scale)[:, 0]
+    write_latent(rms_norm(c_kv, kv_norm, eps), k, cache, slots, positions)
+    return rope_ref(q_pe, positions, inv_freq, interleaved=interleaved, scale=scale, out=out)
+
+
 def mla_decode(q_latent, q_pe, cache, slots, lengths, scale, *, kv_lora_rank, split_size=None, out=None):
     """Absorbed MLA (one kv head: the latent rows) as two cuBLAS batched GEMMs in the cache dtype
     around an fp32 softmax: scores = [q_latent | q_pe] · rows^T [B, H, L], p · rows[..., :R]; fp32
@@ -465,8 +474,8 @@ def router_sigmoid_grouped(logits, correction_bias, top_k, n_group, topk_group, 
 # ----------------------------------------------------------------------------------------------
 TWIN: Dict[str, Callable] = {f.__name__: f for f in (
     linear, linear_heads, rms_norm, add_rms_norm, gated_rms_norm, silu_mul, sigmoid_mul, add, embedding, rope,
-    write_kv, decode_attention, norm_rope_write_kv, write_latent, mla_decode, conv1d_update, gdn_decode,
-    moe_experts, router_softmax_topk, router_sigmoid_grouped)}
+    write_kv, decode_attention, norm_rope_write_kv, write_latent, norm_rope_write_latent, mla_decode,
+    conv1d_update, gdn_decode, moe_experts, router_softmax_topk, router_sigmoid_grouped)}
 """op name -> its twin (same signature as the ds4t launcher)."""
 
 SETS = {"all": tuple(sorted(TWIN)), "priced": PRICED}

@@ -43,7 +43,7 @@ STEP_OPS = {
                   "conv1d_update", "gdn_decode", "router_softmax_topk", "moe_experts"],
     "tiny-glm": ["embedding", "rms_norm", "add_rms_norm", "linear", "norm_rope_write_kv", "decode_attention",
                  "silu_mul", "router_sigmoid_grouped", "moe_experts"],
-    "tiny-deepseek": ["embedding", "rms_norm", "add_rms_norm", "linear", "rope", "write_latent", "linear_heads",
+    "tiny-deepseek": ["embedding", "rms_norm", "add_rms_norm", "linear", "norm_rope_write_latent", "linear_heads",
                       "mla_decode", "silu_mul", "router_sigmoid_grouped", "moe_experts"],
 }
 
