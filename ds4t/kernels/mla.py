@@ -54,6 +54,7 @@ from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
+from ds4t.kernels.tensors import float_out
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are launched in chunks
@@ -289,6 +290,21 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _check_latent_row(op: str, c_kv, k_pe, cache, slots, positions):
+    """(B, R, Dr) of a latent cache write's arguments (c_kv [B, R], k_pe [B, Dr], cache [S, L, R + Dr] with a
+    contiguous last dim, slots / positions [B]); ValueError naming ``op`` otherwise."""
+    B, R = c_kv.shape
+    Dr = k_pe.shape[-1]
+    if k_pe.shape != (B, Dr) or cache.dim() != 3 or cache.shape[-1] != R + Dr:
+        raise ValueError(f"{op}: shapes c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, "
+                         f"cache {tuple(cache.shape)} do not fit [B,R], [B,Dr], [S,L,R+Dr]")
+    if slots.shape != (B,) or positions.shape != (B,):
+        raise ValueError(f"{op}: slots and positions must be [B]")
+    if cache.stride(-1) != 1:
+        raise ValueError(f"{op}: cache must have a contiguous last dim")
+    return B, R, Dr
+
+
 def write_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor) -> None:
     """cache[slots[b], positions[b]] = [c_kv[b] || k_pe[b]], rounded to the cache dtype (RNE).
@@ -297,15 +313,7 @@ def write_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
     with a contiguous last dim; slots, positions [B] int32. Rows must name distinct (slot,
     position) pairs. In place, no host sync.
     """
-    B, R = c_kv.shape
-    Dr = k_pe.shape[-1]
-    if k_pe.shape != (B, Dr) or cache.dim() != 3 or cache.shape[-1] != R + Dr:
-        raise ValueError(f"write_latent: shapes c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, "
-                         f"cache {tuple(cache.shape)} do not fit [B,R], [B,Dr], [S,L,R+Dr]")
-    if slots.shape != (B,) or positions.shape != (B,):
-        raise ValueError("write_latent: slots and positions must be [B]")
-    if cache.stride(-1) != 1:
-        raise ValueError("write_latent: cache must have a contiguous last dim")
+    B, R, Dr = _check_latent_row("write_latent", c_kv, k_pe, cache, slots, positions)
     if B == 0:
         return
     c_kv = _last_contig(c_kv)
@@ -385,32 +393,21 @@ def norm_rope_write_latent(c_kv: torch.Tensor, kv_norm: torch.Tensor, eps: float
     c_kv [B, R] (the latent before kv_a_layernorm) and k_pe [B, Dr] (any float, unit column stride:
     views of the down-projection), kv_norm [R], q_pe [B, H, Dr] (any strides), positions / slots [B]
     int32, inv_freq [Dr / 2] fp32 (every rope dim rotates), cache [S, L, R + Dr] with a contiguous last
-    dim; ``interleaved`` / ``scale`` as :func:`ds4t.kernels.rope.rope`. Returns fp32 [B, H, Dr] (``out``
-    if given). The same values as :func:`ds4t.kernels.norm.rms_norm`, :func:`ds4t.kernels.rope.rope` and
+    dim; ``interleaved`` / ``scale`` as :func:`ds4t.kernels.rope.rope`. Returns fp32 [B, H, Dr] (``out`` if
+    given, with a unit last stride). The same values as :func:`ds4t.kernels.norm.rms_norm`, :func:`ds4t.kernels.rope.rope` and
     :func:`write_latent` in turn (bitwise in the interpreter) in one launch instead of five (two
     copies assembled rope's input). On a GPU the norm's sum of squares follows this kernel's reduction
     order, which may differ in the last bit from the norm kernel's: every MLA row (decode, prefill,
     native, ordered) goes through this kernel, so nothing compares the two. Rows past the pool (a slot
     or position out of range) write nothing. Batch invariant: one row per program."""
-    B, R = c_kv.shape
-    Dr = k_pe.shape[-1]
-    if (k_pe.shape != (B, Dr) or q_pe.dim() != 3 or q_pe.shape[0] != B or q_pe.shape[2] != Dr
-            or cache.dim() != 3 or cache.shape[-1] != R + Dr):
-        raise ValueError(f"norm_rope_write_latent: shapes c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, "
-                         f"q_pe {tuple(q_pe.shape)}, cache {tuple(cache.shape)} do not fit [B,R], [B,Dr], "
-                         f"[B,H,Dr], [S,L,R+Dr]")
+    B, R, Dr = _check_latent_row("norm_rope_write_latent", c_kv, k_pe, cache, slots, positions)
+    if q_pe.dim() != 3 or q_pe.shape[0] != B or q_pe.shape[2] != Dr:
+        raise ValueError(f"norm_rope_write_latent: q_pe {tuple(q_pe.shape)} does not fit [B={B}, H, Dr={Dr}]")
     if kv_norm.shape != (R,) or inv_freq.shape != (Dr // 2,) or Dr % 2:
         raise ValueError(f"norm_rope_write_latent: kv_norm must be [{R}] and inv_freq [{Dr // 2}] (Dr={Dr} even), "
                          f"got {tuple(kv_norm.shape)} and {tuple(inv_freq.shape)}")
-    if slots.shape != (B,) or positions.shape != (B,):
-        raise ValueError("norm_rope_write_latent: slots and positions must be [B]")
-    if cache.stride(-1) != 1:
-        raise ValueError("norm_rope_write_latent: cache must have a contiguous last dim")
     H = q_pe.shape[1]
-    if out is None:
-        out = torch.empty((B, H, Dr), dtype=torch.float32, device=q_pe.device)
-    elif out.shape != (B, H, Dr) or out.dtype != torch.float32:
-        raise ValueError(f"norm_rope_write_latent: out must be float32 [{B}, {H}, {Dr}]")
+    out = float_out(out, (B, H, Dr), q_pe.device)
     if B == 0:
         return out
     c_kv, k_pe = _last_contig(c_kv), _last_contig(k_pe)
