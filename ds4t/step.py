@@ -108,6 +108,33 @@ class StepBatch:
         meta[k:].view(np.int32)[:len(narrow)] = narrow
         return torch.from_numpy(meta), len(toks), len(out_rows), segs, len(hidden)
 
+    @staticmethod
+    def decode_meta(segments: Sequence[Tuple[int, Sequence[int], int]], out: Optional[np.ndarray] = None) -> np.ndarray:
+        """:meth:`host_meta`'s ``meta`` for a pure decode step, the same int64 words, straight from
+        (slot, [token], start position) tuples (one token each, its logits returned): no Segment objects,
+        which a replayed graph does not read, and filled in place when ``out`` (int64, the right length:
+        :meth:`decode_meta_len`) is given, e.g. a pinned staging buffer. At N = 1 the host work before a
+        graph starts is part of the step's latency (bench/results/2026-12-02-h200-host-path.md)."""
+        n = len(segments)
+        k = 3 * n
+        meta = np.empty(StepBatch.decode_meta_len(n), dtype=np.int64) if out is None else out
+        meta[:n] = [sp[1][0] for sp in segments]
+        rows = _arange(n)
+        meta[n:2 * n] = rows          # out_rows: every row's logits, in item order
+        meta[2 * n:k] = rows          # single_rows: every row is a one-token segment
+        narrow = meta[k:].view(np.int32)
+        pos = narrow[:n]
+        pos[:] = [sp[2] for sp in segments]
+        narrow[n:2 * n] = [sp[0] for sp in segments]
+        np.add(pos, 1, out=narrow[2 * n:k])
+        narrow[k:] = 0                 # the padding half-word, zero as in host_meta
+        return meta
+
+    @staticmethod
+    def decode_meta_len(n: int) -> int:
+        """int64 words of :meth:`decode_meta` for n one-token segments."""
+        return 3 * n + (3 * n + 1) // 2
+
     @classmethod
     def from_meta(cls, meta: torch.Tensor, n: int, o: int, segs: List[Segment], h: int = 0) -> "StepBatch":
         """A batch whose tensors are views of ``meta`` (:meth:`host_meta`'s layout) on its device:
@@ -134,6 +161,13 @@ class StepBatch:
         """segments: (slot, token ids, start position) tuples or :class:`SegmentSpec`, in item order."""
         meta, n, o, segs, h = cls.host_meta(segments, all_logits)
         return cls.from_meta(to_device(meta, device), n, o, segs, h)
+
+
+_AR = np.arange(256, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    return _AR[:n] if n <= _AR.shape[0] else np.arange(n, dtype=np.int64)
 
 
 def to_device(t: torch.Tensor, device, out: Optional[torch.Tensor] = None) -> torch.Tensor:

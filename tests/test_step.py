@@ -1,5 +1,8 @@
 """ds4t.step: one step's metadata in one host->device copy, and the views a model reads from it."""
+import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4t.step import SegmentSpec, StepBatch
 
@@ -59,3 +62,24 @@ def test_every_view_shares_the_one_buffer():
     for t in (b.tokens, b.positions, b.slots, b.lengths, b.out_rows, b.single_rows):
         assert lo <= t.data_ptr() < hi
     assert (b.positions.tolist(), b.slots.tolist(), b.lengths.tolist()) == ([3, 9, 0], [0, 1, 7], [4, 10, 1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 150000), st.integers(0, 1 << 20)), min_size=1,
+                max_size=300))
+def test_decode_meta_is_host_meta_of_a_decode_step(rows):
+    """The replay path's metadata (no Segment objects, written in place) is host_meta's, word for word, at
+    every batch size (odd and even row counts: the padding half-word), also past the cached row ranges."""
+    segments = [(slot, [tok], pos) for slot, tok, pos in rows]
+    meta = StepBatch.host_meta(segments)[0].numpy()
+    assert np.array_equal(StepBatch.decode_meta(segments), meta)
+    buf = np.full(StepBatch.decode_meta_len(len(rows)), -7, dtype=np.int64)   # stale words must all go
+    out = StepBatch.decode_meta(segments, out=buf)
+    assert out is buf and np.array_equal(buf, meta)
+
+
+def test_decode_meta_control_a_wrong_word_is_seen():
+    """Negative control for the property above: one changed position makes the arrays differ."""
+    segments = [(0, [5], 3), (1, [6], 9), (2, [7], 11)]
+    meta = StepBatch.host_meta(segments)[0].numpy()
+    assert not np.array_equal(StepBatch.decode_meta([(0, [5], 3), (1, [6], 9), (2, [7], 12)]), meta)
