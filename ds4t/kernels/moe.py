@@ -27,8 +27,9 @@ How it runs (no host synchronisation; every grid comes from shapes):
 2. ``_moe_gate_up_kernel``, grid (min(E, P), cdiv(I, BN)): program (i, n) takes the i-th chosen
    expert (from ``bounds``; slots past the chosen experts run zero iterations), loops over its pairs in
    tiles of BLOCK_M = 16 rows, K (= D) in fixed BK steps, and writes silu(g)·u for its I columns to a
-   per-pair buffer act [P, I].
-3. ``_moe_down_kernel``, grid (min(E, P), cdiv(D, BN)): the same over I, writes y [P, D] (= [B, KT, D]).
+   per-pair buffer act [P, I]; programs (i, 0) also write slot i's expert (-1: none) to ``slots``.
+3. ``_moe_down_kernel``, grid (min(E, P), cdiv(D, BN)): the same over I, its expert read from ``slots``
+   (no second scan of ``bounds``), writes y [P, D] (= [B, KT, D]).
    With ``MoEConfig.swap`` (the FP8 table's choice) both kernels compute a tile as w [BN, BK] @ h^T
    [BK, BM]: a decode tile has one or two real pairs, and the weight rows fill the MMA's M side.
    With ``MoEConfig.split = S`` a kernel's grid gets an axis of S splits of its K (whole loop steps);
@@ -262,8 +263,8 @@ def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: t
     DEVICE_LIST: slot i runs the i-th chosen expert in id order, found from ``bounds`` on the device
     (a grid of min(E, P) slots, not E: at decode sizes most experts are unchosen, and thousands of
     programs that only exit cost the H200 more than the work itself). A slot past the chosen experts
-    runs zero iterations. Otherwise slot i runs ``experts[i]`` (the interpreter's host-made list).
-    Either way an expert's arithmetic does not depend on the slot that runs it."""
+    runs zero iterations. Otherwise slot i runs ``experts[i]`` (-1: none, zero iterations): the
+    interpreter's host-made list, or the ``slots`` the gate/up kernel wrote for the down kernel. Either way an expert's arithmetic does not depend on the slot that runs it."""
     i = tl.program_id(0)
     if DEVICE_LIST:
         ev = tl.arange(0, BE)
@@ -277,6 +278,7 @@ def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: t
     else:
         e = tl.load(experts_ptr + i)
         ok = e >= 0
+        e = tl.maximum(e, 0)
     start = tl.load(bounds_ptr + e).to(tl.int32)
     end = tl.load(bounds_ptr + e + 1).to(tl.int32)
     end = tl.where(ok, end, start)
@@ -294,10 +296,13 @@ def _moe_gate_up_kernel(
     sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
-    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
+
+    ``slots`` (int32 [grid 0], or None): program (i, 0, 0) stores slot i's expert there, -1 when the slot
+    has none, for the down kernel.
 
     FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
@@ -311,6 +316,9 @@ def _moe_gate_up_kernel(
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
+    if slots_ptr is not None:   # the slot's expert (-1: none) for the down kernel, which then skips the scan
+        if (pid_n == 0) & (tl.program_id(2) == 0):
+            tl.store(slots_ptr + tl.program_id(0), tl.where(end > start, e, -1))
     k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
     EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
     n = pid_n * BN + tl.arange(0, BN)
@@ -406,7 +414,6 @@ def _moe_down_kernel(
     y_ptr, sy_p,
     D, I, E,
     WDT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DEVICE_LIST: tl.constexpr, BE: tl.constexpr,
     sd_ptr=None, ss_e=0, ss_n=0, SBK: tl.constexpr = 0, KSTEP: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
@@ -415,9 +422,10 @@ def _moe_down_kernel(
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
     EVEN_N as there (I a whole number of loop steps, D of N tiles).
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
-    kernel adds in split order."""
+    kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
+    or the host-made list."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
@@ -816,14 +824,19 @@ def moe_experts(
     WDT = tl_dtype(adt)
     sbk = w_gate.block_k if fp8 else 0
     wg_t, wu_t, wd_t = (w.data for w in (w_gate, w_up, w_down)) if fp8 else (w_gate, w_up, w_down)
-    # Programs run over slots of chosen experts. Variant "gpu": min(E, P) slots, each finding its
-    # expert from ``bounds`` on the device (no host sync, so the step can be captured in a CUDA
-    # graph). Variant "host_list" (and "interp" where its tiles do not fit; tensors are on the host
-    # there): a host-made list of the chosen experts. Either way each expert's computation is the
-    # same: exactness holds.
+    # Programs run over slots of chosen experts. Variant "gpu": min(E, P) slots, each gate/up program
+    # finding its expert from ``bounds`` on the device (no host sync, so the step can be captured in a
+    # CUDA graph); the gate/up kernel writes each slot's expert (-1: none) to ``slots``, which the down
+    # kernel reads as a list instead of scanning ``bounds`` again (FP8 down kernel: 8.9 -> 7.5 us at
+    # N = 1, 74 -> 63 us at N = 16 for Qwen3-Next's experts; bf16 unchanged; same bits:
+    # bench/results/2026-12-03-h200-moe-slots.md). Variant "host_list" (and "interp" where its tiles
+    # do not fit; tensors are on the host there): a host-made list of the chosen experts. Either way
+    # each expert's computation is the same: exactness holds.
     device_list = path == GPU
+    slots = None
     if device_list:
         experts, n_slots = bounds, min(E, P)
+        slots = torch.empty((n_slots,), dtype=torch.int32, device=dev)
     else:
         experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
         n_slots = int(experts.shape[0])
@@ -855,7 +868,7 @@ def moe_experts(
         part, part.stride(-2),
         D, I, KT, E,
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
-        SWAP=cfg.swap, **kw, **LAUNCH,
+        SWAP=cfg.swap, slots_ptr=slots, **kw, **LAUNCH,
     )
     if split > 1:
         BI = min(1024, triton.next_power_of_2(I))
@@ -876,11 +889,11 @@ def moe_experts(
         kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
     kw.update(evenness(I, step, D, BN))
     _moe_down_kernel[(n_slots, triton.cdiv(D, BN), dn_split)](
-        act, act.stride(-2), order, bounds, experts,
+        act, act.stride(-2), order, bounds, experts if slots is None else slots,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(-2),
         D, I, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, SWAP=cfg.swap, **kw, **LAUNCH,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, SWAP=cfg.swap, **kw, **LAUNCH,
     )
     return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
 
