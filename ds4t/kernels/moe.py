@@ -286,6 +286,14 @@ def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: t
 
 
 @triton.jit
+def _store_slot(slots_ptr, e, start, end, writer):
+    """slots[i] = slot i's expert, -1 when it has none (``end == start``), stored by one program of the slot
+    (``writer``): a gate/up kernel hands its scan of ``bounds`` (:func:`_program_expert`) to the down kernel."""
+    if writer:
+        tl.store(slots_ptr + tl.program_id(0), tl.where(end > start, e, -1))
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
@@ -316,9 +324,8 @@ def _moe_gate_up_kernel(
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
-    if slots_ptr is not None:   # the slot's expert (-1: none) for the down kernel, which then skips the scan
-        if (pid_n == 0) & (tl.program_id(2) == 0):
-            tl.store(slots_ptr + tl.program_id(0), tl.where(end > start, e, -1))
+    if slots_ptr is not None:
+        _store_slot(slots_ptr, e, start, end, (pid_n == 0) & (tl.program_id(2) == 0))
     k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
     EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
     n = pid_n * BN + tl.arange(0, BN)
@@ -828,8 +835,8 @@ def moe_experts(
     # finding its expert from ``bounds`` on the device (no host sync, so the step can be captured in a
     # CUDA graph); the gate/up kernel writes each slot's expert (-1: none) to ``slots``, which the down
     # kernel reads as a list instead of scanning ``bounds`` again (FP8 down kernel: 8.9 -> 7.5 us at
-    # N = 1, 74 -> 63 us at N = 16 for Qwen3-Next's experts; bf16 unchanged; same bits:
-    # bench/results/2026-12-03-h200-moe-slots.md). Variant "host_list" (and "interp" where its tiles
+    # N = 1, 74 -> 63 us at N = 16 for Qwen3-Next's experts; GGUF Q4_K call -2.5 .. -4.3 %; bf16 unchanged;
+    # same bits: bench/results/2026-12-03-h200-moe-slots.md). Variant "host_list" (and "interp" where its tiles
     # do not fit; tensors are on the host there): a host-made list of the chosen experts. Either way
     # each expert's computation is the same: exactness holds.
     device_list = path == GPU
@@ -843,7 +850,7 @@ def moe_experts(
     if gguf:   # 2. and 3. over GGUF blocks
         from ds4t.kernels import qmoe
 
-        qmoe.launch(h, order, bounds, experts, n_slots, device_list, w_gate, w_up, w_down, act, y, KT, adt)
+        qmoe.launch(h, order, bounds, experts, n_slots, device_list, w_gate, w_up, w_down, act, y, KT, adt, slots)
         return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation

@@ -23,7 +23,7 @@ import triton.language as tl
 from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
-from ds4t.kernels.moe import _program_expert   # moe.py imports this module only inside its launcher
+from ds4t.kernels.moe import _program_expert, _store_slot   # moe.py imports this module only inside its launcher
 from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -36,15 +36,18 @@ def _qmoe_gate_up_kernel(
     I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
-    FOLD: tl.constexpr = False,
+    FOLD: tl.constexpr = False, slots_ptr=None,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
     whole K loop after the other; the same bits either way.
     wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
-    constexpr because the planes of a row start at offsets made from it."""
+    constexpr because the planes of a row start at offsets made from it. ``slots``: as in
+    :func:`ds4t.kernels.moe._moe_gate_up_kernel` (each slot's expert, for the down kernel)."""
     grid_dependency()
     e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    if slots_ptr is not None:
+        _store_slot(slots_ptr, e, start, end, tl.program_id(1) == 0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
     w_off = e.to(tl.int64) * sw_e + tl.minimum(n, I - 1).to(tl.int64) * sw_n
@@ -70,12 +73,13 @@ def _qmoe_down_kernel(
     y_ptr, sy_p,
     D, E, I: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, FOLD: tl.constexpr = False,
+    BN: tl.constexpr, FOLD: tl.constexpr = False,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
-    row_bytes(I)])."""
+    row_bytes(I)]); ``experts`` lists each slot's expert (-1: none), the gate/up kernel's ``slots`` or the
+    host-made list."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < D
     w_row = wd_ptr + e.to(tl.int64) * sw_e + tl.minimum(n, D - 1).to(tl.int64) * sw_n
@@ -134,9 +138,10 @@ def check_weights(w_gate, w_up, w_down) -> None:
 
 
 def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: GGUFWeight, w_up: GGUFWeight,
-           w_down: GGUFWeight, act, y, KT: int, adt: torch.dtype) -> None:
+           w_down: GGUFWeight, act, y, KT: int, adt: torch.dtype, slots=None) -> None:
     """Steps 2 and 3 of :func:`ds4t.kernels.moe.moe_experts` (gate/up into ``act`` [P, I], down into
-    ``y`` [P, D], both fp32) for GGUF experts, over pairs already grouped (``order``, ``bounds``)."""
+    ``y`` [P, D], both fp32) for GGUF experts, over pairs already grouped (``order``, ``bounds``).
+    ``slots`` (int32 [n_slots], with ``device_list``): where gate/up writes each slot's expert for down."""
     E, I, D = w_gate.shape
     wg, wu, wd = (w.data if w.data.stride(-1) == 1 else w.data.contiguous() for w in (w_gate, w_up, w_down))
     if wg.stride() != wu.stride():
@@ -148,11 +153,11 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt), **launch_kwargs(cfg),
-        **LAUNCH)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt), slots_ptr=slots,
+        **launch_kwargs(cfg), **LAUNCH)
     cfg = QMOE_CONFIGS("down", w_down.qtype)
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
-        act, act.stride(0), order, bounds, experts, wd, wd.stride(0), wd.stride(1), y, y.stride(0),
-        D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, FOLD=folds(cfg, adt), **launch_kwargs(cfg), **LAUNCH)
+        act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
+        y.stride(0), D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        FOLD=folds(cfg, adt), **launch_kwargs(cfg), **LAUNCH)
