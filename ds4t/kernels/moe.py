@@ -264,7 +264,8 @@ def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: t
     (a grid of min(E, P) slots, not E: at decode sizes most experts are unchosen, and thousands of
     programs that only exit cost the H200 more than the work itself). A slot past the chosen experts
     runs zero iterations. Otherwise slot i runs ``experts[i]`` (-1: none, zero iterations): the
-    interpreter's host-made list, or the ``slots`` the gate/up kernel wrote for the down kernel. Either way an expert's arithmetic does not depend on the slot that runs it."""
+    interpreter's host-made list, or the ``slots`` the gate/up kernel wrote for the down kernel.
+    Either way an expert's arithmetic does not depend on the slot that runs it."""
     i = tl.program_id(0)
     if DEVICE_LIST:
         ev = tl.arange(0, BE)

@@ -4,6 +4,8 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl  # noqa: F401  (a jit function's globals must hold it)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -398,6 +400,38 @@ def test_fp8_rows_path_equals_grouped_kernels(monkeypatch, adt, B, E, k, D, I, b
                                  out=poisoned((B, D)))
     assert not torch.isnan(got[GPU]).any()
     assert torch.equal(got[INTERP], got[GPU]) and torch.equal(got[GPU], got[HOST_LIST])
+
+
+@triton.jit
+def _no_store_slot(slots_ptr, e, start, end, writer):
+    """``moe._store_slot`` switched off (the negative control below)."""
+    pass
+
+
+@pytest.mark.skipif(not INTERPRET, reason="swaps a jit helper, which only the interpreter looks up at call time")
+def test_down_kernel_reads_the_slots_gate_up_writes(monkeypatch):
+    """The device-list path: the down kernel takes each slot's expert from the list the gate/up kernel
+    writes (``moe._store_slot``). Every int32 buffer the launcher allocates starts poisoned as a list of
+    expert 0, which no row chose: the result is still the host list's, bit for bit. Negative control: with
+    the gate/up kernel's store switched off the poison reaches the down kernel and the result differs."""
+    E, I, D, B, k = 6, 40, 48, 3, 2
+    wg, wu, wd = _weights(E, I, D, torch.float32, 41)
+    ids, w = _routing(B, E - 1, k, seed=42)
+    ids = ids + 1   # experts 1 .. E-1: expert 0 is never chosen
+    h = torch.randn(B, D, generator=gen(43))
+    with use_variants({"moe_experts": HOST_LIST}):
+        want = moe_experts(h, ids, w, wg, wu, wd)
+    empty = torch.empty
+
+    def int_zeroed(*shape, dtype=None, **kw):
+        t = empty(*shape, dtype=dtype, **kw)
+        return t.zero_() if dtype == torch.int32 else t
+
+    monkeypatch.setattr(M.torch, "empty", int_zeroed)
+    with use_variants({"moe_experts": GPU}):
+        assert torch.equal(moe_experts(h, ids, w, wg, wu, wd, out=poisoned((B, D))), want)
+        monkeypatch.setattr(M, "_store_slot", _no_store_slot)
+        assert not torch.equal(moe_experts(h, ids, w, wg, wu, wd, out=poisoned((B, D))), want)
 
 
 def test_fp8_fused_gate_up_views(path):
