@@ -47,7 +47,7 @@ from ds4t.kernels import registry
 from ds4t.kernels.rope import rope_ref
 from ds4t.kernels.router import DROPPED_SCORE
 
-PRICED = ("linear", "linear_heads", "decode_attention", "mla_decode", "moe_experts")
+PRICED = ("linear", "linear_heads", "linear_add_rms_norm", "decode_attention", "mla_decode", "moe_experts")
 """The ops whose algorithm batch invariance constrains (tile / split-K / split-KV / expert grouping
 choices fixed regardless of B). The others are row-local: the ds4t kernel is invariant for free."""
 
@@ -159,6 +159,13 @@ def rms_norm(x, weight, eps, *, zero_centered=False, out=None, out_dtype=torch.f
 def add_rms_norm(x, residual, weight, eps, *, zero_centered=False, out_dtype=torch.float32):
     s = x.float() + residual.float()
     return rms_norm(s, weight, eps, zero_centered=zero_centered, out_dtype=out_dtype), s
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps, *, bias=None, zero_centered=False,
+                        out_dtype=torch.float32):
+    """:func:`linear` (cuBLAS) then :func:`add_rms_norm`: two calls, as the op is when not fused."""
+    return add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps, zero_centered=zero_centered,
+                        out_dtype=out_dtype)
 
 
 def gated_rms_norm(x, z, weight, eps, *, out=None, out_dtype=torch.float32):
@@ -473,7 +480,7 @@ def router_sigmoid_grouped(logits, correction_bias, top_k, n_group, topk_group, 
 # applying the twin
 # ----------------------------------------------------------------------------------------------
 TWIN: Dict[str, Callable] = {f.__name__: f for f in (
-    linear, linear_heads, rms_norm, add_rms_norm, gated_rms_norm, silu_mul, sigmoid_mul, add, embedding, rope,
+    linear, linear_heads, linear_add_rms_norm, rms_norm, add_rms_norm, gated_rms_norm, silu_mul, sigmoid_mul, add, embedding, rope,
     write_kv, decode_attention, norm_rope_write_kv, write_latent, norm_rope_write_latent, mla_decode,
     conv1d_update, gdn_decode, moe_experts, router_softmax_topk, router_sigmoid_grouped)}
 """op name -> its twin (same signature as the ds4t launcher)."""

@@ -14,7 +14,8 @@ from typing import Callable, Dict
 import torch
 
 import ds4t  # noqa: F401  (selects the backend before triton is imported)
-from ds4t.kernels import activation, attention, conv, embedding, gdn, linear, mla, moe, norm, rope, router, sampling
+from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_norm, mla, moe, norm, rope, router,
+                          sampling)
 from ds4t.kernels.weights import quantize
 
 B = 16   # decode rows at the real size (sessions in one step)
@@ -84,6 +85,13 @@ def _rms_norm(dev, real):
 def _add_rms_norm(dev, real):
     x, r, w = _norm_inputs(dev, real)
     return lambda: norm.add_rms_norm(x, r, w, 1e-6)
+
+
+def _linear_add_rms_norm(dev, real):   # Qwen3-Next's out_proj (4096 -> 2048, split K) and the norm after it
+    b, K, N = (B, 4096, 2048) if real else (5, 200, 96)
+    x, w = _rand(dev, b, K), _rand(dev, N, K, scale=K ** -0.5, dtype=_wdt(real))
+    r, nw = _rand(dev, b, N, seed=1), 1 + _rand(dev, N, scale=0.1, seed=2)
+    return lambda: linear_norm.linear_add_rms_norm(x, w, r, nw, 1e-6)
 
 
 def _gated_rms_norm(dev, real):   # the GDN output norm: one row per (session, value head)
@@ -301,6 +309,7 @@ def _sample(dev, real):
 CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
     "linear": _linear, "linear_heads": _linear_heads, "linear_fp8": _linear_fp8, "linear_heads_fp8": _linear_heads_fp8,
     "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "gated_rms_norm": _gated_rms_norm,
+    "linear_add_rms_norm": _linear_add_rms_norm,
     "silu_mul": _binary(activation.silu_mul), "sigmoid_mul": _binary(activation.sigmoid_mul),
     "add": _binary(activation.add),
     "embedding": _embedding, "rope": _rope,

@@ -50,6 +50,7 @@ from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
 from ds4t.kernels.quant_blocks import GGUFWeight
+from ds4t.kernels.tensors import SplitPartials
 from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, activation_dtype, as_float, quantize
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
@@ -709,9 +710,10 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
     return _Tiles(tile.block_m, tile.block_n, bk, 1, False, False, tile.num_warps, tile.num_stages)
 
 
-def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: tuple = ()):
+def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: tuple = (), defer_sum: bool = False):
     """``weight``: a float tensor [N, K] or an FP8Weight (``act_dtype``: its activation dtype);
-    ``row_tiles``: the weight shape's :class:`RowTile` s."""
+    ``row_tiles``: the weight shape's :class:`RowTile` s. ``defer_sum``: a split-K launch returns its
+    :class:`SplitPartials` instead of adding them (an unsplit one returns ``out`` as always)."""
     w, scale, sbk = _fp8_parts(weight)
     B, K = x.shape
     N = w.shape[0]
@@ -741,7 +743,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     grid = (m_tiles, triton.cdiv(N, t.block_n), split)
-    counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum else None
+    counters = _tile_counters(x.device, grid[0] * grid[1]) if cfg.fused_sum and not defer_sum else None
     fused = {} if counters is None else dict(FUSED_SUM=True, out_ptr=out, stride_om=out.stride(0), cnt_ptr=counters)
     _linear_kernel[grid](
         x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
@@ -750,6 +752,8 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
     )
     if counters is not None:   # the kernel summed the partials into out
         return out
+    if defer_sum:
+        return SplitPartials(part, bias)
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
     block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
@@ -827,6 +831,19 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
     :func:`linear_config` (benchmarks only; the override must itself not depend on B; for FP8 its
     BLOCK_K must divide ``weight.block_k``).
     """
+    return _linear(x, weight, bias, out, config, act_dtype, False)
+
+
+def linear_parts(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None, *,
+                 act_dtype: Optional[torch.dtype] = None) -> SplitPartials:
+    """:func:`linear` up to its split-K sum: the same launch (config, tiles, K order) without the second
+    kernel. Returns :class:`SplitPartials` (S = 1 when the weight's config does not split K: the finished
+    fp32 [B, N] as ``part[0]``). Arguments as :func:`linear`."""
+    y = _linear(x, weight, bias, None, None, act_dtype, True)
+    return y if isinstance(y, SplitPartials) else SplitPartials(y.unsqueeze(0), None)
+
+
+def _linear(x, weight, bias, out, config, act_dtype, defer_sum: bool):
     _check_args(x, weight, bias, out)
     adt = activation_dtype("linear", x, weight, act_dtype)
     if x.stride(-1) != 1:
@@ -836,7 +853,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
             bias = bias.contiguous()
         if out is None:
             out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
-        return qlinear.launch(x, weight, bias, out, adt, config)
+        return qlinear.launch(x, weight, bias, out, adt, config, defer_sum=defer_sum)
     if isinstance(weight, FP8Weight):
         weight = _contiguous_fp8(weight)
     elif weight.stride(-1) != 1:
@@ -852,8 +869,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
     else:
         key = (K, N, weight.dtype, x.dtype)
     if config is not None:
-        return _launch(x, weight, bias, out, config, adt)
-    return _launch(x, weight, bias, out, linear_config(*key), adt, linear_row_tiles(*key))
+        return _launch(x, weight, bias, out, config, adt, defer_sum=defer_sum)
+    return _launch(x, weight, bias, out, linear_config(*key), adt, linear_row_tiles(*key), defer_sum=defer_sum)
 
 
 def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None, *,

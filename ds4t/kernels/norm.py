@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, timer
+from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, split_sum, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
-from ds4t.kernels.tensors import float_out, rows_view
+from ds4t.kernels.tensors import SplitPartials, float_out, rows_view
 
 __all__ = [
     "rms_norm", "add_rms_norm", "gated_rms_norm",
@@ -76,13 +76,40 @@ def rstd_of(sq, D: tl.constexpr, eps):
 
 
 @triton.jit
+def _load_x(x_row, cc, m, stride_ps, pb_ptr, D: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
+            HAS_PB: tl.constexpr):
+    """fp32 chunk ``cc`` [1, BLOCK_D] of the rows (mask ``m``, used when not EVEN): x itself (SPLIT 0), or a
+    linear's SPLIT split-K partials at ``x_row + s * stride_ps`` added in split order, then its bias
+    (``pb_ptr``) -- the operations and order of :func:`ds4t.kernels.linear._splitk_sum_kernel`, so the bits
+    that kernel would have stored."""
+    if SPLIT > 0:
+        if EVEN:
+            v = split_sum(x_row + cc, cc < D, stride_ps, SPLIT)
+        else:
+            v = split_sum(x_row + cc, m, stride_ps, SPLIT)
+        if HAS_PB:
+            if EVEN:
+                v += tl.load(pb_ptr + cc).to(tl.float32)
+            else:
+                v += tl.load(pb_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+    elif EVEN:
+        v = tl.load(x_row + cc).to(tl.float32)
+    else:
+        v = tl.load(x_row + cc, mask=m, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _norm_kernel(
     x_ptr, r_ptr, z_ptr, w_ptr, y_ptr, s_ptr,
     R, stride_x, stride_r, stride_z, stride_y, stride_s, eps,
     D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    SPLIT: tl.constexpr = 0, stride_ps=0, pb_ptr=None, HAS_PB: tl.constexpr = False,
 ):
-    """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate."""
+    """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate.
+    SPLIT > 0: x is a linear's split-K partials [SPLIT, R, D] (split stride ``stride_ps``) plus its bias
+    ``pb_ptr`` (HAS_PB), added here as the linear's sum kernel adds them (:func:`_load_x`)."""
     grid_dependency()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < R)[:, None]
@@ -101,13 +128,13 @@ def _norm_kernel(
     for c in tl.static_range(NUM_CHUNKS):
         cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
         if EVEN:
-            v = tl.load(x_row + cc).to(tl.float32)
+            v = _load_x(x_row, cc, row_ok, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
             if ADD_RESIDUAL:
                 v += tl.load(r_row + cc).to(tl.float32)
                 tl.store(s_row + cc, v, mask=row_ok)
         else:
             m = row_ok & (cc < D)
-            v = tl.load(x_row + cc, mask=m, other=0.0).to(tl.float32)
+            v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
             if ADD_RESIDUAL:
                 v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
                 tl.store(s_row + cc, v, mask=m)
@@ -124,14 +151,14 @@ def _norm_kernel(
         if EVEN:
             m = row_ok
             if NUM_CHUNKS > 1:
-                v = tl.load(x_row + cc).to(tl.float32)
+                v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
                 if ADD_RESIDUAL:
                     v += tl.load(r_row + cc).to(tl.float32)
             w = tl.load(w_ptr + cc).to(tl.float32)
         else:
             m = row_ok & (cc < D)
             if NUM_CHUNKS > 1:
-                v = tl.load(x_row + cc, mask=m, other=0.0).to(tl.float32)
+                v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
                 if ADD_RESIDUAL:
                     v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
@@ -149,8 +176,21 @@ def _norm_kernel(
 
 def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=None, summed=None,
             out_dtype=torch.float32):
+    """``x``: a tensor [R, D], or a linear's :class:`SplitPartials` (added in the kernel)."""
+    parts = None
+    if isinstance(x, SplitPartials):
+        if x.splits == 1 and x.bias is None:
+            x = x.part[0]          # the finished product: the plain kernel
+        else:
+            parts = x
+            if parts.part.dim() != 3 or parts.part.dtype != torch.float32 or not parts.part.is_contiguous():
+                raise ValueError(f"split partials must be contiguous fp32 [S, R, D], got {parts.part.dtype} "
+                                 f"{list(parts.part.shape)}")
+            x = parts.part[0]
     x = rows_view(x, "x")
     R, D = x.shape
+    if parts is not None and parts.bias is not None and parts.bias.shape != (D,):
+        raise ValueError(f"split partials' bias must be [{D}], got {tuple(parts.bias.shape)}")
     if weight.shape != (D,):
         raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
     weight = weight.contiguous()
@@ -174,12 +214,15 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
     z_arg = z if z is not None else x
     s_arg = summed if summed is not None else y
     rows = min(cfg.rows, triton.next_power_of_2(R))
+    split = {} if parts is None else dict(
+        SPLIT=parts.splits, stride_ps=parts.part.stride(0),
+        pb_ptr=parts.bias.contiguous() if parts.bias is not None else x, HAS_PB=parts.bias is not None)
     _norm_kernel[(triton.cdiv(R, rows),)](
         x, r_arg, z_arg, weight, y, s_arg,
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
         D=D, ROWS=rows, BLOCK_D=cfg.block_d,
         ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
-        num_warps=cfg.num_warps, **LAUNCH,
+        num_warps=cfg.num_warps, **split, **LAUNCH,
     )
     return y, summed
 
@@ -195,7 +238,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  zero_centered: bool = False, out_dtype: torch.dtype = torch.float32
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(normed, summed) [B, D]: summed = x + residual in fp32 (stored fp32), normed = rms_norm(summed)
-    stored as ``out_dtype``."""
+    stored as ``out_dtype``. ``x`` may also be a linear's :class:`SplitPartials`, added in the kernel
+    (:func:`ds4t.kernels.linear_norm.linear_add_rms_norm`)."""
     return _launch(x, weight, eps, residual=residual, zero_centered=zero_centered, out_dtype=out_dtype)
 
 

@@ -41,6 +41,7 @@ from ds4t.backend import (LAUNCH, cast, fma_bf16, grid_dependency, int8_to, mma,
                           tl_dtype)
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
+from ds4t.kernels.tensors import SplitPartials
 
 BLOCK_M = 16
 """Rows per tile: fixed (tl.dot needs M >= 16 on the GPU)."""
@@ -455,11 +456,12 @@ QLINEAR_CONFIGS.caches.append(qlinear_config)
 # Launcher (called by ds4t.kernels.linear.linear)
 # ----------------------------------------------------------------------------------------------
 def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], out: torch.Tensor,
-           act_dtype: torch.dtype, config: Optional[QLinearConfig] = None) -> torch.Tensor:
+           act_dtype: torch.dtype, config: Optional[QLinearConfig] = None, defer_sum: bool = False):
     """fp32 ``out [B, N] = x @ W^T (+ bias)`` for checked arguments: x [B, K] with unit K stride, weight
     rows contiguous (repacked rows are multiples of 16 bytes, so every row starts as aligned as the
     weight), ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
-    (tests and benchmarks; it must not depend on B)."""
+    (tests and benchmarks; it must not depend on B). ``defer_sum``: a split-K launch returns its
+    :class:`ds4t.kernels.tensors.SplitPartials` instead of adding them."""
     from ds4t.kernels.linear import SPLITK_SUM_CONFIGS, _splitk_sum_kernel
 
     B, K = x.shape
@@ -488,6 +490,8 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     _qlinear_kernel[grid](x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
                           HAS_BIAS=False, **consts, **LAUNCH)
+    if defer_sum:
+        return SplitPartials(part, bias)
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
     block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))

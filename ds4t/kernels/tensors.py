@@ -1,11 +1,28 @@
 """Host-side argument checks the launchers share, and the tensor face of wrapped weights (no kernels here)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPartials:
+    """A linear's output before its split-K sum: ``y = part[0] + part[1] + ... + part[S-1] (+ bias)``, added
+    left to right in fp32 (:func:`ds4t.backend.split_sum`, the order of the linear's sum kernel), then the
+    bias. ``part`` fp32 [S, B, N] contiguous; ``bias`` [N] (any float) or None. A consumer
+    that adds them so reads the bits the two-launch linear would have stored, one launch sooner
+    (:func:`ds4t.kernels.linear_norm.linear_add_rms_norm`). S = 1: ``part[0]`` is the finished product,
+    bias included, and ``bias`` is None."""
+    part: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+    @property
+    def splits(self) -> int:
+        return self.part.shape[0]
 
 
 def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -44,11 +44,35 @@ def narrow_store(x: torch.Tensor, w: Weight) -> dict:
     return store_kwargs(linear_input_dtype(x, w))
 
 
-def swiglu(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
-    """fp32 down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Projection:
+    """``linear(x, w, b)`` not applied yet: what a mixer or a dense MLP returns for its last projection, so
+    that the decoder can hand it to the residual add + norm after it as one op
+    (:func:`ds4t.kernels.linear_norm.linear_add_rms_norm`, the split-K sum inside the norm kernel)."""
+    x: torch.Tensor
+    w: Weight
+    b: Optional[torch.Tensor] = None
+
+    def apply(self) -> torch.Tensor:
+        """The fp32 [R, N] product (:func:`fused_linear`)."""
+        return fused_linear(self.x, self.w, self.b)
+
+
+Output = Union[torch.Tensor, Projection]
+"""What a family's ``mixer`` / ``ffn`` returns: fp32 [R, D], or its last projection not yet applied."""
+
+
+def swiglu_projection(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> Projection:
+    """down(silu(gate x) * up x) with gate and up fused into one weight [2I, D], the down projection not
+    applied yet (:class:`Projection`)."""
     gu = fused_linear(x, w_gate_up)
     i = w_gate_up.shape[0] // 2
-    return fused_linear(ops.silu_mul(gu[:, :i], gu[:, i:], **narrow_store(gu, w_down)), w_down)
+    return Projection(ops.silu_mul(gu[:, :i], gu[:, i:], **narrow_store(gu, w_down)), w_down)
+
+
+def swiglu(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
+    """fp32 down(silu(gate x) * up x) with gate and up fused into one weight [2I, D]."""
+    return swiglu_projection(x, w_gate_up, w_down).apply()
 
 
 # eq=False on the weight types: field-wise == would compare tensors elementwise (an error, not a
@@ -311,7 +335,7 @@ def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq
         q = qk[:, :H]
     o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5,
                              same_slot_runs=not batch.all_single)
-    return fused_linear(o.reshape(R, H * hd), w.w_o, w.b_o)
+    return Projection(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 
 class GQAMixer:
@@ -323,7 +347,7 @@ class GQAMixer:
         # + the MTP module's layer (index num_layers) when loaded
         return self.cfg.attn.state_specs(self.cfg.num_layers + (getattr(self, "mtp", None) is not None), self.dtype)
 
-    def mixer(self, i: int, x: torch.Tensor, batch) -> torch.Tensor:
+    def mixer(self, i: int, x: torch.Tensor, batch) -> Output:
         pool = self.pool.tensors
         return gqa_attention(x, self.layers[i].mixer, self.cfg.attn, self.inv_freq,
                              pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch)
@@ -446,11 +470,12 @@ class SigmoidMoEConfig:
         return fuse_shared_expert(w)
 
 
-def ffn(w: FFN, x: torch.Tensor, rc: Optional[RouterConfig]) -> torch.Tensor:
-    """A DenseMLP or a MoE block (MoEWeights with router config ``rc``) on rows x fp32 [R, D]."""
+def ffn(w: FFN, x: torch.Tensor, rc: Optional[RouterConfig]) -> Output:
+    """A DenseMLP (its down projection as a :class:`Projection`) or a MoE block (MoEWeights with router
+    config ``rc``; fp32 [R, D]) on rows x [R, D]."""
     if isinstance(w, MoEWeights):
         return moe_block(x, w, rc)
-    return swiglu(x, w.gate_up, w.down)
+    return swiglu_projection(x, w.gate_up, w.down)
 
 
 def preset_init_plain(name: str, shape, g: torch.Generator, device="cpu") -> torch.Tensor:

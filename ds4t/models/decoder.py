@@ -2,7 +2,9 @@
 
 A family supplies ``mixer(i, x, batch)`` (attention / Gated DeltaNet / MLA for layer i) and
 ``ffn(i, x)`` (dense MLP or MoE), its layers' weights (``self.layers``, one
-:class:`~ds4t.models.blocks.Layer` each) and its norm weights; residual adds are fused into the norms.
+:class:`~ds4t.models.blocks.Layer` each) and its norm weights; residual adds are fused into the norms. A
+mixer or MLP may return its last projection unapplied (:class:`~ds4t.models.blocks.Projection`): the
+decoder runs it with the norm after it as one op (``linear_add_rms_norm``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
-from ds4t.models.blocks import Layer, store_kwargs
+from ds4t.models.blocks import Layer, Output, Projection, store_kwargs
 from ds4t.models.checkpoint import CheckpointError
 from ds4t.models.mtp import MTPNames, MTPWeights, mtp_tensors
 
@@ -128,10 +130,10 @@ class DecoderModel(Model):
         get.finish()
         warn_mtp_skipped(get, skipped)
 
-    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         raise NotImplementedError
 
-    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         raise NotImplementedError
 
     def norm_dtype(self, i: int, site: str) -> torch.dtype:
@@ -155,6 +157,21 @@ class DecoderModel(Model):
         """The norm call's keywords for :meth:`norm_dtype` (:func:`ds4t.models.blocks.store_kwargs`)."""
         return store_kwargs(self.norm_dtype(i, site))
 
+    def _add_norm(self, out, res: torch.Tensor, weight: torch.Tensor, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(normed, summed) of a mixer's or MLP's output added to the residual stream ``res``: ``out`` a tensor,
+        or a :class:`Projection` that goes into ``linear_add_rms_norm`` (its split-K sum inside the norm
+        kernel, the same bits as the linear then the norm). Under tensor parallel the projection is applied
+        and all-reduced first."""
+        zc, tp = self.zero_centered_norms, self.tp
+        if isinstance(out, Projection):
+            if tp is None:
+                return ops.linear_add_rms_norm(out.x, out.w, res, weight, self.eps, bias=out.b, zero_centered=zc,
+                                               **kw)
+            out = out.apply()
+        if tp is not None:
+            out = tp.reduce(out)
+        return ops.add_rms_norm(out, res, weight, self.eps, zero_centered=zc, **kw)
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits fp32 [len(out_rows), vocab]. With ``batch.hidden_rows`` set, ``batch.hidden`` gets the
         final-norm output (the LM head's input) of those rows, fp32 [len(hidden_rows), D]: what an MTP
@@ -164,17 +181,10 @@ class DecoderModel(Model):
         x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc, **self._narrow(0, "mixer"))
         res = h
         for i in range(self.num_layers):
-            out = self.mixer(i, x, batch)
-            if tp is not None:
-                out = tp.reduce(out)
-            x, res = ops.add_rms_norm(out, res, self.post_norms[i], self.eps, zero_centered=zc,
-                                      **self._narrow(i, "ffn"))
-            out = self.ffn(i, x, batch)
-            if tp is not None:
-                out = tp.reduce(out)
+            x, res = self._add_norm(self.mixer(i, x, batch), res, self.post_norms[i], **self._narrow(i, "ffn"))
             last = i + 1 == self.num_layers   # the final norm's output stays fp32: MTP heads read it as hidden
-            x, res = ops.add_rms_norm(out, res, self.final_norm if last else self.input_norms[i + 1], self.eps,
-                                      zero_centered=zc, **({} if last else self._narrow(i + 1, "mixer")))
+            x, res = self._add_norm(self.ffn(i, x, batch), res, self.final_norm if last else self.input_norms[i + 1],
+                                    **({} if last else self._narrow(i + 1, "mixer")))
         if batch.hidden_rows is not None:
             batch.hidden = x.index_select(0, batch.hidden_rows)
         if batch.out_rows.shape[0] != x.shape[0]:
@@ -199,14 +209,8 @@ class DecoderModel(Model):
         hh = ops.rms_norm(hidden, m.hnorm, eps, zero_centered=zc)
         res = ops.linear(torch.cat([e, hh], dim=1), m.eh_proj)
         x = ops.rms_norm(res, self.input_norms[L], eps, zero_centered=zc, **self._narrow(L, "mixer"))
-        out = self.mixer(L, x, batch)
-        if tp is not None:
-            out = tp.reduce(out)
-        x, res = ops.add_rms_norm(out, res, self.post_norms[L], eps, zero_centered=zc, **self._narrow(L, "ffn"))
-        out = self.ffn(L, x, batch)
-        if tp is not None:
-            out = tp.reduce(out)
-        x, res = ops.add_rms_norm(out, res, m.final_norm, eps, zero_centered=zc)
+        x, res = self._add_norm(self.mixer(L, x, batch), res, self.post_norms[L], **self._narrow(L, "ffn"))
+        x, res = self._add_norm(self.ffn(L, x, batch), res, m.final_norm)
         batch.hidden = x if m.chain_normed else res
         if batch.out_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.out_rows)

@@ -49,7 +49,7 @@ from ds4t.kernels import ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, Layer, SigmoidMoEConfig, ffn, fused_linear, moe_block,
+from ds4t.models.blocks import (DenseMLP, Layer, Output, Projection, SigmoidMoEConfig, ffn, fused_linear, moe_block,
                                 narrow_store, preset_init_plain, store_kwargs, swiglu, yarn_inv_freq,
                                 yarn_mscale)
 from ds4t.models.checkpoint import ConfigError, require, rope_params
@@ -284,7 +284,7 @@ class DeepseekModel(DecoderModel):
     def _per_session(self, segments) -> bool:
         return self._native_path == "ds4" and segments is not None and len(segments) > 1
 
-    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         w = self.layers[i].mixer
         a = fused_linear(x, w.w_a, w.b_a)   # Q/KV down-projections: always batched
         if not self._per_session(batch.segments):
@@ -292,11 +292,12 @@ class DeepseekModel(DecoderModel):
         out = torch.empty((x.shape[0], self.cfg.hidden_size), dtype=torch.float32, device=x.device)
         for s in batch.segments:
             r = slice(s.start_row, s.start_row + s.n)
-            out[r] = self._mla(i, a[r], batch.positions[r], batch.slots[r], batch.lengths[r])
+            out[r] = self._mla(i, a[r], batch.positions[r], batch.slots[r], batch.lengths[r]).apply()
         return out
 
-    def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths) -> torch.Tensor:
-        """Attention after the down-projection for rows ``a`` [R, q_width + kv_lora_rank + rope]."""
+    def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths) -> Projection:
+        """Attention after the down-projection for rows ``a`` [R, q_width + kv_lora_rank + rope], o_proj not
+        applied yet."""
         c, w = self.cfg, self.layers[i].mixer
         n, H, R = a.shape[0], c.num_heads, c.kv_lora_rank
         dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -317,9 +318,9 @@ class DeepseekModel(DecoderModel):
         q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t, **store_kwargs(cache.dtype))
         lat = ops.mla_decode(q_lat, q_pe, cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
         o = ops.linear_heads(lat, w.w_uv, **narrow_store(lat, w.w_o))   # o_proj rounds it so anyway
-        return fused_linear(o.view(n, H * dv), w.w_o, w.b_o)
+        return Projection(o.view(n, H * dv), w.w_o, w.b_o)
 
-    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         w = self.layers[i].ffn
         segs = batch.segments
         if not self._per_session(segs):

@@ -30,7 +30,7 @@ import torch
 
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import NativeRule, StepBatch
-from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, SigmoidMoEConfig, ffn,
+from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, Output, SigmoidMoEConfig, ffn,
                                 preset_init_plain)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
@@ -163,7 +163,7 @@ class GlmModel(GQAMixer, DecoderModel):
         return [None if pos + n <= cap else f"visible window {pos + n} > native capacity {cap}" for pos, n in rows]
 
     # -- compute (state_specs and mixer: GQAMixer) -----------------------------------------
-    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         return ffn(self.layers[i].ffn, x, self.router_cfg)
 
 

@@ -23,7 +23,7 @@ import torch
 from ds4t.kernels import weights
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import StepBatch
-from ds4t.models.blocks import DenseMLP, GQAMixer, GQAShape, Layer, preset_init_plain, swiglu
+from ds4t.models.blocks import DenseMLP, GQAMixer, GQAShape, Layer, Output, preset_init_plain, swiglu_projection
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
 from ds4t.models.loading import WeightReader
@@ -146,9 +146,9 @@ class LlamaModel(GQAMixer, DecoderModel):
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope).to(self.device)
         super().__init__()
 
-    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         w = self.layers[i].ffn
-        return swiglu(x, w.gate_up, w.down)
+        return swiglu_projection(x, w.gate_up, w.down)
 
 
 class Qwen3Model(LlamaModel):

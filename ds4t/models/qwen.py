@@ -18,7 +18,7 @@ from ds4t.kernels import ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, RouterConfig, ffn, fuse_shared_expert,
+from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig, ffn, fuse_shared_expert,
                                fused_linear, narrow_store, stack_experts)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
@@ -293,12 +293,12 @@ class QwenModel(DecoderModel):
             self.pool.tensors[f"layers.{i}.conv"][slot].copy_(seq[:, seq.shape[1] - W1:])
 
     # -- compute -----------------------------------------------------------------------------
-    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         if self.cfg.kind(i) == "linear_attention":
             return self._gated_deltanet(i, x, batch)
         return self._gated_attention(i, x, batch)
 
-    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         return ffn(self.layers[i].ffn, x, self.router_cfg)
 
     def _gated_attention(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -317,7 +317,7 @@ class QwenModel(DecoderModel):
         # · sigmoid(gate), stored in the dtype o_proj rounds its input to
         o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate,
                                  same_slot_runs=not batch.all_single, **narrow_store(qkv, w.w_o))
-        return fused_linear(o.view(R, H * hd), w.w_o, w.b_o)
+        return Projection(o.view(R, H * hd), w.w_o, w.b_o)
 
     def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         c, w = self.cfg, self.layers[i].mixer
@@ -346,7 +346,7 @@ class QwenModel(DecoderModel):
             y = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.slots,
                                z=z.unflatten(1, (hv, dv)), norm_w=w.norm_w, norm_eps=c.eps,
                                **narrow_store(proj, w.w_out))
-            return fused_linear(y.view(R, hv * dv), w.w_out)
+            return Projection(y.view(R, hv * dv), w.w_out)
         o = torch.empty((R, hv, dv), dtype=torch.float32, device=x.device)
         if batch.single_rows.numel():
             idx = batch.single_rows  # on the device already: no host sync
@@ -372,7 +372,7 @@ class QwenModel(DecoderModel):
                                      states_out=states)
         y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps,
                                **narrow_store(proj, w.w_out))
-        return fused_linear(y.view(R, hv * dv), w.w_out)
+        return Projection(y.view(R, hv * dv), w.w_out)
 
 
 def preset_config(name: str) -> dict:
