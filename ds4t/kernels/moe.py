@@ -65,6 +65,14 @@ from ds4t.kernels.weights import FP8Weight, activation_dtype, as_float, quantize
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
 
+SELF_GROUP_PAIRS = BLOCK_M
+"""A launch of at most this many (row, rank) pairs (a one-row decode step: k + 1 of them) over 16-bit or
+fp32 experts skips the grouping kernel: each grouped-kernel program finds its slot's expert and pairs from
+the ids (:func:`_self_slot`), the pairs and tiles the grouping would give, so the same bits. One launch
+fewer a MoE layer at N = 1: on an H200 GLM-4.5-4l's step -1.8 %, Qwen3-Next-4l's -0.7 %, DeepSeek-V3-4l's
+-0.2 %; FP8 experts (2-warp programs) keep the grouping kernel: with it Qwen3-Next-80B-FP8's step was 0.7 %
+slower (bench/results/2026-12-03-h200-launches.md). 0 turns it off (tests compare the two)."""
+
 
 @triton.jit
 def _pair_expert(ids_ptr, si_b, b, j, mask, KTOP: tl.constexpr, SHARED):
@@ -295,6 +303,24 @@ def _store_slot(slots_ptr, e, start, end, writer):
 
 
 @triton.jit
+def _self_slot(ids_ptr, si_b, P, KT, SHARED, KR: tl.constexpr, BM: tl.constexpr):
+    """A launch of P <= BM pairs, without the grouping kernel: (expert, pairs int64 [BM], count) of slot
+    program_id(0) -- the slot's expert is the i-th smallest chosen one and its pairs are listed in pair
+    order, as ``order`` / ``bounds`` would list them (count 0: the slot has no expert). P pairs of KT ranks
+    per row, KR of them routed (``ids``), the last the shared expert SHARED when KT > KR."""
+    pp = tl.arange(0, BM)
+    pe = _pair_expert(ids_ptr, si_b, (pp // KT).to(tl.int64), pp % KT, pp < P, KR, SHARED)   # -1: none
+    same_before = (pe[None, :] == pe[:, None]) & (pp[None, :] < pp[:, None])                 # [p, q]
+    first = (pe >= 0) & (tl.sum(same_before.to(tl.int32), axis=1) == 0)                     # expert's first pair
+    rank = tl.sum((first[None, :] & (pe[None, :] < pe[:, None])).to(tl.int32), axis=1)      # of its expert
+    e = tl.max(tl.where(first & (rank == tl.program_id(0)), pe, -1), axis=0)
+    hit = (pe == e) & (e >= 0)
+    pos = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    pairs = tl.sum(tl.where(hit[None, :] & (pos[None, :] == pp[:, None]), pp[None, :], 0), axis=1)
+    return tl.maximum(e, 0), pairs.to(tl.int64), tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
@@ -306,9 +332,14 @@ def _moe_gate_up_kernel(
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
+    ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
+
+    SELF (a launch of at most BM pairs, :data:`SELF_GROUP_PAIRS`): no grouping kernel ran; each program
+    finds its slot's expert and pairs from the ids (``ids`` [B, KR], row stride si_b; P pairs; the shared
+    expert SHARED at rank KR when KTOP > KR) (:func:`_self_slot`).
 
     ``slots`` (int32 [grid 0], or None): program (i, 0, 0) stores slot i's expert there, -1 when the slot
     has none, for the down kernel.
@@ -323,7 +354,11 @@ def _moe_gate_up_kernel(
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
     sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    if SELF:
+        e, pairs, end = _self_slot(ids_ptr, si_b, P, KTOP, SHARED, KR, BM)
+        start = 0
+    else:
+        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     if slots_ptr is not None:
         _store_slot(slots_ptr, e, start, end, (pid_n == 0) & (tl.program_id(2) == 0))
@@ -336,7 +371,10 @@ def _moe_gate_up_kernel(
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
-        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        if SELF:
+            p = pairs
+        else:
+            p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         b = p // KTOP
         if SWAP:
             acc_g = tl.zeros([BN, BM], dtype=tl.float32)
@@ -426,14 +464,19 @@ def _moe_down_kernel(
     FP8_ROUTE: tl.constexpr = 0, SWAP: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
-    EVEN_N as there (I a whole number of loop steps, D of N tiles).
+    EVEN_N as there (I a whole number of loop steps, D of N tiles). SELF as there.
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
     or the host-made list."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
+    if SELF:
+        e, pairs, end = _self_slot(ids_ptr, si_b, P, KT, SHARED, KR, BM)
+        start = 0
+    else:
+        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
@@ -444,7 +487,10 @@ def _moe_down_kernel(
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
-        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        if SELF:
+            p = pairs
+        else:
+            p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         if SWAP:
             acc = tl.zeros([BN, BM], dtype=tl.float32)
         else:
@@ -816,14 +862,23 @@ def moe_experts(
         if moe_rows.launch(h, ids, weights, gate, w_gate, w_up, w_down, SHARED, GATED, out, adt):
             return out
     P = B * KT
-    # 1. group pairs by expert on the device (pairs of an expert in pair order)
-    order, bounds = group_pairs(ids, E, shared_expert)
     # silu(g)·u is rounded to A before the down product: with a 16-bit A the gate/up kernel stores it
     # rounded (half the bytes the down kernel reads once per D tile; same bits).
     act_rounded = not gguf and adt in (torch.bfloat16, torch.float16)
     fmt = ("fp8",) if fp8 else ()
     gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B, D), _config("down", fmt, B, I))
     split = 1 if gguf else gu_cfg.split
+    # 1. group pairs by expert on the device (pairs of an expert in pair order) -- or, for a launch of a
+    # few pairs (a decode step of one row) over 16-bit / fp32 experts, let each program find its slot's
+    # pairs from the ids itself (SELF_GROUP_PAIRS; no grouping launch, the same pairs in the same tiles)
+    self_group = (path == GPU and not (fp8 or gguf) and k >= 1 and P <= SELF_GROUP_PAIRS and gu_cfg.split == 1
+                  and dn_cfg.split == 1 and min(gu_cfg.block_m, dn_cfg.block_m) >= P)
+    if self_group:
+        order = bounds = ids   # unread
+        sg_args = dict(ids_ptr=ids, si_b=ids.stride(0), P=P, SHARED=SHARED, KR=k, SELF=True)
+    else:
+        order, bounds = group_pairs(ids, E, shared_expert)
+        sg_args = {}
     act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
     # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel
     part = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act
@@ -844,7 +899,8 @@ def moe_experts(
     slots = None
     if device_list:
         experts, n_slots = bounds, min(E, P)
-        slots = torch.empty((n_slots,), dtype=torch.int32, device=dev)
+        if not self_group:
+            slots = torch.empty((n_slots,), dtype=torch.int32, device=dev)
     else:
         experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
         n_slots = int(experts.shape[0])
@@ -876,7 +932,7 @@ def moe_experts(
         part, part.stride(-2),
         D, I, KT, E,
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
-        SWAP=cfg.swap, slots_ptr=slots, **kw, **LAUNCH,
+        SWAP=cfg.swap, slots_ptr=slots, **sg_args, **kw, **LAUNCH,
     )
     if split > 1:
         BI = min(1024, triton.next_power_of_2(I))
@@ -901,7 +957,8 @@ def moe_experts(
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(-2),
         D, I, E,
-        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, SWAP=cfg.swap, **kw, **LAUNCH,
+        WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, SWAP=cfg.swap, **(dict(sg_args, KT=KT) if sg_args else {}), **kw,
+        **LAUNCH,
     )
     return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
 

@@ -428,10 +428,82 @@ def test_down_kernel_reads_the_slots_gate_up_writes(monkeypatch):
         return t.zero_() if dtype == torch.int32 else t
 
     monkeypatch.setattr(M.torch, "empty", int_zeroed)
+    monkeypatch.setattr(M, "SELF_GROUP_PAIRS", 0)   # the grouping kernel and the slots list, at any size
     with use_variants({"moe_experts": GPU}):
         assert torch.equal(moe_experts(h, ids, w, wg, wu, wd, out=poisoned((B, D))), want)
         monkeypatch.setattr(M, "_store_slot", _no_store_slot)
         assert not torch.equal(moe_experts(h, ids, w, wg, wu, wd, out=poisoned((B, D))), want)
+
+
+_SELF_SLOT = M._self_slot
+
+
+@triton.jit
+def _first_pair_only(ids_ptr, si_b, P, KT, SHARED, KR: tl.constexpr, BM: tl.constexpr):
+    """A broken :func:`ds4t.kernels.moe._self_slot`: every expert runs its first pair only."""
+    e, pairs, count = _SELF_SLOT(ids_ptr, si_b, P, KT, SHARED, KR, BM)
+    return e, pairs, tl.minimum(count, 1)
+
+
+def _self_cases():
+    E, I, D = 7, 64, 96
+    for dtype in (torch.float32, torch.bfloat16):
+        yield str(dtype), _weights(E, I, D, dtype, 51)
+
+
+@pytest.mark.parametrize("B,k,shared,skipped", [
+    (1, 3, None, False), (1, 3, 6, False), (1, 7, None, False),   # one row: k (+ 1) pairs, one per expert
+    (4, 3, 6, False),    # 16 pairs: the shared expert's 4 in one slot, routed experts repeated across rows
+    (5, 3, None, True),  # 15 pairs, some ids -1 (another rank's experts): those pairs add exactly 0
+])
+def test_a_few_pairs_group_themselves_with_the_grouped_bits(monkeypatch, B, k, shared, skipped):
+    """A launch of at most SELF_GROUP_PAIRS pairs over float experts runs no grouping kernel (each program finds
+    its slot's pairs from the ids) and gives the grouped kernels' bits. Negative control: a self-grouping that
+    keeps only an expert's first pair differs wherever an expert has two."""
+    for name, (wg, wu, wd) in _self_cases():
+        E = wg.shape[0]
+        g = gen(B * 10 + k)
+        ids = torch.stack([torch.randperm(E - 1 if shared else E, generator=g)[:k] for _ in range(B)]).to(torch.int32)
+        if skipped:
+            ids[::2, 0] = -1
+        w = torch.rand(B, k, generator=g) + 0.1
+        h = torch.randn(B, wg.shape[-1], generator=g)
+        gate = torch.randn(B, generator=g) if shared is not None else None
+        args = (h, ids, w, wg, wu, wd)
+        kw = dict(shared_expert=shared, shared_gate=gate)
+        with use_variants({"moe_experts": GPU}):
+            monkeypatch.setattr(M, "SELF_GROUP_PAIRS", 0)
+            want = moe_experts(*args, **kw, out=poisoned((B, h.shape[1])))
+            monkeypatch.setattr(M, "SELF_GROUP_PAIRS", M.BLOCK_M)
+            with monkeypatch.context() as m:
+                m.setattr(M, "group_pairs", lambda *a, **k: pytest.fail("a few pairs ran the grouping kernel"))
+                got = moe_experts(*args, **kw, out=poisoned((B, h.shape[1])))
+            assert torch.equal(got, want), name
+            if shared is not None and B > 1 and INTERPRET:   # (a compiled kernel has its helpers inlined)
+                with monkeypatch.context() as m:
+                    m.setattr(M, "_self_slot", _first_pair_only)
+                    assert not torch.equal(moe_experts(*args, **kw, out=poisoned((B, h.shape[1]))), want), name
+        ref = moe_experts_ref(*args, **kw)
+        assert ((got - ref).abs().max() / ref.abs().max()).item() <= TOL[wg.dtype], name
+
+
+def test_fp8_and_gguf_experts_keep_the_grouping_kernel(monkeypatch):
+    """FP8 and GGUF experts group their pairs with the grouping kernel at every size (self-grouping timed
+    slower there on an H200: SELF_GROUP_PAIRS)."""
+    from ds4t.kernels.quant_blocks import quantize as gguf_quantize
+    from ds4t.kernels.weights import quantize as fp8_quantize
+
+    wg, wu, wd = _weights(4, 64, 96, torch.float32, 52)
+    ids, w = _routing(1, 4, 2, seed=53)
+    h = torch.randn(1, 96, generator=gen(54))
+    calls = []
+    real = M.group_pairs
+    monkeypatch.setattr(M, "group_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with use_variants({"moe_experts": GPU}):
+        for ws in ([fp8_quantize(x, (32, 32)) for x in (wg, wu, wd)], [gguf_quantize(x, "Q8_0") for x in (wg, wu, wd)]):
+            moe_experts(h, ids, w, *ws)
+            assert len(calls) == 1
+            calls.clear()
 
 
 def test_fp8_fused_gate_up_views(path):
