@@ -23,7 +23,9 @@ How it runs (no host synchronisation; every grid comes from shapes):
 1. ``_moe_group_kernel``, grid (E,): program e scans the P = B·KT pairs and lists the pairs that chose
    e, in pair order, at ``order[bounds[e]:bounds[e+1]]`` (``bounds[e]`` = pairs with a smaller expert
    id). One launch; it replaces a sort, a search and their casts, which cost more than the experts
-   themselves at decode sizes (H200 profile, bench/results).
+   themselves at decode sizes (H200 profile, bench/results). A launch of at most
+   :data:`SELF_GROUP_PAIRS` pairs over 16-bit / fp32 experts (a one-row step) skips it: each program of
+   steps 2 and 3 finds its slot's expert and pairs from the ids (:func:`_self_slot`).
 2. ``_moe_gate_up_kernel``, grid (min(E, P), cdiv(I, BN)): program (i, n) takes the i-th chosen
    expert (from ``bounds``; slots past the chosen experts run zero iterations), loops over its pairs in
    tiles of BLOCK_M = 16 rows, K (= D) in fixed BK steps, and writes silu(g)·u for its I columns to a
