@@ -480,7 +480,8 @@ def router_sigmoid_grouped(logits, correction_bias, top_k, n_group, topk_group, 
 # applying the twin
 # ----------------------------------------------------------------------------------------------
 TWIN: Dict[str, Callable] = {f.__name__: f for f in (
-    linear, linear_heads, linear_add_rms_norm, rms_norm, add_rms_norm, gated_rms_norm, silu_mul, sigmoid_mul, add, embedding, rope,
+    linear, linear_heads, linear_add_rms_norm, rms_norm, add_rms_norm, gated_rms_norm,
+    silu_mul, sigmoid_mul, add, embedding, rope,
     write_kv, decode_attention, norm_rope_write_kv, write_latent, norm_rope_write_latent, mla_decode,
     conv1d_update, gdn_decode, moe_experts, router_softmax_topk, router_sigmoid_grouped)}
 """op name -> its twin (same signature as the ds4t launcher)."""

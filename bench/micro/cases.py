@@ -14,8 +14,8 @@ from typing import Callable, Dict
 import torch
 
 import ds4t  # noqa: F401  (selects the backend before triton is imported)
-from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_norm, mla, moe, norm, rope, router,
-                          sampling)
+from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_norm, mla, moe, norm, rope,
+                          router, sampling)
 from ds4t.kernels.weights import quantize
 
 B = 16   # decode rows at the real size (sessions in one step)

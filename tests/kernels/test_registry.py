@@ -34,7 +34,8 @@ def test_every_model_op_is_registered():
 
 
 def test_unknown_op_lists_the_known_ones():
-    with pytest.raises(UnknownOpError, match="unknown op 'linaer'; known ops: .*linear, linear_add_rms_norm, linear_heads"):
+    with pytest.raises(UnknownOpError,
+                       match="unknown op 'linaer'; known ops: .*linear, linear_add_rms_norm, linear_heads"):
         override("linaer", lambda *a, **k: None)
     with pytest.raises(AttributeError, match="known ops"):
         ops.linaer
