@@ -41,9 +41,6 @@ def linear_add_rms_norm(x: torch.Tensor, weight: Weight, residual: torch.Tensor,
     if op("linear").overridden or op("add_rms_norm").overridden:
         y = ops.linear(x, weight, bias)
         return ops.add_rms_norm(y, residual, norm_weight, eps, zero_centered=zero_centered, out_dtype=out_dtype)
-    if residual.dim() != 2 or residual.shape != (x.shape[0], weight.shape[0]):
-        raise ValueError(f"linear_add_rms_norm: residual must be [{x.shape[0]}, {weight.shape[0]}], got "
-                         f"{tuple(residual.shape)}")
     parts = _linear.linear_parts(x, weight, bias)
     return _norm.add_rms_norm(parts, residual, norm_weight, eps, zero_centered=zero_centered, out_dtype=out_dtype)
 
