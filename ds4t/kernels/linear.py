@@ -752,14 +752,24 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
     )
     if counters is not None:   # the kernel summed the partials into out
         return out
+    return finish_splits(part, bias, out, defer_sum)
+
+
+def finish_splits(part: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, defer_sum: bool = False):
+    """The end of a split-K launch (float, FP8 and GGUF weights alike): ``part`` fp32 [S, B, N] holds
+    the splits' partials. ``defer_sum``: hand them back unsummed as :class:`SplitPartials` (the consumer
+    adds them in this order, e.g. :func:`ds4t.kernels.linear_norm.linear_add_rms_norm`); else
+    ``out [B, N] = ((part[0] + part[1]) + ...) (+ bias)`` by :func:`_splitk_sum_kernel` and ``out``
+    is returned."""
     if defer_sum:
         return SplitPartials(part, bias)
+    S, B, N = part.shape
     total = B * N
     sum_cfg = SPLITK_SUM_CONFIGS(N)
     block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
     _splitk_sum_kernel[(triton.cdiv(total, block),)](
-        part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
-        num_warps=sum_cfg.num_warps, **LAUNCH,
+        part, out if bias is None else bias, out, total, part.stride(0), out.stride(0), N=N, SPLIT=S,
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=sum_cfg.num_warps, **LAUNCH,
     )
     return out
 

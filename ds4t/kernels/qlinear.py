@@ -41,7 +41,6 @@ from ds4t.backend import (LAUNCH, cast, fma_bf16, grid_dependency, int8_to, mma,
                           tl_dtype)
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
-from ds4t.kernels.tensors import SplitPartials
 
 BLOCK_M = 16
 """Rows per tile: fixed (tl.dot needs M >= 16 on the GPU)."""
@@ -462,7 +461,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     weight), ``out`` fp32 [B, N] with unit column stride. ``config`` overrides the table
     (tests and benchmarks; it must not depend on B). ``defer_sum``: a split-K launch returns its
     :class:`ds4t.kernels.tensors.SplitPartials` instead of adding them."""
-    from ds4t.kernels.linear import SPLITK_SUM_CONFIGS, _splitk_sum_kernel
+    from ds4t.kernels.linear import finish_splits
 
     B, K = x.shape
     N = weight.shape[0]
@@ -490,12 +489,4 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)
     _qlinear_kernel[grid](x, w, b_arg, part, B, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
                           HAS_BIAS=False, **consts, **LAUNCH)
-    if defer_sum:
-        return SplitPartials(part, bias)
-    total = B * N
-    sum_cfg = SPLITK_SUM_CONFIGS(N)
-    block = max(sum_cfg.min_block, min(sum_cfg.max_block, triton.next_power_of_2(total)))
-    _splitk_sum_kernel[(triton.cdiv(total, block),)](
-        part, b_arg, out, total, part.stride(0), out.stride(0), N=N, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
-        num_warps=sum_cfg.num_warps, **LAUNCH)
-    return out
+    return finish_splits(part, bias, out, defer_sum)
