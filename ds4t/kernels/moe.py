@@ -456,49 +456,6 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _down_step(acc, act_ptr, sa_p, p, qm, wd_ptr, wbase, n, nm, kb, I, sw_n, sw_k, sd_ptr, s_row, a_scale,
-               WDT: tl.constexpr, BK: tl.constexpr, SBK: tl.constexpr, KSTEP: tl.constexpr,
-               FP8_ROUTE: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, EVEN_W: tl.constexpr,
-               EVEN_N: tl.constexpr):
-    """acc + one K step of the down product for weight rows n: FP8 weights (SBK > 0) one scale block of
-    KSTEP columns from kb (its dot from zero, added times the rows' scales; route "fold" straight into
-    acc), else one BK tile."""
-    TF32: tl.constexpr = FP8_ROUTE == 2
-    if SBK > 0:
-        sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
-        if FP8_ROUTE == 3:   # "fold": one accumulator over I
-            pd = acc
-        else:
-            pd = tl.zeros(acc.shape, dtype=tl.float32)
-        for ks in tl.static_range(0, KSTEP, BK):
-            kk = kb + ks + tl.arange(0, BK)
-            km = kk < I
-            a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
-            w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT, FP8_ROUTE)
-            if TF32:
-                a = round_in_f32(a, WDT)
-            else:
-                a = cast(a, WDT)
-            if FP8_ROUTE == 4:   # "x2"
-                x1, x2, inv = fp8_pieces(a)
-                pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
-            elif FP8_ROUTE == 5:   # "f16"
-                pd = _pair_dot(f16_scaled(a, a_scale), w, pd, SWAP, False)
-            else:
-                pd = _pair_dot(a, w, pd, SWAP, TF32)
-        if FP8_ROUTE == 3:
-            acc = pd
-        else:
-            acc = scaled_add(acc, pd, sd)
-    else:
-        kk = kb + tl.arange(0, BK)
-        km = kk < I
-        a = cast(_act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K), WDT)
-        acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), acc, SWAP, False)
-    return acc
-
-
-@triton.jit
 def _moe_down_kernel(
     act_ptr, sa_p, order_ptr, bounds_ptr, experts_ptr,
     wd_ptr, sw_e, sw_n, sw_k,
@@ -510,30 +467,25 @@ def _moe_down_kernel(
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
-    N_TILES: tl.constexpr = 1,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
     EVEN_N as there (I a whole number of loop steps, D of N tiles). SELF as there.
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
-    or the host-made list.
-
-    N_TILES > 1 (``MoEConfig.n_tiles``): program n runs N tiles n * N_TILES .. n * N_TILES + N_TILES - 1 one
-    after another in one loop over (tile, K step), so the loads of the next tile's first steps are issued
-    while the last steps of this one run (at I = 512 a tile is only four steps); each tile's sum is the
-    one-tile program's, bit for bit."""
+    or the host-made list."""
     grid_dependency()
     if SELF:
         e, pairs, end = _self_slot(ids_ptr, si_b, P, KT, SHARED, KR, BM)
         start = 0
     else:
         e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
-    n0 = tl.program_id(1) * (N_TILES * BN)
+    pid_n = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    nm = n < D
     wbase = e.to(tl.int64) * sw_e
+    TF32: tl.constexpr = FP8_ROUTE == 2
     k_lo, k_hi = _split_range(I, SPLIT, K_PER_SPLIT)
     EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
-    STEP: tl.constexpr = KSTEP if SBK > 0 else BK
-    y_ptr = y_ptr + tl.program_id(2) * sy_s
     for m0 in range(start, end, BM):
         q = m0 + tl.arange(0, BM)
         qm = q < end
@@ -545,41 +497,50 @@ def _moe_down_kernel(
             acc = tl.zeros([BN, BM], dtype=tl.float32)
         else:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-        a_scale = 1.0
-        a_inv = 1.0
-        if SBK > 0 and FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
-            amax = tl.zeros([BM], dtype=tl.float32)
+        if SBK > 0:
+            s_row = e.to(tl.int64) * ss_e + n * ss_n
+            if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
+                amax = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    a = _act_tile(act_ptr, sa_p, p, qm, kk, kk < I, EVEN_K)
+                    amax = _f16_scale(amax, cast(a, WDT))
+                a_scale, a_inv = pow2_scale(amax, 14)
+            for kb in range(k_lo, k_hi, KSTEP):
+                sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
+                if FP8_ROUTE == 3:   # "fold": one accumulator over I
+                    pd = acc
+                else:
+                    pd = tl.zeros(acc.shape, dtype=tl.float32)
+                for ks in tl.static_range(0, KSTEP, BK):
+                    kk = kb + ks + tl.arange(0, BK)
+                    km = kk < I
+                    a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
+                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT, FP8_ROUTE)
+                    if TF32:
+                        a = round_in_f32(a, WDT)
+                    else:
+                        a = cast(a, WDT)
+                    if FP8_ROUTE == 4:   # "x2"
+                        x1, x2, inv = fp8_pieces(a)
+                        pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
+                    elif FP8_ROUTE == 5:   # "f16"
+                        pd = _pair_dot(f16_scaled(a, a_scale), w, pd, SWAP, False)
+                    else:
+                        pd = _pair_dot(a, w, pd, SWAP, TF32)
+                if FP8_ROUTE == 3:
+                    acc = pd
+                else:
+                    acc = scaled_add(acc, pd, sd)
+            if FP8_ROUTE == 5:
+                acc = acc * _pair_vec(a_inv, SWAP)
+        else:
             for k0 in range(k_lo, k_hi, BK):
                 kk = k0 + tl.arange(0, BK)
-                a = _act_tile(act_ptr, sa_p, p, qm, kk, kk < I, EVEN_K)
-                amax = _f16_scale(amax, cast(a, WDT))
-            a_scale, a_inv = pow2_scale(amax, 14)
-        if N_TILES == 1:
-            n = n0 + tl.arange(0, BN)
-            nm = n < D
-            s_row = e.to(tl.int64) * ss_e + n * ss_n
-            for kb in range(k_lo, k_hi, STEP):
-                acc = _down_step(acc, act_ptr, sa_p, p, qm, wd_ptr, wbase, n, nm, kb, I, sw_n, sw_k, sd_ptr, s_row,
-                                 a_scale, WDT, BK, SBK, KSTEP, FP8_ROUTE, SWAP, EVEN_K, EVEN_W, EVEN_N)
-            if SBK > 0 and FP8_ROUTE == 5:
-                acc = acc * _pair_vec(a_inv, SWAP)
-            _store_tile(y_ptr, p, sy_p, n, qm, nm, acc, SWAP)
-        else:
-            nk = tl.cdiv(k_hi - k_lo, STEP)
-            for it in range(0, N_TILES * nk):
-                t = it // nk
-                j = it - t * nk
-                n = n0 + t * BN + tl.arange(0, BN)
-                nm = n < D
-                s_row = e.to(tl.int64) * ss_e + n * ss_n
-                acc = _down_step(acc, act_ptr, sa_p, p, qm, wd_ptr, wbase, n, nm, k_lo + j * STEP, I, sw_n, sw_k,
-                                 sd_ptr, s_row, a_scale, WDT, BK, SBK, KSTEP, FP8_ROUTE, SWAP, EVEN_K, EVEN_W,
-                                 EVEN_N)
-                if j == nk - 1:
-                    if SBK > 0 and FP8_ROUTE == 5:
-                        acc = acc * _pair_vec(a_inv, SWAP)
-                    _store_tile(y_ptr, p, sy_p, n, qm, nm, acc, SWAP)
-                    acc = tl.zeros(acc.shape, dtype=tl.float32)
+                km = kk < I
+                a = cast(_act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K), WDT)
+                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), acc, SWAP, False)
+        _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
 
 
 @triton.jit
@@ -685,7 +646,6 @@ class MoEConfig:
     max_rows: int = 0           # a few-rows entry applies to launches of at most this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
     split: int = 1              # K splits (whole loop steps), their partials summed in split order after it
-    n_tiles: int = 1            # down kernel: N tiles a program runs one after another (same bits)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -703,10 +663,8 @@ def k_step(K: int, BK: int, scale_bk: int) -> int:
     return min(scale_bk, triton.cdiv(K, BK) * BK)
 
 
-FEW_ROWS_FREE = {"fp8": ("num_stages", "n_tiles"),
-                 "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k", "n_tiles")}
+FEW_ROWS_FREE = {"fp8": ("num_stages",), "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k")}
 """The fields a few-rows entry may change from the decode entry, per weight format (:func:`_config`).
-``n_tiles`` in both: how many N tiles a down program runs in turn, never what a tile computes.
 16-bit weights: the fields a row tile may change as well -- on an H200 every bf16 tile shape, K tile and
 warp count gives the decode tile's bits (bench/mma_shapes.py; bench/moe_tiles.py ``same-bits`` at one row).
 FP8 weights: the pipeline depth only -- an 8-bit operand's layout follows the tile and the MMA it feeds,
@@ -912,9 +870,6 @@ def moe_experts(
     fmt = ("fp8",) if fp8 else ()
     gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B, D), _config("down", fmt, B, I))
     split = 1 if gguf else gu_cfg.split
-    if not gguf and (gu_cfg.n_tiles != 1 or dn_cfg.n_tiles < 1):
-        raise ValueError(f"moe_experts: n_tiles is the down kernel's field, >= 1 (gate_up {gu_cfg.n_tiles}, "
-                         f"down {dn_cfg.n_tiles})")
     # 1. group pairs by expert on the device (pairs of an expert in pair order) -- or, for a launch of a
     # few pairs (a decode step of one row) over 16-bit / fp32 experts, let each program find its slot's
     # pairs from the ids itself (SELF_GROUP_PAIRS; no grouping launch, the same pairs in the same tiles)
@@ -998,8 +953,8 @@ def moe_experts(
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
     if dn_split > 1:
         kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
-    kw.update(evenness(I, step, D, BN * cfg.n_tiles), N_TILES=cfg.n_tiles)
-    _moe_down_kernel[(n_slots, triton.cdiv(D, BN * cfg.n_tiles), dn_split)](
+    kw.update(evenness(I, step, D, BN))
+    _moe_down_kernel[(n_slots, triton.cdiv(D, BN), dn_split)](
         act, act.stride(-2), order, bounds, experts if slots is None else slots,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(-2),

@@ -703,30 +703,6 @@ def test_split_k(fmt, route, adt, split, swap, where):
     assert ((y - run(gu=base, dn=base)).abs().max() / ref.abs().max()).item() <= tol
 
 
-@pytest.mark.parametrize("fmt,route,adt,n_tiles,split,swap", [
-    ("bf16", "direct", None, 2, 1, False),            # 9 N tiles of 32 rows: the last program's second is past D
-    ("fp8", "f32", torch.bfloat16, 3, 1, True),       # 3 programs of 3 tiles, the last tile ragged
-    ("fp8", "f16", torch.bfloat16, 2, 2, True),       # a pair's scale over its split, then the tiles in turn
-], ids=str)
-def test_down_programs_run_several_n_tiles_with_the_same_bits(fmt, route, adt, n_tiles, split, swap):
-    """``MoEConfig(n_tiles=T)``: a down program runs T N tiles one after another in one (tile, K step) loop
-    (D = 264, I = 150): see _config_case; and bit for bit what one-tile programs give."""
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap, split=split)
-    y, run, _, _ = _config_case(fmt, adt, 264, 150, 91, base, dataclasses.replace(base, n_tiles=n_tiles))
-    assert torch.equal(y, run(gu=base, dn=base))
-
-
-def test_n_tiles_belongs_to_the_down_kernel():
-    h, ids, w = torch.randn(2, 64), torch.tensor([[0], [1]]), torch.ones(2, 1)
-    wg, wu, wd = _weights(2, 32, 64, torch.bfloat16, 5)
-    for gu, dn in ((2, 1), (1, 0)):
-        cfg = {"gate_up": M.MoEConfig(tile_n=32, tile_k=64, n_tiles=gu), "down": M.MoEConfig(tile_n=32, tile_k=64,
-                                                                                               n_tiles=dn)}
-        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *f: cfg[kernel]):
-            with pytest.raises(ValueError, match="n_tiles"):
-                moe_experts(h, ids, w, wg, wu, wd)
-
-
 def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
     with pytest.raises(ValueError, match="empty"):
         M.k_per_split(256, 3, 128)
