@@ -22,7 +22,10 @@ shape's bits at every N (a new decode entry for a linear).
         --variant path/to/configs.json
 
 A variant is ``NAME=SPEC`` (or a bare SPEC, named by position), SPEC a JSON file or inline JSON in the
-``ds4t.kernels.config.overridden`` format. ``--device cpu`` runs the script on tiny presets (a smoke
+``ds4t.kernels.config.overridden`` format, plus an optional ``"passthrough": [op names]``: those ops are
+overridden by their own ds4t function (graphs still captured), so a fused op that watches them runs as its
+two calls -- ``{"passthrough": ["router_softmax_topk", "router_sigmoid_grouped"]}`` times ``linear_router``
+unfused, ``{"passthrough": ["add_rms_norm"]}`` ``linear_add_rms_norm``. ``--device cpu`` runs the script on tiny presets (a smoke
 run: the interpreter ignores GPU config entries, so every variant keeps the base's bits there).
 """
 from __future__ import annotations
@@ -40,8 +43,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ds4t  # noqa: E402
 from bench import bench_decode  # noqa: E402
 from bench.bench_fp8 import synthetic_sessions  # noqa: E402
-from ds4t.batch.graphs import graphs_for  # noqa: E402
+from ds4t.batch.graphs import capture_overrides, graphs_for  # noqa: E402
 from ds4t.kernels.config import overridden  # noqa: E402
+from ds4t.kernels.registry import op, override  # noqa: E402
 
 
 def parse_variant(text: str, index: int):
@@ -88,9 +92,15 @@ def _clear_graphs(model) -> None:
 
 @contextlib.contextmanager
 def applied(model, spec):
-    """The variant's table entries in force, the model's CUDA graphs dropped on entry and on exit (a graph
-    replays the kernels it was captured with, so none may outlive the entries it was captured under)."""
-    with overridden(spec):
+    """The variant's table entries (and pass-through overrides) in force, the model's CUDA graphs dropped on
+    entry and on exit (a graph replays the kernels it was captured with, so none may outlive the entries it
+    was captured under)."""
+    table = {k: v for k, v in spec.items() if k != "passthrough"}
+    with overridden(table), contextlib.ExitStack() as stack:
+        for name in spec.get("passthrough", []):
+            stack.enter_context(override(name, op(name).fn))
+        if spec.get("passthrough"):
+            stack.enter_context(capture_overrides())
         _clear_graphs(model)
         try:
             yield

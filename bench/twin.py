@@ -47,7 +47,8 @@ from ds4t.kernels import registry
 from ds4t.kernels.rope import rope_ref
 from ds4t.kernels.router import DROPPED_SCORE
 
-PRICED = ("linear", "linear_heads", "linear_add_rms_norm", "decode_attention", "mla_decode", "moe_experts")
+PRICED = ("linear", "linear_heads", "linear_add_rms_norm", "linear_router", "decode_attention", "mla_decode",
+          "moe_experts")
 """The ops whose algorithm batch invariance constrains (tile / split-K / split-KV / expert grouping
 choices fixed regardless of B). The others are row-local: the ds4t kernel is invariant for free."""
 
@@ -476,6 +477,18 @@ def router_sigmoid_grouped(logits, correction_bias, top_k, n_group, topk_group, 
     return _ret(w * scaling, ids, out)
 
 
+def linear_router(x, weight, num_experts, kind, top_k, renormalize, *, bias=None, correction_bias=None, n_group=1,
+                  topk_group=1, scaling=1.0):
+    """:func:`linear` (cuBLAS) then the router twin: two calls, as the op is when not fused."""
+    logits = linear(x, weight, bias)
+    scores = logits[:, :num_experts]
+    if kind == "softmax":
+        w, ids = router_softmax_topk(scores, top_k, renormalize)
+    else:
+        w, ids = router_sigmoid_grouped(scores, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+    return w, ids, logits
+
+
 # ----------------------------------------------------------------------------------------------
 # applying the twin
 # ----------------------------------------------------------------------------------------------
@@ -483,7 +496,7 @@ TWIN: Dict[str, Callable] = {f.__name__: f for f in (
     linear, linear_heads, linear_add_rms_norm, rms_norm, add_rms_norm, gated_rms_norm,
     silu_mul, sigmoid_mul, add, embedding, rope,
     write_kv, decode_attention, norm_rope_write_kv, write_latent, norm_rope_write_latent, mla_decode,
-    conv1d_update, gdn_decode, moe_experts, router_softmax_topk, router_sigmoid_grouped)}
+    conv1d_update, gdn_decode, moe_experts, router_softmax_topk, router_sigmoid_grouped, linear_router)}
 """op name -> its twin (same signature as the ds4t launcher)."""
 
 SETS = {"all": tuple(sorted(TWIN)), "priced": PRICED}

@@ -14,8 +14,8 @@ from typing import Callable, Dict
 import torch
 
 import ds4t  # noqa: F401  (selects the backend before triton is imported)
-from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_norm, mla, moe, norm, rope,
-                          router, sampling)
+from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_norm, linear_router, mla, moe,
+                          norm, rope, router, sampling)
 from ds4t.kernels.weights import quantize
 
 B = 16   # decode rows at the real size (sessions in one step)
@@ -285,6 +285,12 @@ def _router_sigmoid_grouped(dev, real):   # DeepSeek-V3: 256 experts in 8 groups
     return lambda: router.router_sigmoid_grouped(x, bias, k, ng, tg, True, 2.5)
 
 
+def _linear_router(dev, real):   # Qwen3-Next's router (512 experts + the shared-expert gate row, split K) and top 10
+    b, K, E, k = (B, 2048, 512, 10) if real else (5, 200, 10, 3)
+    x, w = _rand(dev, b, K), _rand(dev, E + 1, K, scale=K ** -0.5)
+    return lambda: linear_router.linear_router(x, w, E, "softmax", k, True)
+
+
 def _logits(dev, real):
     b, V = (B, 151936) if real else (9, 1000)
     return b, _rand(dev, b, V, scale=3)
@@ -320,5 +326,6 @@ CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
     "mla_decode": _mla_decode, "write_latent": _write_latent, "norm_rope_write_latent": _norm_rope_write_latent,
     "moe_experts": _moe_experts, "moe_experts_fp8": _moe_experts_fp8,
     "router_softmax_topk": _router_softmax_topk, "router_sigmoid_grouped": _router_sigmoid_grouped,
+    "linear_router": _linear_router,
     "argmax": _argmax, "sample": _sample,
 }

@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, grid_dependency, sigmoid, timer
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, split_sum, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
+from ds4t.kernels.tensors import SplitPartials
 
 DROPPED_SCORE: float = float("-inf")
 """The biased score HF transformers 5.x gives experts of dropped groups (HF 4.x gives 0.0)."""
@@ -82,18 +83,46 @@ def _take_max(x, avail, cols, BIG: tl.constexpr):
 
 
 @triton.jit
+def _summed_logits(x_ptr, sx_b, rl, rok, c2, E, N, fill, SPLIT: tl.constexpr, sp_s, pb_ptr, HAS_PB: tl.constexpr,
+                   y_ptr, sy_b, BT: tl.constexpr):
+    """fp32 [ROWS, BE] router logits (columns >= E: ``fill``) from a linear's SPLIT split-K partials
+    (``x_ptr``, stride sp_s between splits; row stride sx_b) added in split order, then its bias (``pb_ptr``)
+    -- :func:`ds4t.kernels.linear._splitk_sum_kernel`'s operations and order, so its bits. All N columns of
+    the sums are stored to y (row stride sy_b) for the readers of the finished logits (Qwen3-Next's shared
+    expert gate is column E): columns < E from the same registers, E .. N-1 in a tail of BT lanes, so the
+    selection runs on the BE lanes it runs on without the fusion."""
+    v = split_sum(x_ptr + rl * sx_b + c2, (c2 < E) & (rl >= 0), sp_s, SPLIT)
+    if HAS_PB:
+        v += tl.load(pb_ptr + c2, mask=c2 < E, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rl * sy_b + c2, v, mask=rok[:, None] & (c2 < E))
+    if BT > 0:
+        t2 = E + tl.arange(0, BT)[None, :]
+        tv = split_sum(x_ptr + rl * sx_b + t2, (t2 < N) & (rl >= 0), sp_s, SPLIT)
+        if HAS_PB:
+            tv += tl.load(pb_ptr + t2, mask=t2 < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rl * sy_b + t2, tv, mask=rok[:, None] & (t2 < N))
+    return tl.where(c2 < E, v, fill)
+
+
+@triton.jit
 def _softmax_topk_kernel(
     x_ptr, sx_b, w_ptr, id_ptr, B, E,
     K: tl.constexpr, RENORM: tl.constexpr, ROWS: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
     EVEN_E: tl.constexpr = False,
+    N=0, SPLIT: tl.constexpr = 0, sp_s=0, pb_ptr=None, HAS_PB: tl.constexpr = False, y_ptr=None, sy_b=0,
+    BT: tl.constexpr = 0,
 ):
+    """SPLIT > 0: x holds a linear's split-K partials [SPLIT, B, N], summed here (:func:`_summed_logits`)."""
     grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rok = r < B
     r1 = tl.minimum(r, B - 1).to(tl.int64)      # rows past B redo row B-1 and store nothing
     rl = r1[:, None]
     c2 = tl.arange(0, BE)[None, :]
-    if EVEN_E:
+    if SPLIT > 0:
+        x = _summed_logits(x_ptr, sx_b, rl, rok, c2, E, N, float("-inf"), SPLIT, sp_s, pb_ptr, HAS_PB, y_ptr, sy_b,
+                           BT)
+    elif EVEN_E:
         x = tl.load(x_ptr + rl * sx_b + c2).to(tl.float32)
     else:
         # padded columns: -inf, so exp gives them probability 0 exactly
@@ -127,15 +156,22 @@ def _sigmoid_grouped_kernel(
     x_ptr, sx_b, bias_ptr, w_ptr, id_ptr, B, E, GS, scaling, dropped,
     K: tl.constexpr, NG: tl.constexpr, TOPKG: tl.constexpr, TWO: tl.constexpr, RENORM: tl.constexpr,
     ROWS: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, BK: tl.constexpr,
+    N=0, SPLIT: tl.constexpr = 0, sp_s=0, pb_ptr=None, HAS_PB: tl.constexpr = False, y_ptr=None, sy_b=0,
+    BT: tl.constexpr = 0,
 ):
+    """SPLIT > 0: x holds a linear's split-K partials [SPLIT, B, N], summed here (:func:`_summed_logits`)."""
     grid_dependency()
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     rm = r < B
     c = tl.arange(0, BE)
     cm = c < E
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx_b + c[None, :], mask=rm[:, None] & cm[None, :],
-                other=0.0).to(tl.float32)
+    if SPLIT > 0:
+        x = _summed_logits(x_ptr, sx_b, tl.where(rm, r, -1).to(tl.int64)[:, None], rm, c[None, :], E, N, 0.0,
+                           SPLIT, sp_s, pb_ptr, HAS_PB, y_ptr, sy_b, BT)
+    else:
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * sx_b + c[None, :], mask=rm[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
     s = sigmoid(x)
     bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
     biased = s + bias[None, :]
@@ -206,13 +242,17 @@ def router_softmax_topk(
     Returns (weights fp32 [B, top_k], ids int32 [B, top_k]) (``out`` if given).
     """
     logits, B, E, w, ids = _check_logits_and_out(logits, top_k, out)
+    return _softmax(logits, logits.stride(0), B, E, top_k, renormalize, w, ids, {})
+
+
+def _softmax(x, sx_b, B, E, top_k, renormalize, w, ids, fused: dict):
     if B == 0:
         return w, ids
     ROWS = ROUTER_CONFIGS(E).rows
     _softmax_topk_kernel[(triton.cdiv(B, ROWS),)](
-        logits, logits.stride(0), w, ids, B, E,
+        x, sx_b, w, ids, B, E,
         K=top_k, RENORM=bool(renormalize), ROWS=ROWS, BE=triton.next_power_of_2(E),
-        BK=triton.next_power_of_2(top_k), EVEN_E=triton.next_power_of_2(E) == E, **LAUNCH,
+        BK=triton.next_power_of_2(top_k), EVEN_E=triton.next_power_of_2(E) == E and not fused, **fused, **LAUNCH,
     )
     return w, ids
 
@@ -239,6 +279,12 @@ def router_sigmoid_grouped(
     × ``scaling``. Returns (weights fp32 [B, top_k], ids int32 [B, top_k]) (``out`` if given).
     """
     logits, B, E, w, ids = _check_logits_and_out(logits, top_k, out)
+    return _sigmoid_grouped(logits, logits.stride(0), B, E, correction_bias, top_k, n_group, topk_group, renormalize,
+                            scaling, dropped, w, ids, {})
+
+
+def _sigmoid_grouped(x, sx_b, B, E, correction_bias, top_k, n_group, topk_group, renormalize, scaling, dropped, w,
+                     ids, fused: dict):
     if E % n_group != 0:
         raise ValueError(f"E={E} is not a multiple of n_group={n_group}")
     if not 1 <= topk_group <= n_group:
@@ -249,13 +295,47 @@ def router_sigmoid_grouped(
         return w, ids
     ROWS = ROUTER_CONFIGS(E).rows
     _sigmoid_grouped_kernel[(triton.cdiv(B, ROWS),)](
-        logits, logits.stride(0), correction_bias.contiguous(), w, ids, B, E, E // n_group,
+        x, sx_b, correction_bias.contiguous(), w, ids, B, E, E // n_group,
         float(scaling), float(dropped),
         K=top_k, NG=n_group, TOPKG=topk_group, TWO=E // n_group >= 2, RENORM=bool(renormalize),
         ROWS=ROWS, BE=triton.next_power_of_2(E), BG=triton.next_power_of_2(n_group),
-        BK=triton.next_power_of_2(top_k), **LAUNCH,
+        BK=triton.next_power_of_2(top_k), **fused, **LAUNCH,
     )
     return w, ids
+
+
+def route_partials(parts: SplitPartials, num_experts: int, kind: str, top_k: int, renormalize: bool, *,
+                   correction_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                   scaling: float = 1.0, dropped: float = DROPPED_SCORE,
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router ``kind`` ("softmax": :func:`router_softmax_topk`; "sigmoid_grouped":
+    :func:`router_sigmoid_grouped`, with ``correction_bias`` and the group arguments) on the first
+    ``num_experts`` columns of a router linear's split-K partials, which the router kernel adds itself in
+    the linear's order (one launch instead of two, the same bits). ``parts``: S > 1 splits of fp32 [B, N],
+    N >= num_experts (columns past the experts, e.g. Qwen3-Next's shared-expert gate, are summed and stored
+    only). Returns (weights fp32 [B, k], ids int32 [B, k], logits fp32 [B, N]: the finished sums)."""
+    S, B, N = parts.part.shape
+    E = num_experts
+    if parts.part.dtype != torch.float32 or parts.part.stride(-1) != 1 or S < 2 or not 1 <= E <= N:
+        raise ValueError(f"route_partials: fp32 partials [S >= 2, B, N >= num_experts={E}] with unit column stride "
+                         f"expected, got {parts.part.dtype} {list(parts.part.shape)}")
+    logits = torch.empty((B, N), dtype=torch.float32, device=parts.part.device)
+    _, _, _, w, ids = _check_logits_and_out(logits[:, :E], top_k, None)
+    pb = parts.bias
+    fused = dict(N=N, SPLIT=S, sp_s=parts.part.stride(0), pb_ptr=parts.part if pb is None else pb,
+                 HAS_PB=pb is not None, y_ptr=logits, sy_b=logits.stride(0),
+                 BT=triton.next_power_of_2(N - E) if N > E else 0)
+    x, sx_b = parts.part, parts.part.stride(1)
+    if kind == "softmax":
+        w, ids = _softmax(x, sx_b, B, E, top_k, renormalize, w, ids, fused)
+    elif kind == "sigmoid_grouped":
+        if correction_bias is None:
+            raise ValueError("route_partials: the sigmoid_grouped router needs its correction_bias")
+        w, ids = _sigmoid_grouped(x, sx_b, B, E, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                                  dropped, w, ids, fused)
+    else:
+        raise ValueError(f"unknown router kind {kind!r}: 'softmax' or 'sigmoid_grouped'")
+    return w, ids, logits
 
 
 # ----------------------------------------------------------------------------- references

@@ -161,19 +161,15 @@ class RouterConfig:
 
 def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
     """Routed experts (combined per token in top-k rank order) + shared experts. x fp32 [R, D]."""
-    logits = fused_linear(x, w.router)
     e = rc.num_experts
-    # A view, never .contiguous(): with one row .contiguous() is a no-op (size-1 dims count as
-    # contiguous) and with many it copies, so the kernel would see other strides/alignment, Triton
-    # would compile another variant and a reduction could change order (seen on an H200).
-    scores = logits[:, :e]
-    if rc.kind == "softmax":
-        weights, ids = ops.router_softmax_topk(scores, rc.top_k, rc.renormalize)
-    elif rc.kind == "sigmoid_grouped":
-        weights, ids = ops.router_sigmoid_grouped(
-            scores, w.correction_bias, rc.top_k, rc.n_group, rc.topk_group, rc.renormalize, rc.scaling)
-    else:
-        raise ValueError(f"unknown router kind {rc.kind!r}")
+    # The router linear and the selection in one op (the linear's split-K sum inside the router kernel);
+    # the selection reads the view logits[:, :e], never a .contiguous() copy: with one row .contiguous() is
+    # a no-op (size-1 dims count as contiguous) and with many it copies, so the kernel would see other
+    # strides/alignment, Triton would compile another variant and a reduction could change order (seen on
+    # an H200).
+    weights, ids, logits = ops.linear_router(x, w.router, e, rc.kind, rc.top_k, rc.renormalize,
+                                             correction_bias=w.correction_bias, n_group=rc.n_group,
+                                             topk_group=rc.topk_group, scaling=rc.scaling)
     if w.expert_range is not None:
         ids = local_expert_ids(ids, *w.expert_range)
     # A fused shared expert is the kernel's extra last rank (weight sigmoid(its router row), or 1).
