@@ -777,12 +777,12 @@ _FEW_BASE = {"fp8": M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True
              "bf16": M.MoEConfig(tile_n=64, tile_k=16, num_warps=4, num_stages=3)}
 
 
-def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16, fmt="fp8"):
+def _few_rows_run(few_cfg, device, check=True, B=6, adt=torch.bfloat16, fmt="fp8"):
     """(B rows in one launch, each row alone) with the decode config of ``fmt`` weights (FP8, or bf16
     with fp32 activations) for B rows and ``few_cfg`` (a ("few", K) entry with max_rows 2) for the lone
     rows (FP8: the gate/up kernel's, bf16: both kernels'). ``check=False`` skips _config's field check (the
     negative control's way past it)."""
-    E, I, D, k = 6, 72, 512, 2
+    E, I, D, k = 6, 72, 256, 2
     if fmt == "fp8":
         wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
     else:
@@ -816,7 +816,7 @@ def _few_rows_run(few_cfg, device, check=True, B=12, adt=torch.bfloat16, fmt="fp
 
 def test_few_rows_entry_keeps_every_rows_bits(device):
     """A launch of <= max_rows rows runs the ("few", K) entry (here 6 pipeline stages instead of 3): each row
-    alone equals that row in a 12-row launch (the decode entry), bitwise, on either backend, with bf16 and
+    alone equals that row in a 6-row launch (the decode entry), bitwise, on either backend, with bf16 and
     fp32 activations."""
     few = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=6, max_rows=2)
     for adt in (torch.bfloat16, torch.float32):
@@ -835,7 +835,7 @@ def test_few_rows_control_a_split_k_is_caught(device):
 
 def test_few_rows_bf16_entry_with_other_tiles_keeps_every_rows_bits(device):
     """16-bit weights: a few-rows entry may take other N tiles, warps and stages (FEW_ROWS_FREE); each lone
-    row equals that row in the 12-row launch of the decode entry, bitwise. (The K tile is free on the GPU
+    row equals that row in the 6-row launch of the decode entry, bitwise. (The K tile is free on the GPU
     only: the interpreter's MMA sums each K tile before adding it, so this entry keeps it.)"""
     few = M.MoEConfig(tile_n=32, tile_k=16, num_warps=2, num_stages=4, max_rows=2)
     full, alone = _few_rows_run(few, device, fmt="bf16")
