@@ -65,7 +65,10 @@ def reference_run(model, prompt: Sequence[int], steps: int, perturb: bool = Fals
 
     with (override("add_rms_norm", nudged) if perturb else contextlib.nullcontext()), recording() as log:
         logits = reference_logits(model, prompt, steps)
-    routes = [torch.sort(c.output[1].long(), dim=1).values.cpu() for c in log if c.name.startswith("router_")]
+    # A routing is one linear_router call, or, while its parts run as two calls (a router or linear override),
+    # the router call inside it; never both.
+    calls = [c for c in log if c.name.startswith("router_")] or [c for c in log if c.name == "linear_router"]
+    routes = [torch.sort(c.output[1].long(), dim=1).values.cpu() for c in calls]
     return logits, routes
 
 
