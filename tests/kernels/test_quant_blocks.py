@@ -158,12 +158,12 @@ def test_fold_route_decodes_blocks_as_fold_weights(qtype):
     terms are gguf-py's (s * q - mn equals its dequantize). Control: those weights are not gguf-py's values
     rounded once to bf16 (the scales' own rounding shows), and fp32 activations keep the exact route."""
     K = 512
-    w = random_blocks((40, K), qtype, seed=3).with_act_dtype(torch.bfloat16)
+    w = random_blocks((24, K), qtype, seed=3).with_act_dtype(torch.bfloat16)   # N tiles of 16: one ragged
     q, s, mn = block_terms(w.blocks(), qtype, K)
     deq = dequantize(w.blocks().cpu(), qtype, K)
     assert torch.equal((q * s - mn).float().cpu(), deq)
     cfg = QLinearConfig(block_n=16, split=2, group=4 if qtype == "Q8_0" else 1, fold=True)
-    y = linear(torch.eye(K, device=DEV), w, config=cfg, out=poisoned((K, 40), device=DEV))
+    y = linear(torch.eye(K, device=DEV), w, config=cfg, out=poisoned((K, 24), device=DEV))
     folded = fold_weights(w)
     assert folded.dtype == torch.bfloat16 and torch.equal(y.t().cpu(), folded.float().cpu())
     assert not torch.equal(folded.float().cpu(), deq.to(torch.bfloat16).float())
