@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ds4t.kernels import registry
 from ds4t.kernels.rope import rope_ref
+from ds4t.kernels.linear_router import ROUTER_OPS, router_args
 from ds4t.kernels.router import DROPPED_SCORE
 
 PRICED = ("linear", "linear_heads", "linear_add_rms_norm", "linear_router", "decode_attention", "mla_decode",
@@ -481,11 +482,8 @@ def linear_router(x, weight, num_experts, kind, top_k, renormalize, *, bias=None
                   topk_group=1, scaling=1.0):
     """:func:`linear` (cuBLAS) then the router twin: two calls, as the op is when not fused."""
     logits = linear(x, weight, bias)
-    scores = logits[:, :num_experts]
-    if kind == "softmax":
-        w, ids = router_softmax_topk(scores, top_k, renormalize)
-    else:
-        w, ids = router_sigmoid_grouped(scores, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+    args = router_args(kind, top_k, renormalize, correction_bias, n_group, topk_group, scaling)
+    w, ids = TWIN[ROUTER_OPS[kind]](logits[:, :num_experts], *args)
     return w, ids, logits
 
 

@@ -29,13 +29,16 @@ from ds4t.kernels import router as _router
 from ds4t.kernels.registry import CheckResult, op, ops, register_check, register_op, rows_invariant
 from ds4t.kernels.weights import Weight
 
-__all__ = ["linear_router", "linear_router_ref"]
+__all__ = ["linear_router", "linear_router_ref", "router_args", "ROUTER_OPS"]
 
 ROUTER_OPS = {"softmax": "router_softmax_topk", "sigmoid_grouped": "router_sigmoid_grouped"}
 """Router kind -> the router op it runs."""
 
 
-def _router_args(kind, num_experts, top_k, renormalize, correction_bias, n_group, topk_group, scaling):
+def router_args(kind: str, top_k: int, renormalize: bool, correction_bias: Optional[torch.Tensor] = None,
+                n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> tuple:
+    """The arguments after the logits of router ``kind``'s op (:data:`ROUTER_OPS`), so that every two-call form
+    (this op under an override, its reference, the benchmark twin, the tests) calls the router one way."""
     if kind not in ROUTER_OPS:
         raise ValueError(f"unknown router kind {kind!r}: one of {sorted(ROUTER_OPS)}")
     if kind == "softmax":
@@ -54,7 +57,7 @@ def linear_router(x: torch.Tensor, weight: Weight, num_experts: int, kind: str, 
     :func:`ds4t.kernels.router.router_sigmoid_grouped` with correction_bias, top_k, n_group, topk_group,
     renormalize, scaling), the linear's split-K partials added inside the router kernel (same bits, one
     launch fewer). Shapes in the module docstring."""
-    args = _router_args(kind, num_experts, top_k, renormalize, correction_bias, n_group, topk_group, scaling)
+    args = router_args(kind, top_k, renormalize, correction_bias, n_group, topk_group, scaling)
     router_op = ROUTER_OPS[kind]
     if op("linear").overridden or op(router_op).overridden:
         logits = ops.linear(x, weight, bias)
@@ -72,7 +75,7 @@ def linear_router(x: torch.Tensor, weight: Weight, num_experts: int, kind: str, 
 def linear_router_ref(x, weight, num_experts, kind, top_k, renormalize, *, bias=None, correction_bias=None,
                       n_group=1, topk_group=1, scaling=1.0):
     """Plain-torch :func:`linear_router`: the references composed."""
-    args = _router_args(kind, num_experts, top_k, renormalize, correction_bias, n_group, topk_group, scaling)
+    args = router_args(kind, top_k, renormalize, correction_bias, n_group, topk_group, scaling)
     logits = _linear.linear_ref(x, weight, bias)
     ref = getattr(_router, ROUTER_OPS[kind] + "_ref")
     w, ids = ref(logits[:, :num_experts], *args)

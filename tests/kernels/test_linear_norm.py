@@ -2,12 +2,8 @@
 (the split-K partials added inside the norm kernel), rows stay invariant, overrides of its parts still run."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import triton
-import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,9 +14,10 @@ from ds4t.kernels import norm as NM
 from ds4t.kernels import qlinear as QL
 from ds4t.kernels.linear_norm import linear_add_rms_norm, linear_add_rms_norm_ref
 from ds4t.kernels.quant_blocks import quantize as gguf_quantize
-from ds4t.kernels.registry import ops, override, recording
+from ds4t.kernels.registry import ops, override
 from ds4t.kernels.weights import quantize as fp8_quantize
 from tests.kernels.invariance import assert_rows_invariant
+from tests.kernels.split_parts import decode_step, split_linears, split_sum_reversed
 
 EPS = 1e-6
 
@@ -35,14 +32,6 @@ def _data(B, K, N, wdt, device, seed=0):
     return x, w, b, r, nw
 
 
-@contextlib.contextmanager
-def _split(split: int, block_k: int = 32):
-    """Every linear launch split ``split`` ways (the GPU's decode shapes split; the interpreter's rule never does)."""
-    cfg = L.LinearConfig(block_n=32, block_k=block_k, split=split, num_warps=4, num_stages=1, swap=True)
-    with L.LINEAR_CONFIGS.forced(lambda *key: cfg):
-        yield
-
-
 def _two_ops(x, w, r, nw, bias=None, **kw):
     return NM.add_rms_norm(L.linear(x, w, bias), r, nw, EPS, **kw)
 
@@ -53,7 +42,7 @@ def _two_ops(x, w, r, nw, bias=None, **kw):
 def test_same_bits_as_linear_then_add_rms_norm(device, split, with_bias, wdt):
     x, w, b, r, nw = _data(5, 256, 96, wdt, device)
     bias = b if with_bias else None
-    with _split(split):
+    with split_linears(split):
         assert L.linear_parts(x, w, bias).splits == split
         want = _two_ops(x, w, r, nw, bias)
         got = linear_add_rms_norm(x, w, r, nw, EPS, bias=bias)
@@ -71,7 +60,7 @@ def test_same_bits_with_narrow_store_zero_centered_and_chunked_rows(device, out_
     # is ragged (masked loads of the partials and the bias).
     x, w, b, r, nw = _data(4, 128, 300, torch.bfloat16, device, seed=1)
     chunks = NM.NORM_CONFIGS.forced(lambda D: NM._norm_config(D, rows=1, max_block_d=128))
-    with _split(2), chunks:
+    with split_linears(2), chunks:
         want = _two_ops(x, w, r, nw, b, zero_centered=zero_centered, out_dtype=out_dtype)
         got = linear_add_rms_norm(x, w, r, nw, EPS, bias=b, zero_centered=zero_centered, out_dtype=out_dtype)
     assert got[0].dtype == out_dtype
@@ -82,7 +71,7 @@ def test_same_bits_with_narrow_store_zero_centered_and_chunked_rows(device, out_
 def test_fp8_and_gguf_weights(device):
     x, w, b, r, nw = _data(3, 256, 64, torch.float32, device, seed=2)
     fp8 = fp8_quantize(w, (128, 128))
-    with _split(2, block_k=64):
+    with split_linears(2, block_k=64):
         assert L.linear_parts(x, fp8).splits == 2
         for g, wt in zip(linear_add_rms_norm(x, fp8, r, nw, EPS, bias=b), _two_ops(x, fp8, r, nw, b)):
             assert torch.equal(g, wt)
@@ -94,23 +83,14 @@ def test_fp8_and_gguf_weights(device):
             assert torch.equal(g, wt)
 
 
-@triton.jit
-def _split_sum_reversed(ptrs, mask, stride, SPLIT: tl.constexpr, CG: tl.constexpr = False):
-    """The partials added last to first: a consumer that sums them in another order than the linear."""
-    acc = tl.load(ptrs + (SPLIT - 1) * stride, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + (SPLIT - 1 - s) * stride, mask=mask, other=0.0)
-    return acc
-
-
 @pytest.mark.skipif(not INTERPRET, reason="swaps a jit helper, which a compiled kernel has inlined already")
 def test_negative_control_another_summation_order_is_caught(device, monkeypatch):
     # The bitwise test above can fail: the norm kernel adding the same partials last-to-first gives other bits.
     x, w, b, r, nw = _data(6, 512, 64, torch.float32, device, seed=3)
     x = x * torch.logspace(0, 3, 512)          # partials of very different sizes: the order shows
-    with _split(4):
+    with split_linears(4):
         want = _two_ops(x, w, r, nw, b)
-        monkeypatch.setattr(NM, "split_sum", _split_sum_reversed)
+        monkeypatch.setattr(NM, "split_sum", split_sum_reversed)
         got = linear_add_rms_norm(x, w, r, nw, EPS, bias=b)
     assert not torch.equal(got[1], want[1])
     torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-4)   # the same sums up to rounding
@@ -127,7 +107,7 @@ def test_rows_invariant(device, batch, i):
         y, s = linear_add_rms_norm(x[idx], w, r[idx], nw, EPS, bias=b)
         return torch.cat([y, s], 1)
 
-    with _split(3):
+    with split_linears(3):
         assert_rows_invariant(run, batch, i)
 
 
@@ -159,21 +139,13 @@ def test_a_decode_step_has_the_bits_of_the_unfused_ops(device, preset):
     # The decoder hands each mixer's / dense MLP's last projection to linear_add_rms_norm; the same step with
     # the op run as its two parts (linear, then add_rms_norm) gives the same logits, split K or not.
     model = ds4t.load(preset, device=device)
-    toks = [3, 1, 4, 1, 5, 9, 2, 6]
-
-    def step():
-        with recording() as calls:
-            s = model.new_session(max_ctx=32)
-            s.prefill(toks[:5])
-            out = ds4t.eval_batch([ds4t.DecodeItem(s, toks[5])], mode="native").logits.clone()
-        return out, sum(c.name == "linear_add_rms_norm" for c in calls)
 
     def unfused(x, weight, residual, norm_weight, eps, *, bias=None, **kw):
         return ops.add_rms_norm(ops.linear(x, weight, bias), residual, norm_weight, eps, **kw)
 
-    with _split(2):
-        fused, n = step()
+    with split_linears(2):
+        fused, n = decode_step(model, "linear_add_rms_norm")
         with override("linear_add_rms_norm", unfused):
-            parts, _ = step()
+            parts, _ = decode_step(model, "linear_add_rms_norm")
     assert n >= 2 * model.num_layers - 1
     assert torch.equal(fused, parts)

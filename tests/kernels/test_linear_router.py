@@ -3,12 +3,8 @@ split-K partials added inside the router kernel, the finished logits stored for 
 stay invariant, overrides of its parts still run."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import triton
-import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +13,12 @@ from ds4t.backend import INTERPRET
 from ds4t.kernels import linear as L
 from ds4t.kernels import qlinear as QL
 from ds4t.kernels import router as RT
-from ds4t.kernels.linear_router import linear_router, linear_router_ref
+from ds4t.kernels.linear_router import ROUTER_OPS, linear_router, linear_router_ref, router_args
 from ds4t.kernels.quant_blocks import quantize as gguf_quantize
-from ds4t.kernels.registry import ops, override, recording
+from ds4t.kernels.registry import ops, override
 from ds4t.kernels.weights import quantize as fp8_quantize
 from tests.kernels.invariance import assert_rows_invariant
+from tests.kernels.split_parts import decode_step, split_linears, split_sum_reversed
 
 # (kind, router keywords): Qwen3-Next's softmax router with its shared-expert gate row (N = E + 1), and
 # DeepSeek-V3 / GLM-4.5's grouped sigmoid router (N = E)
@@ -38,25 +35,14 @@ def _data(B, K, E, extra, wdt, device, seed=0):
     return x, w, b, cb
 
 
-@contextlib.contextmanager
-def _split(split: int, block_k: int = 32):
-    """Every linear launch split ``split`` ways (the GPU's router weights split; the interpreter's rule never does)."""
-    cfg = L.LinearConfig(block_n=32, block_k=block_k, split=split, num_warps=4, num_stages=1, swap=True)
-    with L.LINEAR_CONFIGS.forced(lambda *key: cfg):
-        yield
-
-
 def _kw(kind, kw, cb):
     return dict(kw, correction_bias=cb) if kind == "sigmoid_grouped" else dict(kw)
 
 
 def _two_ops(x, w, E, kind, kw, cb, bias=None):
-    logits = L.linear(x, w, bias)
-    if kind == "softmax":
-        wt, ids = RT.router_softmax_topk(logits[:, :E], kw["top_k"], kw["renormalize"])
-    else:
-        wt, ids = RT.router_sigmoid_grouped(logits[:, :E], cb, kw["top_k"], kw["n_group"], kw["topk_group"],
-                                            kw["renormalize"], kw["scaling"])
+    """linear, then the router op on its first E columns: two registry calls (the ds4t kernels unless overridden)."""
+    logits = ops.linear(x, w, bias)
+    wt, ids = getattr(ops, ROUTER_OPS[kind])(logits[:, :E], *router_args(kind, **_kw(kind, kw, cb)))
     return wt, ids, logits
 
 
@@ -74,7 +60,7 @@ def test_same_bits_as_linear_then_router(device, split, with_bias, router):
     E = 16
     x, w, b, cb = _data(5, 256, E, extra, torch.float32, device)
     bias = b if with_bias else None
-    with _split(split):
+    with split_linears(split):
         assert L.linear_parts(x, w, bias).splits == split
         want = _two_ops(x, w, E, kind, kw, cb, bias)
         got = linear_router(x, w, E, kind, bias=bias, **_kw(kind, kw, cb))
@@ -90,7 +76,7 @@ def test_many_columns_past_the_experts_and_16_bit_weights(device):
     # lanes, 7 masked), bf16 weights, rows of a 16-row interpreter program past B
     x, w, b, cb = _data(3, 192, 40, 9, torch.bfloat16, device, seed=1)
     kind, kw, _ = SOFTMAX
-    with _split(3):
+    with split_linears(3):
         _equal(linear_router(x, w, 40, kind, bias=b, **kw), _two_ops(x, w, 40, kind, kw, cb, b))
 
 
@@ -98,7 +84,7 @@ def test_fp8_and_gguf_weights(device):
     x, w, b, cb = _data(3, 256, 32, 1, torch.float32, device, seed=2)
     kind, kw, _ = SOFTMAX
     fp8 = fp8_quantize(w, (128, 128))
-    with _split(2, block_k=64):
+    with split_linears(2, block_k=64):
         assert L.linear_parts(x, fp8).splits == 2
         _equal(linear_router(x, fp8, 32, kind, bias=b, **kw), _two_ops(x, fp8, 32, kind, kw, cb, b))
     q8 = gguf_quantize(w.cpu(), "Q8_0").to(device)
@@ -108,24 +94,15 @@ def test_fp8_and_gguf_weights(device):
         _equal(linear_router(x, q8, 32, kind, **kw), _two_ops(x, q8, 32, kind, kw, cb))
 
 
-@triton.jit
-def _split_sum_reversed(ptrs, mask, stride, SPLIT: tl.constexpr, CG: tl.constexpr = False):
-    """The partials added last to first: a consumer that sums them in another order than the linear."""
-    acc = tl.load(ptrs + (SPLIT - 1) * stride, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ptrs + (SPLIT - 1 - s) * stride, mask=mask, other=0.0)
-    return acc
-
-
 @pytest.mark.skipif(not INTERPRET, reason="swaps a jit helper, which a compiled kernel has inlined already")
 def test_negative_control_another_summation_order_is_caught(device, monkeypatch):
     # The bitwise test above can fail: the router kernel adding the same partials last-to-first gives other bits.
     x, w, b, cb = _data(6, 512, 16, 1, torch.float32, device, seed=3)
     x = x * torch.logspace(0, 3, 512)          # partials of very different sizes: the order shows
     kind, kw, _ = SOFTMAX
-    with _split(4):
+    with split_linears(4):
         want = _two_ops(x, w, 16, kind, kw, cb, b)
-        monkeypatch.setattr(RT, "split_sum", _split_sum_reversed)
+        monkeypatch.setattr(RT, "split_sum", split_sum_reversed)
         got = linear_router(x, w, 16, kind, bias=b, **kw)
     assert not torch.equal(got[2], want[2])
     torch.testing.assert_close(got[2], want[2], atol=1e-3, rtol=1e-4)   # the same sums up to rounding
@@ -144,7 +121,7 @@ def test_rows_invariant(device, batch, i, grouped):
         wt, ids, logits = linear_router(x[idx], w, 16, kind, bias=b, **_kw(kind, kw, cb))
         return torch.cat([wt, ids.float(), logits], 1)
 
-    with _split(3):
+    with split_linears(3):
         assert_rows_invariant(run, batch, i)
 
 
@@ -157,7 +134,7 @@ def test_overridden_parts_still_run(device):
         seen.append(tuple(logits.shape))
         return RT.router_softmax_topk_ref(logits, top_k, renormalize)
 
-    with _split(2):
+    with split_linears(2):
         with override("router_softmax_topk", my_router):
             got = ops.linear_router(x, w, 8, "softmax", 2, True)
         want = RT.router_softmax_topk_ref(L.linear(x, w)[:, :8], 2, True)
@@ -171,7 +148,7 @@ def test_bad_arguments(device):
         linear_router(x, w, 8, "argmax", 2, True)
     with pytest.raises(ValueError, match="correction_bias"):
         linear_router(x, w, 8, "sigmoid_grouped", 2, True, n_group=2, topk_group=1)
-    with _split(2), pytest.raises(ValueError, match="fp32 partials"):
+    with split_linears(2), pytest.raises(ValueError, match="fp32 partials"):
         linear_router(x, w, 9, "softmax", 2, True)           # more experts than logit columns
 
 
@@ -180,28 +157,14 @@ def test_a_decode_step_has_the_bits_of_the_unfused_ops(device, preset):
     # Every MoE layer routes through linear_router; the same step with the op run as its two parts gives the
     # same logits, split K or not (tiny-qwen: the shared-expert gate is read from the stored logits).
     model = ds4t.load(preset, device=device)
-    toks = [3, 1, 4, 1, 5, 9, 2, 6]
 
-    def step():
-        with recording() as calls:
-            s = model.new_session(max_ctx=32)
-            s.prefill(toks[:5])
-            out = ds4t.eval_batch([ds4t.DecodeItem(s, toks[5])], mode="native").logits.clone()
-        return out, sum(c.name == "linear_router" for c in calls)
+    def unfused(x, weight, num_experts, kind, top_k, renormalize, *, bias=None, correction_bias=None, **groups):
+        return _two_ops(x, weight, num_experts, kind, dict(groups, top_k=top_k, renormalize=renormalize),
+                        correction_bias, bias)
 
-    def unfused(x, weight, num_experts, kind, top_k, renormalize, *, bias=None, correction_bias=None, n_group=1,
-                topk_group=1, scaling=1.0):
-        logits = ops.linear(x, weight, bias)
-        if kind == "softmax":
-            wt, ids = ops.router_softmax_topk(logits[:, :num_experts], top_k, renormalize)
-        else:
-            wt, ids = ops.router_sigmoid_grouped(logits[:, :num_experts], correction_bias, top_k, n_group,
-                                                 topk_group, renormalize, scaling)
-        return wt, ids, logits
-
-    with _split(2):
-        fused, n = step()
+    with split_linears(2):
+        fused, n = decode_step(model, "linear_router")
         with override("linear_router", unfused):
-            parts, _ = step()
+            parts, _ = decode_step(model, "linear_router")
     assert n >= 1
     assert torch.equal(fused, parts)
