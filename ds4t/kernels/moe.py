@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,7 @@ from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
 from ds4t.kernels.quant_blocks import GGUFWeight
+from ds4t.kernels.tensors import MoEPartials, float_out
 from ds4t.kernels.weights import FP8Weight, activation_dtype, as_float, quantize
 
 BLOCK_M = 16  # pairs per tile: fixed (GPU dots need M >= 16)
@@ -544,26 +545,38 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def combine_rows(y_ptr, sy_p, r64, rm, cc, m, w_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED,
+                 KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr, sy_s):
+    """fp32 [ROWS, BD]: rows r64 [ROWS] (mask rm) combined over their KT ranks in order,
+    ``0 + w[r, 0] * y[r KT + 0, cc] + w[r, 1] * y[r KT + 1, cc] + ...``, cc [1, BD] the columns, m [ROWS, BD]
+    (or broadcastable) the element mask. A skipped pair (expert -1) adds 0 and its y row, never written, is not
+    read. SPLIT > 1: y[p] = y_0 + y_1 + ..., the down kernel's split partials (stride sy_s) in split order.
+    The one definition of the combine: ``_moe_combine_kernel`` and the norm that takes the combine in
+    (:func:`ds4t.kernels.norm._load_x`) both call it, so the two give the same bits."""
+    acc = tl.zeros([r64.shape[0], cc.shape[1]], dtype=tl.float32)
+    for j in tl.static_range(KT):
+        wj = _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, r64, j, rm, KTOP, GATED)
+        ok = _pair_expert(ids_ptr, si_b, r64, j, rm, KTOP, SHARED) >= 0
+        yj = split_sum(y_ptr + (r64 * KT + j)[:, None] * sy_p + cc, m & ok[:, None], sy_s, SPLIT)
+        acc = acc + tl.where(ok, wj, 0.0)[:, None] * yj
+    return acc
+
+
+@triton.jit
 def _moe_combine_kernel(
     y_ptr, sy_p, w_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED, out_ptr, so_b, B, D,
     KTOP: tl.constexpr, KT: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
     SPLIT: tl.constexpr = 1, sy_s=0,
 ):
-    """out[b] = sum over ranks j in order of w[b, j] * y[b, j]; a skipped pair (expert -1) adds 0 and its
-    y row, never written, is not read. SPLIT > 1: y[b, j] = y_0 + y_1 + ... , the down kernel's split
-    partials (stride sy_s) added in split order."""
+    """out[b] = sum over ranks j in order of w[b, j] * y[b, j] (:func:`combine_rows`)."""
     grid_dependency()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
     rm = r < B
     m2 = rm[:, None] & (n < D)[None, :]
     r64 = r.to(tl.int64)
-    acc = tl.zeros([ROWS, BD], dtype=tl.float32)
-    for j in tl.static_range(KT):
-        wj = _pair_weight(w_ptr, sw_b, gate_ptr, sg_b, r64, j, rm, KTOP, GATED)
-        ok = _pair_expert(ids_ptr, si_b, r64, j, rm, KTOP, SHARED) >= 0
-        yj = split_sum(y_ptr + (r64 * KT + j)[:, None] * sy_p + n[None, :], m2 & ok[:, None], sy_s, SPLIT)
-        acc = acc + tl.where(ok, wj, 0.0)[:, None] * yj
+    acc = combine_rows(y_ptr, sy_p, r64, rm, n[None, :], m2, w_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED,
+                       KTOP, KT, GATED, SPLIT, sy_s)
     tl.store(out_ptr + r64[:, None] * so_b + n[None, :], acc, mask=m2)
 
 
@@ -829,6 +842,20 @@ def moe_experts(
     A as for FP8, products per sub-block as :func:`ds4t.kernels.qlinear.qdot` defines them
     (:mod:`ds4t.kernels.qmoe`; every variant runs the grouped kernels).
     """
+    r = moe_partials(h, ids, weights, w_gate, w_up, w_down, shared_expert=shared_expert, shared_gate=shared_gate,
+                     out=out, act_dtype=act_dtype)
+    return r if isinstance(r, torch.Tensor) else combine(r, out)
+
+
+def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate, w_up, w_down, *,
+                 shared_expert: Optional[int] = None, shared_gate: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None, act_dtype: Optional[torch.dtype] = None
+                 ) -> Union[torch.Tensor, MoEPartials]:
+    """:func:`moe_experts` up to its last kernel: the per-pair outputs and what the combine reads
+    (:class:`~ds4t.kernels.tensors.MoEPartials`), for a consumer that combines the rows itself
+    (:func:`combine` launches the combine kernel on them). Arguments as :func:`moe_experts`;
+    where no pair outputs are left to combine (B = 0, or the interpreter's rows path, which combines as it
+    goes) the finished fp32 [B, D] result (``out`` if given)."""
     E, I, D = _check_args(h, ids, weights, w_gate, w_up, w_down, shared_expert, shared_gate)
     fp8 = isinstance(w_gate, FP8Weight)
     adt = activation_dtype("moe_experts", h, w_gate, act_dtype)
@@ -838,10 +865,8 @@ def moe_experts(
     GATED = shared_gate is not None
     gate = shared_gate if GATED else weights   # any valid pointer when not gated (never read)
     dev = h.device
-    if out is None:
-        out = torch.empty((B, D), dtype=torch.float32, device=dev)
     if B == 0:
-        return out
+        return float_out(out, (B, D), dev)
     if h.stride(1) != 1:
         h = h.contiguous()
     ids = ids if ids.stride(1) == 1 or k <= 1 else ids.contiguous()
@@ -855,14 +880,14 @@ def moe_experts(
             w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
     elif w_gate.stride() != w_up.stride():
         w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
-    sg = gate.stride(0)
     path = variant("moe_experts")
     if path == INTERP and not gguf:
         # imported here: the twin uses this module's jit helpers (_pair_expert, _pair_weight)
         from ds4t.kernels.interp import moe_rows
 
-        if moe_rows.launch(h, ids, weights, gate, w_gate, w_up, w_down, SHARED, GATED, out, adt):
-            return out
+        res = float_out(out, (B, D), dev)
+        if moe_rows.launch(h, ids, weights, gate, w_gate, w_up, w_down, SHARED, GATED, res, adt):
+            return res
     P = B * KT
     # silu(g)·u is rounded to A before the down product: with a 16-bit A the gate/up kernel stores it
     # rounded (half the bytes the down kernel reads once per D tile; same bits).
@@ -910,7 +935,7 @@ def moe_experts(
         from ds4t.kernels import qmoe
 
         qmoe.launch(h, order, bounds, experts, n_slots, device_list, w_gate, w_up, w_down, act, y, KT, adt, slots)
-        return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
+        return MoEPartials(y, weights, ids, gate, SHARED, GATED)
     BE = triton.next_power_of_2(E)
     # 2. gate/up + activation
     cfg = gu_cfg
@@ -962,19 +987,22 @@ def moe_experts(
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, SWAP=cfg.swap, **(dict(sg_args, KT=KT) if sg_args else {}), **kw,
         **LAUNCH,
     )
-    return _combine(y, weights, gate, sg, ids, SHARED, out, B, D, k, KT, GATED)
+    return MoEPartials(y, weights, ids, gate, SHARED, GATED)
 
 
-def _combine(y, weights, gate, sg, ids, SHARED, out, B: int, D: int, k: int, KT: int, GATED: bool) -> torch.Tensor:
-    """4. the rank-ordered combine of the per-pair outputs y [B * KT, D] (or the down kernel's split
-    partials [S, B * KT, D]) into out [B, D] (MOE_COMBINE_CONFIGS); pairs whose expert id is -1 (another
-    rank's, under tensor parallel) add 0."""
+def combine(parts: MoEPartials, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """4. the rank-ordered combine of :func:`moe_partials`' pair outputs into fp32 [B, D] (``out`` if given;
+    MOE_COMBINE_CONFIGS); pairs whose expert id is -1 (another rank's, under tensor parallel) add 0."""
+    y = parts.y
+    B, D = parts.rows, y.shape[-1]
+    out = float_out(out, (B, D), y.device)
     cfg = MOE_COMBINE_CONFIGS(D)
     ROWS, BD = cfg.rows, cfg.block_d
     split = dict(SPLIT=y.shape[0], sy_s=y.stride(0)) if y.dim() == 3 else {}
+    w, ids, gate = parts.weights, parts.ids, parts.gate
     _moe_combine_kernel[(triton.cdiv(B, ROWS), triton.cdiv(D, BD))](
-        y, y.stride(-2), weights, weights.stride(0), gate, sg, ids, ids.stride(0), SHARED, out, out.stride(0), B, D,
-        KTOP=k, KT=KT, GATED=GATED, ROWS=ROWS, BD=BD, **split, **LAUNCH,
+        y, y.stride(-2), w, w.stride(0), gate, gate.stride(0), ids, ids.stride(0), parts.shared, out, out.stride(0),
+        B, D, KTOP=parts.top_k, KT=parts.ranks, GATED=parts.gated, ROWS=ROWS, BD=BD, **split, **LAUNCH,
     )
     return out
 

@@ -34,7 +34,8 @@ import triton.language as tl
 from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, split_sum, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
-from ds4t.kernels.tensors import SplitPartials, float_out, rows_view
+from ds4t.kernels.moe import combine_rows
+from ds4t.kernels.tensors import MoEPartials, SplitPartials, float_out, rows_view
 
 __all__ = [
     "rms_norm", "add_rms_norm", "gated_rms_norm",
@@ -77,12 +78,20 @@ def rstd_of(sq, D: tl.constexpr, eps):
 
 @triton.jit
 def _load_x(x_row, cc, m, stride_ps, pb_ptr, D: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
-            HAS_PB: tl.constexpr):
+            HAS_PB: tl.constexpr, KT: tl.constexpr = 0, KTOP: tl.constexpr = 0, GATED: tl.constexpr = False,
+            r64=None, sy_p=0, cw_ptr=None, sw_b=0, gate_ptr=None, sg_b=0, ids_ptr=None, si_b=0, SHARED=-1):
     """fp32 chunk ``cc`` [1, BLOCK_D] of the rows (mask ``m``, used when not EVEN): x itself (SPLIT 0), or a
     linear's SPLIT split-K partials at ``x_row + s * stride_ps`` added in split order, then its bias
     (``pb_ptr``) -- the operations and order of :func:`ds4t.kernels.linear._splitk_sum_kernel`, so the bits
-    that kernel would have stored."""
-    if SPLIT > 0:
+    that kernel would have stored. KT > 0: the grouped MoE's pair outputs combined over KT ranks
+    (:func:`ds4t.kernels.moe.combine_rows`, the combine kernel's arithmetic) for the rows r64 [ROWS] (in
+    bounds): x_row the pair outputs' base, ``sy_p`` their row stride, the rest as :func:`_norm_kernel` names
+    them."""
+    if KT > 0:
+        rm = r64 >= 0
+        v = combine_rows(x_row, sy_p, r64, rm, cc, (cc < D) & rm[:, None], cw_ptr, sw_b, gate_ptr, sg_b, ids_ptr,
+                         si_b, SHARED, KTOP, KT, GATED, SPLIT, stride_ps)
+    elif SPLIT > 0:
         if EVEN:
             v = split_sum(x_row + cc, cc < D, stride_ps, SPLIT)
         else:
@@ -106,16 +115,26 @@ def _norm_kernel(
     D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     SPLIT: tl.constexpr = 0, stride_ps=0, pb_ptr=None, HAS_PB: tl.constexpr = False,
+    KT: tl.constexpr = 0, KTOP: tl.constexpr = 0, SHARED=-1, GATED_SHARED: tl.constexpr = False,
+    cw_ptr=None, sw_b=0, gate_ptr=None, sg_b=0, ids_ptr=None, si_b=0,
 ):
     """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate.
     SPLIT > 0: x is a linear's split-K partials [SPLIT, R, D] (split stride ``stride_ps``) plus its bias
-    ``pb_ptr`` (HAS_PB), added here as the linear's sum kernel adds them (:func:`_load_x`)."""
+    ``pb_ptr`` (HAS_PB), added here as the linear's sum kernel adds them (:func:`_load_x`).
+    KT > 0: x is the grouped MoE's pair outputs [R KT, D] (row stride ``stride_x``; SPLIT > 1: the down
+    kernel's partials, split stride ``stride_ps``), combined over the KT ranks of each row with the routing
+    weights ``cw_ptr`` [R, KTOP], expert ids ``ids_ptr`` [R, KTOP], the shared expert ``SHARED`` (-1: none) and
+    its router logit ``gate_ptr`` [R] (GATED_SHARED), as the MoE's combine kernel does (:func:`_load_x`)."""
     grid_dependency()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < R)[:, None]
     # Rows past R read row R-1 (in bounds, so row loads need no mask) and store nothing.
     rows64 = tl.minimum(rows, R - 1).to(tl.int64)[:, None]
     x_row = x_ptr + rows64 * stride_x
+    r1 = None
+    if KT > 0:   # combine_rows addresses the pair rows from the row numbers
+        x_row = x_ptr
+        r1 = tl.minimum(rows, R - 1).to(tl.int64)
     if ADD_RESIDUAL:
         r_row = r_ptr + rows64 * stride_r
         s_row = s_ptr + rows64 * stride_s
@@ -128,13 +147,15 @@ def _norm_kernel(
     for c in tl.static_range(NUM_CHUNKS):
         cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
         if EVEN:
-            v = _load_x(x_row, cc, row_ok, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
+            v = _load_x(x_row, cc, row_ok, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB,
+                        KT, KTOP, GATED_SHARED, r1, stride_x, cw_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED)
             if ADD_RESIDUAL:
                 v += tl.load(r_row + cc).to(tl.float32)
                 tl.store(s_row + cc, v, mask=row_ok)
         else:
             m = row_ok & (cc < D)
-            v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
+            v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB,
+                        KT, KTOP, GATED_SHARED, r1, stride_x, cw_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED)
             if ADD_RESIDUAL:
                 v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
                 tl.store(s_row + cc, v, mask=m)
@@ -151,14 +172,16 @@ def _norm_kernel(
         if EVEN:
             m = row_ok
             if NUM_CHUNKS > 1:
-                v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
+                v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB,
+                            KT, KTOP, GATED_SHARED, r1, stride_x, cw_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED)
                 if ADD_RESIDUAL:
                     v += tl.load(r_row + cc).to(tl.float32)
             w = tl.load(w_ptr + cc).to(tl.float32)
         else:
             m = row_ok & (cc < D)
             if NUM_CHUNKS > 1:
-                v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB)
+                v = _load_x(x_row, cc, m, stride_ps, pb_ptr, D, EVEN, SPLIT, HAS_PB,
+                            KT, KTOP, GATED_SHARED, r1, stride_x, cw_ptr, sw_b, gate_ptr, sg_b, ids_ptr, si_b, SHARED)
                 if ADD_RESIDUAL:
                     v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
@@ -176,9 +199,17 @@ def _norm_kernel(
 
 def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=None, summed=None,
             out_dtype=torch.float32):
-    """``x``: a tensor [R, D], or a linear's :class:`SplitPartials` (added in the kernel)."""
-    parts = None
-    if isinstance(x, SplitPartials):
+    """``x``: a tensor [R, D], a linear's :class:`SplitPartials` (added in the kernel), or the grouped MoE's
+    :class:`MoEPartials` (combined in the kernel)."""
+    parts = moe = None
+    if isinstance(x, MoEPartials):
+        moe, y2 = x, (x.y if x.y.dim() == 2 else x.y[0])
+        if (x.y.dim() not in (2, 3) or x.y.dtype != torch.float32 or y2.stride(1) != 1
+                or y2.shape[0] != x.rows * x.ranks):
+            raise ValueError(f"MoE pair outputs must be fp32 [rows * ranks = {x.rows * x.ranks}, D] (or [S, ..]) "
+                             f"with unit column stride, got {x.y.dtype} {list(x.y.shape)}")
+        x = y2.as_strided((moe.rows, y2.shape[1]), y2.stride())   # [R, D]: the shape checks below; never read so
+    elif isinstance(x, SplitPartials):
         if x.splits == 1 and x.bias is None:
             x = x.part[0]          # the finished product: the plain kernel
         else:
@@ -217,6 +248,11 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
     split = {} if parts is None else dict(
         SPLIT=parts.splits, stride_ps=parts.part.stride(0),
         pb_ptr=parts.bias.contiguous() if parts.bias is not None else x, HAS_PB=parts.bias is not None)
+    if moe is not None:
+        w_, ids_, g_ = moe.weights, moe.ids, moe.gate
+        split = dict(SPLIT=moe.splits, stride_ps=moe.y.stride(0) if moe.splits > 1 else 0,
+                     KT=moe.ranks, KTOP=moe.top_k, SHARED=moe.shared, GATED_SHARED=moe.gated,
+                     cw_ptr=w_, sw_b=w_.stride(0), gate_ptr=g_, sg_b=g_.stride(0), ids_ptr=ids_, si_b=ids_.stride(0))
     _norm_kernel[(triton.cdiv(R, rows),)](
         x, r_arg, z_arg, weight, y, s_arg,
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),

@@ -25,6 +25,43 @@ class SplitPartials:
         return self.part.shape[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEPartials:
+    """The grouped MoE's per-pair outputs before the rank-ordered combine: row b's result is
+    ``0 + w[b, 0] * y[b KT + 0] + w[b, 1] * y[b KT + 1] + ...`` over its KT = k (+ 1 shared) ranks, in fp32,
+    each ``y`` row the down kernel's split partials added in split order when ``y`` is [S, B KT, D]
+    (:func:`ds4t.kernels.moe.combine_rows`, the arithmetic of ``_moe_combine_kernel``). A pair whose expert
+    id is -1 adds 0 and its ``y`` row is never read. A consumer that combines the rows so reads the bits
+    ``moe_experts`` would have stored, one launch sooner (:func:`ds4t.kernels.moe_norm.moe_add_rms_norm`).
+
+    ``y`` fp32 [B KT, D] or [S, B KT, D] (pair rows unit-strided along D); ``weights`` fp32 [B, k];
+    ``ids`` int [B, k]; ``gate`` fp32 [B] (the shared expert's router logit; ``weights`` when ``gated`` is
+    False, never read then); ``shared`` the shared expert's index or -1."""
+    y: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    gate: torch.Tensor
+    shared: int
+    gated: bool
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def ranks(self) -> int:
+        """KT: the routed ranks plus the shared expert's."""
+        return self.top_k + (self.shared >= 0)
+
+    @property
+    def splits(self) -> int:
+        return self.y.shape[0] if self.y.dim() == 3 else 1
+
+
 def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t`` as a 2-D [rows, D] float tensor with unit column stride (a copy only when its column
     stride is not 1); ValueError / TypeError naming ``name`` otherwise."""

@@ -57,9 +57,48 @@ class Projection:
         """The fp32 [R, N] product (:func:`fused_linear`)."""
         return fused_linear(self.x, self.w, self.b)
 
+    def add_rms_norm(self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, **kw):
+        """(normed, summed) of the product added to ``residual``, one op (``linear_add_rms_norm``)."""
+        return ops.linear_add_rms_norm(self.x, self.w, residual, norm_weight, eps, bias=self.b, **kw)
 
-Output = Union[torch.Tensor, Projection]
-"""What a family's ``mixer`` / ``ffn`` returns: fp32 [R, D], or its last projection not yet applied."""
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RoutedExperts:
+    """``moe_experts(h, ids, weights, ...)`` not applied yet: what a MoE block returns when its experts'
+    output is all of it, so that the decoder can hand it to the residual add + norm after it as one op
+    (:func:`ds4t.kernels.moe_norm.moe_add_rms_norm`, the rank-ordered combine inside the norm kernel)."""
+    h: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    w_gate: Weight
+    w_up: Weight
+    w_down: Weight
+    shared_expert: Optional[int] = None
+    shared_gate: Optional[torch.Tensor] = None
+
+    def _args(self):
+        return ((self.h, self.ids, self.weights, self.w_gate, self.w_up, self.w_down),
+                dict(shared_expert=self.shared_expert, shared_gate=self.shared_gate))
+
+    def apply(self) -> torch.Tensor:
+        """The fp32 [R, D] output (``moe_experts``)."""
+        args, kw = self._args()
+        return ops.moe_experts(*args, **kw)
+
+    def add_rms_norm(self, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, **kw):
+        """(normed, summed) of the output added to ``residual``, one op (``moe_add_rms_norm``)."""
+        args, moe_kw = self._args()
+        return ops.moe_add_rms_norm(*args, residual, norm_weight, eps, **moe_kw, **kw)
+
+
+Output = Union[torch.Tensor, Projection, RoutedExperts]
+"""What a family's ``mixer`` / ``ffn`` returns: fp32 [R, D], or its last op not yet applied (a projection, the
+routed experts), which the decoder runs with the residual add + norm after it (``add_rms_norm``)."""
+
+
+def applied(out: Output) -> torch.Tensor:
+    """``out`` as the fp32 tensor it stands for."""
+    return out if isinstance(out, torch.Tensor) else out.apply()
 
 
 def swiglu_projection(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> Projection:
@@ -159,8 +198,10 @@ class RouterConfig:
     scaling: float = 1.0
 
 
-def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
-    """Routed experts (combined per token in top-k rank order) + shared experts. x fp32 [R, D]."""
+def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> Output:
+    """Routed experts (combined per token in top-k rank order) + shared experts. x fp32 [R, D]. Returns the
+    experts unapplied (:class:`RoutedExperts`) when they are the whole output (no shared expert, or one fused
+    into them), else fp32 [R, D]."""
     e = rc.num_experts
     # The router linear and the selection in one op (the linear's split-K sum inside the router kernel);
     # the selection reads the view logits[:, :e], never a .contiguous() copy: with one row .contiguous() is
@@ -173,15 +214,15 @@ def moe_block(x: torch.Tensor, w: MoEWeights, rc: RouterConfig) -> torch.Tensor:
     if w.expert_range is not None:
         ids = local_expert_ids(ids, *w.expert_range)
     # A fused shared expert is the kernel's extra last rank (weight sigmoid(its router row), or 1).
-    out = ops.moe_experts(x, ids, weights, w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index,
-                          shared_gate=logits[:, e] if w.shared_index is not None and w.shared_gated else None)
-    if w.shared_gate_up is not None:
-        shared = swiglu(x, w.shared_gate_up, w.shared_down)
-        if w.shared_gated:
-            gate = logits[:, e:e + 1].expand_as(shared).contiguous()
-            shared = ops.sigmoid_mul(shared, gate)
-        out = ops.add(out, shared)
-    return out
+    out = RoutedExperts(x, ids, weights, w.w_gate, w.w_up, w.w_down, shared_expert=w.shared_index,
+                        shared_gate=logits[:, e] if w.shared_index is not None and w.shared_gated else None)
+    if w.shared_gate_up is None:
+        return out
+    shared = swiglu(x, w.shared_gate_up, w.shared_down)
+    if w.shared_gated:
+        gate = logits[:, e:e + 1].expand_as(shared).contiguous()
+        shared = ops.sigmoid_mul(shared, gate)
+    return ops.add(out.apply(), shared)
 
 
 def local_expert_ids(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

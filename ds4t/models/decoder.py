@@ -3,8 +3,9 @@
 A family supplies ``mixer(i, x, batch)`` (attention / Gated DeltaNet / MLA for layer i) and
 ``ffn(i, x)`` (dense MLP or MoE), its layers' weights (``self.layers``, one
 :class:`~ds4t.models.blocks.Layer` each) and its norm weights; residual adds are fused into the norms. A
-mixer or MLP may return its last projection unapplied (:class:`~ds4t.models.blocks.Projection`): the
-decoder runs it with the norm after it as one op (``linear_add_rms_norm``).
+mixer or FFN may return its last op unapplied (a :class:`~ds4t.models.blocks.Projection`, the MoE's
+:class:`~ds4t.models.blocks.RoutedExperts`): the decoder runs it with the norm after it as one op
+(``linear_add_rms_norm``, ``moe_add_rms_norm``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from ds4t.kernels import ops
 from ds4t.models.base import Model, StepBatch
-from ds4t.models.blocks import Layer, Output, Projection, store_kwargs
+from ds4t.models.blocks import Layer, Output, store_kwargs
 from ds4t.models.checkpoint import CheckpointError
 from ds4t.models.mtp import MTPNames, MTPWeights, mtp_tensors
 
@@ -158,15 +159,15 @@ class DecoderModel(Model):
         return store_kwargs(self.norm_dtype(i, site))
 
     def _add_norm(self, out, res: torch.Tensor, weight: torch.Tensor, **kw) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(normed, summed) of a mixer's or MLP's output added to the residual stream ``res``: ``out`` a tensor,
-        or a :class:`Projection` that goes into ``linear_add_rms_norm`` (its split-K sum inside the norm
-        kernel, the same bits as the linear then the norm). Under tensor parallel the projection is applied
-        and all-reduced first."""
+        """(normed, summed) of a mixer's or FFN's output added to the residual stream ``res``: ``out`` a tensor,
+        or its last op unapplied, which runs with the norm as one op (a :class:`~ds4t.models.blocks.Projection`:
+        the linear's split-K sum inside the norm kernel; :class:`~ds4t.models.blocks.RoutedExperts`: the MoE's
+        combine there), the same bits as the op then the norm. Under tensor parallel it is applied and
+        all-reduced first."""
         zc, tp = self.zero_centered_norms, self.tp
-        if isinstance(out, Projection):
+        if not isinstance(out, torch.Tensor):
             if tp is None:
-                return ops.linear_add_rms_norm(out.x, out.w, res, weight, self.eps, bias=out.b, zero_centered=zc,
-                                               **kw)
+                return out.add_rms_norm(res, weight, self.eps, zero_centered=zc, **kw)
             out = out.apply()
         if tp is not None:
             out = tp.reduce(out)

@@ -49,8 +49,8 @@ from ds4t.kernels import ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, Layer, Output, Projection, SigmoidMoEConfig, ffn, fused_linear, moe_block,
-                                narrow_store, preset_init_plain, store_kwargs, swiglu, yarn_inv_freq,
+from ds4t.models.blocks import (DenseMLP, Layer, Output, Projection, SigmoidMoEConfig, applied, ffn, fused_linear,
+                                moe_block, narrow_store, preset_init_plain, store_kwargs, swiglu, yarn_inv_freq,
                                 yarn_mscale)
 from ds4t.models.checkpoint import ConfigError, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
@@ -333,7 +333,7 @@ class DeepseekModel(DecoderModel):
             return out
         routed = w.routed_only()
         for r in rows:
-            out[r] = moe_block(x[r], routed, self.router_cfg)
+            out[r] = applied(moe_block(x[r], routed, self.router_cfg))
         # Shared experts: one launch over all rows, computed exactly as inside moe_block (the fused
         # extra expert with weight 1 as the last rank, or a SwiGLU of their own), then added last.
         if w.shared_index is not None:
