@@ -48,8 +48,8 @@ from ds4t.kernels.rope import rope_ref
 from ds4t.kernels.linear_router import ROUTER_OPS, router_args
 from ds4t.kernels.router import DROPPED_SCORE
 
-PRICED = ("linear", "linear_heads", "linear_add_rms_norm", "linear_router", "decode_attention", "mla_decode",
-          "moe_experts")
+PRICED = ("linear", "linear_heads", "linear_add_rms_norm", "linear_router", "linear_conv1d_update",
+          "decode_attention", "mla_decode", "moe_experts", "moe_add_rms_norm")
 """The ops whose algorithm batch invariance constrains (tile / split-K / split-KV / expert grouping
 choices fixed regardless of B). The others are row-local: the ds4t kernel is invariant for free."""
 
@@ -335,6 +335,13 @@ def mla_decode(q_latent, q_pe, cache, slots, lengths, scale, *, kv_lora_rank, sp
 # ----------------------------------------------------------------------------------------------
 # recurrent state (Qwen3-Next)
 # ----------------------------------------------------------------------------------------------
+def linear_conv1d_update(x, weight, conv_state, conv_weight, slots, *, bias=None, conv_bias=None, silu=True):
+    """:func:`linear` (cuBLAS) then :func:`conv1d_update` on its first C columns: two calls, as the op is when
+    not fused."""
+    y = linear(x, weight, bias)
+    return conv1d_update(y[:, :conv_weight.shape[0]], conv_state, conv_weight, slots, bias=conv_bias, silu=silu), y
+
+
 def conv1d_update(x, conv_state, weight, slots, *, bias=None, silu=True, out=None):
     """Depthwise causal conv step: [history | x] · w per channel, the history shifted in place."""
     B = x.shape[0]
@@ -440,6 +447,13 @@ def moe_experts(h, ids, weights, w_gate, w_up, w_down, *, shared_expert=None, sh
     return _out((y.view(B, KT, D).float() * wts[:, :, None]).sum(1), out)
 
 
+def moe_add_rms_norm(h, ids, weights, w_gate, w_up, w_down, residual, norm_weight, eps, *, shared_expert=None,
+                     shared_gate=None, zero_centered=False, out_dtype=torch.float32):
+    """:func:`moe_experts` (grouped GEMMs) then :func:`add_rms_norm`: two calls, as the op is when not fused."""
+    y = moe_experts(h, ids, weights, w_gate, w_up, w_down, shared_expert=shared_expert, shared_gate=shared_gate)
+    return add_rms_norm(y, residual, norm_weight, eps, zero_centered=zero_centered, out_dtype=out_dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # routers
 # ----------------------------------------------------------------------------------------------
@@ -494,7 +508,8 @@ TWIN: Dict[str, Callable] = {f.__name__: f for f in (
     linear, linear_heads, linear_add_rms_norm, rms_norm, add_rms_norm, gated_rms_norm,
     silu_mul, sigmoid_mul, add, embedding, rope,
     write_kv, decode_attention, norm_rope_write_kv, write_latent, norm_rope_write_latent, mla_decode,
-    conv1d_update, gdn_decode, moe_experts, router_softmax_topk, router_sigmoid_grouped, linear_router)}
+    conv1d_update, linear_conv1d_update, gdn_decode, moe_experts, moe_add_rms_norm, router_softmax_topk,
+    router_sigmoid_grouped, linear_router)}
 """op name -> its twin (same signature as the ds4t launcher)."""
 
 SETS = {"all": tuple(sorted(TWIN)), "priced": PRICED}

@@ -488,6 +488,16 @@ def split_sum(ptrs, mask, stride, SPLIT: tl.constexpr, CG: tl.constexpr = False)
 
 
 @triton.jit
+def split_sum_bias(ptrs, mask, stride, SPLIT: tl.constexpr, b_ptrs, HAS_BIAS: tl.constexpr):
+    """:func:`split_sum` of a linear's partials, then its bias at ``b_ptrs`` (masked entries 0): the finished
+    output as the linear's split-K sum kernel stores it, for any consumer that finishes it instead."""
+    acc = split_sum(ptrs, mask, stride, SPLIT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def scaled_add(acc, p, s):
     """acc + p * s rounded once (a fused multiply-add): how a block-scaled kernel adds a scale block's
     dot p times its scale s. Written as ``acc + p * s`` the compiler may or may not contract it into an

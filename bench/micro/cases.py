@@ -14,8 +14,8 @@ from typing import Callable, Dict
 import torch
 
 import ds4t  # noqa: F401  (selects the backend before triton is imported)
-from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_norm, linear_router, mla, moe,
-                          norm, rope, router, sampling)
+from ds4t.kernels import (activation, attention, conv, embedding, gdn, linear, linear_conv, linear_norm, linear_router,
+                          mla, moe, moe_norm, norm, rope, router, sampling)
 from ds4t.kernels.weights import quantize
 
 B = 16   # decode rows at the real size (sessions in one step)
@@ -169,6 +169,14 @@ def _conv1d_update(dev, real):
     return lambda: conv.conv1d_update(x, state, w, slots)
 
 
+def _linear_conv1d_update(dev, real):   # Qwen3-Next's GDN in_proj (2048 -> q|k|v|z|b|a, split K) and its conv
+    S, C, w, state = _conv_inputs(dev, real)
+    K, N = (2048, C + 4096 + 64) if real else (96, C + 24)
+    x, wp = _rand(dev, S, K, seed=3), _rand(dev, N, K, scale=K ** -0.5, dtype=_wdt(real), seed=4)
+    slots = torch.arange(S, dtype=torch.int32, device=dev)
+    return lambda: linear_conv.linear_conv1d_update(x, wp, state, w, slots)
+
+
 def _conv1d_prefill(dev, real):
     S, C, w, state = _conv_inputs(dev, real)
     x = _rand(dev, 128 if real else 7, C, seed=2)
@@ -260,6 +268,19 @@ def _moe_experts(dev, real):
     return lambda: moe.moe_experts(h, ids, wts, wg, wu, wd)
 
 
+def _moe_add_rms_norm(dev, real):   # Qwen3-Next's experts (shared one as the last rank) and the norm after them
+    b, E, k, D, I = (B, 512, 10, 2048, 512) if real else (6, 10, 3, 48, 40)
+    g = torch.Generator().manual_seed(0)
+    h, r, nw = _rand(dev, b, D), _rand(dev, b, D, seed=4), 1 + _rand(dev, D, scale=0.1, seed=5)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(b)]).to(dev, torch.int32)
+    wts, gate = torch.rand(b, k, generator=g).to(dev), _rand(dev, b, seed=6)
+    wg, wu = _rand(dev, E, I, D, scale=D ** -0.5, dtype=_wdt(real), seed=1), \
+        _rand(dev, E, I, D, scale=D ** -0.5, dtype=_wdt(real), seed=2)
+    wd = _rand(dev, E, D, I, scale=I ** -0.5, dtype=_wdt(real), seed=3)
+    return lambda: moe_norm.moe_add_rms_norm(h, ids, wts, wg, wu, wd, r, nw, 1e-6, shared_expert=E - 1,
+                                             shared_gate=gate)
+
+
 def _moe_experts_fp8(dev, real):
     """The moe_experts case with FP8 experts (128x128 blocks; bf16 activations at the real size)."""
     b, E, k, D, I = (B, 512, 10, 2048, 512) if real else (6, 10, 3, 48, 40)
@@ -320,11 +341,11 @@ CASES: Dict[str, Callable[[torch.device, bool], Callable[[], object]]] = {
     "add": _binary(activation.add),
     "embedding": _embedding, "rope": _rope,
     "decode_attention": _decode_attention, "write_kv": _write_kv, "norm_rope_write_kv": _norm_rope_write_kv,
-    "conv1d_update": _conv1d_update, "conv1d_prefill": _conv1d_prefill,
+    "conv1d_update": _conv1d_update, "linear_conv1d_update": _linear_conv1d_update, "conv1d_prefill": _conv1d_prefill,
     "conv1d_prefill_segments": _conv1d_prefill_segments,
     "gdn_decode": _gdn_decode, "gdn_prefill": _gdn_prefill, "gdn_prefill_segments": _gdn_prefill_segments,
     "mla_decode": _mla_decode, "write_latent": _write_latent, "norm_rope_write_latent": _norm_rope_write_latent,
-    "moe_experts": _moe_experts, "moe_experts_fp8": _moe_experts_fp8,
+    "moe_experts": _moe_experts, "moe_experts_fp8": _moe_experts_fp8, "moe_add_rms_norm": _moe_add_rms_norm,
     "router_softmax_topk": _router_softmax_topk, "router_sigmoid_grouped": _router_sigmoid_grouped,
     "linear_router": _linear_router,
     "argmax": _argmax, "sample": _sample,

@@ -24,18 +24,18 @@ are independent, so token tiles run in parallel; the tile changes no operation a
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, grid_dependency, timer
+from ds4t.backend import LAUNCH, grid_dependency, split_sum_bias, timer
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import conv_rows
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
-from ds4t.kernels.tensors import check_segments, one_segment
+from ds4t.kernels.tensors import SplitPartials, check_segments, one_segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +65,35 @@ def _conv1d_update_kernel(
     out_ptr, so_b, so_c,
     C,
     W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    SPLIT: tl.constexpr = 0, stride_ps=0, pb_ptr=None, HAS_PB: tl.constexpr = False, y_ptr=None, sy_b=0, N=0,
 ):
+    """SPLIT > 0: x is a linear's split-K partials [SPLIT, B, N] (split stride ``stride_ps``, N >= C columns)
+    with its bias ``pb_ptr`` (HAS_PB): each program finishes its channels' columns as the linear's sum kernel
+    would (:func:`ds4t.backend.split_sum_bias`) and stores them to y [B, N] (row stride ``sy_b``) before the
+    conv reads them; the programs past cdiv(C, BC) on grid axis 1 finish and store columns C .. N, which the
+    conv does not read."""
     # Index math in int64 (no overflow on big pools; also skips the interpreter's int32
     # overflow checks, which cost more than the arithmetic).
     grid_dependency()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+    if SPLIT > 0:
+        if tl.program_id(1) * BC >= C:     # a block of the linear's other columns: finish, store, done
+            n = C + (tl.program_id(1).to(tl.int64) * BC - tl.cdiv(C, BC) * BC) + tl.arange(0, BC)
+            nm = n < N
+            v = split_sum_bias(x_ptr + r * sx_b + n * sx_c, nm, stride_ps, SPLIT, pb_ptr + n, HAS_PB)
+            tl.store(y_ptr + r * sy_b + n, v, mask=nm)
+            return
     cm = c < C
     slot = tl.load(slots_ptr + r).to(tl.int64)
     sbase = state_ptr + slot * ss_s + c * ss_c       # [BC] pointers to state[slot, c, 0]
     wbase = w_ptr + c * sw_c
 
-    xv = tl.load(x_ptr + r * sx_b + c * sx_c, mask=cm, other=0.0).to(tl.float32)
+    if SPLIT > 0:
+        xv = split_sum_bias(x_ptr + r * sx_b + c * sx_c, cm, stride_ps, SPLIT, pb_ptr + c, HAS_PB)
+        tl.store(y_ptr + r * sy_b + c, xv, mask=cm)
+    else:
+        xv = tl.load(x_ptr + r * sx_b + c * sx_c, mask=cm, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
     else:
@@ -217,18 +234,49 @@ def conv1d_update(
     if variant("conv1d_update") == INTERP:
         conv_rows.launch_update(x, conv_state, weight, slots, bias, silu, out, BC)
         return out
-    grid = (B, triton.cdiv(C, BC))
-    _conv1d_update_kernel[grid](
-        x, x.stride(0), x.stride(1),
+    _launch_update(x, conv_state, weight, slots, bias, silu, out, B, C, W, BC, triton.cdiv(C, BC), {})
+    return out
+
+
+def _launch_update(x, conv_state, weight, slots, bias, silu, out, B, C, W, BC, blocks, extra):
+    _conv1d_update_kernel[(B, blocks)](
+        x, x.stride(-2), x.stride(-1),
         conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight, weight.stride(0), weight.stride(1),
         bias if bias is not None else weight,
         slots,
         out, out.stride(0), out.stride(1),
         C,
-        W=W, BW=triton.next_power_of_2(W - 1), BC=BC, HAS_BIAS=bias is not None, SILU=silu, **LAUNCH,
+        W=W, BW=triton.next_power_of_2(W - 1), BC=BC, HAS_BIAS=bias is not None, SILU=silu, **extra, **LAUNCH,
     )
-    return out
+
+
+def conv1d_update_partials(parts: SplitPartials, conv_state: torch.Tensor, weight: torch.Tensor,
+                           slots: torch.Tensor, *, bias: Optional[torch.Tensor] = None, silu: bool = True
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`conv1d_update` of the first C columns of a linear's output given as its split-K partials
+    (:class:`~ds4t.kernels.tensors.SplitPartials` [S, B, N], N >= C), finished in the conv kernel in the
+    linear's order (the bits its sum kernel would store). Returns (conv output fp32 [B, C], the linear's
+    finished output fp32 [B, N], every column: its other readers take columns C .. N from it). The grouped
+    kernel of :func:`conv1d_update`; ``conv_state`` is updated as there."""
+    part = parts.part
+    if part.dim() != 3 or part.dtype != torch.float32 or not part.is_contiguous():
+        raise ValueError(f"split partials must be contiguous fp32 [S, B, N], got {part.dtype} {list(part.shape)}")
+    S, B, N = part.shape
+    C, W = _check_args(part[0, :, :weight.shape[0]], conv_state, weight, bias)
+    if parts.bias is not None and parts.bias.shape != (N,):
+        raise ValueError(f"split partials' bias must be [{N}], got {tuple(parts.bias.shape)}")
+    out = torch.empty((B, C), dtype=torch.float32, device=part.device)
+    y = torch.empty((B, N), dtype=torch.float32, device=part.device)
+    if B == 0:
+        return out, y
+    BC = CONV_CONFIGS(C).block_c
+    pb = parts.bias.contiguous() if parts.bias is not None else y
+    extra = dict(SPLIT=S, stride_ps=part.stride(0), pb_ptr=pb, HAS_PB=parts.bias is not None, y_ptr=y,
+                 sy_b=y.stride(0), N=N)
+    _launch_update(part[0], conv_state, weight, slots, bias, silu, out, B, C, W, BC,
+                   triton.cdiv(C, BC) + triton.cdiv(N - C, BC), extra)
+    return out, y
 
 
 def conv1d_prefill_segments(

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
-                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, split_sum, timer,
-                          tl_dtype)
+                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, split_sum,
+                          split_sum_bias, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -402,9 +402,7 @@ def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, total, stride_ps, stride_ym,
     grid_dependency()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    acc = split_sum(p_ptr + offs, mask, stride_ps, SPLIT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    acc = split_sum_bias(p_ptr + offs, mask, stride_ps, SPLIT, b_ptr + offs % N, HAS_BIAS)
     tl.store(y_ptr + (offs // N).to(tl.int64) * stride_ym + offs % N, acc, mask=mask)
 
 

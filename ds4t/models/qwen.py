@@ -323,13 +323,17 @@ class QwenModel(DecoderModel):
         c, w = self.cfg, self.layers[i].mixer
         R, hk, hv, dk, dv = x.shape[0], c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
         cd = c.conv_dim
-        proj = fused_linear(x, w.w_in)
+        conv_state = self.pool.tensors[f"layers.{i}.conv"]
+        if batch.all_single:
+            # the projection and the conv of its q | k | v columns in one op (the split-K sum inside the conv)
+            mixed, proj = ops.linear_conv1d_update(x, w.w_in, conv_state, w.conv_w, batch.slots)
+        else:
+            proj = fused_linear(x, w.w_in)
+            mixed = proj[:, :cd]
         # Views, never .contiguous(): see docs/kernel-conventions.md ("one row vs many").
-        mixed = proj[:, :cd]
         z = proj[:, cd: cd + hv * dv]
         b = proj[:, cd + hv * dv: cd + hv * dv + hv]
         a = proj[:, cd + hv * dv + hv:]
-        conv_state = self.pool.tensors[f"layers.{i}.conv"]
         rec = self.pool.tensors[f"layers.{i}.recurrent"]
 
         def split(m):
@@ -340,7 +344,6 @@ class QwenModel(DecoderModel):
             return q, k, v
 
         if batch.all_single:
-            mixed = ops.conv1d_update(mixed, conv_state, w.conv_w, batch.slots)
             q, k, v = split(mixed)
             # The output norm comes with the step (bitwise as the gated_rms_norm below).
             y = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.slots,
