@@ -35,7 +35,7 @@ def test_every_model_op_is_registered():
 
 def test_unknown_op_lists_the_known_ones():
     with pytest.raises(UnknownOpError,
-                       match="unknown op 'linaer'; known ops: .*linear, linear_add_rms_norm, linear_heads"):
+                       match="unknown op 'linaer'; known ops: .*linear, linear_add_rms_norm, linear_conv1d_update, linear_heads"):
         override("linaer", lambda *a, **k: None)
     with pytest.raises(AttributeError, match="known ops"):
         ops.linaer
@@ -161,7 +161,7 @@ def test_recording_logs_every_op_call_with_its_label(model):
         with recording() as log:
             _logits(model, (1, 2))
     names = {c.name for c in log}
-    assert {"embedding", "linear", "rms_norm", "moe_experts", "router_softmax_topk"} <= names
+    assert {"embedding", "linear", "rms_norm", "moe_add_rms_norm", "router_softmax_topk"} <= names
     assert all(c.overridden == (c.name == "router_softmax_topk") for c in log)
     assert all(c.label == c.name for c in log if not c.overridden)
     assert op_names() == sorted(op_names())
