@@ -12,8 +12,8 @@ Why one op: ``moe_experts`` ends with a kernel that combines each row's per-pair
 rank order (the routing weight times each expert's output, the shared expert last). Here the norm kernel
 does that combine itself with the same device function (:func:`ds4t.kernels.moe.combine_rows`), then adds
 the residual, so the result is the bits of ``moe_experts`` followed by ``add_rms_norm`` with one launch
-fewer a MoE layer (at one row a launch costs ~1.2-1.7 us of an H200 step in a CUDA graph, however little
-it does). Where ``moe_experts`` finishes the rows itself (the interpreter's rows path) the norm gets them
+fewer a MoE layer. Launches of fewer than :data:`FUSE_MIN_ROWS` rows run the two kernels (faster there, the
+same bits). Where ``moe_experts`` finishes the rows itself (the interpreter's rows path) the norm gets them
 finished.
 
 Overrides: while ``moe_experts`` or ``add_rms_norm`` is overridden (:mod:`ds4t.kernels.registry`), this op
@@ -30,7 +30,14 @@ from ds4t.kernels import moe as _moe
 from ds4t.kernels import norm as _norm
 from ds4t.kernels.registry import CheckResult, op, ops, register_check, register_op, rows_invariant
 
-__all__ = ["moe_add_rms_norm", "moe_add_rms_norm_ref"]
+__all__ = ["moe_add_rms_norm", "moe_add_rms_norm_ref", "FUSE_MIN_ROWS"]
+
+FUSE_MIN_ROWS = 8
+"""Launches of fewer rows run the combine kernel, then the norm (the same bits: the choice is free per launch).
+The norm kernel has one program a row, the combine kernel one a 256-column block of a row, so at a few rows the
+fused combine runs on too few SMs: on an H200, Qwen3-Next-80B in FP8 at 4k (``bench/step_ab.py``, the fused op
+against its two calls, one process) the fused step was 1.2 % slower at N = 1, 0.7 % at N = 4, and 0.9 % faster
+at N = 8 and 16, 0.1 % at N = 64 (bench/results/2026-12-03-h200-fused-combine.md)."""
 
 
 def moe_add_rms_norm(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate, w_up, w_down,
@@ -46,6 +53,9 @@ def moe_add_rms_norm(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     if op("moe_experts").overridden or op("add_rms_norm").overridden:
         y = ops.moe_experts(h, ids, weights, w_gate, w_up, w_down, **moe_kw)
         return ops.add_rms_norm(y, residual, norm_weight, eps, **norm_kw)
+    if h.shape[0] < FUSE_MIN_ROWS:
+        y = _moe.moe_experts(h, ids, weights, w_gate, w_up, w_down, **moe_kw)
+        return _norm.add_rms_norm(y, residual, norm_weight, eps, **norm_kw)
     parts = _moe.moe_partials(h, ids, weights, w_gate, w_up, w_down, **moe_kw)
     return _norm.add_rms_norm(parts, residual, norm_weight, eps, **norm_kw)
 

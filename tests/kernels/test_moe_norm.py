@@ -16,6 +16,7 @@ import ds4t
 from ds4t.backend import INTERPRET, split_sum
 from ds4t.kernels import moe as M
 from ds4t.kernels import norm as NM
+from ds4t.kernels import moe_norm as MN
 from ds4t.kernels.moe_norm import moe_add_rms_norm, moe_add_rms_norm_ref
 from ds4t.kernels.quant_blocks import quantize as gguf_quantize
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, ops, override, use_variants
@@ -25,6 +26,13 @@ from tests.kernels.split_parts import decode_step
 
 EPS = 1e-6
 E, K_TOP = 7, 2          # expert E - 1 is the shared one
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_launch(monkeypatch):
+    """The cases below are small: fuse at every row count (the default leaves launches of a few rows to the
+    two kernels, test_the_row_threshold_keeps_the_bits)."""
+    monkeypatch.setattr(MN, "FUSE_MIN_ROWS", 1)
 
 
 def _case(B, D, I, wdt, device, seed=0):
@@ -158,6 +166,25 @@ def test_overridden_parts_still_run(device):
     want = NM.add_rms_norm(M.moe_experts_ref(*moe, shared_expert=E - 1), r, nw, EPS)
     for g, wt in zip(got, want):
         assert torch.equal(g, wt)
+
+
+def test_the_row_threshold_keeps_the_bits(device, monkeypatch):
+    # Below FUSE_MIN_ROWS rows the op runs the combine kernel then the norm; at and above it the norm combines:
+    # either way the bits of the two ops, and a row's bits do not depend on which side of the threshold its
+    # launch falls.
+    monkeypatch.setattr(MN, "FUSE_MIN_ROWS", 4)
+    moe, r, nw, gate = _case(6, 64, 32, torch.float32, device, seed=6)
+    kw = _shared_kw("gated", gate)
+    with use_variants({"moe_experts": GPU}):
+        for rows in (slice(0, 3), slice(0, 6)):
+            part = [t[rows] for t in moe[:3]] + moe[3:]
+            want = _two_ops(part, r[rows], nw, dict(kw, shared_gate=gate[rows]))
+            got = moe_add_rms_norm(*part, r[rows], nw, EPS, **dict(kw, shared_gate=gate[rows]))
+            for g, wt in zip(got, want):
+                assert torch.equal(g, wt)
+        assert torch.equal(moe_add_rms_norm(*part, r[rows], nw, EPS, **dict(kw, shared_gate=gate[rows]))[0][:3],
+                           moe_add_rms_norm(*[t[:3] for t in moe[:3]], *moe[3:], r[:3], nw, EPS,
+                                            **dict(kw, shared_gate=gate[:3]))[0])
 
 
 def test_rejects_a_residual_of_the_wrong_shape(device):

@@ -147,7 +147,8 @@ def test_fp8_native_equals_ordered_with_the_negative_control(name):
 def test_fp8_prefill_chunks_are_bitwise_equal_and_equal_token_by_token(name):
     from ds4t.testing import assert_prefill_chunk_invariant
 
-    prompt = [int(t) for t in torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))]
+    # 24 tokens: chunks of 17 leave a ragged second chunk, and 64 takes the whole prompt
+    prompt = [int(t) for t in torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(5))]
     assert_prefill_chunk_invariant(ds4t.load(name, quantize="fp8"), prompt)
 
 
