@@ -40,7 +40,8 @@ def test_auto_mode_with_fallback_rows_under_tp2(ranks):
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_prefill_chunks_bitwise_under_tp2(ranks, preset):
-    assert ranks.run(jobs.tp_chunk_invariant, preset, PROMPT * 2, (1, 5, 64)) == [True, True]
+    # chunks of 5 leave a ragged last chunk; the whole prompt is always one of the compared prefills
+    assert ranks.run(jobs.tp_chunk_invariant, preset, PROMPT, (1, 5)) == [True, True]
 
 
 def test_reduction_is_batch_invariant_and_the_same_on_every_rank(ranks):
