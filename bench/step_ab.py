@@ -25,7 +25,8 @@ A variant is ``NAME=SPEC`` (or a bare SPEC, named by position), SPEC a JSON file
 ``ds4t.kernels.config.overridden`` format, plus an optional ``"passthrough": [op names]``: those ops are
 overridden by their own ds4t function (graphs still captured), so a fused op that watches them runs as its
 two calls -- ``{"passthrough": ["router_softmax_topk", "router_sigmoid_grouped"]}`` times ``linear_router``
-unfused, ``{"passthrough": ["add_rms_norm"]}`` ``linear_add_rms_norm``. ``--device cpu`` runs the script
+unfused, ``{"passthrough": ["add_rms_norm"]}`` ``linear_add_rms_norm``, ``{"passthrough": ["moe_experts"]}``
+``moe_add_rms_norm``, ``{"passthrough": ["conv1d_update"]}`` ``linear_conv1d_update``. ``--device cpu`` runs the script
 on tiny presets (a smoke run: the interpreter ignores GPU config entries, so every variant keeps the base's
 bits there).
 """
