@@ -285,3 +285,18 @@ def test_token_tiles_bad_arguments(device):
     with CV.CONV_CONFIGS.forced(lambda C: CV.ConvConfig(block_c=64, block_t=4)):
         with pytest.raises(ValueError, match="prefill in chunks"):
             CV.conv1d_prefill_segments(long, state0, w, seg)
+
+
+def test_the_rows_path_refuses_a_config_that_splits_the_channels():
+    # The interpreter's rows kernel holds every channel of its rows: a forced config with fewer channels per
+    # program is refused rather than leaving the rest uncomputed.
+    from ds4t.kernels.conv import CONV_CONFIGS, ConvConfig, conv1d_update
+    from ds4t.kernels.registry import INTERP, use_variants
+
+    C, W = 72, 4
+    x, w = torch.randn(2, C), torch.randn(C, W)
+    state = torch.zeros(3, C, W - 1)
+    slots = torch.tensor([0, 2], dtype=torch.int32)
+    with use_variants({"conv1d_update": INTERP}), CONV_CONFIGS.forced(lambda C: ConvConfig(block_c=32, block_t=16)):
+        with pytest.raises(ValueError, match="needs all 72"):
+            conv1d_update(x, state, w, slots)

@@ -72,8 +72,12 @@ def _conv1d_update_rows_kernel(
 
 
 def launch_update(x, conv_state, weight, slots, bias, silu: bool, out, BC: int) -> None:
-    """:func:`ds4t.kernels.conv.conv1d_update` on checked arguments, ``BC`` channels per program."""
+    """:func:`ds4t.kernels.conv.conv1d_update` on checked arguments, ``BC`` >= C channels per program (the
+    kernel holds every channel of its rows: a config giving fewer is refused, not half computed)."""
     B, C = x.shape
+    if BC < C:
+        raise ValueError(f"conv1d_update (interp rows path): {BC} channels per program, the rows kernel needs all "
+                         f"{C}; the interpreter's config gives next_pow2(C)")
     W = weight.shape[1]
     rows = min(16, triton.next_power_of_2(B))  # the M tile; nothing is reduced across rows
     _conv1d_update_rows_kernel[(triton.cdiv(B, rows),)](
