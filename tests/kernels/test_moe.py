@@ -688,6 +688,7 @@ def test_swapped_tiles(fmt, route, adt, tile_n, warps):
     ("bf16", "direct", None, 3, True, "down"),
     ("fp8", "f32", torch.float32, 2, True, "both"),
     ("fp8", "f32", torch.bfloat16, 3, True, "gate_up"),
+    ("fp8", "f32", torch.bfloat16, 2, True, "down"),
     ("fp8", "tf32", torch.bfloat16, 2, False, "both"),
     ("fp8", "f16", torch.bfloat16, 2, True, "both"),    # a pair's scale over its split's columns only
 ], ids=str)
