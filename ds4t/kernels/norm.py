@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, split_sum, timer
+from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, split_sum_bias, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.moe import combine_rows
@@ -93,14 +93,9 @@ def _load_x(x_row, cc, m, stride_ps, pb_ptr, D: tl.constexpr, EVEN: tl.constexpr
                          si_b, SHARED, KTOP, KT, GATED, SPLIT, stride_ps)
     elif SPLIT > 0:
         if EVEN:
-            v = split_sum(x_row + cc, cc < D, stride_ps, SPLIT)
+            v = split_sum_bias(x_row + cc, cc < D, stride_ps, SPLIT, pb_ptr + cc, HAS_PB)
         else:
-            v = split_sum(x_row + cc, m, stride_ps, SPLIT)
-        if HAS_PB:
-            if EVEN:
-                v += tl.load(pb_ptr + cc).to(tl.float32)
-            else:
-                v += tl.load(pb_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
+            v = split_sum_bias(x_row + cc, m, stride_ps, SPLIT, pb_ptr + cc, HAS_PB)
     elif EVEN:
         v = tl.load(x_row + cc).to(tl.float32)
     else:

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, grid_dependency, sigmoid, split_sum, timer
+from ds4t.backend import LAUNCH, grid_dependency, sigmoid, split_sum_bias, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op
 from ds4t.kernels.tensors import SplitPartials
@@ -91,15 +91,11 @@ def _summed_logits(x_ptr, sx_b, rl, rok, c2, E, N, fill, SPLIT: tl.constexpr, sp
     the sums are stored to y (row stride sy_b) for the readers of the finished logits (Qwen3-Next's shared
     expert gate is column E): columns < E from the same registers, E .. N-1 in a tail of BT lanes, so the
     selection runs on the BE lanes it runs on without the fusion."""
-    v = split_sum(x_ptr + rl * sx_b + c2, (c2 < E) & (rl >= 0), sp_s, SPLIT)
-    if HAS_PB:
-        v += tl.load(pb_ptr + c2, mask=c2 < E, other=0.0).to(tl.float32)
+    v = split_sum_bias(x_ptr + rl * sx_b + c2, (c2 < E) & (rl >= 0), sp_s, SPLIT, pb_ptr + c2, HAS_PB)
     tl.store(y_ptr + rl * sy_b + c2, v, mask=rok[:, None] & (c2 < E))
     if BT > 0:
         t2 = E + tl.arange(0, BT)[None, :]
-        tv = split_sum(x_ptr + rl * sx_b + t2, (t2 < N) & (rl >= 0), sp_s, SPLIT)
-        if HAS_PB:
-            tv += tl.load(pb_ptr + t2, mask=t2 < N, other=0.0).to(tl.float32)
+        tv = split_sum_bias(x_ptr + rl * sx_b + t2, (t2 < N) & (rl >= 0), sp_s, SPLIT, pb_ptr + t2, HAS_PB)
         tl.store(y_ptr + rl * sy_b + t2, tv, mask=rok[:, None] & (t2 < N))
     return tl.where(c2 < E, v, fill)
 
