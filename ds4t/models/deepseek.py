@@ -221,7 +221,7 @@ class DeepseekModel(DecoderModel):
     def _load_layer(self, get, p: str, i: int) -> Layer:
         """Layer i's weights under checkpoint prefix ``p`` (i == num_layers: the MTP layer)."""
         c, f32 = self.cfg, torch.float32
-        H, dn, dr, dv, R = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        H, dn, dv, R = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
         q_rows = _q_rows(c).to(self.device)
         a = p + "self_attn."
         kv_a = get(a + "kv_a_proj_with_mqa.weight")

@@ -8,7 +8,6 @@ with the rank's traceback. Models a job loads can be kept in :data:`CACHE` (per 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import traceback
 from typing import Any, Callable, Dict, List
