@@ -270,3 +270,54 @@ def test_fma_bf16_rounds_once(device):
     _fma_bf16_kernel[(1,)](a16.to(device), b16.to(device), c16.to(device), out, BLOCK=4096)
     assert torch.equal(out.cpu(), ref)
     assert not torch.equal(ref, (a16.float() * b16.float() + c16.float()).bfloat16())   # the control: 2 roundings differ
+
+
+@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+def test_memoized_np_dtype_answers_as_triton_does():
+    # ds4t.backend._memoize_np_dtype: the table must give Triton's own answer for every element type,
+    # pointer and block type (a wrong dtype would reinterpret loaded bytes).
+    from triton.runtime import interpreter as interp
+
+    fast = interp._get_np_dtype
+    assert getattr(fast, "_ds4t_memo", False)
+    slow = fast._ds4t_original
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+               tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e4nv, tl.float8e5]
+    types = scalars + [tl.pointer_type(t) for t in scalars] + [tl.block_type(t, [4, 8]) for t in scalars]
+    types += [tl.block_type(tl.pointer_type(t), [16]) for t in scalars]
+    for _ in range(2):                          # the second pass answers from the table
+        for t in types:
+            assert fast(t) == slow(t), t
+
+
+@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+def test_reused_block_types_and_tensors_equal_tritons_own():
+    # ds4t.backend._reuse_block_types: a block type / tensor built from the kept attributes equals the one
+    # Triton's constructors build, the second time as the first; invalid shapes still raise.
+    from triton.language import core
+
+    new_bt, new_t = core.block_type.__init__, core.tensor.__init__
+    assert getattr(new_bt, "_ds4t_reuse", False)
+    old_bt, old_t = new_bt._ds4t_original, new_t._ds4t_original
+
+    def build(init, *args, cls=core.block_type):
+        obj = cls.__new__(cls)
+        init(obj, *args)
+        return obj
+
+    for _ in range(2):
+        for ety in (tl.float32, tl.bfloat16, tl.pointer_type(tl.float32), tl.int1):
+            for shape in ([16], [4, 8], [2, 4, 8], [core.constexpr(8), 2], core.tuple([2, 8])):
+                a, b = build(new_bt, ety, shape), build(old_bt, ety, shape)
+                assert (a.element_ty, a.shape, a.numel, a.name) == (b.element_ty, b.shape, b.numel, b.name)
+                assert a == b and str(a) == str(b)
+                ta, tb = build(new_t, None, a, cls=core.tensor), build(old_t, None, b, cls=core.tensor)
+                assert (ta.type, ta.dtype, ta.numel.value, [d.value for d in ta.shape]) == \
+                    (tb.type, tb.dtype, tb.numel.value, [d.value for d in tb.shape])
+            scalar_a, scalar_b = build(new_t, None, ety, cls=core.tensor), build(old_t, None, ety, cls=core.tensor)
+            assert (scalar_a.shape, scalar_a.numel.value) == (scalar_b.shape, scalar_b.numel.value) == ((), 1)
+        for bad in ([3], [16, 6]):
+            with pytest.raises(ValueError, match="power of 2"):
+                build(new_bt, tl.float32, bad)
+        with pytest.raises(AssertionError):        # Triton's own check: a builtin tuple is not a shape
+            build(new_bt, tl.float32, (2, 4))
