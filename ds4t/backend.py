@@ -678,39 +678,46 @@ def _reuse_block_types() -> None:
     """
     if os.environ.get("DS4T_INTERPRETER_REPATCH") == "1":
         return
-    import math
-
     from triton.language import core
 
     block_init, orig_tensor_init = core.block_type.__init__, core.tensor.__init__
     if getattr(block_init, "_ds4t_reuse", False):
         return
-    blocks = {}     # (element type name, shape) -> (shape, numel, name)
-    tensors = {}    # shape -> (numel, shape as constexprs)
+    # Triton's shapes are ``tl.tuple`` objects (a values list and a tuple_type); each instance gets its
+    # own tl.tuple over the kept values and type, as Triton's constructors give each their own.
+    blocks = {}     # (element type name, dims) -> (dims, shape's tuple_type, numel, name)
+    tensors = {}    # dims -> (numel, dims as constexprs, shape's tuple_type)
+
+    def plain_dims(shape):
+        dims = shape if type(shape) is list else shape.values if type(shape) is core.tuple else None
+        return tuple(dims) if dims is not None and all(type(d) is int for d in dims) else None
 
     def block_type_init(self, element_ty, shape):
-        key = None
-        dims = shape if type(shape) is list else shape.values if type(shape) is core.tuple else None
-        if dims is not None and all(type(d) is int for d in dims):
-            key = (element_ty.name, tuple(dims))
-            hit = blocks.get(key)
-            if hit is not None:
-                self.element_ty = element_ty
-                self.shape, self.numel, self.name = hit
-                return
-        block_init(self, element_ty, shape)
-        if key is not None:
-            blocks[key] = (self.shape, self.numel, self.name)
-
-    def tensor_init(self, handle, type):
-        self.handle = handle
-        self.type = type
-        self.dtype = type.scalar
-        shape = type.shape if type.is_block() else ()
-        hit = tensors.get(shape)
+        dims = plain_dims(shape)
+        key = None if dims is None else (element_ty.name, dims)
+        hit = None if key is None else blocks.get(key)
         if hit is None:
-            hit = tensors[shape] = (core.constexpr(math.prod(shape)), tuple(core.constexpr(d) for d in shape))
-        self.numel, self.shape = hit
+            block_init(self, element_ty, shape)
+            if key is not None and type(self.shape) is core.tuple:
+                blocks[key] = (list(self.shape.values), self.shape.type, self.numel, self.name)
+            return
+        values, shape_type, self.numel, self.name = hit
+        self.element_ty = element_ty
+        self.shape = core.tuple(values, shape_type)
+
+    def tensor_init(self, handle, type_):
+        dims = plain_dims(type_.shape) if type_.is_block() else ()
+        hit = None if dims is None else tensors.get(dims)
+        if hit is None:
+            orig_tensor_init(self, handle, type_)
+            if dims is not None and type(self.shape) is core.tuple:
+                tensors[dims] = (self.numel, list(self.shape.values), self.shape.type)
+            return
+        self.handle = handle
+        self.type = type_
+        self.dtype = type_.scalar
+        self.numel, values, shape_type = hit
+        self.shape = core.tuple(values, shape_type)
 
     block_type_init._ds4t_reuse = True
     block_type_init._ds4t_original = block_init
