@@ -592,8 +592,6 @@ def _keep_interpreter_patched() -> None:
     On a CPU-only process nothing ever compiles Triton for real, so the patched state can stay.
     Set DS4T_INTERPRETER_REPATCH=1 to keep Triton's own behaviour.
     """
-    if os.environ.get("DS4T_INTERPRETER_REPATCH") == "1":
-        return
     from triton.runtime import interpreter as _interp
 
     original = _interp._patch_lang
@@ -638,8 +636,6 @@ def _memoize_np_dtype() -> None:
     pointer is uint64, a block type its element's), so the first answer per name is kept.
     Set DS4T_INTERPRETER_REPATCH=1 to keep Triton's own function (with the rest of Triton's behaviour).
     """
-    if os.environ.get("DS4T_INTERPRETER_REPATCH") == "1":
-        return
     import numpy as np
     from triton.runtime import interpreter as _interp
 
@@ -676,8 +672,6 @@ def _reuse_block_types() -> None:
     steps (scratch timing, 2026-12-03). Compiled kernels never run this. DS4T_INTERPRETER_REPATCH=1
     keeps Triton's constructors.
     """
-    if os.environ.get("DS4T_INTERPRETER_REPATCH") == "1":
-        return
     from triton.language import core
 
     block_init, orig_tensor_init = core.block_type.__init__, core.tensor.__init__
@@ -726,7 +720,8 @@ def _reuse_block_types() -> None:
     core.tensor.__init__ = tensor_init
 
 
-if INTERPRET:
+# DS4T_INTERPRETER_REPATCH=1 keeps Triton's own interpreter behaviour (none of the work-arounds below).
+if INTERPRET and os.environ.get("DS4T_INTERPRETER_REPATCH") != "1":
     _keep_interpreter_patched()
     _memoize_np_dtype()
     _reuse_block_types()
