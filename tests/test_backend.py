@@ -328,3 +328,44 @@ def test_reused_block_types_and_tensors_equal_tritons_own():
                 build(new_bt, tl.float32, bad)
         with pytest.raises(AssertionError):        # Triton's own check: a builtin tuple is not a shape
             build(new_bt, tl.float32, (2, 4))
+
+
+@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float8_e4m3fn])
+def test_gathered_loads_equal_tritons_own(dtype):
+    # ds4t.backend._gather_loads: every lane gets the bytes Triton's own load gives it -- whole, masked with and
+    # without `other`, transposed, repeated (stride 0), F-ordered pointer arrays and misaligned addresses, and loads too small to take it.
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    new = interp.InterpreterBuilder.create_masked_load
+    assert getattr(new, "_ds4t_gather", False)
+    old = new._ds4t_original
+    g = torch.Generator().manual_seed(0)
+    src = (torch.randn(64, 48, generator=g) * 8).to(dtype)
+    ety = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.int8: tl.int8, torch.bool: tl.int1,
+           torch.float8_e4m3fn: tl.float8e4nv}[dtype]
+    size, base = src.element_size(), src.data_ptr()
+    rows, cols = np.arange(32)[:, None], np.arange(16)[None, :]
+    grids = {"whole": rows * 48 + cols, "transposed": cols * 48 + rows, "repeated": 0 * rows + cols,
+             "row tile": (rows + 30) * 48 + cols, "pointers in F order": np.asfortranarray(rows * 48 + cols)}
+    masks = {"all": np.ones((32, 16), bool), "some": (rows + cols) % 3 > 0, "none": np.zeros((32, 16), bool)}
+    b = interp.interpreter_builder
+    np_dt = interp._get_np_dtype(ety)
+    for gname, grid in grids.items():
+        ptrs = interp.TensorHandle((base + grid * size).astype(np.uint64), tl.pointer_type(ety))
+        for mname, m in masks.items():
+            mask = interp.TensorHandle(m, tl.int1)
+            for other in (None, interp.TensorHandle(np.full((32, 16), 1, dtype=np_dt), ety)):
+                a, w = new(b, ptrs, mask, other, None, False), old(b, ptrs, mask, other, None, False)
+                assert a.data.dtype == w.data.dtype and a.dtype == w.dtype, (gname, mname)
+                # the layout too: the interpreter's reductions (mma's K sum) follow it
+                assert a.data.strides == w.data.strides, (gname, mname)
+                assert np.array_equal(a.data.view(np.uint8), w.data.view(np.uint8)), (gname, mname)
+    if size > 1:     # misaligned addresses (one byte off), and addresses not whole elements apart: the same bytes
+        mask = interp.TensorHandle(masks["all"], tl.int1)
+        for addr in (base + 1 + grids["whole"] * size, base + grids["whole"] * size + grids["whole"] % 2):
+            ptrs = interp.TensorHandle(addr.astype(np.uint64), tl.pointer_type(ety))
+            a, w = new(b, ptrs, mask, None, None, False), old(b, ptrs, mask, None, None, False)
+            assert np.array_equal(a.data.view(np.uint8), w.data.view(np.uint8))
