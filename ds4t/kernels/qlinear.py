@@ -427,8 +427,9 @@ Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-
 
 _GPU_TABLE = {
     # H200 sweeps (bench/results/2026-12-02-h200-gguf-fold.md; Q6_K: 2026-11-30-h200-gguf-round3.md): the
-    # least summed time over B = 1, 4, 16 per (shape, type)
-    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=8, num_warps=2, num_stages=3, fold=True),
+    # least summed time over B = 1, 4, 16 per (shape, type); 7168 x 36864 Q8_0 re-timed with the 8-instruction
+    # int8 conversion (2026-12-04-h200-gguf-int8.md: 4 stages, 3 % less than 3)
+    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=8, num_warps=2, num_stages=4, fold=True),
     (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=1, fold=True),
     (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
     (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=8, num_warps=2, num_stages=3, fold=True),
@@ -439,7 +440,7 @@ _GPU_TABLE = {
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
-           "--sweep); other shapes: the rule (64-row tiles, split-K to ~264 programs, fold for bf16 Q8_0 / Q4_K)")
+           "--sweep), 2026-12-04-h200-gguf-int8.md; other shapes: the rule (64-row tiles, split-K to ~264 programs, fold for bf16 Q8_0 / Q4_K)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 
