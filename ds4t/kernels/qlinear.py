@@ -372,7 +372,7 @@ class QLinearConfig:
     group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
     num_warps: int = 4
     num_stages: int = 3
-    pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits; not yet timed on a GPU)
+    pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits)
     fold: bool = False  # bf16 activations: the fold route (module docstring); other dtypes: exact
 
     def k_step(self, qtype: str) -> int:
@@ -428,8 +428,9 @@ Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-
 _GPU_TABLE = {
     # H200 sweeps (bench/results/2026-12-02-h200-gguf-fold.md; Q6_K: 2026-11-30-h200-gguf-round3.md): the
     # least summed time over B = 1, 4, 16 per (shape, type); 7168 x 36864 Q8_0 re-timed with the 8-instruction
-    # int8 conversion (2026-12-04-h200-gguf-int8.md: 4 stages, 3 % less than 3)
-    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=8, num_warps=2, num_stages=4, fold=True),
+    # int8 conversion (2026-12-04-h200-gguf-int8.md: paired 32-row tiles, 4 stages, 6 % less; the same bits)
+    (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=32, split=2, group=8, num_warps=2, num_stages=4,
+                                                         pair=True, fold=True),
     (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=1, fold=True),
     (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
     (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=8, num_warps=2, num_stages=3, fold=True),
