@@ -333,8 +333,9 @@ def test_reused_block_types_and_tensors_equal_tritons_own():
 @pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float8_e4m3fn])
 def test_gathered_loads_equal_tritons_own(dtype):
-    # ds4t.backend._gather_loads: every lane gets the bytes Triton's own load gives it -- whole, masked with and
-    # without `other`, transposed, repeated (stride 0), F-ordered pointer arrays and misaligned addresses, and loads too small to take it.
+    # ds4t.backend._gather_loads: every lane gets the bytes Triton's own load gives it, in its memory order --
+    # whole, masked with and without `other`, transposed, repeated (stride 0), F-ordered pointer arrays and
+    # misaligned addresses.
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as interp
@@ -368,4 +369,5 @@ def test_gathered_loads_equal_tritons_own(dtype):
         for addr in (base + 1 + grids["whole"] * size, base + grids["whole"] * size + grids["whole"] % 2):
             ptrs = interp.TensorHandle(addr.astype(np.uint64), tl.pointer_type(ety))
             a, w = new(b, ptrs, mask, None, None, False), old(b, ptrs, mask, None, None, False)
+            assert a.data.strides == w.data.strides
             assert np.array_equal(a.data.view(np.uint8), w.data.view(np.uint8))
