@@ -83,9 +83,13 @@ def sweep_rows(args) -> None:
     default = dict(M.MOE_CONFIGS.gpu)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, R = [], args.rows
-    for fp8 in (False, True):
+    ints = lambda text: [int(x) for x in text.split(",")]   # noqa: E731
+    grid = list(itertools.product(ints(args.rows_block_m), ints(args.rows_tiles_n), ints(args.rows_tiles_k),
+                                  ints(args.rows_warps), ints(args.rows_stages)))
+    shapes = [s_ for s_ in SHAPES if s_[0] in args.shapes.split(",")]
+    for fp8 in [f == "fp8" for f in args.rows_formats.split(",")]:
         fmt = ("fp8",) if fp8 else ()
-        for name, E, k, D, I in SHAPES:
+        for name, E, k, D, I in shapes:
             Et = E + 1
             ws = [(torch.randn(Et, *sh, device=dev, generator=g) * 0.02).bfloat16() for sh in ((I, D), (I, D), (D, I))]
             if fp8:
@@ -99,6 +103,7 @@ def sweep_rows(args) -> None:
             nbytes = Et * 3 * I * D * (1 + 4 / 128 if fp8 else 2)
             M.MOE_CONFIGS.gpu.clear()
             M.MOE_CONFIGS.gpu.update(default)
+            M.MOE_CONFIGS.clear_caches()
             alone = [run(1)[0], M.moe_experts(h[R - 1:], ids[R - 1:], w[R - 1:], *ws, shared_expert=E, act_dtype=adt)[0]]
             _warm(run)
             base_ms = _time(run, 5)
@@ -106,32 +111,35 @@ def sweep_rows(args) -> None:
                   f"{nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW for every expert's bytes", flush=True)
             for kernel in ("gate_up", "down"):
                 best = None
-                for bm, tn, tk, wp in itertools.product((32, 64), (64, 128), (64, 128), (4, 8)):
+                for bm, tn, tk, wp, stg in grid:
                     M.MOE_CONFIGS.gpu.clear()
                     M.MOE_CONFIGS.gpu.update(default)
                     M.MOE_CONFIGS.gpu[(kernel, *fmt, "rows")] = M.MoEConfig(
-                        tile_n=tn, tile_k=tk, num_warps=wp, num_stages=3, block_m=bm, min_rows=2,
+                        tile_n=tn, tile_k=tk, num_warps=wp, num_stages=stg, block_m=bm, min_rows=2,
                         fp8_route="f32" if fp8 else "direct")
+                    M.MOE_CONFIGS.clear_caches()
                     try:
                         out = run()
                         inv = bool(torch.equal(out[0], alone[0]) and torch.equal(out[R - 1], alone[1]))
                         ms = _time(run, 5)
                     except Exception as e:  # noqa: BLE001 (shared memory: report, go on)
-                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}: {type(e).__name__}", flush=True)
+                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}/s{stg}: {type(e).__name__}", flush=True)
                         continue
                     rows.append(dict(shape=name, fp8=fp8, kernel=kernel, block_m=bm, tile_n=tn, tile_k=tk, warps=wp,
-                                     ms=ms, inv=inv))
+                                     stages=stg, ms=ms, inv=inv))
                     if inv and (best is None or ms < best[0]):
-                        best = (ms, bm, tn, tk, wp)
+                        best = (ms, bm, tn, tk, wp, stg)
                     if not inv:
-                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}: ROWS DIFFER from the decode tiles", flush=True)
+                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}/s{stg}: ROWS DIFFER from the decode tiles", flush=True)
                 if best:
-                    print(f"   {kernel:8s} best block_m={best[1]} tile_n={best[2]} tile_k={best[3]} warps={best[4]}: "
-                          f"whole call {best[0]:.3f} ms", flush=True)
+                    print(f"   {kernel:8s} best block_m={best[1]} tile_n={best[2]} tile_k={best[3]} warps={best[4]} "
+                          f"stages={best[5]}: whole call {best[0]:.3f} ms = "
+                          f"{nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW", flush=True)
             del ws
             torch.cuda.empty_cache()
     M.MOE_CONFIGS.gpu.clear()
     M.MOE_CONFIGS.gpu.update(default)
+    M.MOE_CONFIGS.clear_caches()
     with open(os.path.join(args.out, "moe_rows.json"), "w") as f:
         json.dump(rows, f)
     print(f"\nsummed over shapes (ms), best 4 per kernel and format; {sum(not r['inv'] for r in rows)} configs "
@@ -141,11 +149,12 @@ def sweep_rows(args) -> None:
             tot = {}
             for r in rows:
                 if r["kernel"] == kernel and r["fp8"] == fp8 and r["inv"]:
-                    tot.setdefault((r["block_m"], r["tile_n"], r["tile_k"], r["warps"]), []).append(r["ms"])
-            full = {k_: sum(v) for k_, v in tot.items() if len(v) == len(SHAPES)}
+                    tot.setdefault((r["block_m"], r["tile_n"], r["tile_k"], r["warps"], r["stages"]),
+                                   []).append(r["ms"])
+            full = {k_: sum(v) for k_, v in tot.items() if len(v) == len(shapes)}
             for key, ms in sorted(full.items(), key=lambda t: t[1])[:4]:
                 print(f"  {'fp8 ' if fp8 else 'bf16'} {kernel:8s} block_m={key[0]} tile_n={key[1]} tile_k={key[2]} "
-                      f"warps={key[3]}: {ms:.3f}")
+                      f"warps={key[3]} stages={key[4]}: {ms:.3f}")
 
 
 def main():
@@ -153,6 +162,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--rows", type=int, default=0, help="sweep the row-tile entries at this many rows")
+    ap.add_argument("--rows-formats", default="bf16,fp8", help="--rows: weight formats (bf16, fp8)")
+    ap.add_argument("--rows-block-m", default="32,64", help="--rows: pairs per tile to try")
+    ap.add_argument("--rows-tiles-n", default="64,128", help="--rows: N tiles to try")
+    ap.add_argument("--rows-tiles-k", default="64,128", help="--rows: K tiles to try")
+    ap.add_argument("--rows-warps", default="4,8", help="--rows: warps to try")
+    ap.add_argument("--rows-stages", default="3", help="--rows: pipeline stages to try")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="expert shapes to sweep (names)")
     ap.add_argument("--ns", default="1,16", help="decode batches")
     ap.add_argument("--warps", default="4", help="--fp8: warps per program to try")

@@ -359,3 +359,44 @@ def test_segments_bad_table(device):
     out = GD.gdn_prefill_segments(*args, state0.clone(), torch.zeros(0, 4, dtype=torch.int64, device=device),
                                   out=poisoned(tuple(args[2].shape), device=device))
     assert torch.isnan(out).all()
+
+
+# ----------------------------------------------------------------------------- how far prefill loads run ahead
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_prefill_lookahead_keeps_decode_bits(device, prefetch):
+    """Prefill with its loads 0, 1 or 2 tokens ahead of the recurrence (``GDNConfig.prefetch``; at 2 the
+    next token's S-free part runs beside this token's update) gives every segment's outputs, kept states and
+    final state bitwise equal to decode steps of the same tile, for chunks of 1, 2, 3 and 7 tokens (the
+    lookahead's edges). Control: one ulp in a chunk's last token (the one loaded furthest ahead) changes its
+    last output."""
+    Hk, Hv, Dk, Dv = 2, 4, 16, 24
+    base = GD.GDN_CONFIGS(Hv, Dk, Dv)
+    cfg = GD.GDNConfig(block_h=base.block_h, block_k=base.block_k, block_v=base.block_v,
+                       num_warps=base.num_warps, prefetch=prefetch)
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=21)
+    segments = [(0, 1, 1, -1), (1, 2, 2, 0), (3, 3, 4, 2), (6, 7, 6, -1)]   # (first row, T, slot, states row)
+    q, k, v, a, b = _inputs(g, 13, Hk, Hv, Dk, Dv, torch.bfloat16, device)
+    table = torch.tensor(segments, dtype=torch.int64, device=device)
+    with GD.GDN_CONFIGS.forced(lambda *key: cfg):
+        st = state0.clone()
+        kept = poisoned((5, Hv, Dk, Dv), device=device)
+        out = GD.gdn_prefill_segments(q, k, v, a, b, A_log, dt_bias, st, table, states_out=kept)
+        st_d = state0.clone()
+        for r0, T, slot, s0 in segments:
+            one = torch.tensor([slot], dtype=torch.int32, device=device)
+            for t in range(r0, r0 + T):
+                o = gdn_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], A_log, dt_bias, st_d, one)
+                if INTERPRET:
+                    assert torch.equal(out[t:t + 1], o), (prefetch, t)
+                else:
+                    torch.testing.assert_close(out[t:t + 1], o, atol=1e-6, rtol=1e-6)
+                if s0 >= 0 and INTERPRET:
+                    assert torch.equal(kept[s0 + t - r0], st_d[slot]), (prefetch, t)
+        if INTERPRET:
+            assert torch.equal(st, st_d)
+        # control: the 7-token chunk's last token, one ulp off in its gate input
+        b2 = b.clone()
+        b2.view(torch.int16)[12] += 1
+        out2 = GD.gdn_prefill_segments(q, k, v, a, b2, A_log, dt_bias, state0.clone(), table)
+    assert torch.equal(out2[:12], out[:12]) and not torch.equal(out2[12], out[12])
