@@ -235,16 +235,30 @@ def default_split(kind, shape):
 
 
 def parse_schedules(text):
-    """``64-2048/32,2048`` -> [SplitSchedule(64, 2048, 32), SplitSchedule.fixed(2048)]."""
+    """``64-2048/32,2048,64-2048/16:1`` -> [(SplitSchedule(64, 2048, 32), None), (SplitSchedule.fixed(2048),
+    None), (SplitSchedule(64, 2048, 16), 1)]: a schedule and the merge's ``merge_stages`` (``:S``; none: the
+    table's)."""
     out = []
     for item in filter(None, text.split(",")):
+        item, _, stages = item.partition(":")
+        stages = int(stages) if stages else None
         if "-" in item:
             rng, t = item.split("/")
             lo, hi = rng.split("-")
-            out.append(SplitSchedule(int(lo), int(hi), int(t)))
+            out.append((SplitSchedule(int(lo), int(hi), int(t)), stages))
         else:
-            out.append(SplitSchedule.fixed(int(item)))
+            out.append((SplitSchedule.fixed(int(item)), stages))
     return out
+
+
+def table_config(kind, shape, sched, stages):
+    """The table config of ``sched`` with ``merge_stages`` replaced (None: the table's own config)."""
+    if not stages:
+        return None
+    if kind == "gqa":
+        d = max(16, 1 << (shape[2] - 1).bit_length())
+        return dataclasses.replace(A.ATTENTION_CONFIGS(sched.min_split, d, d), merge_stages=stages)
+    return dataclasses.replace(M.MLA_CONFIGS(*shape, sched.min_split), merge_stages=stages)
 
 
 def schedule_table(kind, shape, schedules, cells, gen, bw):
@@ -257,13 +271,15 @@ def schedule_table(kind, shape, schedules, cells, gen, bw):
         except torch.OutOfMemoryError:
             log(f"  {kind} {shape} L={L} B={B}: does not fit")
             continue
-        for sched in schedules:
-            ms = time_case(kind, p, sched, None)
-            err, inv = check_case(kind, p, sched, None)
+        for sched, stages in schedules:
+            cfg = table_config(kind, shape, sched, stages)
+            label = describe(sched) + (f" merge stages {stages}" if stages else "")
+            ms = time_case(kind, p, sched, cfg)
+            err, inv = check_case(kind, p, sched, cfg)
             tbs = p["bytes"] / (ms * 1e-3) / 1e12
-            rows.append((kind, shape, L, B, describe(sched), ms, tbs, 100 * tbs * 1e12 / bw, f"{err:.1e}",
+            rows.append((kind, shape, L, B, label, ms, tbs, 100 * tbs * 1e12 / bw, f"{err:.1e}",
                          "yes" if inv else "**NO**"))
-            log(f"  {kind} {shape} L={L} B={B} {describe(sched)}: {ms:.4f} ms {tbs:.2f} TB/s "
+            log(f"  {kind} {shape} L={L} B={B} {label}: {ms:.4f} ms {tbs:.2f} TB/s "
                 f"{rows[-1][7]:.0f}% err {err:.1e} inv {inv}")
         del p
         torch.cuda.empty_cache()
@@ -311,7 +327,8 @@ def main():
     ap.add_argument("--sweep-only", default=None, help="comma-separated shape kinds to sweep (default: --only)")
     ap.add_argument("--schedules", default=None,
                     help="split schedules to compare instead of the length x batch table, per kind: "
-                         "'gqa=64-2048/32,2048;mla=256-1024/16,1024' (min-max/target or a fixed size)")
+                         "'gqa=64-2048/32,2048;mla=256-1024/16,1024' (min-max/target or a fixed size; "
+                         ":S after one: the merge's merge_stages S)")
     ap.add_argument("--cells", default="4096x1,8192x1,32768x1,8192x8,32768x8,8192x64",
                     help="LxB cells of --schedules")
     ap.add_argument("--mla-configs", default=None,

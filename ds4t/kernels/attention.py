@@ -71,11 +71,9 @@ _LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------- configuration
 
 
-def default_split_schedule(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> SplitSchedule:
-    """The split schedule (:mod:`ds4t.kernels.splits`) for these head dims and cache dtype: splits of
-    64 .. 2048 positions, at most 16 per row below 32k positions.
+def _gqa_schedule(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> SplitSchedule:
+    """Splits of 64 .. 2048 positions, at most 16 per row below 32k positions.
 
-    Depends on nothing else (never on the batch size; a row's split only on its own length).
     Measured on the H200 (bench/results/2026-11-30-h200-attention-splits.md, 6 schedules x 6 cells
     per head shape): one split size of 2048 for every row gave a lone row of 4k positions 2 splits
     per kv head (4 programs on 132 SMs: 78 us for Qwen3-Next's 8 MB); this schedule takes 19 us there,
@@ -83,6 +81,30 @@ def default_split_schedule(head_dim: int, head_dim_v: int, dtype: torch.dtype) -
     fixed 2048: 40-104 %). Shorter splits (<= 32 per row, or 32-position splits) lose at B >= 8.
     """
     return SplitSchedule(64, 2048, 16)
+
+
+SPLIT_SCHEDULES: ConfigTable[SplitSchedule] = ConfigTable(
+    "attention_splits",
+    # d 256 (Qwen3-Next: 2 kv heads, so a lone row has 2 programs a split): splits stop growing at 1024,
+    # i.e. 32 splits at 32k. H200, bench/results/2026-12-04-h200-gdn-attention-merge.md: a lone row of 32k
+    # 84.0 -> 47.6 us, B = 8 / 64 at 32k +10 % / +5 %, rows up to 16k unchanged; the 4-layer model's
+    # N = 1 step at 32k 0.584 -> 0.505 ms, N = 64 +1.2 %. d 128 (GLM-4.5: 8 kv heads, 128 programs a
+    # lone row already) keeps 2048: 1024 gave 32k -3 % at N = 1 and +4-5 % at B >= 8.
+    gpu={(256, 256, torch.bfloat16): SplitSchedule(64, 1024, 16)},
+    gpu_rule=_gqa_schedule, interp_rule=_gqa_schedule,
+    source="bench/results/2026-11-30-h200-attention-splits.md, bench/results/2026-12-04-h200-gdn-attention-merge.md "
+           "(bench/bench_attention.py --schedules; bench/step_ab.py)")
+"""Keyed on (head_dim, head_dim_v, cache dtype): the KV split schedule of :func:`decode_attention` -- a
+table like the launch constants, so a benchmark or a researcher overrides it the same way
+(``config.overridden({"attention_splits": [{"key": [256, 256, "torch.bfloat16"], "fields": {...}}]})``).
+Never keyed on the batch; a row's split follows its own length only."""
+
+
+def default_split_schedule(head_dim: int, head_dim_v: int, dtype: torch.dtype) -> SplitSchedule:
+    """The split schedule (:mod:`ds4t.kernels.splits`) for these head dims and cache dtype
+    (:data:`SPLIT_SCHEDULES`). Depends on nothing else (never on the batch size; a row's split only on
+    its own length)."""
+    return SPLIT_SCHEDULES(head_dim, head_dim_v, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +118,7 @@ class AttentionConfig:
     merge_warps: Optional[int] = None
     run_rows: int = 1               # rows per program of a launch told its rows come in same-slot runs
     run_warps: Optional[int] = None
+    merge_stages: int = 4           # merge: loads of this many splits in flight (1: one split at a time)
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -499,7 +522,7 @@ def _attn_merge_kernel(
     L, NS,
     HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr, GATED: tl.constexpr, MERGE_STAGES: tl.constexpr,
 ):
     # grid (B, Hkv, value-column blocks): the merge is elementwise in the value columns, so the
     # column block changes no bit; it only gives a row more programs.
@@ -519,7 +542,9 @@ def _attn_merge_kernel(
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, MERGE_DV], tl.float32)
-    for s in range(0, nvalid):               # fixed ascending order
+    # Fixed ascending order. The loads do not depend on the running max: MERGE_STAGES splits' loads are
+    # in flight at once (without it every split waited for its own, ~1 us a split at 32-64 splits a row).
+    for s in tl.range(0, nvalid, num_stages=MERGE_STAGES):
         row = (b * NS + s) * HQ + qh
         m_s = tl.load(m_ptr + row, mask=hm, other=0.0)
         l_s = tl.load(l_ptr + row, mask=hm, other=0.0)
@@ -667,6 +692,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             y, *y.stride(), *g_args,
             L, NS,
             HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv, GATED=gated,
+            MERGE_STAGES=cfg.merge_stages,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     return y if gated or out_dtype == torch.float32 else out.to(out_dtype)

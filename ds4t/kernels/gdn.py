@@ -68,7 +68,7 @@ GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
     source="bench/results/2026-11-30-h200-prefill-round3.md (python bench/gdn_tiles.py): one value head, 32 Dv "
            "columns, 4 warps -- the fastest decode at R = 16 / 64 among 11 configs (decode and prefill must share "
            "the tile: their bits); loads two tokens ahead: prefill 1.333 -> 1.242 ms a 1024-token chunk against "
-           "one ahead, the same bits (bench/results/2026-12-04-h200-prefill-moe-rows.md)")
+           "one ahead, the same bits (bench/results/2026-12-04-h200-gdn-attention-merge.md)")
 """Keyed on the head shapes (Hv, Dk, Dv), never on the number of rows."""
 
 

@@ -64,7 +64,7 @@ _MAX_GRID_Y = 65535  # CUDA limit on grid axis 1 (rows); larger batches are laun
 # configuration (shapes only)
 # --------------------------------------------------------------------------------------------
 
-def default_split_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> SplitSchedule:
+def _mla_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> SplitSchedule:
     """Tokens per KV split as a function of a row's length: up to the power of two nearest below
     2 MiB of cache per split, in [64, 1024] (DeepSeek-V3, R=512, Dr=64: 1024 for bf16/fp16, 512 for
     fp32), down to an eighth of that for short rows, at most 16 splits per row below 16 long splits.
@@ -83,6 +83,18 @@ def default_split_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype)
     return SplitSchedule(max(16, longest // 8), longest, 16)
 
 
+MLA_SPLIT_SCHEDULES: ConfigTable[SplitSchedule] = ConfigTable(
+    "mla_splits", gpu={}, gpu_rule=_mla_schedule, interp_rule=_mla_schedule,
+    source="bench/results/2026-11-30-h200-attention-splits.md (bench/bench_attention.py --schedules)")
+"""Keyed on (kv_lora_rank, rope_dim, cache dtype): the KV split schedule of :func:`mla_decode`, a table
+like the launch constants (``config.overridden``); never keyed on the batch."""
+
+
+def default_split_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> SplitSchedule:
+    """The split schedule for this latent width, rope dim and cache dtype (:data:`MLA_SPLIT_SCHEDULES`)."""
+    return MLA_SPLIT_SCHEDULES(kv_lora_rank, rope_dim, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Launch constants of mla_decode: heads per split program, tokens per tile, heads per merge
@@ -93,6 +105,7 @@ class MLAConfig:
     num_warps: int
     num_stages: int = 2
     merge_warps: int = 4
+    merge_stages: int = 4   # merge: loads of this many splits in flight (1: one split at a time)
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -252,6 +265,7 @@ def _mla_merge_kernel(
     lengths_ptr, H, L, NS,
     R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
 ):
     grid_dependency()
     hb = tl.program_id(0)
@@ -267,12 +281,12 @@ def _mla_merge_kernel(
         om = hm[:, None] & (rr < R)[None, :]
         row0 = b64 * NS * H + heads
         m_max = tl.full([MH], float("-inf"), tl.float32)
-        for s in range(0, n):
+        for s in tl.range(0, n, num_stages=MERGE_STAGES):   # loads of several splits in flight
             m_s = tl.load(pm_ptr + row0 + s * H, mask=hm, other=0.0)
             m_max = tl.maximum(m_max, m_s)
         num = tl.zeros([MH, RP], tl.float32)
         den = tl.zeros([MH], tl.float32)
-        for s in range(0, n):  # ascending split order, always
+        for s in tl.range(0, n, num_stages=MERGE_STAGES):  # ascending split order, always
             prow = row0 + s * H
             w = tl.exp2(tl.load(pm_ptr + prow, mask=hm, other=0.0) - m_max)
             den = den + w * tl.load(pl_ptr + prow, mask=hm, other=1.0)
@@ -515,7 +529,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 o_c, out.stride(0), out.stride(1),
                 po_c, pm_c, pl_c,
                 lengths[b0:b1], H, L, NS,
-                R=R, RP=RP, MH=MH, **sched.kernel_args(),
+                R=R, RP=RP, MH=MH, **sched.kernel_args(), MERGE_STAGES=cfg.merge_stages,
                 num_warps=cfg.merge_warps, **LAUNCH,
             )
     return out

@@ -172,10 +172,22 @@ def test_bad_arguments(device):
         decode_attention(torch.randn(1, 4, 16), kc, vc.bfloat16(), scale=1.0, **ok)
 
 
-def test_default_split_schedule_depends_on_head_dims_only():
+def test_default_split_schedule_depends_on_head_dims_only(device):
     for d in (128, 256):
         for dt in (torch.bfloat16, torch.float32):
-            assert default_split_schedule(d, d, dt) == SplitSchedule(64, 2048, 16)
+            assert default_split_schedule(d, d, dt) == A.SPLIT_SCHEDULES(d, d, dt)
+    assert A._gqa_schedule(128, 128, torch.bfloat16) == SplitSchedule(64, 2048, 16)
+    # the table is what decode_attention reads: forcing it is the same as passing the schedule
+    g = _gen(34)
+    kc, vc = _cache(2, 200, 2, 32, 32, torch.bfloat16, device, g)
+    q = torch.randn(2, 4, 32, generator=g).to(device)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([200, 90], dtype=torch.int32, device=device)
+    sched = SplitSchedule(16, 32, 2)
+    with A.SPLIT_SCHEDULES.forced(lambda *key: sched):
+        forced = _run(q, kc, vc, slots, lengths, 0.2)
+    assert torch.equal(forced, _run(q, kc, vc, slots, lengths, 0.2, split_size=sched))
+    assert not torch.equal(forced, _run(q, kc, vc, slots, lengths, 0.2))
     with pytest.raises(ValueError, match="split_size"):   # GQA splits are powers of two >= 16
         decode_attention(torch.randn(1, 4, 16), torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16),
                          torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0,
@@ -387,6 +399,34 @@ def test_same_slot_runs_one_split_and_empty_rows(device):
         split = _run(q, kc, vc, slots, lengths, 0.2, split_size=64)
         got = _run(q, kc, vc, slots, lengths, 0.2, split_size=64, same_slot_runs=True)
     assert torch.equal(got, split) and torch.equal(got[lengths == 0], torch.zeros_like(got[lengths == 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_merge_stages_change_no_bit(device, dtype):
+    """``merge_stages`` (how many splits' partials the merge loads ahead) changes no bit: rows of one split
+    (stored by the split kernel), a split boundary, mid-tile ends and 19 splits, gated too. Control: the same
+    rows under another split schedule differ."""
+    import dataclasses
+
+    rule = A._interp_config if INTERPRET else A._gpu_config
+    HQ, HKV, D, DV = 6, 2, 48, 40
+    g = _gen(33)
+    kc, vc = _cache(3, 300, HKV, D, DV, dtype, device, g)
+    slots = torch.tensor([0, 1, 2, 1, 0, 2, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([1, 16, 17, 64, 150, 299, 300], dtype=torch.int32, device=device)
+    q = torch.randn(7, HQ, D, generator=g).to(device)
+    gate = torch.randn(7, HQ * DV, generator=g).to(device)
+    got = {}
+    with launcher_path(A, False):
+        for stages in (1, 2, 4):
+            with A.ATTENTION_CONFIGS.forced(lambda *key: dataclasses.replace(rule(*key), merge_stages=stages)):
+                got[stages] = (_run(q, kc, vc, slots, lengths, 0.2, split_size=16),
+                               decode_attention(q, kc, vc, slots, lengths, 0.2, split_size=16, gate=gate))
+        other = _run(q, kc, vc, slots, lengths, 0.2, split_size=32)
+    for stages in (2, 4):
+        assert torch.equal(got[stages][0], got[1][0]) and torch.equal(got[stages][1], got[1][1])
+    _assert_close(got[4][0], decode_attention_ref(q, kc, vc, slots, lengths, 0.2), dtype)
+    assert not torch.equal(other[4:], got[4][0][4:])
 
 
 # ----------------------------------------------------------------------------- one split, gate

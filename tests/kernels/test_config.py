@@ -18,12 +18,13 @@ from ds4t.kernels.config import ConfigTable
 # module -> {attribute: ConfigTable.kernel}
 EXPECTED = {
     "activation": {"ACTIVATION_CONFIGS": "activation"},
-    "attention": {"ATTENTION_CONFIGS": "decode_attention"},
+    "attention": {"ATTENTION_CONFIGS": "decode_attention", "SPLIT_SCHEDULES": "attention_splits"},
     "conv": {"CONV_CONFIGS": "conv1d"},
     "embedding": {"EMBEDDING_CONFIGS": "embedding"},
     "gdn": {"GDN_CONFIGS": "gdn"},
     "linear": {"LINEAR_CONFIGS": "linear", "LINEAR_ROW_TILES": "linear_rows", "SPLITK_SUM_CONFIGS": "splitk_sum"},
-    "mla": {"MLA_CONFIGS": "mla_decode", "WRITE_LATENT_CONFIGS": "write_latent"},
+    "mla": {"MLA_CONFIGS": "mla_decode", "WRITE_LATENT_CONFIGS": "write_latent",
+            "MLA_SPLIT_SCHEDULES": "mla_splits"},
     "moe": {"MOE_CONFIGS": "moe", "MOE_COMBINE_CONFIGS": "moe_combine"},
     "norm": {"NORM_CONFIGS": "rms_norm"},
     "qlinear": {"QLINEAR_CONFIGS": "qlinear"},

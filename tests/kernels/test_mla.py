@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ds4t  # noqa: F401
+from ds4t.backend import INTERPRET
 from ds4t.kernels.mla import (
     MLA_CONFIGS,
     TOLERANCE,
@@ -22,6 +23,7 @@ from ds4t.kernels.mla import (
     write_latent,
     write_latent_ref,
 )
+from ds4t.kernels import mla as MLA
 from ds4t.kernels import norm, rope
 from ds4t.kernels.splits import SplitSchedule
 from tests.kernels.invariance import assert_rows_invariant, poisoned
@@ -285,7 +287,28 @@ def test_query_in_cache_dtype_gives_the_same_bits(dtype, tile, device):
     assert not torch.equal(run(off, qp.to(dtype)), wide)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_merge_stages_change_no_bit(dtype, device):
+    """``MLAConfig.merge_stages`` (how many splits' partials the merge loads ahead) changes no bit, for rows
+    of one to 19 splits. Control: another split schedule changes the rows of several splits."""
+    import dataclasses
+
+    H, R, Dr, S, L = 6, 48, 16, 3, 300
+    slots, lengths = [0, 1, 2, 1], [300, 1, 33, 150]
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, dtype, slots, lengths, seed=23, device=device)
+    rule = MLA._interp_config if INTERPRET else MLA._gpu_config
+    got = {}
+    for stages in (1, 4):
+        with MLA_CONFIGS.forced(lambda *k: dataclasses.replace(rule(*k), merge_stages=stages)):
+            got[stages] = mla_decode(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R, split_size=16,
+                                     out=poisoned((4, H, R), device=device))
+    assert torch.isfinite(got[4]).all() and torch.equal(got[4], got[1])
+    other = mla_decode(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R, split_size=32)
+    assert not torch.equal(other[[0, 3]], got[4][[0, 3]])
+
+
 def test_default_split_schedule():
+    assert default_split_schedule(512, 64, torch.bfloat16) == MLA.MLA_SPLIT_SCHEDULES(512, 64, torch.bfloat16)
     assert default_split_schedule(512, 64, torch.bfloat16) == SplitSchedule(128, 1024, 16)
     assert default_split_schedule(512, 64, torch.float16) == SplitSchedule(128, 1024, 16)
     assert default_split_schedule(512, 64, torch.float32) == SplitSchedule(64, 512, 16)
