@@ -16,8 +16,8 @@ Inputs of any float dtype are upcast to fp32; all arithmetic is fp32.
 
 Kernels: one program per (row, block of value heads, Dv tile). On the GPU a program holds one
 value head and a Dv tile of 32 columns (columns of S are independent, so splitting Dv changes no
-sum); prefill loads token t + 2 and runs token t + 1's S-free part (the q / k norms, decay, beta) while
-token t's update runs (the step is a latency-bound chain of Dk reductions); in the interpreter one program holds all heads and all of Dv (fewer, bigger programs). The
+sum); prefill loads token t + 1 while token t's step runs (the step is a latency-bound chain of Dk
+reductions); in the interpreter one program holds all heads and all of Dv (fewer, bigger programs). The
 Dk reductions always run over the whole of Dk inside one program. Tiles depend on (Hv, Dk, Dv)
 only, never on the number of rows; rows never interact, so a row's output and new state are
 bitwise the same whatever else shares the launch. Rows must name distinct slots.
@@ -56,50 +56,35 @@ class GDNConfig:
     block_k: int
     block_v: int
     num_warps: int = 4
-    prefetch: int = 1   # prefill: how far loads run ahead of the recurrence (0, 1, 2; the same values, speed only)
+    prefetch: bool = True   # prefill: load token t + 1 before token t's step (the same values; speed only)
 
 
 GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
     "gdn", gpu={},
     gpu_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=1, block_k=triton.next_power_of_2(Dk),
-                                          block_v=min(32, triton.next_power_of_2(Dv)), prefetch=2),
+                                          block_v=min(32, triton.next_power_of_2(Dv))),
     interp_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=triton.next_power_of_2(Hv), block_k=triton.next_power_of_2(Dk),
                                              block_v=triton.next_power_of_2(Dv)),
     source="bench/results/2026-11-30-h200-prefill-round3.md (python bench/gdn_tiles.py): one value head, 32 Dv "
-           "columns, 4 warps -- the fastest decode at R = 16 / 64 among 11 configs (decode and prefill must share "
-           "the tile: their bits); loads two tokens ahead: prefill 1.333 -> 1.242 ms a 1024-token chunk against "
-           "one ahead, the same bits (bench/results/2026-12-04-h200-gdn-attention-merge.md)")
+           "columns, 4 warps, prefetch -- the fastest decode at R = 16 / 64 among 11 configs, prefill 1.2x the "
+           "same tile without prefetch (decode and prefill must share the tile: their bits)")
 """Keyed on the head shapes (Hv, Dk, Dv), never on the number of rows."""
-
-
-@triton.jit
-def _gdn_prepare(q, k, a, b, A_log, dt_bias, scale, EPS: tl.constexpr):
-    """The part of a token's step that does not read S: q,k [BH,BK]; a,b,A_log,dt_bias [BH] ->
-    (q normed and scaled, k normed, the decay exp(g) [BH], beta [BH])."""
-    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + EPS)[:, None]
-    q = q * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
-    g = -tl.exp(A_log) * softplus(a + dt_bias)
-    beta = sigmoid(b)
-    return q, k, tl.exp(g), beta
-
-
-@triton.jit
-def _gdn_update(S, q, k, v, decay, beta):
-    """The part that does: S [BH,BK,BV] fp32, v [BH,BV] and :func:`_gdn_prepare`'s outputs -> (S, o)."""
-    S = S * decay[:, None, None]
-    kv = tl.sum(S * k[:, :, None], axis=1)                 # S^T k   [BH, BV]
-    delta = (v - kv) * beta[:, None]
-    S = S + k[:, :, None] * delta[:, None, :]
-    o = tl.sum(S * q[:, :, None], axis=1)                  # S^T q   [BH, BV]
-    return S, o
 
 
 @triton.jit
 def _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS: tl.constexpr):
     """One token. S [BH,BK,BV] fp32; q,k [BH,BK]; v [BH,BV]; a,b,A_log,dt_bias [BH]. -> (S, o)."""
-    q, k, decay, beta = _gdn_prepare(q, k, a, b, A_log, dt_bias, scale, EPS)
-    return _gdn_update(S, q, k, v, decay, beta)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + EPS)[:, None]
+    q = q * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
+    g = -tl.exp(A_log) * softplus(a + dt_bias)
+    beta = sigmoid(b)
+    S = S * tl.exp(g)[:, None, None]
+    kv = tl.sum(S * k[:, :, None], axis=1)                 # S^T k   [BH, BV]
+    delta = (v - kv) * beta[:, None]
+    S = S + k[:, :, None] * delta[:, None, :]
+    o = tl.sum(S * q[:, :, None], axis=1)                  # S^T q   [BH, BV]
+    return S, o
 
 
 @triton.jit
@@ -133,7 +118,7 @@ def _gdn_kernel(
     PREFILL: tl.constexpr,
     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
     states_ptr, sst_t, can_keep,
-    PREFETCH: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = True,
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
     # Prefill: program (segment, head block, Dv tile); segment g = slots[g] = (first row r0, T rows,
@@ -183,36 +168,18 @@ def _gdn_kernel(
     o_off = h[:, None] * so_h + dv[None, :] * so_v
     if PREFILL:
         # Walk the token rows by advancing 64-bit pointers. The step is latency-bound (a chain of Dk
-        # reductions per token), so the loads run ahead of it: PREFETCH = 1 issues token t + 1's loads
-        # before token t's step; PREFETCH = 2 issues token t + 2's and also runs token t + 1's S-free
-        # part (_gdn_prepare: the q / k norms, decay, beta) beside token t's update, leaving one Dk
-        # reduction (S^T k) on the chain from one token's S to the next. Every token sees the same
-        # values and the same operations in each case (decode calls the same two functions).
+        # reductions per token), so PREFETCH issues token t + 1's loads before token t's step; without
+        # it they follow the step. Either way the step sees the same values.
         q, k, v, a, b = _load_token(h, hk, dk, dv, tl.where(T > 0, hm, False), km, vm,
                                     q_ptr, sq_h, sq_d, k_ptr, sk_h, sk_d, v_ptr, sv_h, sv_d,
                                     a_ptr, sa_h, b_ptr, sb_h)
-        if PREFETCH == 2:
-            q, k, decay, beta = _gdn_prepare(q, k, a, b, A_log, dt_bias, scale, EPS)
-            q1, k1, v1, a1, b1 = _load_token(h, hk, dk, dv, tl.where(T > 1, hm, False), km, vm,
-                                             q_ptr + sq_r, sq_h, sq_d, k_ptr + sk_r, sk_h, sk_d,
-                                             v_ptr + sv_r, sv_h, sv_d, a_ptr + sa_r, sa_h, b_ptr + sb_r, sb_h)
         for t in range(T):
-            if PREFETCH == 2:
-                ahead = tl.where(t + 2 < T, hm, False)
-                q2, k2, v2, a2, b2 = _load_token(h, hk, dk, dv, ahead, km, vm,
-                                                 q_ptr + 2 * sq_r, sq_h, sq_d, k_ptr + 2 * sk_r, sk_h, sk_d,
-                                                 v_ptr + 2 * sv_r, sv_h, sv_d, a_ptr + 2 * sa_r, sa_h,
-                                                 b_ptr + 2 * sb_r, sb_h)
-                qn, kn, decay_n, beta_n = _gdn_prepare(q1, k1, a1, b1, A_log, dt_bias, scale, EPS)
-                S, o = _gdn_update(S, q, k, v, decay, beta)
-            else:
-                more = tl.where(t + 1 < T, hm, False)   # docs/design.md: a scalar condition masks through tl.where
-                if PREFETCH == 1:
-                    q2, k2, v2, a2, b2 = _load_token(h, hk, dk, dv, more, km, vm,
-                                                     q_ptr + sq_r, sq_h, sq_d, k_ptr + sk_r, sk_h, sk_d,
-                                                     v_ptr + sv_r, sv_h, sv_d, a_ptr + sa_r, sa_h, b_ptr + sb_r,
-                                                     sb_h)
-                S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
+            more = tl.where(t + 1 < T, hm, False)   # docs/design.md: a scalar condition masks through tl.where
+            if PREFETCH:
+                q2, k2, v2, a2, b2 = _load_token(h, hk, dk, dv, more, km, vm,
+                                                 q_ptr + sq_r, sq_h, sq_d, k_ptr + sk_r, sk_h, sk_d,
+                                                 v_ptr + sv_r, sv_h, sv_d, a_ptr + sa_r, sa_h, b_ptr + sb_r, sb_h)
+            S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
             tl.store(out_ptr + o_off, o, mask=o_m)
             if keep != 0:
                 tl.store(states_ptr + s_off, S, mask=s_m)
@@ -223,10 +190,7 @@ def _gdn_kernel(
             a_ptr += sa_r
             b_ptr += sb_r
             out_ptr += so_r
-            if PREFETCH == 2:
-                q, k, v, decay, beta = qn, kn, v1, decay_n, beta_n
-                q1, k1, v1, a1, b1 = q2, k2, v2, a2, b2
-            elif PREFETCH == 1:
+            if PREFETCH:
                 q, k, v, a, b = q2, k2, v2, a2, b2
             else:
                 q, k, v, a, b = _load_token(h, hk, dk, dv, more, km, vm,
@@ -300,7 +264,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         slots,
         out, *out.stride(),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
-        PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS, PREFETCH=int(cfg.prefetch),
+        PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, **keep, **LAUNCH,
     )
     if gated_norm is not None:

@@ -363,13 +363,12 @@ def test_segments_bad_table(device):
 
 # ----------------------------------------------------------------------------- how far prefill loads run ahead
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [False, True])
 def test_prefill_lookahead_keeps_decode_bits(device, prefetch):
-    """Prefill with its loads 0, 1 or 2 tokens ahead of the recurrence (``GDNConfig.prefetch``; at 2 the
-    next token's S-free part runs beside this token's update) gives every segment's outputs, kept states and
-    final state bitwise equal to decode steps of the same tile, for chunks of 1, 2, 3 and 7 tokens (the
-    lookahead's edges). Control: one ulp in a chunk's last token (the one loaded furthest ahead) changes its
-    last output."""
+    """Prefill with or without the next token's loads issued before this token's step
+    (``GDNConfig.prefetch``) gives every segment's outputs, kept states and final state bitwise equal to
+    decode steps of the same tile, for chunks of 1, 2, 3 and 7 tokens (the lookahead's edges). Control: one
+    ulp in a chunk's last token (the one loaded ahead) changes its last output."""
     Hk, Hv, Dk, Dv = 2, 4, 16, 24
     base = GD.GDN_CONFIGS(Hv, Dk, Dv)
     cfg = GD.GDNConfig(block_h=base.block_h, block_k=base.block_k, block_v=base.block_v,
