@@ -141,5 +141,7 @@ def test_real_text_native_equals_ordered_and_matches_transformers(smol, hf):
         err = rel_err(got, want)
         assert err < 1e-4, f"session {i}: logits rel err {err:.2e}"
         texts.append(codec.decode(gen))
-    assert texts[0].startswith("The capital of France is Paris"), texts
+    # The answer's opening words, or as much of them as DS4T_REAL_GGUF_TOKENS lets the session generate.
+    answer = "The capital of France is Paris"
+    assert (texts[0].startswith(answer) if len(texts[0]) >= len(answer) else answer.startswith(texts[0])), texts
     print("generated:", texts)
