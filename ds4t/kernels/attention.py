@@ -89,7 +89,8 @@ SPLIT_SCHEDULES: ConfigTable[SplitSchedule] = ConfigTable(
     # i.e. 32 splits at 32k. H200, bench/results/2026-12-04-h200-gdn-attention-merge.md: a lone row of 32k
     # 84.0 -> 47.6 us, B = 8 / 64 at 32k +10 % / +5 %, rows up to 16k unchanged; the 4-layer model's
     # N = 1 step at 32k 0.584 -> 0.505 ms, N = 64 +1.2 %. d 128 (GLM-4.5: 8 kv heads, 128 programs a
-    # lone row already) keeps 2048: 1024 gave 32k -3 % at N = 1 and +4-5 % at B >= 8.
+    # lone row already) keeps 2048: 1024 gave 32k -3 % at N = 1 and +4-5 % at B >= 8. Not measured past
+    # 32k, where d-256 rows now have 2x the splits they had (64 at 64k).
     gpu={(256, 256, torch.bfloat16): SplitSchedule(64, 1024, 16)},
     gpu_rule=_gqa_schedule, interp_rule=_gqa_schedule,
     source="bench/results/2026-11-30-h200-attention-splits.md, bench/results/2026-12-04-h200-gdn-attention-merge.md "
