@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+import triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -256,7 +257,7 @@ def table_config(kind, shape, sched, stages):
     if not stages:
         return None
     if kind == "gqa":
-        d = max(16, 1 << (shape[2] - 1).bit_length())
+        d = max(16, triton.next_power_of_2(shape[2]))   # decode_attention's BLOCK_D / BLOCK_DV
         return dataclasses.replace(A.ATTENTION_CONFIGS(sched.min_split, d, d), merge_stages=stages)
     return dataclasses.replace(M.MLA_CONFIGS(*shape, sched.min_split), merge_stages=stages)
 

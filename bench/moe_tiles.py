@@ -14,7 +14,8 @@ bench_decode (``ds4t.kernels.config.overridden``), so one device call can sweep 
 in a full model.
 
 ``--rows R``: the row-tile entries (key + ("rows",)) for a prefill chunk of R rows instead: pairs per
-tile (block_m), N / K tiles and warps, with the decode entries unchanged; each config's rows 0 and
+tile (``--block-m``), N / K tiles, warps and stages (the same flags as ``--fp8``, their own defaults), weight
+formats (``--formats``), with the decode entries unchanged; each config's rows 0 and
 R-1 must equal those rows launched alone (the decode tiles), bitwise. TFLOP/s counted from the pairs.
 
 Each config is also checked: the output equals the current default's within the bf16 tolerance,
@@ -84,10 +85,10 @@ def sweep_rows(args) -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     rows, R = [], args.rows
     ints = lambda text: [int(x) for x in text.split(",")]   # noqa: E731
-    grid = list(itertools.product(ints(args.rows_block_m), ints(args.rows_tiles_n), ints(args.rows_tiles_k),
-                                  ints(args.rows_warps), ints(args.rows_stages)))
+    grid = list(itertools.product(ints(args.block_m), ints(args.tiles_n), ints(args.tiles_k), ints(args.warps),
+                                  ints(args.stages)))
     shapes = [s_ for s_ in SHAPES if s_[0] in args.shapes.split(",")]
-    for fp8 in [f == "fp8" for f in args.rows_formats.split(",")]:
+    for fp8 in [f == "fp8" for f in args.formats.split(",")]:
         fmt = ("fp8",) if fp8 else ()
         for name, E, k, D, I in shapes:
             Et = E + 1
@@ -103,7 +104,6 @@ def sweep_rows(args) -> None:
             nbytes = Et * 3 * I * D * (1 + 4 / 128 if fp8 else 2)
             M.MOE_CONFIGS.gpu.clear()
             M.MOE_CONFIGS.gpu.update(default)
-            M.MOE_CONFIGS.clear_caches()
             alone = [run(1)[0], M.moe_experts(h[R - 1:], ids[R - 1:], w[R - 1:], *ws, shared_expert=E, act_dtype=adt)[0]]
             _warm(run)
             base_ms = _time(run, 5)
@@ -117,7 +117,6 @@ def sweep_rows(args) -> None:
                     M.MOE_CONFIGS.gpu[(kernel, *fmt, "rows")] = M.MoEConfig(
                         tile_n=tn, tile_k=tk, num_warps=wp, num_stages=stg, block_m=bm, min_rows=2,
                         fp8_route="f32" if fp8 else "direct")
-                    M.MOE_CONFIGS.clear_caches()
                     try:
                         out = run()
                         inv = bool(torch.equal(out[0], alone[0]) and torch.equal(out[R - 1], alone[1]))
@@ -139,7 +138,6 @@ def sweep_rows(args) -> None:
             torch.cuda.empty_cache()
     M.MOE_CONFIGS.gpu.clear()
     M.MOE_CONFIGS.gpu.update(default)
-    M.MOE_CONFIGS.clear_caches()
     with open(os.path.join(args.out, "moe_rows.json"), "w") as f:
         json.dump(rows, f)
     print(f"\nsummed over shapes (ms), best 4 per kernel and format; {sum(not r['inv'] for r in rows)} configs "
@@ -157,28 +155,33 @@ def sweep_rows(args) -> None:
                       f"warps={key[3]} stages={key[4]}: {ms:.3f}")
 
 
+_GRID_DEFAULTS = {"fp8": dict(tiles_n="16,32,64", tiles_k="64,128", warps="4", stages="3"),
+                  "rows": dict(tiles_n="64,128", tiles_k="64,128", warps="4,8", stages="3")}
+"""The tile grid a sweep tries where the command line names none: decode (--fp8) or row tiles (--rows)."""
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--rows", type=int, default=0, help="sweep the row-tile entries at this many rows")
-    ap.add_argument("--rows-formats", default="bf16,fp8", help="--rows: weight formats (bf16, fp8)")
-    ap.add_argument("--rows-block-m", default="32,64", help="--rows: pairs per tile to try")
-    ap.add_argument("--rows-tiles-n", default="64,128", help="--rows: N tiles to try")
-    ap.add_argument("--rows-tiles-k", default="64,128", help="--rows: K tiles to try")
-    ap.add_argument("--rows-warps", default="4,8", help="--rows: warps to try")
-    ap.add_argument("--rows-stages", default="3", help="--rows: pipeline stages to try")
+    ap.add_argument("--formats", default="bf16,fp8", help="--rows: weight formats (bf16, fp8)")
+    ap.add_argument("--block-m", default="32,64", help="--rows: pairs per tile to try")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="expert shapes to sweep (names)")
     ap.add_argument("--ns", default="1,16", help="decode batches")
-    ap.add_argument("--warps", default="4", help="--fp8: warps per program to try")
-    ap.add_argument("--tiles-n", default="16,32,64", help="--fp8: N tiles to try")
-    ap.add_argument("--stages", default="3", help="--fp8: pipeline stages to try")
+    # the tile grid of --fp8 and --rows (defaults per mode: _GRID_DEFAULTS)
+    ap.add_argument("--warps", default=None, help="warps per program to try")
+    ap.add_argument("--tiles-n", default=None, help="N tiles to try")
+    ap.add_argument("--stages", default=None, help="pipeline stages to try")
     ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
-    ap.add_argument("--tiles-k", default="64,128", help="--fp8: K tiles to try")
+    ap.add_argument("--tiles-k", default=None, help="K tiles to try")
     ap.add_argument("--kernels", default="gate_up,down", help="the grouped kernels to sweep (decode)")
     ap.add_argument("--splits", default="1", help="--fp8: K splits to try (MoEConfig.split)")
     ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")
     args = ap.parse_args()
+    for field, value in _GRID_DEFAULTS["rows" if args.rows else "fp8"].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
     if args.rows:
         return sweep_rows(args)
     fp8 = args.fp8

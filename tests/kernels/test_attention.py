@@ -175,8 +175,10 @@ def test_bad_arguments(device):
 def test_default_split_schedule_depends_on_head_dims_only(device):
     for d in (128, 256):
         for dt in (torch.bfloat16, torch.float32):
-            assert default_split_schedule(d, d, dt) == A.SPLIT_SCHEDULES(d, d, dt)
-    assert A._gqa_schedule(128, 128, torch.bfloat16) == SplitSchedule(64, 2048, 16)
+            # the H200 entry for Qwen3-Next's heads (bench/results/2026-12-04-h200-gdn-attention-merge.md);
+            # the interpreter has the rule alone
+            long_rows = not INTERPRET and d == 256 and dt == torch.bfloat16
+            assert default_split_schedule(d, d, dt) == SplitSchedule(64, 1024 if long_rows else 2048, 16)
     # the table is what decode_attention reads: forcing it is the same as passing the schedule
     g = _gen(34)
     kc, vc = _cache(2, 200, 2, 32, 32, torch.bfloat16, device, g)

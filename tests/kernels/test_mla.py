@@ -308,7 +308,6 @@ def test_merge_stages_change_no_bit(dtype, device):
 
 
 def test_default_split_schedule():
-    assert default_split_schedule(512, 64, torch.bfloat16) == MLA.MLA_SPLIT_SCHEDULES(512, 64, torch.bfloat16)
     assert default_split_schedule(512, 64, torch.bfloat16) == SplitSchedule(128, 1024, 16)
     assert default_split_schedule(512, 64, torch.float16) == SplitSchedule(128, 1024, 16)
     assert default_split_schedule(512, 64, torch.float32) == SplitSchedule(64, 512, 16)
