@@ -26,7 +26,11 @@ A variant is ``NAME=SPEC`` (or a bare SPEC, named by position), SPEC a JSON file
 overridden by their own ds4t function (graphs still captured), so a fused op that watches them runs as its
 two calls -- ``{"passthrough": ["router_softmax_topk", "router_sigmoid_grouped"]}`` times ``linear_router``
 unfused, ``{"passthrough": ["add_rms_norm"]}`` ``linear_add_rms_norm``, ``{"passthrough": ["moe_experts"]}``
-``moe_add_rms_norm``, ``{"passthrough": ["conv1d_update"]}`` ``linear_conv1d_update``. ``--device cpu`` runs the script
+``moe_add_rms_norm``, ``{"passthrough": ["conv1d_update"]}`` ``linear_conv1d_update``. And an optional
+``"state_order": {SUFFIX: ORDER}``: the pool's states whose names end with ``.SUFFIX`` are re-laid out in
+memory as ``StateSpec.order`` ORDER says (a list, or null for row-major) for the variant, values kept --
+``{"state_order": {"recurrent": null}}`` times Qwen3-Next with its Gated DeltaNet state Dv-contiguous (the
+kernels' tiles follow the layout). ``--device cpu`` runs the script
 on tiny presets (a smoke run: the interpreter ignores GPU config entries, so every variant keeps the base's
 bits there).
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -93,12 +98,37 @@ def _clear_graphs(model) -> None:
 
 
 @contextlib.contextmanager
+def relaid(model, orders: dict):
+    """The pool's states named ``*.SUFFIX`` (``orders``: SUFFIX -> StateSpec order, None for row-major)
+    copied into tensors of that memory layout for the block, then copied back into the original ones."""
+    pool = model.pool
+    names = [n for n in pool.specs if any(n.endswith("." + sfx) for sfx in orders)]
+    saved = {n: (pool.specs[n], pool.tensors[n]) for n in names}
+    for n in names:
+        order = orders[n.rsplit(".", 1)[1]]
+        spec = dataclasses.replace(pool.specs[n], order=tuple(order) if order is not None else None)
+        t = spec.allocate(pool.slots, pool.ctx, pool.device, zeroed=False)
+        t.copy_(pool.tensors[n])
+        pool.specs[n], pool.tensors[n] = spec, t
+    pool.generation += 1   # tensors moved: graphs captured on the old ones are stale
+    try:
+        yield
+    finally:
+        for n, (spec, t) in saved.items():
+            t.copy_(pool.tensors[n])
+            pool.specs[n], pool.tensors[n] = spec, t
+        pool.generation += 1
+
+
+@contextlib.contextmanager
 def applied(model, spec):
-    """The variant's table entries (and pass-through overrides) in force, the model's CUDA graphs dropped on
-    entry and on exit (a graph replays the kernels it was captured with, so none may outlive the entries it
-    was captured under)."""
-    table = {k: v for k, v in spec.items() if k != "passthrough"}
+    """The variant's table entries (and pass-through overrides, state layouts) in force, the model's CUDA
+    graphs dropped on entry and on exit (a graph replays the kernels it was captured with, so none may
+    outlive the entries it was captured under)."""
+    table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order")}
     with overridden(table), contextlib.ExitStack() as stack:
+        if spec.get("state_order"):
+            stack.enter_context(relaid(model, spec["state_order"]))
         for name in spec.get("passthrough", []):
             stack.enter_context(override(name, op(name).fn))
         if spec.get("passthrough"):

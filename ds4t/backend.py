@@ -73,6 +73,13 @@ latency and block scheduling overlap, never the arithmetic: results are bitwise 
 LAUNCH: dict = {"launch_pdl": True} if PDL else {}
 """Keywords every ds4t kernel launch passes (``kernel[grid](..., **LAUNCH)``)."""
 
+LAUNCH_SERIAL: dict = {}
+"""What a launch passes instead of :data:`LAUNCH` when its kernel must not start early: its blocks all fit
+on the GPU at once and then run long latency-bound loops. Launched under PDL while the kernel before it
+still held SMs, the Gated DeltaNet prefill's 512 one-warp blocks ran 1.65x slower for the whole chunk (0.82
+-> 1.36 ms a layer at 1024 tokens on an H200; its first layer, launched after an idle GPU, was not slowed);
+launched plainly it starts once its predecessor is done (bench/results/2026-12-04-h200-gdn-dk-state.md)."""
+
 _PDL_C = tl.constexpr(PDL)
 if PDL:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

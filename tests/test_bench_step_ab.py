@@ -57,3 +57,24 @@ def test_refusals():
         ab.main(["--model", "tiny-qwen", "--device", "cpu"])
     with pytest.raises(SystemExit, match="names must differ"):
         ab.main(["--model", "tiny-qwen", "--device", "cpu", "--variant", "a={}", "--variant", "a={}"])
+
+
+def test_state_order_relays_the_pool_and_puts_it_back():
+    """A ``state_order`` variant: the named states are row-major inside (same values), the pool's own tensors
+    (Dk-contiguous for Qwen3-Next's recurrent state) come back after, holding what the block wrote."""
+    import ds4t
+
+    model = ds4t.load("tiny-qwen")
+    s = model.new_session(max_ctx=8)
+    s.prefill([3, 1, 4])
+    pool = model.pool
+    name = next(n for n in pool.tensors if n.endswith(".recurrent"))
+    before, gen = pool.tensors[name], pool.generation
+    values = before.clone()
+    assert before.stride(2) == 1 and not before.is_contiguous()
+    with ab.relaid(model, {"recurrent": None}):
+        inside = pool.tensors[name]
+        assert inside.is_contiguous() and torch.equal(inside, values) and pool.generation > gen
+        inside.add_(1.0)
+    assert pool.tensors[name] is before and torch.equal(before, values + 1.0)
+    assert pool.generation > gen + 1

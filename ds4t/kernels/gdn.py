@@ -14,19 +14,27 @@ Per token, value head h (key head h // (Hv // Hk), as HF's repeat_interleave)::
 
 Inputs of any float dtype are upcast to fp32; all arithmetic is fp32.
 
-Kernels: one program per (row, block of value heads, Dv tile). On the GPU a program holds one
-value head and a Dv tile of 32 columns (columns of S are independent, so splitting Dv changes no
-sum); prefill loads token t + 1 while token t's step runs (the step is a latency-bound chain of Dk
-reductions); in the interpreter one program holds all heads and all of Dv (fewer, bigger programs). The
-Dk reductions always run over the whole of Dk inside one program. Tiles depend on (Hv, Dk, Dv)
-only, never on the number of rows; rows never interact, so a row's output and new state are
-bitwise the same whatever else shares the launch. Rows must name distinct slots.
+Kernels: one program per (row, block of value heads, Dv tile). The Dk reductions always run over
+the whole of Dk inside one program; in the interpreter one program holds all heads and all of Dv
+(fewer, bigger programs). Tiles depend on (Hv, Dk, Dv) and the state's memory layout only, never on
+the number of rows; rows never interact, so a row's output and new state are bitwise the same
+whatever else shares the launch. Rows must name distinct slots.
+
+State layout. ``state`` may be stored with Dv contiguous (``[S, Hv, Dk, Dv]`` contiguous, "dv") or
+with Dk contiguous (a transposed view of ``[S, Hv, Dv, Dk]``, "dk"; the models' state pools,
+``StateSpec.order``). On the GPU the compiler lays S out after its loads: with Dk contiguous one
+warp's lanes hold all of Dk (4 elements a lane at Dk = 128), warps split Dv, and every Dk reduction
+of a token is lane shuffles -- no barrier, and the same tree for every Dv tile and warp count (H200:
+``bench/gdn_tiles.py``, all eight tiles swept gave one set of bits), so a one-warp, 8-column program
+(the fastest prefill chain) costs decode nothing. With Dv contiguous, Dk spans warps: barriers in
+the chain, bits that change with the tile; that layout keeps the 4-warp, 32-column tile.
 
 ``gdn_prefill`` loops over its T tokens inside the kernel with S in registers, calling the same
-step function with the same tiles as ``gdn_decode``: it equals T successive decode steps bitwise
-in the interpreter and on an H200 (the harness's chunk check). ``gdn_prefill_segments`` runs several
-sessions' chunks in one launch, one program per (segment, value head, Dv tile), each doing exactly
-what ``gdn_prefill`` does for that session alone (``gdn_prefill`` is its one-segment case).
+step function with the same tiles as ``gdn_decode``; prefill loads token t + 1 while token t's step
+runs (the step is a latency-bound chain of Dk reductions). It equals T successive decode steps
+bitwise in the interpreter and on an H200 (the harness's chunk check). ``gdn_prefill_segments`` runs
+several sessions' chunks in one launch, one program per (segment, value head, Dv tile), each doing
+exactly what ``gdn_prefill`` does for that session alone (``gdn_prefill`` is its one-segment case).
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, grid_dependency, sigmoid, softplus, timer
+from ds4t.backend import LAUNCH, LAUNCH_SERIAL, grid_dependency, sigmoid, softplus, timer
 from ds4t.kernels import norm
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import gdn_rows
@@ -59,31 +67,51 @@ class GDNConfig:
     prefetch: bool = True   # prefill: load token t + 1 before token t's step (the same values; speed only)
 
 
+def _gpu_rule(Hv: int, Dk: int, Dv: int, layout: str) -> GDNConfig:
+    bk = triton.next_power_of_2(Dk)
+    if layout == "dk":
+        return GDNConfig(block_h=1, block_k=bk, block_v=min(8, triton.next_power_of_2(Dv)), num_warps=1)
+    return GDNConfig(block_h=1, block_k=bk, block_v=min(32, triton.next_power_of_2(Dv)), num_warps=4)
+
+
 GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
-    "gdn", gpu={},
-    gpu_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=1, block_k=triton.next_power_of_2(Dk),
-                                          block_v=min(32, triton.next_power_of_2(Dv))),
-    interp_rule=lambda Hv, Dk, Dv: GDNConfig(block_h=triton.next_power_of_2(Hv), block_k=triton.next_power_of_2(Dk),
-                                             block_v=triton.next_power_of_2(Dv)),
-    source="bench/results/2026-11-30-h200-prefill-round3.md (python bench/gdn_tiles.py): one value head, 32 Dv "
-           "columns, 4 warps, prefetch -- the fastest decode at R = 16 / 64 among 11 configs, prefill 1.2x the "
-           "same tile without prefetch (decode and prefill must share the tile: their bits)")
-"""Keyed on the head shapes (Hv, Dk, Dv), never on the number of rows."""
+    "gdn", gpu={}, gpu_rule=_gpu_rule,
+    interp_rule=lambda Hv, Dk, Dv, layout: GDNConfig(block_h=triton.next_power_of_2(Hv),
+                                                     block_k=triton.next_power_of_2(Dk),
+                                                     block_v=triton.next_power_of_2(Dv)),
+    source="bench/results/2026-12-04-h200-gdn-dk-state.md (python bench/gdn_tiles.py): state with Dk "
+           "contiguous: one value head, 8 Dv columns, 1 warp -- prefill 1024 tokens 1.34 -> 0.95 ms, 8 x 128 "
+           "0.80 -> 0.46 ms, decode R = 64 81 -> 74 us against the Dv-contiguous 32-column, 4-warp tile, which "
+           "that layout keeps (bench/results/2026-11-30-h200-prefill-round3.md: its fastest decode at R = 16 / "
+           "64; there decode and prefill must share the tile: their bits)")
+"""Keyed on the head shapes (Hv, Dk, Dv) and the state's layout (:func:`state_layout`), never on the
+number of rows."""
+
+
+def state_layout(state: torch.Tensor) -> str:
+    """"dk" when a state [S, Hv, Dk, Dv] has Dk contiguous, else "dv" (module docstring)."""
+    return "dk" if state.stride(2) == 1 and state.shape[2] > 1 else "dv"
 
 
 @triton.jit
 def _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS: tl.constexpr):
-    """One token. S [BH,BK,BV] fp32; q,k [BH,BK]; v [BH,BV]; a,b,A_log,dt_bias [BH]. -> (S, o)."""
-    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + EPS)[:, None]
+    """One token. S [BH,BK,BV] fp32; q,k [BH,BK]; v [BH,BV]; a,b,A_log,dt_bias [BH]. -> (S, o).
+
+    q and k are broadcast to S's shape before their norms: every Dk reduction of the step (the two
+    norms, S^T k, S^T q) then runs on one [BH, BK, BV] layout, the state's, so its tree is the state
+    layout's alone (module docstring: with Dk contiguous, one warp's lanes)."""
+    q = tl.broadcast_to(q[:, :, None], S.shape)
+    k = tl.broadcast_to(k[:, :, None], S.shape)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + EPS)[:, None, :]
     q = q * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + EPS)[:, None, :]
     g = -tl.exp(A_log) * softplus(a + dt_bias)
     beta = sigmoid(b)
     S = S * tl.exp(g)[:, None, None]
-    kv = tl.sum(S * k[:, :, None], axis=1)                 # S^T k   [BH, BV]
+    kv = tl.sum(S * k, axis=1)                             # S^T k   [BH, BV]
     delta = (v - kv) * beta[:, None]
-    S = S + k[:, :, None] * delta[:, None, :]
-    o = tl.sum(S * q[:, :, None], axis=1)                  # S^T q   [BH, BV]
+    S = S + k * delta[:, None, :]
+    o = tl.sum(S * q, axis=1)                              # S^T q   [BH, BV]
     return S, o
 
 
@@ -241,7 +269,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
     programs = check_segments(slots, "gdn_prefill_segments") if prefill else R
     if R == 0 or programs == 0:
         return out.to(out_dtype)
-    cfg = GDN_CONFIGS(Hv, Dk, Dv)
+    cfg = GDN_CONFIGS(Hv, Dk, Dv, state_layout(state))
     BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
@@ -254,7 +282,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
             raise ValueError(f"states_out must be float32 {(rows, Hv, Dk, Dv)}, got {states_out.dtype} "
                              f"{tuple(states_out.shape)}")
         if tuple(states_out.stride()[1:]) != tuple(state.stride()[1:]):
-            raise ValueError("states_out must have the state's per-slot layout (contiguous)")
+            raise ValueError("states_out must have the state's per-slot layout (its strides past the first)")
         keep = dict(states_ptr=states_out, sst_t=states_out.stride(0), can_keep=1)
     _gdn_kernel[grid](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
@@ -265,7 +293,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         out, *out.stride(),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS, PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps, **keep, **LAUNCH,
+        num_warps=cfg.num_warps, **keep, **(LAUNCH_SERIAL if prefill else LAUNCH),
     )
     if gated_norm is not None:
         z, norm_w, eps = gated_norm

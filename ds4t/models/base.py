@@ -25,13 +25,31 @@ CTX = "ctx"
 
 @dataclasses.dataclass(frozen=True)
 class StateSpec:
-    """One per-session state tensor: ``shape`` per slot (may contain CTX), dtype."""
+    """One per-session state tensor: ``shape`` per slot (may contain CTX), dtype, and ``order``: the
+    per-slot dims from outermost to innermost in memory (None: row-major). A kernel that reads the
+    state faster in another layout says so here, e.g. the Gated DeltaNet state [Hv, Dk, Dv] with
+    order (0, 2, 1), Dk contiguous; the tensors keep the logical shape (strided views)."""
 
     shape: Tuple
     dtype: torch.dtype
+    order: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.order is not None and sorted(self.order) != list(range(len(self.shape))):
+            raise ValueError(f"StateSpec order {self.order} is not a permutation of the dims of {self.shape}")
 
     def concrete(self, ctx: int) -> Tuple[int, ...]:
         return tuple(ctx if d == CTX else d for d in self.shape)
+
+    def allocate(self, lead: int, ctx: int, device, zeroed: bool = True) -> torch.Tensor:
+        """[lead, *shape] (CTX = ``ctx``), zeros or uninitialised, laid out as ``order`` says below the
+        leading dim."""
+        shape = self.concrete(ctx)
+        make = torch.zeros if zeroed else torch.empty
+        if self.order is None:
+            return make((lead,) + shape, dtype=self.dtype, device=device)
+        stored = make((lead,) + tuple(shape[d] for d in self.order), dtype=self.dtype, device=device)
+        return stored.permute(0, *(1 + self.order.index(d) for d in range(len(shape))))
 
     @property
     def has_ctx(self) -> bool:
@@ -65,7 +83,7 @@ class StatePool:
             self.tensors = {}
         new = {}
         for name, spec in self.specs.items():
-            t = torch.zeros((slots,) + spec.concrete(ctx), dtype=spec.dtype, device=self.device)
+            t = spec.allocate(slots, ctx, self.device)
             old = self.tensors.get(name)
             if old is not None:
                 keep = min(slots, old.shape[0])

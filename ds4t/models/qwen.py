@@ -270,7 +270,9 @@ class QwenModel(DecoderModel):
         for i in range(c.num_layers + (self.mtp is not None)):
             if c.kind(i) == "linear_attention":
                 s[f"layers.{i}.conv"] = StateSpec((c.conv_dim, c.conv_kernel - 1), f32)
-                s[f"layers.{i}.recurrent"] = StateSpec((c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f32)
+                # Dk contiguous: the recurrence's Dk reductions stay inside a warp (ds4t.kernels.gdn)
+                s[f"layers.{i}.recurrent"] = StateSpec((c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f32,
+                                                       order=(0, 2, 1))
             else:
                 s[f"layers.{i}.k"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
                 s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
@@ -362,8 +364,9 @@ class QwenModel(DecoderModel):
             # A verify chunk keeps what a rollback to any prefix of it needs; the kept states of every
             # such chunk share one buffer of their rows only (Segment.states_row), not one of all R rows.
             keeps = [s for s in batch.segments if s.states_row >= 0]
-            states = torch.empty((sum(s.n for s in keeps), hv, dk, dv), dtype=torch.float32,
-                                 device=x.device) if keeps else None
+            # in the pool's per-slot layout (the kernel checks it)
+            spec = self.pool.specs[f"layers.{i}.recurrent"]
+            states = spec.allocate(sum(s.n for s in keeps), 0, x.device, zeroed=False) if keeps else None
             for s in keeps:
                 rows = slice(s.start_row, s.start_row + s.n)
                 self._kept[(i, s.slot)] = (conv_state[s.slot].clone(), mixed[rows].float().clone(),

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -367,35 +368,105 @@ def test_segments_bad_table(device):
 def test_prefill_lookahead_keeps_decode_bits(device, prefetch):
     """Prefill with or without the next token's loads issued before this token's step
     (``GDNConfig.prefetch``) gives every segment's outputs, kept states and final state bitwise equal to
-    decode steps of the same tile, for chunks of 1, 2, 3 and 7 tokens (the lookahead's edges). Control: one
-    ulp in a chunk's last token (the one loaded ahead) changes its last output."""
+    decode steps, for chunks of 1, 2, 3 and 7 tokens (the lookahead's edges), the state Dk-contiguous as
+    the models keep it. Control: one ulp in a chunk's last token (the one loaded ahead) changes
+    its last output."""
     Hk, Hv, Dk, Dv = 2, 4, 16, 24
-    base = GD.GDN_CONFIGS(Hv, Dk, Dv)
+    base = GD.GDN_CONFIGS(Hv, Dk, Dv, "dk")
     cfg = GD.GDNConfig(block_h=base.block_h, block_k=base.block_k, block_v=base.block_v,
                        num_warps=base.num_warps, prefetch=prefetch)
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=21)
+    state0 = _dk_major(state0)
     segments = [(0, 1, 1, -1), (1, 2, 2, 0), (3, 3, 4, 2), (6, 7, 6, -1)]   # (first row, T, slot, states row)
     q, k, v, a, b = _inputs(g, 13, Hk, Hv, Dk, Dv, torch.bfloat16, device)
     table = torch.tensor(segments, dtype=torch.int64, device=device)
     with GD.GDN_CONFIGS.forced(lambda *key: cfg):
         st = state0.clone()
-        kept = poisoned((5, Hv, Dk, Dv), device=device)
+        kept = _dk_major(poisoned((5, Hv, Dk, Dv), device=device))
         out = GD.gdn_prefill_segments(q, k, v, a, b, A_log, dt_bias, st, table, states_out=kept)
         st_d = state0.clone()
         for r0, T, slot, s0 in segments:
             one = torch.tensor([slot], dtype=torch.int32, device=device)
             for t in range(r0, r0 + T):
                 o = gdn_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], A_log, dt_bias, st_d, one)
-                if INTERPRET:
-                    assert torch.equal(out[t:t + 1], o), (prefetch, t)
-                else:
-                    torch.testing.assert_close(out[t:t + 1], o, atol=1e-6, rtol=1e-6)
-                if s0 >= 0 and INTERPRET:
+                assert torch.equal(out[t:t + 1], o), (prefetch, t)
+                if s0 >= 0:
                     assert torch.equal(kept[s0 + t - r0], st_d[slot]), (prefetch, t)
-        if INTERPRET:
-            assert torch.equal(st, st_d)
+        assert torch.equal(st, st_d)
         # control: the 7-token chunk's last token, one ulp off in its gate input
         b2 = b.clone()
         b2.view(torch.int16)[12] += 1
         out2 = GD.gdn_prefill_segments(q, k, v, a, b2, A_log, dt_bias, state0.clone(), table)
     assert torch.equal(out2[:12], out[:12]) and not torch.equal(out2[12], out[12])
+
+
+# ----------------------------------------------------------------------------- the state's layout and the tile
+
+def _dk_major(state):
+    """The same values stored with Dk contiguous (the models' pools: StateSpec order (0, 2, 1))."""
+    return state.transpose(2, 3).contiguous().transpose(2, 3)
+
+
+def test_state_layout_names_the_contiguous_dim():
+    s = torch.zeros(2, 3, 16, 8)
+    assert GD.state_layout(s) == "dv" and GD.state_layout(_dk_major(s)) == "dk"
+    assert GD.GDN_CONFIGS(3, 16, 8, "dk") == GD.GDN_CONFIGS(3, 16, 8, "dk")
+
+
+@pytest.mark.parametrize("layout", ["dv", "dk"])
+def test_both_layouts_give_the_reference(device, layout):
+    """A Dk-contiguous state (a strided view) is read and written in place like a contiguous one; the
+    result is the reference's within fp32 noise, the state keeps its strides."""
+    Hk, Hv, Dk, Dv, T = 2, 4, 16, 24, 5
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=31)
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.bfloat16, device)
+    st = _dk_major(state0) if layout == "dk" else state0.clone()
+    strides = st.stride()
+    out = gdn_prefill(q, k, v, a, b, A_log, dt_bias, st, 3)
+    ref_state = state0.clone()
+    ref = gdn_prefill_ref(q, k, v, a, b, A_log, dt_bias, ref_state, 3)
+    torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+    torch.testing.assert_close(st, ref_state, **TOL[torch.bfloat16])
+    assert st.stride() == strides and GD.state_layout(st) == layout
+
+
+def test_dk_major_state_gives_one_set_of_bits_for_every_tile(device):
+    """With Dk contiguous every Dk reduction of a token runs in one warp's lanes on S's layout (the norms
+    too: q, k are broadcast to S's shape), so the Dv tile and warp count change no bit: prefill under
+    one tile equals decode steps under another (the decode and prefill tiles may differ). Control (GPU,
+    Qwen3-Next's Dk = Dv = 128): the Dv-contiguous layout spreads Dk over warps and two of its tiles give
+    other bits -- the comparison can fail. In the interpreter every tile reduces alike; there the control
+    is a one-ulp input change."""
+    Hk, Hv, Dk, Dv, T = 1, 2, (16 if INTERPRET else 128), (24 if INTERPRET else 128), 12
+    g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=41)
+    q, k, v, a, b = _inputs(g, T, Hk, Hv, Dk, Dv, torch.bfloat16, device)
+    BK = triton.next_power_of_2(Dk)
+    tiles = [GD.GDNConfig(block_h=1, block_k=BK, block_v=bv, num_warps=w) for bv, w in [(8, 1), (16, 2), (32, 4)]]
+
+    def prefill(cfg, state):
+        with GD.GDN_CONFIGS.forced(lambda *key: cfg):
+            return gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, 1), state
+
+    def decode(cfg, state):
+        one = torch.tensor([1], dtype=torch.int32, device=device)
+        with GD.GDN_CONFIGS.forced(lambda *key: cfg):
+            o = torch.cat([gdn_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], A_log, dt_bias,
+                                      state, one) for t in range(T)])
+        return o, state
+
+    first_o, first_s = prefill(tiles[0], _dk_major(state0))
+    for pre_cfg, dec_cfg in [(tiles[1], tiles[0]), (tiles[2], tiles[1]), (tiles[0], tiles[2])]:
+        po, ps = prefill(pre_cfg, _dk_major(state0))
+        do, ds = decode(dec_cfg, _dk_major(state0))
+        assert torch.equal(po, first_o) and torch.equal(ps, first_s), pre_cfg
+        assert torch.equal(do, first_o) and torch.equal(ds, first_s), dec_cfg
+    if INTERPRET:
+        b2 = b.clone()
+        b2.view(torch.int16)[T - 1, 0] += 1
+        with GD.GDN_CONFIGS.forced(lambda *key: tiles[0]):
+            o2 = gdn_prefill(q, k, v, a, b2, A_log, dt_bias, _dk_major(state0), 1)
+        assert torch.equal(o2[:T - 1], first_o[:T - 1]) and not torch.equal(o2[T - 1], first_o[T - 1])
+    else:
+        o8, s8 = prefill(tiles[0], state0.clone())
+        o32, s32 = prefill(tiles[2], state0.clone())
+        assert not (torch.equal(o8, o32) and torch.equal(s8, s32)), "Dv-contiguous tiles agreed: control lost"

@@ -28,6 +28,13 @@ def _launches(tree: ast.AST):
             yield n
 
 
+def _launch_keywords(node) -> bool:
+    """``**LAUNCH``, ``**LAUNCH_SERIAL`` or a conditional choosing between them."""
+    if isinstance(node, ast.IfExp):
+        return _launch_keywords(node.body) and _launch_keywords(node.orelse)
+    return isinstance(node, ast.Name) and node.id in ("LAUNCH", "LAUNCH_SERIAL")
+
+
 def contract_violations(sources: dict) -> list:
     """``sources``: {file name: source}. Returns what breaks the contract: a launched kernel whose first
     statement (after its docstring) is not ``grid_dependency()``, a launch without ``**LAUNCH``, a launched
@@ -37,8 +44,7 @@ def contract_violations(sources: dict) -> list:
     for name, tree in trees.items():
         for call in _launches(tree):
             launched.add(call.func.value.id)
-            if not any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == "LAUNCH"
-                       for k in call.keywords):
+            if not any(k.arg is None and _launch_keywords(k.value) for k in call.keywords):
                 out.append(f"{name}:{call.lineno}: {call.func.value.id} launched without **LAUNCH")
     defined = set()
     for name, tree in trees.items():
@@ -79,6 +85,10 @@ def run(x):
     assert any("does not start with grid_dependency" in v for v in contract_violations({"late.py": late}))
     bare = good.replace(", **LAUNCH", "")
     assert any("without **LAUNCH" in v for v in contract_violations({"bare.py": bare}))
+    chosen = good.replace("**LAUNCH)", "**(LAUNCH_SERIAL if x else LAUNCH))")
+    assert contract_violations({"chosen.py": chosen}) == []
+    other = good.replace("**LAUNCH)", "**(LAUNCH_SERIAL if x else OPTS))")
+    assert any("without **LAUNCH" in v for v in contract_violations({"other.py": other}))
     orphan = "def run(x):\n    _b_kernel[(1,)](x, **LAUNCH)\n"
     assert any("defined in no checked file" in v for v in contract_violations({"good.py": good, "run.py": orphan}))
 

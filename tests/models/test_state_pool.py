@@ -68,3 +68,34 @@ def test_state_dict_on_another_device_copies_there():
     assert all(torch.equal(host[k], here[k].cpu()) for k in here)
     s.load_state_dict(host, 4, [5, 6, 7, 8])
     assert all(torch.equal(v, here[k]) for k, v in s.state_dict().items())
+
+
+def test_state_spec_order_lays_a_slot_out_and_keeps_the_logical_shape():
+    """StateSpec.order: the per-slot dims from outermost to innermost in memory; tensors keep the logical
+    shape (a strided view). Qwen3-Next's recurrent state is Dk-contiguous (the recurrence's fast layout,
+    ds4t.kernels.gdn), through resizes, and its state round-trips through Session.state / load."""
+    from ds4t.models.base import StateSpec
+
+    spec = StateSpec((3, 4, 5), torch.float32, order=(0, 2, 1))
+    t = spec.allocate(2, 0, "cpu")
+    assert t.shape == (2, 3, 4, 5) and t.stride() == (60, 20, 1, 4) and not t.any()
+    assert StateSpec((3, 4, 5), torch.float32).allocate(2, 0, "cpu").is_contiguous()
+    try:
+        StateSpec((3, 4), torch.float32, order=(0, 0))
+        raise AssertionError("a bad order was accepted")
+    except ValueError as e:
+        assert "permutation" in str(e)
+
+    model = ds4t.load("tiny-qwen")
+    s = model.new_session(max_ctx=16)
+    s.prefill([3, 17, 5, 42])
+    rec = [n for n in model.pool.tensors if n.endswith(".recurrent")]
+    assert rec and all(model.pool.tensors[n].stride(2) == 1 for n in rec)
+    saved = s.state_dict()
+    others = [model.new_session(max_ctx=16) for _ in range(4)]   # the pool doubles: a resize
+    assert model.pool.slots > 1 and all(model.pool.tensors[n].stride(2) == 1 for n in rec)
+    assert all(torch.equal(saved[k], v) for k, v in s.state_dict().items())
+    # into another session and back out: same values, the pool's layout kept
+    others[0].load_state_dict(saved, pos=4)
+    assert all(torch.equal(saved[k], v) for k, v in others[0].state_dict().items())
+    assert all(model.pool.tensors[n].stride(2) == 1 for n in rec)

@@ -62,16 +62,18 @@ def _gdn_rows_kernel(
     else:
         S = tl.load(state_ptr + s_off, mask=(dk3 < Dk)[:, :, :, None] & (dv3 < Dv)[:, :, None, :], other=0.0)
     # _gdn_step with a leading row axis
-    q = q * tl.rsqrt(tl.sum(q * q, axis=2) + EPS)[:, :, None]
+    q = tl.broadcast_to(q[:, :, :, None], S.shape)
+    k = tl.broadcast_to(k[:, :, :, None], S.shape)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=2) + EPS)[:, :, None, :]
     q = q * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=2) + EPS)[:, :, None]
+    k = k * tl.rsqrt(tl.sum(k * k, axis=2) + EPS)[:, :, None, :]
     g = -tl.exp(A_log) * softplus(a + dt_bias)
     beta = sigmoid(b)
     S = S * tl.exp(g)[:, :, None, None]
-    kv = tl.sum(S * k[:, :, :, None], axis=2)                 # S^T k   [ROWS, BH, BV]
+    kv = tl.sum(S * k, axis=2)                                # S^T k   [ROWS, BH, BV]
     delta = (v - kv) * beta[:, :, None]
-    S = S + k[:, :, :, None] * delta[:, :, None, :]
-    o = tl.sum(S * q[:, :, :, None], axis=2)                  # S^T q   [ROWS, BH, BV]
+    S = S + k * delta[:, :, None, :]
+    o = tl.sum(S * q, axis=2)                                 # S^T q   [ROWS, BH, BV]
     if GATED_NORM:  # norm.gated_rms_norm of each head's o, the norm kernel's expression
         if EVEN:
             zt = tl.load(z_ptr + r3 * sz_r + h3 * sz_h + dv3 * sz_v).to(tl.float32)
