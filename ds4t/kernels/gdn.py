@@ -35,6 +35,8 @@ runs (the step is a latency-bound chain of Dk reductions). It equals T successiv
 bitwise in the interpreter and on an H200 (the harness's chunk check). ``gdn_prefill_segments`` runs
 several sessions' chunks in one launch, one program per (segment, value head, Dv tile), each doing
 exactly what ``gdn_prefill`` does for that session alone (``gdn_prefill`` is its one-segment case).
+Prefill launches without programmatic dependent launch (``backend.LAUNCH_SERIAL``: launched
+early beside the conv kernel, its blocks ran 1.65x slower).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ L2_EPS = 1e-6
 @dataclasses.dataclass(frozen=True)
 class GDNConfig:
     """Launch constants of the recurrence: value heads per program, the Dk block (always all of
-    Dk), the Dv tile (columns of S are independent: the tile changes no sum) and warps."""
+    Dk), the Dv tile and warps (with Dk contiguous neither changes a bit: module docstring)."""
     block_h: int
     block_k: int
     block_v: int
@@ -80,8 +82,9 @@ GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
                                                      block_k=triton.next_power_of_2(Dk),
                                                      block_v=triton.next_power_of_2(Dv)),
     source="bench/results/2026-12-04-h200-gdn-dk-state.md (python bench/gdn_tiles.py): state with Dk "
-           "contiguous: one value head, 8 Dv columns, 1 warp -- prefill 1024 tokens 1.34 -> 0.95 ms, 8 x 128 "
-           "0.80 -> 0.46 ms, decode R = 64 81 -> 74 us against the Dv-contiguous 32-column, 4-warp tile, which "
+           "contiguous: one value head, 8 Dv columns, 1 warp -- a 1024-token prefill chunk 1.22 -> 0.82 ms a layer "
+           "in Qwen3-Next-4l (launched without PDL), 8 x 128 0.79 -> 0.49 ms, decode R = 64 81 -> 74 us against "
+           "the Dv-contiguous 32-column, 4-warp tile, which "
            "that layout keeps (bench/results/2026-11-30-h200-prefill-round3.md: its fastest decode at R = 16 / "
            "64; there decode and prefill must share the tile: their bits)")
 """Keyed on the head shapes (Hv, Dk, Dv) and the state's layout (:func:`state_layout`), never on the
