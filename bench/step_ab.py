@@ -202,6 +202,30 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def ab_setup(args, tool: str):
+    """What an A/B script needs from its parsed arguments (``--variant``, ``--device``, ``--model``, ``--out``):
+    (variants with the base first, device, the loaded model, the log's lines, log). SystemExit naming
+    ``tool`` for no variant, repeated names or a missing GPU."""
+    if not args.variant:
+        raise SystemExit(f"{tool}: give at least one --variant to compare with the base")
+    variants = [("base", {})] + [parse_variant(v, i + 1) for i, v in enumerate(args.variant)]
+    names = [n for n, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"{tool}: variant names must differ, got {names}")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{tool}: no CUDA GPU here (use --device cpu for a smoke run on a tiny preset)")
+    os.makedirs(args.out, exist_ok=True)
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    name, _, q = args.model.partition(":")
+    return variants, dev, ds4t.load(name, device=dev, quantize=q or None), lines, log
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a preset or path, optionally :fp8 (quantize at load)")
@@ -214,28 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
-    if not args.variant:
-        raise SystemExit("step_ab: give at least one --variant to compare with the base")
     if args.rounds < 1 or args.iters < 1:
         raise SystemExit("step_ab: --rounds and --iters must be at least 1")
-    variants = [("base", {})] + [parse_variant(v, i + 1) for i, v in enumerate(args.variant)]
-    names = [n for n, _ in variants]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"step_ab: variant names must differ, got {names}")
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("step_ab: no CUDA GPU here (use --device cpu for a smoke run on a tiny preset)")
+    variants, dev, model, lines, log = ab_setup(args, "step_ab")
     bench_decode.DEVICE = dev
     ns = bench_decode.ints(args.ns)
-    os.makedirs(args.out, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
-
-    name, _, q = args.model.partition(":")
-    model = ds4t.load(name, device=dev, quantize=q or None)
     bw = bench_decode.copy_bandwidth(dev)
     log(f"# step A/B: {args.model}, {args.ctx} tokens of context, commit {args.commit or '?'}")
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; {args.rounds} rounds x {args.iters} steps a variant")
