@@ -91,6 +91,11 @@ GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
 number of rows."""
 
 
+STATE_ORDER = (0, 2, 1)
+"""The per-slot memory order (``StateSpec.order``) of a state [Hv, Dk, Dv] these kernels read fastest: Dk
+innermost ("dk", module docstring)."""
+
+
 def state_layout(state: torch.Tensor) -> str:
     """"dk" when a state [S, Hv, Dk, Dv] has Dk contiguous, else "dv" (module docstring)."""
     return "dk" if state.stride(2) == 1 and state.shape[2] > 1 else "dv"

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ds4t.kernels import ops, weights
+from ds4t.kernels import gdn, ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
@@ -270,9 +270,8 @@ class QwenModel(DecoderModel):
         for i in range(c.num_layers + (self.mtp is not None)):
             if c.kind(i) == "linear_attention":
                 s[f"layers.{i}.conv"] = StateSpec((c.conv_dim, c.conv_kernel - 1), f32)
-                # Dk contiguous: the recurrence's Dk reductions stay inside a warp (ds4t.kernels.gdn)
                 s[f"layers.{i}.recurrent"] = StateSpec((c.lin_v_heads, c.lin_k_dim, c.lin_v_dim), f32,
-                                                       order=(0, 2, 1))
+                                                       order=gdn.STATE_ORDER)
             else:
                 s[f"layers.{i}.k"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
                 s[f"layers.{i}.v"] = StateSpec((CTX, c.num_kv_heads, c.head_dim), self.dtype)
