@@ -86,7 +86,7 @@ def sweep_rows(args) -> None:
     rows, R = [], args.rows
     ints = lambda text: [int(x) for x in text.split(",")]   # noqa: E731
     grid = list(itertools.product(ints(args.block_m), ints(args.tiles_n), ints(args.tiles_k), ints(args.warps),
-                                  ints(args.stages)))
+                                  ints(args.stages), ints(args.row_programs)))
     shapes = [s_ for s_ in SHAPES if s_[0] in args.shapes.split(",")]
     for fp8 in [f == "fp8" for f in args.formats.split(",")]:
         fmt = ("fp8",) if fp8 else ()
@@ -111,28 +111,29 @@ def sweep_rows(args) -> None:
                   f"{nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW for every expert's bytes", flush=True)
             for kernel in ("gate_up", "down"):
                 best = None
-                for bm, tn, tk, wp, stg in grid:
+                for bm, tn, tk, wp, stg, rp in grid:
                     M.MOE_CONFIGS.gpu.clear()
                     M.MOE_CONFIGS.gpu.update(default)
                     M.MOE_CONFIGS.gpu[(kernel, *fmt, "rows")] = M.MoEConfig(
                         tile_n=tn, tile_k=tk, num_warps=wp, num_stages=stg, block_m=bm, min_rows=2,
-                        fp8_route="f32" if fp8 else "direct")
+                        fp8_route="f32" if fp8 else "direct", row_programs=bool(rp))
                     try:
                         out = run()
                         inv = bool(torch.equal(out[0], alone[0]) and torch.equal(out[R - 1], alone[1]))
                         ms = _time(run, 5)
                     except Exception as e:  # noqa: BLE001 (shared memory: report, go on)
-                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}/s{stg}: {type(e).__name__}", flush=True)
+                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}/s{stg}/rp{rp}: {type(e).__name__}", flush=True)
                         continue
                     rows.append(dict(shape=name, fp8=fp8, kernel=kernel, block_m=bm, tile_n=tn, tile_k=tk, warps=wp,
-                                     stages=stg, ms=ms, inv=inv))
+                                     stages=stg, row_programs=rp, ms=ms, inv=inv))
                     if inv and (best is None or ms < best[0]):
-                        best = (ms, bm, tn, tk, wp, stg)
+                        best = (ms, bm, tn, tk, wp, stg, rp)
                     if not inv:
-                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}/s{stg}: ROWS DIFFER from the decode tiles", flush=True)
+                        print(f"   {kernel} {bm}/{tn}/{tk}/w{wp}/s{stg}/rp{rp}: ROWS DIFFER from the decode tiles",
+                              flush=True)
                 if best:
                     print(f"   {kernel:8s} best block_m={best[1]} tile_n={best[2]} tile_k={best[3]} warps={best[4]} "
-                          f"stages={best[5]}: whole call {best[0]:.3f} ms = "
+                          f"stages={best[5]} row_programs={best[6]}: whole call {best[0]:.3f} ms = "
                           f"{nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW", flush=True)
             del ws
             torch.cuda.empty_cache()
@@ -147,16 +148,16 @@ def sweep_rows(args) -> None:
             tot = {}
             for r in rows:
                 if r["kernel"] == kernel and r["fp8"] == fp8 and r["inv"]:
-                    tot.setdefault((r["block_m"], r["tile_n"], r["tile_k"], r["warps"], r["stages"]),
-                                   []).append(r["ms"])
+                    tot.setdefault((r["block_m"], r["tile_n"], r["tile_k"], r["warps"], r["stages"],
+                                    r["row_programs"]), []).append(r["ms"])
             full = {k_: sum(v) for k_, v in tot.items() if len(v) == len(shapes)}
             for key, ms in sorted(full.items(), key=lambda t: t[1])[:4]:
                 print(f"  {'fp8 ' if fp8 else 'bf16'} {kernel:8s} block_m={key[0]} tile_n={key[1]} tile_k={key[2]} "
-                      f"warps={key[3]} stages={key[4]}: {ms:.3f}")
+                      f"warps={key[3]} stages={key[4]} row_programs={key[5]}: {ms:.3f}")
 
 
 _GRID_DEFAULTS = {"fp8": dict(tiles_n="16,32,64", tiles_k="64,128", warps="4", stages="3"),
-                  "rows": dict(tiles_n="64,128", tiles_k="64,128", warps="4,8", stages="3")}
+                  "rows": dict(tiles_n="64,128", tiles_k="64,128", warps="4,8", stages="3", row_programs="1")}
 """The tile grid a sweep tries where the command line names none: decode (--fp8) or row tiles (--rows)."""
 
 
@@ -175,6 +176,7 @@ def main():
     ap.add_argument("--stages", default=None, help="pipeline stages to try")
     ap.add_argument("--routes", default="f32,tf32", help="--fp8: fp8 routes to try (ds4t.backend.FP8_ROUTES)")
     ap.add_argument("--tiles-k", default=None, help="K tiles to try")
+    ap.add_argument("--row-programs", default=None, help="--rows: MoEConfig.row_programs to try (0, 1)")
     ap.add_argument("--kernels", default="gate_up,down", help="the grouped kernels to sweep (decode)")
     ap.add_argument("--splits", default="1", help="--fp8: K splits to try (MoEConfig.split)")
     ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")

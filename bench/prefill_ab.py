@@ -6,7 +6,8 @@ This script loads the model once and, for ``--rounds`` rounds, prefills the same
 under each variant in turn (the order alternates every round) -- one session in chunks of ``--chunk``, and
 for each N in ``--sessions`` above 1, N sessions that each take ``chunk // N`` rows of every step (every
 session's chunk in one launch per layer, as a server's prefill budget runs them). The whole prompt is timed
-(CUDA events on a GPU); the median of the rounds is reported with its spread.
+(CUDA events on a GPU; opening the sessions included, copying results to the host not); the median of the
+rounds is reported with its spread.
 
 Each variant's result is also compared with the base's: ``bits`` -- the last chunk's logits and every
 session's state after the prompt, bit for bit. A config entry or layout that changes a reduction's order
@@ -37,10 +38,11 @@ from bench.step_ab import ab_setup, applied, same_result  # noqa: E402
 from ds4t.batch.engine import run_segments  # noqa: E402
 
 
-def prefill_prompt(model, prompt: list, chunk: int, n: int):
+def prefill_prompt(model, prompt: list, chunk: int, n: int, collect: bool = True):
     """Prefill ``prompt`` as one session in ``chunk``-token pieces (n = 1) or as n sessions, each a 1/n slice
     of it, taking ``chunk // n`` rows of every step. Returns (last step's logits, the sessions' states) on the
-    host; the sessions are closed."""
+    host, or None when not ``collect`` (what is timed: the copies to the host would take 20 ms of an 8-session
+    prompt); the sessions are closed."""
     each, per = len(prompt) // n, chunk // n
     if per < 1 or each < 1:
         raise SystemExit(f"prefill_ab: {n} sessions need chunk >= {n} and prompt >= {n} tokens")
@@ -55,6 +57,8 @@ def prefill_prompt(model, prompt: list, chunk: int, n: int):
             parts = [prompt[i * each:(i + 1) * each] for i in range(n)]
             for p0 in range(0, each, per):
                 logits = run_segments(model, [(s, p[p0:p0 + per]) for s, p in zip(sessions, parts)])
+        if not collect:
+            return None
         return logits.detach().float().cpu(), [s.state_dict("cpu") for s in sessions]
     finally:
         for s in sessions:
@@ -75,7 +79,8 @@ def run(model, prompt: list, chunk: int, ns, variants, rounds: int, device, log)
             order = variants if r % 2 == 0 else variants[::-1]
             for name, spec in order:
                 with applied(model, spec):
-                    times[name].append(median_ms(lambda: prefill_prompt(model, prompt, chunk, n), 1, 0, device))
+                    times[name].append(median_ms(lambda: prefill_prompt(model, prompt, chunk, n, collect=False), 1, 0,
+                                                  device))
         base = statistics.median(times[variants[0][0]])
         for name, _ in variants:
             ms = statistics.median(times[name])

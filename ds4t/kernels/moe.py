@@ -298,6 +298,35 @@ def _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST: tl.constexpr, BE: t
 
 
 @triton.jit
+def _program_tile(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
+    """(expert, first pair, end pair) of this program when every program takes one row tile of BM pairs
+    (``MoEConfig.row_programs``): program_id(0) = t runs the t-th tile in (expert id, pair order) order, an
+    expert of c pairs having cdiv(c, BM) tiles; a program past the last tile runs zero iterations. The tiles
+    are the ones a per-expert program would loop over (the same pairs in the same tile positions), so the
+    same bits; a chunk's big experts (a shared expert holds every row) no longer run their tiles one after
+    another in one program while the others have finished. Grid: min(E, P) + cdiv(P, BM) programs bound
+    the tiles of P pairs."""
+    t = tl.program_id(0)
+    ev = tl.arange(0, BE)
+    lo = tl.load(bounds_ptr + ev, mask=ev < E, other=0).to(tl.int32)
+    hi = tl.load(bounds_ptr + ev + 1, mask=ev < E, other=0).to(tl.int32)
+    tiles = (hi - lo + BM - 1) // BM
+    last = tl.cumsum(tiles, axis=0)                  # tiles up to and including each expert's
+    e = tl.sum((last <= t).to(tl.int32), axis=0)     # the first expert whose tiles reach past t (E: none)
+    mine = ev == e
+    start = tl.sum(tl.where(mine, lo + (t - (last - tiles)) * BM, 0), axis=0)
+    end = tl.minimum(tl.sum(tl.where(mine, hi, 0), axis=0), start + BM)
+    end = tl.where(e < E, end, start)
+    return tl.minimum(e, E - 1), start, end
+
+
+def row_program_count(E: int, P: int, BM: int) -> int:
+    """Programs of a ``row_programs`` launch: an upper bound on the row tiles of P pairs over E experts
+    (at most min(E, P) experts hold pairs, each with at most one partial tile)."""
+    return min(E, P) + triton.cdiv(P, BM)
+
+
+@triton.jit
 def _store_slot(slots_ptr, e, start, end, writer):
     """slots[i] = slot i's expert, -1 when it has none (``end == start``), stored by one program of the slot
     (``writer``): a gate/up kernel hands its scan of ``bounds`` (:func:`_program_expert`) to the down kernel."""
@@ -336,6 +365,7 @@ def _moe_gate_up_kernel(
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
+    ROW_PROGRAMS: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -355,11 +385,15 @@ def _moe_gate_up_kernel(
 
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
-    sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u."""
+    sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u.
+
+    ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``."""
     grid_dependency()
     if SELF:
         e, pairs, end = _self_slot(ids_ptr, si_b, P, KTOP, SHARED, KR, BM)
         start = 0
+    elif ROW_PROGRAMS:
+        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
     else:
         e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
@@ -468,18 +502,22 @@ def _moe_down_kernel(
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sy_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
+    DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
     EVEN_N as there (I a whole number of loop steps, D of N tiles). SELF as there.
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
-    or the host-made list."""
+    or the host-made list; DEVICE_LIST: found from ``bounds`` as the gate/up kernel does (when that kernel ran
+    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`)."""
     grid_dependency()
     if SELF:
         e, pairs, end = _self_slot(ids_ptr, si_b, P, KT, SHARED, KR, BM)
         start = 0
+    elif ROW_PROGRAMS:
+        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
     else:
-        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
+        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
@@ -659,6 +697,7 @@ class MoEConfig:
     max_rows: int = 0           # a few-rows entry applies to launches of at most this many rows
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
     split: int = 1              # K splits (whole loop steps), their partials summed in split order after it
+    row_programs: bool = False  # one program per (expert, row tile) instead of per expert (_program_tile)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -762,9 +801,9 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                                            swap=True),
                 # row tiles (prefill chunks; MoEConfig.min_rows, _config()): bf16 only, see below
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
-                                               min_rows=128),
+                                               min_rows=128, row_programs=True),
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
-                                            min_rows=128)},
+                                            min_rows=128, row_programs=True)},
     gpu_rule=lambda kernel, *fmt: _few_default(kernel, fmt) if "few" in fmt else
     None if "rows" in fmt else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: None if "few" in fmt else _INTERP_CONFIG,
@@ -923,10 +962,14 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     # do not fit; tensors are on the host there): a host-made list of the chosen experts. Either way
     # each expert's computation is the same: exactness holds.
     device_list = path == GPU
+    # row programs (MoEConfig.row_programs; prefill row entries): one program per row tile, found from
+    # ``bounds`` on the device -- only there, and never for a self-grouped launch (no bounds)
+    row_ok = device_list and not self_group and not gguf
+    gu_rows, dn_rows = row_ok and gu_cfg.row_programs, row_ok and dn_cfg.row_programs
     slots = None
     if device_list:
         experts, n_slots = bounds, min(E, P)
-        if not self_group:
+        if not (self_group or gu_rows or dn_rows):
             slots = torch.empty((n_slots,), dtype=torch.int32, device=dev)
     else:
         experts = torch.nonzero(bounds[1:] > bounds[:-1]).reshape(-1).to(torch.int32)
@@ -953,7 +996,9 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     if split > 1:
         kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=part.stride(0))
     kw.update(evenness(D, step, I, BN))
-    _moe_gate_up_kernel[(n_slots, triton.cdiv(I, BN), split)](
+    if gu_rows:
+        kw.update(ROW_PROGRAMS=True)
+    _moe_gate_up_kernel[(row_program_count(E, P, cfg.block_m) if gu_rows else n_slots, triton.cdiv(I, BN), split)](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         part, part.stride(-2),
@@ -979,7 +1024,11 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     if dn_split > 1:
         kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
     kw.update(evenness(I, step, D, BN))
-    _moe_down_kernel[(n_slots, triton.cdiv(D, BN), dn_split)](
+    if dn_rows:
+        kw.update(ROW_PROGRAMS=True, BE=BE)
+    elif gu_rows:   # the gate/up kernel wrote no slots: find each slot's expert from bounds
+        kw.update(DEVICE_LIST=True, BE=BE)
+    _moe_down_kernel[(row_program_count(E, P, cfg.block_m) if dn_rows else n_slots, triton.cdiv(D, BN), dn_split)](
         act, act.stride(-2), order, bounds, experts if slots is None else slots,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(-2),

@@ -770,6 +770,65 @@ def test_row_tile_must_keep_the_mma_route():
             M._config("gate_up", ("fp8",), 4)
 
 
+_PROGRAM_TILE = M._program_tile
+
+
+@triton.jit
+def _half_tiles(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
+    """A broken :func:`ds4t.kernels.moe._program_tile`: every row tile runs its first BM / 2 pairs only."""
+    e, start, end = _PROGRAM_TILE(bounds_ptr, E, BE, BM)
+    return e, start, tl.minimum(end, start + BM // 2)
+
+
+def _row_programs_run(gu_rows, dn_rows, device):
+    """moe_experts over 40 rows (3 hot routed experts of 7 with unchosen ones between, a shared expert
+    holding every row: 2-7 row tiles of 16 pairs an expert) with the row entries' ``row_programs`` set
+    per kernel; NaN-poisoned output."""
+    E, I, D, k, B = 8, 72, 200, 2, 40
+    wg, wu, wd = (w.to(device) for w in _weights(E, I, D, torch.bfloat16, 81))
+    ids, w = _routing(B, 3, k, seed=82)
+    ids, w = (ids * 3).to(device), w.to(device)     # experts 0, 3, 6; 1, 2, 4, 5 unchosen
+    h = torch.randn(B, D, generator=gen(83)).to(device)
+    base = M.MoEConfig(tile_n=32, tile_k=64)
+    rows = {kern: M.MoEConfig(tile_n=32, tile_k=64, block_m=16, min_rows=8, row_programs=on)
+            for kern, on in (("gate_up", gu_rows), ("down", dn_rows))}
+    with use_variants({"moe_experts": GPU}), \
+            M.MOE_CONFIGS.forced(lambda kernel, *f: rows[kernel] if f[-1:] == ("rows",) else base):
+        return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D), device=device))
+
+
+@pytest.mark.parametrize("gu_rows,dn_rows", [(True, True), (True, False), (False, True)])
+def test_row_programs_keep_every_pairs_bits(device, gu_rows, dn_rows):
+    """``MoEConfig.row_programs`` (one program per row tile instead of one per expert looping over its tiles;
+    either kernel alone, or both) gives the per-expert programs' result bit for bit: the same pairs in the
+    same tiles. With only the gate/up kernel so, the down kernel finds its experts from ``bounds``."""
+    want = _row_programs_run(False, False, device)
+    got = _row_programs_run(gu_rows, dn_rows, device)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="swaps a jit helper, which only the interpreter looks up at call time")
+def test_row_programs_control_a_lost_half_tile_is_caught(device, monkeypatch):
+    """Negative control: row programs that each run half their tile leave pairs unwritten, and the
+    comparison above catches it (the launcher's buffers start NaN: a freed buffer's old values could
+    otherwise stand in for the unwritten ones)."""
+    want = _row_programs_run(False, False, device)
+    empty = torch.empty
+    monkeypatch.setattr(M.torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
+        float("nan") if dtype is None or dtype.is_floating_point else 0))
+    monkeypatch.setattr(M, "_program_tile", _half_tiles)
+    assert not torch.equal(_row_programs_run(True, True, device), want)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=40), st.sampled_from([16, 32, 64]))
+def test_row_program_count_bounds_the_tiles(counts, bm):
+    """The launch's program count covers every row tile of any split of P pairs over E experts."""
+    P = sum(counts)
+    assert sum(triton.cdiv(c, bm) for c in counts) <= M.row_program_count(len(counts), P, bm)
+
+
 # ----------------------------------------------------------------------------- few-rows entries (decode of 1-4 sessions)
 
 _FEW_BASE = {"fp8": M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3),
