@@ -792,23 +792,28 @@ def _few_entry(kernel: str, fmt: tuple, K: int) -> Optional[MoEConfig]:
 def _unknown_kernel(kernel: str):
     raise KeyError(f"no MoE launch config for kernel {kernel!r}: the grouped kernels are 'gate_up' and 'down'")
 
+_FP8_GATE_UP = MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32", swap=True)
+_FP8_DOWN = MoEConfig(tile_n=128, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32", swap=True)
+
 MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
-    "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3),
-                "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
-                ("gate_up", "fp8"): MoEConfig(tile_n=32, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32",
-                                              swap=True),
-                ("down", "fp8"): MoEConfig(tile_n=128, tile_k=128, num_warps=2, num_stages=3, fp8_route="f32",
-                                           swap=True),
-                # row tiles (prefill chunks; MoEConfig.min_rows, _config()): bf16 only, see below
+    "moe", gpu={"gate_up": MoEConfig(tile_n=64, tile_k=128, num_warps=4, num_stages=3, row_programs=True),
+                "down": MoEConfig(tile_n=128, tile_k=128, num_warps=4, num_stages=3, row_programs=True),
+                ("gate_up", "fp8"): _FP8_GATE_UP,
+                ("down", "fp8"): _FP8_DOWN,
+                # launches of many rows (prefill chunks, big decode steps; MoEConfig.min_rows, _config()):
+                # bf16 row tiles, FP8 the decode tiles in row programs (see below)
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128, row_programs=True),
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
-                                            min_rows=128, row_programs=True)},
+                                            min_rows=128, row_programs=True),
+                ("gate_up", "fp8", "rows"): dataclasses.replace(_FP8_GATE_UP, row_programs=True, min_rows=64),
+                ("down", "fp8", "rows"): dataclasses.replace(_FP8_DOWN, row_programs=True, min_rows=64)},
     gpu_rule=lambda kernel, *fmt: _few_default(kernel, fmt) if "few" in fmt else
     None if "rows" in fmt else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: None if "few" in fmt else _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
-           "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights)")
+           "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights), "
+           "bench/results/2026-12-04-h200-moe-row-programs.md (row programs)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
 weights, plus a row-tile entry (key + ("rows",)) for launches of many rows; the tiles follow from the
 weight shape (:meth:`MoEConfig.tiles`). Chosen by
@@ -819,8 +824,13 @@ summed time of ``bench/moe_tiles.py --fp8 --swaps 1`` (2026-12-01, 8-48 configs 
 the unswapped 4-warp tiles at N = 16 (87-90 % of copy bandwidth at the GLM-4.5 / DeepSeek-V3 shapes), which
 had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row entries: the best summed time of 16
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
-equal to the decode tiles in bf16; none for FP8, where every row config of that sweep changed a row's
-bits (bench/results/2026-11-30-h200-prefill.md). Few-rows entries (key + ("few", K), ``max_rows``; the fields
+equal to the decode tiles in bf16; no FP8 row tiles, where every row config of that sweep changed a row's
+bits (bench/results/2026-11-30-h200-prefill.md). Row programs (``MoEConfig.row_programs``: the same tiles,
+one program each; 2026-12-04, ``bench/prefill_ab.py`` / ``bench/step_ab.py``, same process, every variant
+the base's bits): a 4096-token prompt in chunks of 1024 7-15 % faster in bf16 (GLM-4.5-4l 102.5 -> 87.3 ms),
+28 % in FP8 (Qwen3-Next-4l 55.0 -> 39.8 ms); decode at N = 64 3-5 % faster in both, N = 16 the same in bf16
+and 1.8 % slower in FP8 -- so the bf16 decode entries take them and FP8 takes them from 64 rows (a
+("rows",) entry that is the decode entry with ``row_programs``). Few-rows entries (key + ("few", K), ``max_rows``; the fields
 of :data:`FEW_ROWS_FREE` may differ, :func:`_config`): none. Measured on an H200: the best one- and two-row
 configs made the MoE call alone 10-25 % faster (FP8 GLM-4.5 gate/up with 4 stages 96.6 -> 78.4 us, bf16
 DeepSeek-V3 32 x 64 tiles 226.5 -> 200.7 us) and moved no whole step by more than 3 % either way, timed in

@@ -770,6 +770,17 @@ def test_row_tile_must_keep_the_mma_route():
             M._config("gate_up", ("fp8",), 4)
 
 
+def test_fp8_row_entries_are_the_decode_tiles_in_row_programs():
+    """FP8 has no row tiles (on an H200 every FP8 row tile changed a row's bits): its ("rows",) entries may
+    differ from the decode entries in ``row_programs`` and ``min_rows`` only -- the same tiles, so the same
+    bits (test_row_programs_keep_every_pairs_bits)."""
+    for kernel in ("gate_up", "down"):
+        rows = M.MOE_CONFIGS.gpu.get((kernel, "fp8", "rows"))
+        if rows is not None:
+            decode = M.MOE_CONFIGS.gpu[(kernel, "fp8")]
+            assert dataclasses.replace(rows, row_programs=decode.row_programs, min_rows=decode.min_rows) == decode
+
+
 _PROGRAM_TILE = M._program_tile
 
 
