@@ -38,6 +38,10 @@ How it runs (no host synchronisation; every grid comes from shapes):
    each stores fp32 partials that are added in split order (gate_up's: ``_moe_act_kernel``, before
    silu(g)·u; down's: the combine, before the routing weight): more programs, each with a shorter K
    chain, for the few experts of a decode step. Like every field it is fixed per key, never per batch.
+   With ``MoEConfig.row_programs`` (launches of many rows) a kernel's grid axis 0 is row tiles, not
+   slots: program t runs the t-th tile of BLOCK_M pairs in (expert, pair order) order
+   (:func:`_program_tile`) -- the same tiles the per-expert program loops over, so the same bits, with a
+   chunk's big experts (a shared expert holds every row) spread over many programs.
 4. ``_moe_combine_kernel``: out[b] = 0 + w[b,0]·y[b,0] + w[b,1]·y[b,1] + ... in rank order.
 
 Batch invariance: a pair's value depends only on its own row of h, the expert's weights and the
