@@ -198,9 +198,10 @@ def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
 
 
 def _moe_rule(kernel: str, cfg: QMoEConfig):
-    """QMOE_CONFIGS' rule with ``cfg`` for ``kernel`` and the table's config for the other kernel."""
+    """QMOE_CONFIGS' rule with ``cfg`` for ``kernel`` and the table's config for the other kernel (no
+    ("rows",) entries: ``cfg`` at every launch size)."""
     table = {(k, q): QMOE_CONFIGS(k, q) for k in ("gate_up", "down") for q in QTYPES}
-    return lambda k, q: cfg if k == kernel else table[(k, q)]
+    return lambda k, q, *rows: None if rows else cfg if k == kernel else table[(k, q)]
 
 
 def _zeros_weight(shape, qt):

@@ -192,8 +192,10 @@ def main():
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    # few-rows entries (key + ("few", K)) would replace the swept decode entry at small N: out while sweeping
-    few = {k_: M.MOE_CONFIGS.gpu.pop(k_) for k_ in list(M.MOE_CONFIGS.gpu) if isinstance(k_, tuple) and "few" in k_}
+    # few-rows entries (key + ("few", K)) would replace the swept decode entry at small N, row entries (key +
+    # ("rows",)) at N >= their min_rows: out while sweeping
+    few = {k_: M.MOE_CONFIGS.gpu.pop(k_) for k_ in list(M.MOE_CONFIGS.gpu)
+           if isinstance(k_, tuple) and ("few" in k_ or "rows" in k_)}
     M.MOE_CONFIGS.clear_caches()
     default = dict(M.MOE_CONFIGS.gpu)
     rows = []

@@ -23,7 +23,8 @@ import triton.language as tl
 from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
-from ds4t.kernels.moe import _program_expert, _store_slot   # moe.py imports this module only inside its launcher
+from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
+                              row_program_count)                              # inside its launcher
 from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -36,16 +37,20 @@ def _qmoe_gate_up_kernel(
     I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
-    FOLD: tl.constexpr = False, slots_ptr=None,
+    FOLD: tl.constexpr = False, slots_ptr=None, ROW_PROGRAMS: tl.constexpr = False,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
     whole K loop after the other; the same bits either way.
     wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
     constexpr because the planes of a row start at offsets made from it. ``slots``: as in
-    :func:`ds4t.kernels.moe._moe_gate_up_kernel` (each slot's expert, for the down kernel)."""
+    :func:`ds4t.kernels.moe._moe_gate_up_kernel` (each slot's expert, for the down kernel). ROW_PROGRAMS: one
+    row tile a program (:func:`ds4t.kernels.moe._program_tile`; no slots)."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    if ROW_PROGRAMS:
+        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
+    else:
+        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     if slots_ptr is not None:
         _store_slot(slots_ptr, e, start, end, tl.program_id(1) == 0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -74,12 +79,16 @@ def _qmoe_down_kernel(
     D, E, I: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, FOLD: tl.constexpr = False,
+    DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     row_bytes(I)]); ``experts`` lists each slot's expert (-1: none), the gate/up kernel's ``slots`` or the
-    host-made list."""
+    host-made list; DEVICE_LIST / ROW_PROGRAMS as in :func:`ds4t.kernels.moe._moe_down_kernel`."""
     grid_dependency()
-    e, start, end = _program_expert(experts_ptr, bounds_ptr, E, False, 1)
+    if ROW_PROGRAMS:
+        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
+    else:
+        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < D
     w_row = wd_ptr + e.to(tl.int64) * sw_e + tl.minimum(n, D - 1).to(tl.int64) * sw_n
@@ -101,6 +110,8 @@ class QMoEConfig:
     num_stages: int = 3
     interleave: bool = True   # gate_up: gate and up step through K together (same bits; ~1 % faster on the H200)
     fold: bool = False   # bf16 activations: qlinear's fold route; other dtypes: exact
+    row_programs: bool = False   # one program per row tile (ds4t.kernels.moe.MoEConfig.row_programs)
+    min_rows: int = 0            # a ("rows",) entry applies to launches of at least this many rows
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -108,23 +119,43 @@ class QMoEConfig:
         return max(16, min(self.tile_n, triton.next_power_of_2(N))), g
 
 
+_QMOE_DECODE = {
+    # H200 sweeps, Qwen3-Next's experts (E=512 I=512 D=2048): Q8_0 / Q4_K take the fold route with bf16
+    # activations (bench/results/2026-12-02-h200-gguf-fold.md); Q6_K the exact route (2026-11-30-h200-gguf-round3.md)
+    ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True),
+    ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True),
+    ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
+    ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
+    ("gate_up", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
+    ("down", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
+}
+
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
-    "qmoe", gpu={
-        # H200 sweeps, Qwen3-Next's experts (E=512 I=512 D=2048): Q8_0 / Q4_K take the fold route with bf16
-        # activations (bench/results/2026-12-02-h200-gguf-fold.md); Q6_K the exact route (2026-11-30-h200-gguf-round3.md)
-        ("gate_up", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True),
-        ("down", "Q8_0"): QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True),
-        ("gate_up", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
-        ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
-        ("gate_up", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
-        ("down", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
-    },
-    gpu_rule=lambda kernel, qtype: QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=3, fold=qtype in FOLD_TYPES),
-    interp_rule=lambda kernel, qtype: QMoEConfig(tile_n=128, q8_group=8, num_warps=4, num_stages=1,
-                                                 fold=qtype in FOLD_TYPES),
+    "qmoe", gpu={**_QMOE_DECODE,
+                 # launches of >= 64 rows: the same tiles, one program per row tile (as FP8 in moe.MOE_CONFIGS)
+                 **{(*key, "rows"): dataclasses.replace(cfg, row_programs=True, min_rows=64)
+                    for key, cfg in _QMOE_DECODE.items()}},
+    gpu_rule=lambda kernel, qtype, *rows: None if rows else QMoEConfig(tile_n=64, q8_group=4, num_warps=4,
+                                                                       num_stages=3, fold=qtype in FOLD_TYPES),
+    interp_rule=lambda kernel, qtype, *rows: None if rows else QMoEConfig(tile_n=128, q8_group=8, num_warps=4,
+                                                                          num_stages=1, fold=qtype in FOLD_TYPES),
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
-           "--sweep); the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step, fold for Q8_0 / Q4_K")
-"""Keyed on (kernel "gate_up" | "down", GGUF type)."""
+           "--sweep); the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step, fold for Q8_0 / Q4_K; "
+           "row programs: bench/results/2026-12-04-h200-moe-row-programs.md")
+"""Keyed on (kernel "gate_up" | "down", GGUF type), plus (kernel, type, "rows") entries for launches of at
+least ``min_rows`` rows, which may differ from the decode entry in ``row_programs`` alone (:func:`qmoe_config`)."""
+
+
+def qmoe_config(kernel: str, qtype: str, B: int) -> QMoEConfig:
+    """The config of a B-row launch: the ("rows",) entry from its ``min_rows`` on, else the decode entry.
+    ValueError if the rows entry changes more than ``row_programs`` (any other field could change a tile)."""
+    cfg = QMOE_CONFIGS(kernel, qtype)
+    rows = QMOE_CONFIGS(kernel, qtype, "rows")
+    if rows is None or B < rows.min_rows:
+        return cfg
+    if dataclasses.replace(rows, row_programs=cfg.row_programs, min_rows=cfg.min_rows) != cfg:
+        raise ValueError(f"qmoe {kernel} {qtype}: a rows entry may change row_programs only ({rows} vs {cfg})")
+    return rows
 
 
 def check_weights(w_gate, w_up, w_down) -> None:
@@ -148,16 +179,21 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
         wg, wu = wg.contiguous(), wu.contiguous()
     BE = triton.next_power_of_2(E)
     ADT = tl_dtype(adt)
-    cfg = QMOE_CONFIGS("gate_up", w_gate.qtype)
+    B, P = h.shape[0], h.shape[0] * KT
+    gu_cfg, dn_cfg = qmoe_config("gate_up", w_gate.qtype, B), qmoe_config("down", w_down.qtype, B)
+    gu_rows, dn_rows = device_list and gu_cfg.row_programs, device_list and dn_cfg.row_programs
+    cfg = gu_cfg
     BN, G = cfg.tiles(I, D, w_gate.qtype)
-    _qmoe_gate_up_kernel[(n_slots, triton.cdiv(I, BN))](
+    _qmoe_gate_up_kernel[(row_program_count(E, P, 16) if gu_rows else n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt), slots_ptr=slots,
-        **launch_kwargs(cfg), **LAUNCH)
-    cfg = QMOE_CONFIGS("down", w_down.qtype)
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
+        slots_ptr=None if gu_rows else slots, ROW_PROGRAMS=gu_rows, **launch_kwargs(cfg), **LAUNCH)
+    cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
-    _qmoe_down_kernel[(n_slots, triton.cdiv(D, BN))](
-        act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
-        y.stride(0), D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        FOLD=folds(cfg, adt), **launch_kwargs(cfg), **LAUNCH)
+    # the down kernel reads the slots the gate/up kernel wrote, or (row programs there) finds its experts itself
+    find = dict(ROW_PROGRAMS=True, BE=BE) if dn_rows else dict(DEVICE_LIST=True, BE=BE) if gu_rows else {}
+    _qmoe_down_kernel[(row_program_count(E, P, 16) if dn_rows else n_slots, triton.cdiv(D, BN))](
+        act, act.stride(0), order, bounds, experts if slots is None or gu_rows else slots, wd, wd.stride(0),
+        wd.stride(1), y, y.stride(0), D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        FOLD=folds(cfg, adt), **find, **launch_kwargs(cfg), **LAUNCH)

@@ -332,10 +332,61 @@ def test_moe_interleave_changes_no_bit():
     outs = []
     for il in (True, False):
         cfg = qmoe.QMoEConfig(tile_n=32, q8_group=4, interleave=il)
-        with use_variants({"moe_experts": "gpu"}), qmoe.QMOE_CONFIGS.forced(lambda kernel, qt: cfg):
+        with use_variants({"moe_experts": "gpu"}), \
+                qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: None if rows else cfg):
             outs.append(moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16,
                                     out=poisoned((h.shape[0], h.shape[1]), device=DEV)))
     assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
+
+
+_PROGRAM_TILE = qmoe._program_tile
+
+
+@triton.jit
+def _half_tiles(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
+    """A broken tile finder: every row tile runs its first BM / 2 pairs only."""
+    e, start, end = _PROGRAM_TILE(bounds_ptr, E, BE, BM)
+    return e, start, tl.minimum(end, start + BM // 2)
+
+
+def _moe_row_programs(gu, dn, B=24):
+    """moe_experts over GGUF experts (Q4_K gate/up, Q8_0 down; a shared expert holding all B rows: 2 row
+    tiles) with ("rows",) entries from 8 rows whose ``row_programs`` are ``gu`` / ``dn``; NaN-poisoned output."""
+    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q8_0", seed=13, B=B, E=5)
+    E = wg.shape[0]
+    base = qmoe.QMoEConfig(tile_n=32, q8_group=4)
+    rows = {"gate_up": dataclasses.replace(base, row_programs=gu, min_rows=8),
+            "down": dataclasses.replace(base, row_programs=dn, min_rows=8)}
+    with use_variants({"moe_experts": "gpu"}), \
+            qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *r: rows[kernel] if r else base):
+        return moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16,
+                           out=poisoned((h.shape[0], h.shape[1]), device=DEV))
+
+
+@pytest.mark.parametrize("gu,dn", [(True, True), (True, False), (False, True)])
+def test_moe_row_programs_change_no_bit(gu, dn):
+    """GGUF experts in row programs (one program per row tile; either kernel or both): the per-expert
+    programs' bits. Negative control (interpreter: jit helpers are looked up at call time): a tile finder
+    that drops half of every tile is caught."""
+    want = _moe_row_programs(False, False)
+    got = _moe_row_programs(gu, dn)
+    assert not torch.isnan(got).any() and torch.equal(got, want)
+    if INTERPRET and gu and dn:
+        with pytest.MonkeyPatch.context() as m:
+            empty = torch.empty
+            m.setattr(qmoe.torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
+                float("nan") if dtype is None or dtype.is_floating_point else 0))
+            m.setattr(qmoe, "_program_tile", _half_tiles)
+            assert not torch.equal(_moe_row_programs(True, True), want)
+
+
+def test_moe_rows_entry_may_change_row_programs_only():
+    base = qmoe.QMoEConfig(tile_n=32, q8_group=4)
+    bad = dataclasses.replace(base, tile_n=64, row_programs=True, min_rows=8)
+    with qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *r: bad if r else base):
+        assert qmoe.qmoe_config("down", "Q8_0", 4) == base
+        with pytest.raises(ValueError, match="row_programs only"):
+            qmoe.qmoe_config("down", "Q8_0", 8)
 
 
 def test_moe_weight_errors():
