@@ -1,8 +1,10 @@
 """The harness's prefill chunk-invariance check (ds4t.exactness.chunks): holds for every family,
 and its negative control (a linear whose K sum order depends on the launch's row count) is caught."""
 import pytest
+import torch
 
 import ds4t
+from ds4t.backend import INTERPRET
 from ds4t.cli import main
 from ds4t.exactness.chunks import run_chunk_check
 from ds4t.exactness.harness import plant
@@ -143,3 +145,43 @@ def test_gguf_fold_route_keeps_chunk_invariance(preset, qtype):
     assert kept and any(folds(qlinear_config(256, 64, q, model.dtype), model.dtype) for _, q in kept)
     rep = run_chunk_check(model, PROMPT, chunks=(1, 5, len(PROMPT)))
     assert rep.ok, rep.first_mismatch
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "q8_0"])
+def test_moe_row_programs_keep_chunk_invariance(fmt, monkeypatch):
+    """MoE launches of >= 2 rows in row programs (one program per row tile, ``MoEConfig.row_programs`` /
+    ``QMoEConfig.row_programs``; the GPU's grouped kernels in the interpreter, the interpreter's tiles): whole
+    prompt, chunks and token-by-token decoding give the same bits, and row programs did run."""
+    import dataclasses
+
+    from ds4t.kernels import moe as M, qmoe as QM
+    from ds4t.kernels.registry import GPU, use_variants
+
+    rows = dataclasses.replace(M._INTERP_CONFIG, row_programs=True, min_rows=2)
+    moe_rule = lambda kernel, *f: rows if f[-1:] == ("rows",) else None if "few" in f else M._INTERP_CONFIG  # noqa: E731
+
+    interp = QM.QMOE_CONFIGS.interp_rule   # (forced() puts its rule there)
+
+    def qmoe_rule(kernel, qtype, *r):
+        cfg = interp(kernel, qtype)
+        return dataclasses.replace(cfg, row_programs=True, min_rows=2) if r else cfg
+
+    calls = []
+    for mod in (M, QM):   # the launchers size a row-program grid with it
+        real = mod.row_program_count
+        monkeypatch.setattr(mod, "row_program_count", lambda *a, real=real: calls.append(a) or real(*a))
+    model = ds4t.load("tiny-qwen", **({"quantize": fmt} if fmt != "bf16" else {}), dtype="bf16")
+    with M.MOE_CONFIGS.forced(moe_rule), QM.QMOE_CONFIGS.forced(qmoe_rule), use_variants({"moe_experts": GPU}):
+        rep = run_chunk_check(model, PROMPT, chunks=(1, 5, len(PROMPT)))
+    assert rep.ok, rep.first_mismatch
+    assert calls
+    if fmt == "bf16" and INTERPRET:   # negative control (the interpreter looks jit helpers up at call time):
+        # a tile finder that drops half of every tile; buffers start NaN
+        from tests.kernels.test_moe import _half_tiles
+
+        empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
+            float("nan") if dtype is None or dtype.is_floating_point else 0))
+        monkeypatch.setattr(M, "_program_tile", _half_tiles)
+        with M.MOE_CONFIGS.forced(moe_rule), use_variants({"moe_experts": GPU}):
+            assert not run_chunk_check(model, PROMPT, chunks=(1, 5, len(PROMPT))).ok
