@@ -791,14 +791,18 @@ def _half_tiles(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
     return e, start, tl.minimum(end, start + BM // 2)
 
 
-def _row_programs_run(gu_rows, dn_rows, device):
+def _row_programs_run(gu_rows, dn_rows, device, skipped=False):
     """moe_experts over 40 rows (3 hot routed experts of 7 with unchosen ones between, a shared expert
     holding every row: 2-7 row tiles of 16 pairs an expert) with the row entries' ``row_programs`` set
-    per kernel; NaN-poisoned output."""
+    per kernel; NaN-poisoned output. ``skipped``: every third row's first pair has expert -1 (another
+    rank's, under expert parallel)."""
     E, I, D, k, B = 8, 72, 200, 2, 40
     wg, wu, wd = (w.to(device) for w in _weights(E, I, D, torch.bfloat16, 81))
     ids, w = _routing(B, 3, k, seed=82)
-    ids, w = (ids * 3).to(device), w.to(device)     # experts 0, 3, 6; 1, 2, 4, 5 unchosen
+    ids = ids * 3                                   # experts 0, 3, 6; 1, 2, 4, 5 unchosen
+    if skipped:
+        ids[::3, 0] = -1
+    ids, w = ids.to(device), w.to(device)
     h = torch.randn(B, D, generator=gen(83)).to(device)
     base = M.MoEConfig(tile_n=32, tile_k=64)
     rows = {kern: M.MoEConfig(tile_n=32, tile_k=64, block_m=16, min_rows=8, row_programs=on)
@@ -808,13 +812,15 @@ def _row_programs_run(gu_rows, dn_rows, device):
         return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, out=poisoned((B, D), device=device))
 
 
-@pytest.mark.parametrize("gu_rows,dn_rows", [(True, True), (True, False), (False, True)])
-def test_row_programs_keep_every_pairs_bits(device, gu_rows, dn_rows):
+@pytest.mark.parametrize("gu_rows,dn_rows,skipped", [(True, True, False), (True, False, False), (False, True, False),
+                                                     (True, True, True)])
+def test_row_programs_keep_every_pairs_bits(device, gu_rows, dn_rows, skipped):
     """``MoEConfig.row_programs`` (one program per row tile instead of one per expert looping over its tiles;
     either kernel alone, or both) gives the per-expert programs' result bit for bit: the same pairs in the
-    same tiles. With only the gate/up kernel so, the down kernel finds its experts from ``bounds``."""
-    want = _row_programs_run(False, False, device)
-    got = _row_programs_run(gu_rows, dn_rows, device)
+    same tiles, pairs of another rank's experts (-1) in none. With only the gate/up kernel so, the down
+    kernel finds its experts from ``bounds``."""
+    want = _row_programs_run(False, False, device, skipped)
+    got = _row_programs_run(gu_rows, dn_rows, device, skipped)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)
 
