@@ -834,9 +834,9 @@ one program each; 2026-12-04, ``bench/prefill_ab.py`` / ``bench/step_ab.py``, sa
 the base's bits): a 4096-token prompt in chunks of 1024 7-15 % faster in bf16 (GLM-4.5-4l 102.5 -> 87.3 ms),
 28 % in FP8 (Qwen3-Next-4l 55.0 -> 39.8 ms); decode at N = 64 3-5 % faster in both, N = 16 the same in bf16
 and 1.8 % slower in FP8 -- so the bf16 decode entries take them and FP8 takes them from 64 rows (a
-("rows",) entry that is the decode entry with ``row_programs``). Few-rows entries (key + ("few", K), ``max_rows``; the fields
-of :data:`FEW_ROWS_FREE` may differ, :func:`_config`): none. Measured on an H200: the best one- and two-row
-configs made the MoE call alone 10-25 % faster (FP8 GLM-4.5 gate/up with 4 stages 96.6 -> 78.4 us, bf16
+("rows",) entry that is the decode entry with ``row_programs``). Few-rows entries (key + ("few", K),
+``max_rows``; the fields of :data:`FEW_ROWS_FREE` may differ, :func:`_config`): none. Measured on an H200:
+the best one- and two-row configs made the MoE call alone 10-25 % faster (FP8 GLM-4.5 gate/up with 4 stages 96.6 -> 78.4 us, bf16
 DeepSeek-V3 32 x 64 tiles 226.5 -> 200.7 us) and moved no whole step by more than 3 % either way, timed in
 one process with ``bench/step_ab.py`` (full-depth Qwen3-Next-80B FP8, the 4-layer presets; every variant
 kept the steps' bits) (bench/results/2026-12-02-h200-few-rows.md; earlier, 8 stages:
@@ -976,8 +976,8 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     # do not fit; tensors are on the host there): a host-made list of the chosen experts. Either way
     # each expert's computation is the same: exactness holds.
     device_list = path == GPU
-    # row programs (MoEConfig.row_programs; prefill row entries): one program per row tile, found from
-    # ``bounds`` on the device -- only there, and never for a self-grouped launch (no bounds)
+    # row programs (MoEConfig.row_programs): one program per row tile, found from ``bounds`` on the
+    # device -- only there, and never for a self-grouped launch (no bounds)
     row_ok = device_list and not self_group and not gguf
     gu_rows, dn_rows = row_ok and gu_cfg.row_programs, row_ok and dn_cfg.row_programs
     slots = None

@@ -158,7 +158,8 @@ def test_moe_row_programs_keep_chunk_invariance(fmt, monkeypatch):
     from ds4t.kernels.registry import GPU, use_variants
 
     rows = dataclasses.replace(M._INTERP_CONFIG, row_programs=True, min_rows=2)
-    moe_rule = lambda kernel, *f: rows if f[-1:] == ("rows",) else None if "few" in f else M._INTERP_CONFIG  # noqa: E731
+    def moe_rule(kernel, *f):
+        return rows if f[-1:] == ("rows",) else None if "few" in f else M._INTERP_CONFIG
 
     interp = QM.QMOE_CONFIGS.interp_rule   # (forced() puts its rule there)
 
