@@ -330,6 +330,15 @@ def row_program_count(E: int, P: int, BM: int) -> int:
     return min(E, P) + triton.cdiv(P, BM)
 
 
+def down_finder(gu_rows: bool, dn_rows: bool, BE: int) -> dict:
+    """How a grouped down kernel (this module's or :mod:`ds4t.kernels.qmoe`'s) finds its work: one row tile
+    a program (``dn_rows``); per slot, its expert found from ``bounds`` when the gate/up kernel ran row
+    programs and so wrote no slots (``gu_rows``); else from the slot list it is given ({})."""
+    if dn_rows:
+        return dict(ROW_PROGRAMS=True, BE=BE)
+    return dict(DEVICE_LIST=True, BE=BE) if gu_rows else {}
+
+
 @triton.jit
 def _store_slot(slots_ptr, e, start, end, writer):
     """slots[i] = slot i's expert, -1 when it has none (``end == start``), stored by one program of the slot
@@ -1038,10 +1047,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     if dn_split > 1:
         kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
     kw.update(evenness(I, step, D, BN))
-    if dn_rows:
-        kw.update(ROW_PROGRAMS=True, BE=BE)
-    elif gu_rows:   # the gate/up kernel wrote no slots: find each slot's expert from bounds
-        kw.update(DEVICE_LIST=True, BE=BE)
+    kw.update(down_finder(gu_rows, dn_rows, BE))
     _moe_down_kernel[(row_program_count(E, P, cfg.block_m) if dn_rows else n_slots, triton.cdiv(D, BN), dn_split)](
         act, act.stride(-2), order, bounds, experts if slots is None else slots,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),

@@ -24,7 +24,7 @@ from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
-                              row_program_count)                              # inside its launcher
+                              down_finder, row_program_count)                 # inside its launcher
 from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, qdot, qdot_pair
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -182,18 +182,18 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     B, P = h.shape[0], h.shape[0] * KT
     gu_cfg, dn_cfg = qmoe_config("gate_up", w_gate.qtype, B), qmoe_config("down", w_down.qtype, B)
     gu_rows, dn_rows = device_list and gu_cfg.row_programs, device_list and dn_cfg.row_programs
+    if gu_rows or dn_rows:   # no slot list: row programs find their tiles, slots their experts, from bounds
+        slots = None
     cfg = gu_cfg
     BN, G = cfg.tiles(I, D, w_gate.qtype)
     _qmoe_gate_up_kernel[(row_program_count(E, P, 16) if gu_rows else n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
-        slots_ptr=None if gu_rows else slots, ROW_PROGRAMS=gu_rows, **launch_kwargs(cfg), **LAUNCH)
+        slots_ptr=slots, ROW_PROGRAMS=gu_rows, **launch_kwargs(cfg), **LAUNCH)
     cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
-    # the down kernel reads the slots the gate/up kernel wrote, or (row programs there) finds its experts itself
-    find = dict(ROW_PROGRAMS=True, BE=BE) if dn_rows else dict(DEVICE_LIST=True, BE=BE) if gu_rows else {}
     _qmoe_down_kernel[(row_program_count(E, P, 16) if dn_rows else n_slots, triton.cdiv(D, BN))](
-        act, act.stride(0), order, bounds, experts if slots is None or gu_rows else slots, wd, wd.stride(0),
-        wd.stride(1), y, y.stride(0), D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
-        FOLD=folds(cfg, adt), **find, **launch_kwargs(cfg), **LAUNCH)
+        act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
+        y.stride(0), D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        FOLD=folds(cfg, adt), **down_finder(gu_rows, dn_rows, BE), **launch_kwargs(cfg), **LAUNCH)

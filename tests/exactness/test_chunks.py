@@ -1,7 +1,6 @@
 """The harness's prefill chunk-invariance check (ds4t.exactness.chunks): holds for every family,
 and its negative control (a linear whose K sum order depends on the launch's row count) is caught."""
 import pytest
-import torch
 
 import ds4t
 from ds4t.backend import INTERPRET
@@ -178,11 +177,9 @@ def test_moe_row_programs_keep_chunk_invariance(fmt, monkeypatch):
     assert calls
     if fmt == "bf16" and INTERPRET:   # negative control (the interpreter looks jit helpers up at call time):
         # a tile finder that drops half of every tile; buffers start NaN
-        from tests.kernels.test_moe import _half_tiles
+        from tests.kernels.invariance import half_row_tiles, poison_empty
 
-        empty = torch.empty
-        monkeypatch.setattr(torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
-            float("nan") if dtype is None or dtype.is_floating_point else 0))
-        monkeypatch.setattr(M, "_program_tile", _half_tiles)
+        poison_empty(monkeypatch)
+        monkeypatch.setattr(M, "_program_tile", half_row_tiles)
         with M.MOE_CONFIGS.forced(moe_rule), use_variants({"moe_experts": GPU}):
             assert not run_chunk_check(model, PROMPT, chunks=(1, 5, len(PROMPT))).ok

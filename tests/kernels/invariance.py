@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+import triton
+import triton.language as tl
+
+from ds4t.kernels.moe import _program_tile
 from ds4t.testing import assert_rows_invariant, poisoned  # noqa: F401
 
 
@@ -22,3 +27,21 @@ def launcher_path(module, rows_path: bool):
     which = INTERP if rows_path and INTERPRET else GPU
     with use_variants({o.name: which for o in with_variants}):
         yield
+
+
+def poison_empty(patch) -> None:
+    """``torch.empty`` replaced, through ``patch`` (a pytest MonkeyPatch), by NaN-filled float and zeroed
+    integer buffers: a kernel that leaves part of a launcher's buffer unwritten then shows, where a freed
+    buffer's old values (the caching allocator hands the same memory back) could stand in for the missing
+    ones."""
+    empty = torch.empty
+    patch.setattr(torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
+        float("nan") if dtype is None or dtype.is_floating_point else 0))
+
+
+@triton.jit
+def half_row_tiles(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
+    """A broken :func:`ds4t.kernels.moe._program_tile` for negative controls (swapped in where the
+    interpreter looks the helper up): every row tile runs its first BM / 2 pairs only."""
+    e, start, end = _program_tile(bounds_ptr, E, BE, BM)
+    return e, start, tl.minimum(end, start + BM // 2)

@@ -17,7 +17,8 @@ from ds4t.kernels import moe as M
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, use_variants
 from tests.kernels.devices import gen
-from tests.kernels.invariance import assert_rows_invariant, launcher_path, poisoned
+from tests.kernels.invariance import (assert_rows_invariant, half_row_tiles, launcher_path, poison_empty,
+                                      poisoned)
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -781,16 +782,6 @@ def test_fp8_row_entries_are_the_decode_tiles_in_row_programs():
             assert dataclasses.replace(rows, row_programs=decode.row_programs, min_rows=decode.min_rows) == decode
 
 
-_PROGRAM_TILE = M._program_tile
-
-
-@triton.jit
-def _half_tiles(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
-    """A broken :func:`ds4t.kernels.moe._program_tile`: every row tile runs its first BM / 2 pairs only."""
-    e, start, end = _PROGRAM_TILE(bounds_ptr, E, BE, BM)
-    return e, start, tl.minimum(end, start + BM // 2)
-
-
 def _row_programs_run(gu_rows, dn_rows, device, skipped=False):
     """moe_experts over 40 rows (3 hot routed experts of 7 with unchosen ones between, a shared expert
     holding every row: 2-7 row tiles of 16 pairs an expert) with the row entries' ``row_programs`` set
@@ -831,10 +822,8 @@ def test_row_programs_control_a_lost_half_tile_is_caught(device, monkeypatch):
     comparison above catches it (the launcher's buffers start NaN: a freed buffer's old values could
     otherwise stand in for the unwritten ones)."""
     want = _row_programs_run(False, False, device)
-    empty = torch.empty
-    monkeypatch.setattr(M.torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
-        float("nan") if dtype is None or dtype.is_floating_point else 0))
-    monkeypatch.setattr(M, "_program_tile", _half_tiles)
+    poison_empty(monkeypatch)
+    monkeypatch.setattr(M, "_program_tile", half_row_tiles)
     assert not torch.equal(_row_programs_run(True, True, device), want)
 
 

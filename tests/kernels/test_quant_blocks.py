@@ -21,7 +21,7 @@ from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
 from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, block_terms, dequantize, fold_weights, quantize,
                                        quantize_numpy, repack, unpack)
-from tests.kernels.invariance import assert_rows_invariant, poisoned
+from tests.kernels.invariance import assert_rows_invariant, half_row_tiles, poison_empty, poisoned
 
 DEV = torch.device("cpu" if INTERPRET else "cuda")
 ADTS = [torch.float32, torch.bfloat16, torch.float16]
@@ -339,16 +339,6 @@ def test_moe_interleave_changes_no_bit():
     assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 
-_PROGRAM_TILE = qmoe._program_tile
-
-
-@triton.jit
-def _half_tiles(bounds_ptr, E, BE: tl.constexpr, BM: tl.constexpr):
-    """A broken tile finder: every row tile runs its first BM / 2 pairs only."""
-    e, start, end = _PROGRAM_TILE(bounds_ptr, E, BE, BM)
-    return e, start, tl.minimum(end, start + BM // 2)
-
-
 def _moe_row_programs(gu, dn, B=24):
     """moe_experts over GGUF experts (Q4_K gate/up, Q8_0 down; a shared expert holding all B rows: 2 row
     tiles) with ("rows",) entries from 8 rows whose ``row_programs`` are ``gu`` / ``dn``; NaN-poisoned output."""
@@ -373,10 +363,8 @@ def test_moe_row_programs_change_no_bit(gu, dn):
     assert not torch.isnan(got).any() and torch.equal(got, want)
     if INTERPRET and gu and dn:
         with pytest.MonkeyPatch.context() as m:
-            empty = torch.empty
-            m.setattr(qmoe.torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
-                float("nan") if dtype is None or dtype.is_floating_point else 0))
-            m.setattr(qmoe, "_program_tile", _half_tiles)
+            poison_empty(m)
+            m.setattr(qmoe, "_program_tile", half_row_tiles)
             assert not torch.equal(_moe_row_programs(True, True), want)
 
 
