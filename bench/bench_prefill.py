@@ -18,7 +18,8 @@ Gated DeltaNet's recurrence (elementwise, not tensor-core work) and norms are no
 against a bf16 ``torch.matmul`` of 8192^3 timed in the same run (the tensor-core peak this GPU reaches).
 Then ``ds4t.exactness.chunks.run_chunk_check`` on a --check-prompt-token prompt with chunk sizes
 1, 17, 64 and the whole prompt (and token by token in a native batch), and its negative control.
-``--profile``: per-kernel GPU time of one chunk (torch.profiler). ``--sessions 1,8``: also N sessions
+``--profile``: per-kernel GPU time of one chunk (torch.profiler); ``--profile-at P``: of the chunk starting at
+position P (the P tokens before it prefilled untimed), where a long prompt's attention shows. ``--sessions 1,8``: also N sessions
 prefilling at once (each step one chunk of rows split over them; a server's batched prefill).
 ``--prompt 4096,32768``: each prompt length in turn (the sessions and profile use the first).
 
@@ -268,15 +269,22 @@ def _ds4t_part(name, args, peak, device, rows, bw):
         from torch.profiler import ProfilerActivity, profile
 
         chunk = int(args.chunks.split(",")[0])
-        s = model.new_session(chunk + 8)
+        at = args.profile_at
+        extra = random.Random(1)   # its own stream: the chunk check's prompt below stays the same
+        whole = prompts[0] if at + chunk <= len(prompts[0]) else [extra.randrange(model.vocab_size)
+                                                                 for _ in range(at + chunk)]
+        s = model.new_session(at + chunk + 8)
+        if at:
+            s.prefill(whole[:at], chunk=chunk)   # untimed: the chunk profiled attends to these positions
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            s.prefill(prompts[0][:chunk], chunk=chunk)
+            s.prefill(whole[at:at + chunk], chunk=chunk)
             torch.cuda.synchronize()
         s.close()
         evs = sorted(((e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.count)
                       for e in prof.key_averages()), key=lambda r: -r[1])
         total = sum(r[1] for r in evs)
-        log(f"\nprofile of one {chunk}-token chunk from position 0: {total / 1e3:.2f} ms of kernels\n")
+        log(f"\nprofile of one {chunk}-token chunk from position {at}: {total / 1e3:.2f} ms of kernels\n")
         log("| kernel | ms | calls | share |")
         log("|---|---|---|---|")
         for k, us, n in evs[:15]:
@@ -342,6 +350,8 @@ def main() -> int:
     ap.add_argument("--sessions", default="1", help="also prefill N sessions at once, each chunk // N tokens a "
                                                     "step (e.g. 1,8,32)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-at", type=int, default=0, help="the profiled chunk starts at this position (its "
+                    "attention reads that many cached tokens; the tokens before it are prefilled untimed)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF transformers peer")
     ap.add_argument("--hf-passes", type=int, default=3, help="HF's prompt timed this many times, the fastest kept")
     ap.add_argument("--commit", default=None)

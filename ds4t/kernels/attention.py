@@ -20,7 +20,8 @@ Algorithm (two kernels, no host synchronisation, grid from shapes only):
    running sum (fp32); a row with one split writes its output directly.
    With ``same_slot_runs`` (prefill chunks) ``_attn_runs_kernel`` takes its place: grid
    ``(B / RUN, Hkv, NS)``, RUN consecutive rows a program sharing each K / V tile of their slot and
-   one MMA of RUN x BLOCK_H rows, every row folding exactly the tiles and operations it folds in the
+   one MMA of their RUN x G (row, query head) pairs packed densely (:func:`run_tile` rows, a power of
+   two), every row folding exactly the tiles and operations it folds in the
    split kernel (same bits; rows of another slot in the same program run as their own group). Row
    sums of the probabilities are MMAs against ones in both kernels (:func:`_row_sum`): tl.sum's
    reduction tree follows the tile's layout, which differs between the two tile heights.
@@ -118,20 +119,31 @@ class AttentionConfig:
     num_stages: Optional[int] = None
     merge_warps: Optional[int] = None
     run_rows: int = 1               # rows per program of a launch told its rows come in same-slot runs
+                                    # (their G query heads each: a tile of run_tile(run_rows, G) rows)
     run_warps: Optional[int] = None
+    run_stages: Optional[int] = None  # stages of the same-slot-runs kernel (None: num_stages)
     merge_stages: int = 4           # merge: loads of this many splits in flight (1: one split at a time)
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """~16 KiB of K (or V) per tile, 4 warps, 3 stages: the best of 40-48 configs per shape in the
     H200 sweep (bench/results/2026-11-30-h200-attention.md, ``bench/bench_attention.py --sweep``);
-    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64. Same-slot runs (prefill chunks,
-    bench/results/2026-12-01-h200-peers-32k.md): 4 rows a program at d 128 (GLM-4.5's 96 / 8 heads: a
-    32k prompt 15.5k -> 18.2k tok/s, 4k unchanged); none at d 256, where 4 rows x 8 warps made
-    Qwen3-Next's 32k prompt 14-16 % slower (52.1k -> 44-47k tok/s; 8 rows do not fit shared memory)."""
+    D = Dv = 256: BLOCK_N 32; D = Dv = 128: BLOCK_N 64. Same-slot runs (prefill chunks; the rows' query
+    heads packed densely, :func:`run_tile`), a 1024-row chunk at 0 / 3072 / 31744 in
+    ``bench/prefill_attention.py`` (bench/results/2026-12-04-h200-prefill-attention.md): d 128 (GLM-4.5's
+    96 / 8 heads) 5 rows a program (60 of a 64-row tile), 4 warps, 2 stages -- 1.05 / 2.13 / 10.07 ms against
+    1.48 / 3.31 / 17.0 for 4 rows and 3 stages (8 warps, 10 rows or 1 stage slower); d 256 (Qwen3-Next's 16 / 2)
+    4 rows (a 32-row tile), 4 warps, 3 stages -- 0.49 / 1.12 / 7.09 ms against 0.46 / 1.81 / 13.67 for a program
+    a row (8 rows, 2 warps or other stages slower)."""
     wide = block_d + block_dv >= 512
     return AttentionConfig(block_n=min(split, 32 if wide else 64), num_warps=4, num_stages=3, merge_warps=4,
-                           run_rows=1 if wide else 4, run_warps=None if wide else 4)
+                           run_rows=4 if wide else 5, run_warps=4, run_stages=3 if wide else 2)
+
+
+def run_tile(run_rows: int, group: int) -> int:
+    """Tile rows of a same-slot-runs program: its ``run_rows`` rows' ``group`` query heads each, packed
+    densely, padded to a power of two >= 16 (tl.dot's least M)."""
+    return max(16, triton.next_power_of_2(run_rows * group))
 
 
 def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -142,7 +154,8 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
 
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
     "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
-    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
+    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); same-slot runs: "
+           "bench/results/2026-12-04-h200-prefill-attention.md (bench/prefill_attention.py)")
 """Keyed on (the schedule's smallest split, BLOCK_D, BLOCK_DV)."""
 
 _MERGE_DV = 64
@@ -435,11 +448,12 @@ def _attn_runs_kernel(
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
-    RUN: tl.constexpr, GATED: tl.constexpr,
+    RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
-    # one slot (a prefill chunk) share each K / V tile load and one MMA of RUN * BLOCK_H rows (tile
-    # row i = batch row i // BLOCK_H, query head i % BLOCK_H of kv head g). Each row still folds
+    # one slot (a prefill chunk) share each K / V tile load and one MMA of TILE_M >= RUN * G tile rows,
+    # packed densely (tile row i = batch row i // G, query head i % G of kv head g; rows from RUN * G
+    # on are padding), so G = 12 heads waste no quarter of the tile as a 16-row head block would. Each row still folds
     # exactly its own tiles, in the same order, with the same operations: its split size from its
     # own length, its tiles on the BLOCK_N grid from its split start (split sizes are multiples of
     # BLOCK_N), positions outside [start, end) at -inf, and a tile outside its range leaves its
@@ -451,10 +465,10 @@ def _attn_runs_kernel(
     blk = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
-    i = tl.arange(0, RUN * BLOCK_H)
-    h = i % BLOCK_H
-    b = blk.to(tl.int64) * RUN + i // BLOCK_H
-    hm = (h < G) & (b < B)
+    i = tl.arange(0, TILE_M)
+    h = i % G
+    b = blk.to(tl.int64) * RUN + i // G
+    hm = (i < RUN * G) & (b < B)
     qh = g * G + h
     length = tl.minimum(tl.load(lens_ptr + b, mask=hm, other=0).to(tl.int32), L)
     slot = tl.load(slots_ptr + b, mask=hm, other=0).to(tl.int64)
@@ -465,7 +479,7 @@ def _attn_runs_kernel(
     dvm = dv < DV
     if FINAL:  # rows of length 0 return zeros
         _store_out(out_ptr, b * so_b + qh * so_h, dv, so_d, (hm & (length == 0))[:, None] & dvm[None, :],
-                   tl.zeros([RUN * BLOCK_H, BLOCK_DV], tl.float32), gate_ptr, b * sg_b + qh * DV, GATED)
+                   tl.zeros([TILE_M, BLOCK_DV], tl.float32), gate_ptr, b * sg_b + qh * DV, GATED)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     n = tl.arange(0, BLOCK_N)
@@ -474,16 +488,16 @@ def _attn_runs_kernel(
 
     todo = hm & (start < length)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
-        lead = tl.min(tl.where(todo, i, RUN * BLOCK_H), axis=0)
+        lead = tl.min(tl.where(todo, i, TILE_M), axis=0)
         lead_slot = tl.max(tl.where(i == lead, slot, -1), axis=0)
         grp = todo & (slot == lead_slot)
         lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
         hi = tl.max(tl.where(grp, end, 0), axis=0)
         k_base = kc_ptr + lead_slot * skc_s + g.to(tl.int64) * skc_h
         v_base = vc_ptr + lead_slot * svc_s + g.to(tl.int64) * svc_h
-        m_i = tl.full([RUN * BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([RUN * BLOCK_H], tl.float32)
-        acc = tl.zeros([RUN * BLOCK_H, BLOCK_DV], tl.float32)
+        m_i = tl.full([TILE_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([TILE_M], tl.float32)
+        acc = tl.zeros([TILE_M, BLOCK_DV], tl.float32)
         for t0 in range(lo, hi, BLOCK_N):
             pos = t0 + n
             pm = pos < hi
@@ -681,9 +695,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, GATED=gated)
     if same_slot_runs and cfg.run_rows > 1 and B > 1:
         warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
-        stages = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+        run_stages = cfg.num_stages if cfg.run_stages is None else cfg.run_stages
+        stages = {} if run_stages is None else {"num_stages": run_stages}
         _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
-            *args, B, **consts, RUN=cfg.run_rows, **warps, **stages, **LAUNCH)
+            *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), **warps, **stages, **LAUNCH)
     else:
         _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
