@@ -99,7 +99,9 @@ def overridden(spec):
     holding one): ``{table kernel name: [{"key": [...], "fields": {...}}, ...]}``. Each entry's config is
     the table's current one for ``key`` (entry or rule) with ``fields`` replaced, e.g.
     ``{"moe": [{"key": ["gate_up", "fp8"], "fields": {"split": 2}}]}`` -- how a benchmark times a
-    candidate table entry without editing the code (``bench/bench_fp8.py --configs``). Keys hold
+    candidate table entry without editing the code (``bench/bench_fp8.py --configs``). A table of tile
+    tuples takes ``"tiles": [{fields}, ...]`` instead, each tile the current first one with those fields
+    (``"tiles": []``: none), e.g. ``{"linear_rows": [{"key": [7168, 256, "torch.float32"], "tiles": []}]}``. Keys hold
     "torch.bfloat16"-style strings for dtypes. The interpreter reads its own rule, so this changes GPU
     launches only. Unknown tables or fields raise before anything changes."""
     if not isinstance(spec, dict):
@@ -118,7 +120,13 @@ def overridden(spec):
                 base = table.gpu_rule(*(key if isinstance(key, tuple) else (key,)))
             if base is None:
                 raise KeyError(f"config table {name!r} has no entry or rule for key {entry['key']!r}")
-            plan.append((table, key, dataclasses.replace(base, **entry.get("fields", {}))))
+            if "tiles" in entry:   # a table of tile tuples (linear_rows): each item the first tile with its fields
+                if not isinstance(base, tuple) or (entry["tiles"] and not base):
+                    raise ValueError(f"config table {name!r}: 'tiles' needs a table of tile tuples with a tile "
+                                     f"for key {entry['key']!r} to replace fields of")
+                plan.append((table, key, tuple(dataclasses.replace(base[0], **f) for f in entry["tiles"])))
+            else:
+                plan.append((table, key, dataclasses.replace(base, **entry.get("fields", {}))))
     saved = [(t, dict(t.gpu)) for t in {id(t): t for t, _, _ in plan}.values()]
     try:
         for table, key, cfg in plan:

@@ -591,19 +591,24 @@ class RowTile:
 def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> tuple:
     """Row tiles by size, smallest ``min_rows`` first: 128 x 256 x 64, 8 warps, 3 stages for 16-bit
     weights from 128 rows (bench/mma_shapes.py on an H200: 389-485 TFLOP/s at 1024-4096 rows, 1.5-5.3x
-    the decode tiles, bitwise equal; below 128 rows no faster). None for fp32 weights (an IEEE fp32
-    dot, not a tensor-core one) and none for FP8 weights: there the same sweep found rows whose bits
+    the decode tiles, bitwise equal; below 128 rows no faster). fp32 weights (the MoE routers: an IEEE
+    fp32 dot, which Triton lowers to FMA chains, each output element summing its K in order whatever the
+    tile) 128 x 64 x 64, 4 warps from 128 rows: at a 1024-row chunk DeepSeek-V3's 7168 x 256 router
+    1117 -> 241 us, GLM-4.5's 5120 x 160 497 -> 165 us, Qwen3-Next's 2048 x 513 98 -> 99 us, bitwise the
+    decode config's rows (bench/results/2026-12-04-h200-prefill-attention.md, section 4). None for FP8
+    weights: there the same sweep found rows whose bits
     change with the tile (wgmma tiles against the decode config's mma.sync ones, and in the grouped MoE
     kernels 32- against 16-row tiles), so FP8 launches keep the decode config at every size. Cause
     (``bench/mma_shapes.py --kwidth``): a dot fed from 8-bit loads gets operand layouts with kWidth 4 on
     mma.sync, which permute the K order inside the MMA steps, and kWidth 2 on wgmma."""
-    if w_dtype in (torch.float32, FP8_DTYPE):
+    if w_dtype == FP8_DTYPE:
         return ()
-    return _ROW_TILES_16BIT
+    return _ROW_TILES_FP32 if w_dtype == torch.float32 else _ROW_TILES_16BIT
 
 
 _ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)
 """One object, not one a call: every linear launch looks its row tiles up."""
+_ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, num_warps=4),)
 
 
 LINEAR_ROW_TILES: ConfigTable[tuple] = ConfigTable(

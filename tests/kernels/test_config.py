@@ -190,6 +190,32 @@ def test_overridden_replaces_fields_then_restores_and_clears_caches(tmp_path):
         assert L.linear_config.cache_info().currsize == 0
 
 
+def test_overridden_tiles_replace_a_tile_tuple_then_restore():
+    """A table of tile tuples (linear_rows) takes "tiles": each item the rule's first tile with its fields,
+    [] for none; a key without a tile to start from is refused before anything changes."""
+    import torch
+
+    from ds4t.kernels import linear as L
+    from ds4t.kernels.config import overridden
+
+    first = L._gpu_row_tiles(7168, 256, torch.float32)[0]
+    spec = {"linear_rows": [{"key": [7168, 256, "torch.float32"], "tiles": [{"block_n": 128}, {"min_rows": 512}]},
+                            {"key": [5120, 160, "torch.float32"], "tiles": []}]}
+    with overridden(spec):
+        assert L.LINEAR_ROW_TILES.gpu[(7168, 256, torch.float32)] == (
+            dataclasses.replace(first, block_n=128), dataclasses.replace(first, min_rows=512))
+        assert L.LINEAR_ROW_TILES.gpu[(5120, 160, torch.float32)] == ()
+    assert L.LINEAR_ROW_TILES.gpu == {}
+    with pytest.raises(ValueError, match="tiles"):
+        with overridden({"linear_rows": [{"key": [300, 200, "torch.float8_e4m3fn", 128, "torch.bfloat16"],
+                                          "tiles": [{"block_n": 64}]}]}):
+            pass
+    with pytest.raises(ValueError, match="tiles"):
+        with overridden({"moe": [{"key": ["gate_up", "fp8"], "tiles": []}]}):
+            pass
+    assert L.LINEAR_ROW_TILES.gpu == {}
+
+
 def test_overridden_rejects_unknown_tables_fields_and_keys():
     import torch  # noqa: F401
 

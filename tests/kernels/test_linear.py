@@ -586,7 +586,7 @@ def _row_tile_case(fmt, device, B=70, K=300, N=200):
     if fmt == "fp8":
         x, w, b = _fp8_data(B, K, N, torch.bfloat16, device, seed=41)
         return x, w, b, dict(act_dtype=torch.bfloat16)
-    x, w, b = _data(B, K, N, torch.bfloat16, device=device, seed=41)
+    x, w, b = _data(B, K, N, torch.float32 if fmt == "fp32" else torch.bfloat16, device=device, seed=41)
     return x, w, b, {}
 
 
@@ -605,7 +605,10 @@ def _rows_vs_alone(monkeypatch, fmt, device, split, tile):
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("fmt", ["bf16", pytest.param("fp8", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("fmt", ["bf16", pytest.param("fp32", marks=pytest.mark.skipif(
+    INTERPRET, reason="the interpreter's fp32 MMA is numpy's broadcast sum, whose order follows the tile's shape "
+                      "(it has no fp32 row tiles); the GPU's IEEE fp32 dot is an FMA chain in K order")),
+                                 pytest.param("fp8", marks=pytest.mark.skipif(
     not INTERPRET, reason="on an H200 an FP8 row's bits change with the tile (bench/mma_shapes.py): the GPU has "
                           "no FP8 row tiles"))])
 def test_row_tile_keeps_every_rows_bits(device, monkeypatch, fmt, split):
@@ -643,6 +646,23 @@ def test_table_row_tiles_keep_every_rows_bits(device):
     full = linear(x, w, b)
     for i in (0, 1, 127, 128, 299):
         assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w, b)), i
+
+
+@pytest.mark.skipif(INTERPRET, reason="the GPU tables' row tiles (the interpreter has none)")
+@pytest.mark.parametrize("K,N", [(7168, 256), (5120, 160)], ids=["deepseek-router", "glm-router"])
+def test_table_fp32_row_tiles_keep_every_rows_bits(device, K, N):
+    """fp32 weights (the MoE routers, an IEEE fp32 dot) at their real shapes: 300 rows in one launch (the
+    fp32 row tile) equal each row alone (the decode config, split-K), bit for bit, and as linear_parts
+    (the router's partials, summed by its top-k kernel) too."""
+    B = 300
+    x, w, _ = _data(B, K, N, torch.float32, device=device, seed=44)
+    tiles = L.linear_row_tiles(K, N, torch.float32)
+    assert tiles and B >= tiles[0].min_rows
+    full = linear(x, w)
+    parts = L.linear_parts(x, w)
+    for i in (0, 1, 127, 128, 299):
+        assert torch.equal(full[i:i + 1], linear(x[i:i + 1], w)), i
+        assert torch.equal(parts.part[:, i:i + 1], L.linear_parts(x[i:i + 1], w).part), i
 
 
 # ----------------------------------------------------------------------------- fused split-K sum
