@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -387,6 +388,37 @@ def test_same_slot_runs_give_the_split_kernels_bits(device, dtype, shape, monkey
                                    atol=2 * atol if dtype == torch.float32 else atol, rtol=rtol)
         fixed = _run(q, kc, vc, slots, lengths, 0.2, split_size=16, same_slot_runs=True)
     assert not torch.equal(fixed, got)
+
+
+@pytest.mark.parametrize("run_rows", [2, 5])
+@pytest.mark.parametrize("shape", [(6, 2, 48, 48), (24, 2, 32, 32)], ids=["G3", "G12"])
+def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, run_rows, monkeypatch):
+    """The runs kernel packs a run's (row, query head) pairs densely into run_tile(run_rows, G) tile rows
+    (the GPU table: 5 rows of GLM-4.5's 12 heads in 64): runs of 2 or 5 rows at G = 3 or 12 (tiles of 16-64
+    rows, padding after the last pair), slots changing inside a program, rows crossing a split-size
+    threshold -- every row the split kernel's bits. Control: the same launch under another split schedule
+    differs."""
+    import dataclasses
+
+    HQ, HKV, D, DV = shape
+    g = _gen(33)
+    kc, vc = _cache(3, 140, HKV, D, DV, torch.bfloat16, device, g)
+    runs = [(0, 13, 58), (2, 1, 9), (1, 7, 120), (0, 2, 3)]   # (slot, rows, first length)
+    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
+    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
+    sched = SplitSchedule(16, 64, 4)
+    base = A.ATTENTION_CONFIGS(16, max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV)))
+    cfg = dataclasses.replace(base, run_rows=run_rows, run_stages=2)
+    assert A.run_tile(run_rows, HQ // HKV) == max(16, triton.next_power_of_2(run_rows * HQ // HKV))
+    spy = _Launches(A._attn_runs_kernel)
+    monkeypatch.setattr(A, "_attn_runs_kernel", spy)
+    with launcher_path(A, False), A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
+        split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched)
+        got = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched, same_slot_runs=True)
+        assert spy.n == 1
+        assert not torch.isnan(got).any() and torch.equal(got, split)
+        assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=32, same_slot_runs=True), got)
 
 
 def test_same_slot_runs_one_split_and_empty_rows(device):
