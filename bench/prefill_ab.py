@@ -19,7 +19,8 @@ keep them.
         --variant nopf='{"gdn": [{"key": [32, 128, 128, "dk"], "fields": {"prefetch": false}}]}'
 
 Variants are ``bench/step_ab.py``'s: ``NAME=SPEC``, SPEC inline JSON or a JSON file in the
-``ds4t.kernels.config.overridden`` format plus optional ``"passthrough"`` and ``"state_order"``.
+``ds4t.kernels.config.overridden`` format plus optional ``"passthrough"``, ``"state_order"`` and ``"options"``
+(load options set for the variant, e.g. ``{"options": {"attention_products": "cache"}}``).
 ``--device cpu`` runs the script on a tiny preset (a smoke run: the interpreter ignores GPU entries).
 """
 from __future__ import annotations

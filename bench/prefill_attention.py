@@ -21,7 +21,8 @@ Timing: CUDA events around ``--iters`` calls after a warm-up, median of ``--roun
 interleaved round by round.
 
 Bits: each variant's output is compared with the base's (the table's), bit for bit -- a variant that only
-moves work (tile rows per program, warps, stages) must keep them -- and for GQA the base is compared with
+moves work (tile rows per program, warps, stages) must keep them; one with ``"products": "cache"`` computes
+other numerics and differs by design -- and for GQA the base is compared with
 the split kernel (``same_slot_runs=False``, what decode runs): a prefill row must get its decode row's bits.
 A planted control (another split schedule) must differ, so the comparison can fail.
 
@@ -105,10 +106,12 @@ def chunk_case(kind: str, shape, at: int, chunk: int, device, seed: int = 0):
         2 * h * (r + dr + r) * total
 
 
-def run_ds4t(kind: str, x: dict, runs: bool = True, split_size=None):
+def run_ds4t(kind: str, x: dict, runs: bool = True, split_size=None, products: str = "split"):
     if kind == "gqa":
         return A.decode_attention(x["q"], x["kc"], x["vc"], x["slots"], x["lengths"], x["scale"],
-                                  same_slot_runs=runs, split_size=split_size)
+                                  same_slot_runs=runs, split_size=split_size, products=products)
+    if products != "split":
+        raise SystemExit("a variant's products applies to GQA only (MLA multiplies in the cache dtype already)")
     return M.mla_decode(x["ql"], x["qp"], x["cache"], x["slots"], x["lengths"], x["scale"], kv_lora_rank=x["r"],
                         split_size=split_size)
 
@@ -132,7 +135,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--only", default="glm,qwen,mla")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=JSON: a ds4t.kernels.config.overridden spec (inline JSON or a file)")
+                    help="NAME=JSON: a ds4t.kernels.config.overridden spec (inline JSON or a file), optionally with "
+                         "\"products\": \"cache\" (GQA: decode_attention's products; other numerics, other bits)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run (the interpreter, tiny chunks)")
@@ -167,8 +171,9 @@ def main():
                 def call(spec=spec, x=x, kind=kind):
                     if spec is None:
                         return run_ds4t(kind, x)
-                    with C.overridden(spec):
-                        return run_ds4t(kind, x)
+                    table = {k: v for k, v in spec.items() if k != "products"}
+                    with C.overridden(table):
+                        return run_ds4t(kind, x, products=spec.get("products", "split"))
                 fns[name] = call
                 outs[name] = call()
             peer = sdpa_peer(x, at, args.chunk) if kind == "gqa" else None

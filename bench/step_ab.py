@@ -30,7 +30,10 @@ unfused, ``{"passthrough": ["add_rms_norm"]}`` ``linear_add_rms_norm``, ``{"pass
 ``"state_order": {SUFFIX: ORDER}``: the pool's states whose names end with ``.SUFFIX`` are re-laid out in
 memory as ``StateSpec.order`` ORDER says (a list, or null for row-major) for the variant, values kept --
 ``{"state_order": {"recurrent": null}}`` times Qwen3-Next with its Gated DeltaNet state Dv-contiguous (the
-kernels' tiles follow the layout). ``--device cpu`` runs the script
+kernels' tiles follow the layout). And an optional ``"options": {NAME: VALUE}``: load options the model reads
+at every call set for the variant, then restored -- ``{"options": {"attention_products": "cache"}}`` times a
+GQA family with its attention products in the cache dtype (other numerics: its bits differ from the base's,
+its native step must still equal its ordered one). ``--device cpu`` runs the script
 on tiny presets (a smoke run: the interpreter ignores GPU config entries, so every variant keeps the base's
 bits there).
 """
@@ -125,8 +128,16 @@ def applied(model, spec):
     """The variant's table entries (and pass-through overrides, state layouts) in force, the model's CUDA
     graphs dropped on entry and on exit (a graph replays the kernels it was captured with, so none may
     outlive the entries it was captured under)."""
-    table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order")}
+    table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order", "options")}
+    options = spec.get("options") or {}
+    bad = [k for k in options if k not in model.load_options()]
+    if bad:
+        raise SystemExit(f"variant option {bad[0]!r}: {model.family} models take {list(model.load_options())}")
+    kept = {k: getattr(model, k) for k in options}
     with overridden(table), contextlib.ExitStack() as stack:
+        stack.callback(lambda: [setattr(model, k, v) for k, v in kept.items()])
+        for k, v in options.items():
+            setattr(model, k, v)
         if spec.get("state_order"):
             stack.enter_context(relaid(model, spec["state_order"]))
         for name in spec.get("passthrough", []):

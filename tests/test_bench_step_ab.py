@@ -78,3 +78,26 @@ def test_state_order_relays_the_pool_and_puts_it_back():
         inside.add_(1.0)
     assert pool.tensors[name] is before and torch.equal(before, values + 1.0)
     assert pool.generation > gen + 1
+
+
+def test_options_variant_sets_load_options_for_its_block_only():
+    """An ``"options"`` variant sets the model's load options inside ``applied`` and restores them after (also
+    when the block raises); an option the family does not take is refused before anything changes."""
+    import ds4t
+
+    model = ds4t.load("tiny-glm", dtype="bf16")
+    s = model.new_session(max_ctx=16)
+    base = s.prefill([3, 1, 4, 1, 5])
+    with ab.applied(model, {"options": {"attention_products": "cache", "native_window": 9}}):
+        assert model.attention_products == "cache" and model.native_window == 9
+        s2 = model.new_session(max_ctx=16)
+        assert not torch.equal(s2.prefill([3, 1, 4, 1, 5]), base)   # the launches saw the option
+        s2.close()
+    assert model.attention_products == "split" and model.native_window is None
+    with pytest.raises(RuntimeError), ab.applied(model, {"options": {"attention_products": "cache"}}):
+        raise RuntimeError
+    assert model.attention_products == "split"
+    with pytest.raises(SystemExit, match="native_path"):
+        with ab.applied(model, {"options": {"native_path": "ds4"}}):
+            pass
+    assert model.attention_products == "split"

@@ -158,6 +158,10 @@ ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
            "bench/results/2026-12-04-h200-prefill-attention.md (bench/prefill_attention.py)")
 """Keyed on (the schedule's smallest split, BLOCK_D, BLOCK_DV)."""
 
+PRODUCTS = ("split", "cache")
+"""How :func:`decode_attention` multiplies with a 16-bit cache: hi + lo halves (fp32-accurate) or once in the
+cache dtype."""
+
 _MERGE_DV = 64
 """Value columns per merge program: the merge is elementwise in them (no bit depends on it); 64 gives
 a row 2 (d 128) or 4 (d 256) programs per kv head."""
@@ -283,56 +287,66 @@ def _norm_rope_kv_kernel(
 
 
 @triton.jit
-def _row_sum(p_hi, p_lo):
-    """Each row's sum of p [M, N] (fp32 p passed twice, or a 16-bit tile's hi / lo halves), as MMAs
-    against ones: the MMA's K order is a row's own whatever the tile's M and layout, where tl.sum's
-    shuffle tree follows the layout (a 16-row and a 64-row tile of the same row summed its
-    probabilities differently on the H200). All 16 columns hold the same sum; max picks it exactly."""
+def _row_sum(p_hi, p_lo, SPLIT: tl.constexpr = True):
+    """Each row's sum of p [M, N] (fp32 p passed twice, a 16-bit tile's hi / lo halves, or with SPLIT off
+    the one 16-bit tile), as MMAs against ones: the MMA's K order is a row's own whatever the tile's M
+    and layout, where tl.sum's shuffle tree follows the layout (a 16-row and a 64-row tile of the same row
+    summed its probabilities differently on the H200). All 16 columns hold the same sum; max picks it
+    exactly."""
     ones = tl.full([p_hi.shape[1], 16], 1.0, p_hi.dtype)
     s = mma(p_hi, ones, tl.zeros([p_hi.shape[0], 16], tl.float32))
-    if p_hi.dtype != tl.float32:
+    if SPLIT and p_hi.dtype != tl.float32:
         s = mma(p_lo, ones, s)
     return tl.max(s, axis=1)
 
 
 @triton.jit
-def _q_halves(ptrs, mask, qk_scale, kc_ptr):
+def _q_halves(ptrs, mask, qk_scale, kc_ptr, SPLIT: tl.constexpr = True):
     """A q tile loaded, upcast and pre-scaled (so that softmax uses exp2), as the operands of
-    :func:`_scores`: fp32 q twice for an fp32 cache, else its hi / lo halves in the cache dtype."""
+    :func:`_scores`: fp32 q twice for an fp32 cache, else its hi / lo halves in the cache dtype (SPLIT
+    off: q rounded once to the cache dtype, passed twice)."""
     q = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * qk_scale
     if kc_ptr.dtype.element_ty == tl.float32:
         q_hi = q
         q_lo = q
-    else:
+    elif SPLIT:
         q_hi = cast(q, kc_ptr.dtype.element_ty)
         q_lo = cast(q - q_hi.to(tl.float32), kc_ptr.dtype.element_ty)
+    else:
+        q_hi = cast(q, kc_ptr.dtype.element_ty)
+        q_lo = q_hi
     return q_hi, q_lo
 
 
 @triton.jit
-def _scores(q_hi, q_lo, ktt):
-    """q . k for a tile: fp32 q (q_hi, passed twice) or its 16-bit hi / lo halves against the cache tile
-    ktt [D, BLOCK_N] of that dtype, fp32 [M, BLOCK_N]."""
+def _scores(q_hi, q_lo, ktt, SPLIT: tl.constexpr = True):
+    """q . k for a tile: fp32 q (q_hi, passed twice) or its 16-bit hi / lo halves (SPLIT off: hi alone)
+    against the cache tile ktt [D, BLOCK_N] of that dtype, fp32 [M, BLOCK_N]."""
     sc = mma(q_hi, ktt, tl.zeros([q_hi.shape[0], ktt.shape[1]], tl.float32))
-    if q_hi.dtype != tl.float32:
+    if SPLIT and q_hi.dtype != tl.float32:
         sc = mma(q_lo, ktt, sc)
     return sc
 
 
 @triton.jit
-def _fold(p, vt, acc, l_i, alpha):
+def _fold(p, vt, acc, l_i, alpha, SPLIT: tl.constexpr = True):
     """One tile of the online softmax: (l * alpha + rowsum(p), acc * alpha + p . V) with p fp32 [M, BLOCK_N]
-    (split into 16-bit hi / lo halves for a 16-bit V tile vt [BLOCK_N, BLOCK_DV])."""
+    (split into 16-bit hi / lo halves for a 16-bit V tile vt [BLOCK_N, BLOCK_DV]; SPLIT off: p rounded
+    once to vt's dtype, and the sum is of the rounded p, as FlashAttention and the MLA kernel do)."""
     acc = acc * alpha[:, None]
     if vt.dtype == tl.float32:
         l_i = l_i * alpha + _row_sum(p, p)
         acc = mma(p, vt, acc)
-    else:
+    elif SPLIT:
         p_hi = cast(p, vt.dtype)
         p_lo = cast(p - p_hi.to(tl.float32), vt.dtype)
         l_i = l_i * alpha + _row_sum(p_hi, p_lo)
         acc = mma(p_hi, vt, acc)
         acc = mma(p_lo, vt, acc)
+    else:
+        p16 = cast(p, vt.dtype)
+        l_i = l_i * alpha + _row_sum(p16, p16, False)
+        acc = mma(p16, vt, acc)
     return l_i, acc
 
 
@@ -368,7 +382,7 @@ def _attn_split_kernel(
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
 ):
     # A row with one split (length <= its split size) normalises and writes its output here and the
     # merge skips it. FINAL (NS == 1, from L and the schedule only): every row has one split, no
@@ -400,7 +414,7 @@ def _attn_split_kernel(
 
     # q of the G heads that share kv head g
     q_hi, q_lo = _q_halves(q_ptr + b * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d, hm[:, None] & dm[None, :],
-                           qk_scale, kc_ptr)
+                           qk_scale, kc_ptr, SPLIT_PRODUCTS)
 
     # int64 for the slot / split base; offsets inside a split stay small.
     k_base = kc_ptr + slot * skc_s + g.to(tl.int64) * skc_h + split_start.to(tl.int64) * skc_l
@@ -417,11 +431,11 @@ def _attn_split_kernel(
         vt = tl.load(v_base + (t0 + n)[:, None] * svc_l + dv[None, :] * svc_d,
                      mask=pm[:, None] & dvm[None, :], other=0.0)
         ktt = tl.trans(kt)
-        sc = tl.where(pm[None, :], _scores(q_hi, q_lo, ktt), float("-inf"))
+        sc = tl.where(pm[None, :], _scores(q_hi, q_lo, ktt, SPLIT_PRODUCTS), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
-        l_i, acc = _fold(p, vt, acc, l_i, alpha)
+        l_i, acc = _fold(p, vt, acc, l_i, alpha, SPLIT_PRODUCTS)
         m_i = m_new
 
     om = hm[:, None] & dvm[None, :]
@@ -448,7 +462,7 @@ def _attn_runs_kernel(
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
-    RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr,
+    RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
     # one slot (a prefill chunk) share each K / V tile load and one MMA of TILE_M >= RUN * G tile rows,
@@ -484,7 +498,7 @@ def _attn_runs_kernel(
     dm = d < D
     n = tl.arange(0, BLOCK_N)
     q_hi, q_lo = _q_halves(q_ptr + b[:, None] * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
-                           hm[:, None] & dm[None, :], qk_scale, kc_ptr)
+                           hm[:, None] & dm[None, :], qk_scale, kc_ptr, SPLIT_PRODUCTS)
 
     todo = hm & (start < length)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
@@ -508,12 +522,12 @@ def _attn_runs_kernel(
             ktt = tl.trans(kt)
             mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
             upd = grp & (t0 >= start) & (t0 < end)     # this tile is one of the row's own
-            sc = tl.where(mine, _scores(q_hi, q_lo, ktt), float("-inf"))
+            sc = tl.where(mine, _scores(q_hi, q_lo, ktt, SPLIT_PRODUCTS), float("-inf"))
             # rows that skip this tile take max 0 (their results are dropped below): no -inf - -inf
             m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
             alpha = tl.exp2(m_i - m_new)
             p = tl.where(mine & upd[:, None], tl.exp2(sc - m_new[:, None]), 0.0)
-            l_new, a_new = _fold(p, vt, acc, l_i, alpha)
+            l_new, a_new = _fold(p, vt, acc, l_i, alpha, SPLIT_PRODUCTS)
             m_i = tl.where(upd, m_new, m_i)
             l_i = tl.where(upd, l_new, l_i)
             acc = tl.where(upd[:, None], a_new, acc)
@@ -636,7 +650,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
                      split_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
                      gate: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32,
-                     same_slot_runs: bool = False) -> torch.Tensor:
+                     same_slot_runs: bool = False, products: str = "split") -> torch.Tensor:
     """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
@@ -654,7 +668,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``same_slot_runs``: a launch hint that rows come in runs of one slot (prefill chunks): programs
     then take ``AttentionConfig.run_rows`` consecutive rows and share each K / V tile among a run's
     rows. Every row's bits are the same either way (see ``_attn_runs_kernel``); only speed changes.
+
+    ``products`` (16-bit caches; an fp32 cache always multiplies in IEEE fp32): ``"split"`` (default) --
+    q and the probabilities as hi + lo halves in the cache dtype, two MMAs each, effectively fp32 products;
+    ``"cache"`` -- each rounded once to the cache dtype, one MMA each, the normaliser summing the rounded
+    probabilities (FlashAttention's numerics, and :mod:`ds4t.kernels.mla`'s): half the tensor-core work,
+    bf16-sized errors. A numerics choice, so a caller's (a model's load option), never a table entry: decode
+    and prefill of one model must use the same one for chunked prefill to keep its bits.
     """
+    if products not in PRODUCTS:
+        raise ValueError(f"decode_attention: products must be one of {PRODUCTS}, got {products!r}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"decode_attention: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     B, HQ, HKV, D, DV, L, sched = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
@@ -674,7 +697,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     BLOCK_DV = max(16, triton.next_power_of_2(DV))
     cfg = ATTENTION_CONFIGS(sched.min_split, BLOCK_D, BLOCK_DV)
     BLOCK_N = cfg.block_n
-    if variant("decode_attention") == INTERP and attention_rows.launch_decode(
+    # an fp32 cache multiplies in IEEE fp32 either way; the interpreter's one-program-per-rows twin multiplies
+    # in fp32 ("split"'s numerics), so "cache" with a 16-bit cache runs the GPU's kernels there too
+    split_products = products == "split" or k_cache.dtype == torch.float32
+    if split_products and variant("decode_attention") == INTERP and attention_rows.launch_decode(
             q, k_cache, v_cache, slots, lengths, out, gate, float(scale) * _LOG2E, sched, BLOCK_N):
         return out if out_dtype == torch.float32 else out.to(out_dtype)
     final = NS == 1
@@ -692,7 +718,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     args = (q, *q.stride(), k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), slots, lengths,
             o_part, m_part, l_part, y, *y.stride(), *g_args, float(scale) * _LOG2E, L, NS)
     consts = dict(HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-                  BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, GATED=gated)
+                  BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, GATED=gated, SPLIT_PRODUCTS=split_products)
     if same_slot_runs and cfg.run_rows > 1 and B > 1:
         warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
         run_stages = cfg.num_stages if cfg.run_stages is None else cfg.run_stages
@@ -788,8 +814,15 @@ def write_kv_ref(k, v, k_cache, v_cache, slots, positions) -> None:
     v_cache[s, p] = v.to(v_cache.dtype)
 
 
-def decode_attention_ref(q, k_cache, v_cache, slots, lengths, scale, *, split_size=None, out=None):
-    """Plain-torch :func:`decode_attention`, one row at a time, fp32 (``split_size`` is ignored)."""
+def decode_attention_ref(q, k_cache, v_cache, slots, lengths, scale, *, split_size=None, out=None,
+                         products="split"):
+    """Plain-torch :func:`decode_attention`, one row at a time, fp32 (``split_size`` is ignored). ``products``
+    "cache": q pre-scaled (by ``scale`` and log2 e, as the kernel does) rounded to a 16-bit cache's dtype; the
+    probabilities stay exact (the tolerance covers the kernel's rounded ones)."""
+    if products not in PRODUCTS:
+        raise ValueError(f"decode_attention_ref: products must be one of {PRODUCTS}, got {products!r}")
+    if products == "cache" and k_cache.dtype != torch.float32:
+        q = (q.float() * (scale * _LOG2E)).to(k_cache.dtype).float() / (scale * _LOG2E)
     B, HQ, D = q.shape
     HKV = k_cache.shape[2]
     G = HQ // HKV

@@ -352,12 +352,31 @@ class GQAShape:
         return s
 
 
+def attention_products_option(value) -> str:
+    """The ``attention_products`` load option of the GQA families, checked: how decode attention multiplies
+    with a 16-bit cache (:data:`ds4t.kernels.attention.PRODUCTS`; "split", the default: fp32-accurate hi + lo
+    halves; "cache": once in the cache dtype, as FlashAttention does -- half the tensor-core work of a long
+    prompt's attention, bf16-sized errors). Every row of the model, decode or prefill, uses it."""
+    from ds4t.kernels.attention import PRODUCTS
+
+    if value not in PRODUCTS:
+        raise ValueError(f"attention_products must be one of {PRODUCTS}, got {value!r}")
+    return value
+
+
+def products_kwargs(products: str) -> dict:
+    """decode_attention's ``products`` keyword, left out at the default so that an override of the op written
+    before the option existed still sees the calls it saw (setting the option needs one that takes it)."""
+    return {} if products == "split" else {"products": products}
+
+
 def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq: torch.Tensor,
-                  kc: torch.Tensor, vc: torch.Tensor, batch) -> torch.Tensor:
+                  kc: torch.Tensor, vc: torch.Tensor, batch, products: str = "split") -> torch.Tensor:
     """One GQA attention layer on rows x fp32 [R, D]: fused q/k/v (+ bias), optional per-head q/k
     RMSNorm (plain x̂·w), rotate-half RoPE on the first ``a.rotary_dim`` dims of q and k, the rows'
     k/v written into the caches ``kc`` / ``vc`` at their slots and positions (all of it one launch),
-    split-KV decode attention (scale hd^-1/2), o_proj (+ bias)."""
+    split-KV decode attention (scale hd^-1/2; ``products``: :func:`attention_products_option`), o_proj
+    (+ bias)."""
     R, H, KV, hd = x.shape[0], a.num_heads, a.num_kv_heads, a.head_dim
     qkv = fused_linear(x, w.w_qkv, w.b_qkv)
     v = qkv[:, (H + KV) * hd:].view(R, KV, hd)
@@ -371,7 +390,7 @@ def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq
         ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
         q = qk[:, :H]
     o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5,
-                             same_slot_runs=not batch.all_single)
+                             same_slot_runs=not batch.all_single, **products_kwargs(products))
     return Projection(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 
@@ -387,7 +406,7 @@ class GQAMixer:
     def mixer(self, i: int, x: torch.Tensor, batch) -> Output:
         pool = self.pool.tensors
         return gqa_attention(x, self.layers[i].mixer, self.cfg.attn, self.inv_freq,
-                             pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch)
+                             pool[f"layers.{i}.k"], pool[f"layers.{i}.v"], batch, self.attention_products)
 
 
 # ----------------------------------------------------------------------------------------------

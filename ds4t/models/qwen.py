@@ -18,8 +18,9 @@ from ds4t.kernels import gdn, ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig, ffn, fuse_shared_expert,
-                               fused_linear, narrow_store, stack_experts)
+from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig,
+                               attention_products_option, ffn, fuse_shared_expert, fused_linear, narrow_store,
+                               products_kwargs, stack_experts)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
@@ -210,8 +211,10 @@ class QwenModel(DecoderModel):
     family = "qwen3_next"
     zero_centered_norms = True
 
-    def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None):
+    def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None,
+                 attention_products: str = "split"):
         c = QwenConfig.from_dict(cfg)
+        self.attention_products = attention_products_option(attention_products)
         self._init_stack(c, name, device, dtype, source)
         self._read_checkpoint(source, dtype, progress, MTPNames.qwen3_next(),
                               lambda mtp: expected_tensors(c, mtp=mtp, source=source), self._load_layer)
@@ -317,7 +320,8 @@ class QwenModel(DecoderModel):
                                          kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
         # · sigmoid(gate), stored in the dtype o_proj rounds its input to
         o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate,
-                                 same_slot_runs=not batch.all_single, **narrow_store(qkv, w.w_o))
+                                 same_slot_runs=not batch.all_single, **narrow_store(qkv, w.w_o),
+                                 **products_kwargs(self.attention_products))
         return Projection(o.view(R, H * hd), w.w_o, w.b_o)
 
     def _gated_deltanet(self, i: int, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

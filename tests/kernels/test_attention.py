@@ -421,6 +421,63 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
         assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=32, same_slot_runs=True), got)
 
 
+# ----------------------------------------------------------------------------- products="cache"
+
+# q and the probabilities rounded once to the cache dtype (FlashAttention's numerics): bf16-sized errors against
+# the reference, which keeps exact probabilities (the MLA kernel's bounds, the same rounding)
+CACHE_TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq%d-Hkv%d-D%d-Dv%d" % s)
+def test_cache_products_match_the_reference_and_keep_every_invariance(device, dtype, shape, monkeypatch):
+    """products="cache": within bf16 / fp16 bounds of the reference (q rounded as the kernel rounds it), gated
+    too; a row alone == the row in the batch; the runs kernel == the split kernel, bit for bit, across
+    split-size thresholds and slots; NaN past every slot's used length never read. Control: "split" gives
+    other bits (the option does something)."""
+    HQ, HKV, D, DV = shape
+    g = _gen(35)
+    kc, vc = _cache(3, 140, HKV, D, DV, dtype, device, g)
+    runs = [(0, 9, 58), (2, 1, 9), (1, 6, 120)]   # (slot, rows, first length)
+    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
+    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    for sl in range(3):
+        used = int(lengths[slots == sl].max())
+        kc[sl, used:] = float("nan")
+        vc[sl, used:] = float("nan")
+    q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
+    sched = SplitSchedule(16, 64, 4)
+    kw = dict(split_size=sched, products="cache")
+    spy = _Launches(A._attn_runs_kernel)
+    monkeypatch.setattr(A, "_attn_runs_kernel", spy)
+    with launcher_path(A, False):
+        split = _run(q, kc, vc, slots, lengths, 0.2, **kw)
+        got = _run(q, kc, vc, slots, lengths, 0.2, same_slot_runs=True, **kw)
+        assert spy.n == 1 and not torch.isnan(got).any() and torch.equal(got, split)
+        for i in (0, 8, 10, 15):
+            assert torch.equal(_run(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1], 0.2, **kw)[0], got[i]), i
+        atol, rtol = CACHE_TOL[dtype]
+        torch.testing.assert_close(got, decode_attention_ref(q, kc, vc, slots, lengths, 0.2, products="cache"),
+                                   atol=atol, rtol=rtol)
+        gate = torch.randn(slots.numel(), HQ * DV, generator=g).to(device)
+        gated = decode_attention(q, kc, vc, slots, lengths, 0.2, gate=gate, same_slot_runs=True, **kw)
+        assert torch.equal(gated, activation.sigmoid_mul(got.reshape(slots.numel(), -1), gate).view_as(got))
+        assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=sched), got)
+
+
+def test_cache_products_are_split_products_for_an_fp32_cache_and_refuse_unknown_names(device):
+    g = _gen(36)
+    kc, vc = _cache(2, 40, 2, 32, 32, torch.float32, device, g)
+    slots = torch.tensor([0, 1, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([40, 7, 33], dtype=torch.int32, device=device)
+    q = torch.randn(3, 4, 32, generator=g).to(device)
+    with launcher_path(A, False):
+        assert torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=16, products="cache"),
+                           _run(q, kc, vc, slots, lengths, 0.2, split_size=16))
+    with pytest.raises(ValueError, match="products"):
+        decode_attention(q, kc, vc, slots, lengths, 0.2, products="bf16")
+
+
 def test_same_slot_runs_one_split_and_empty_rows(device):
     """Every row one split (no merge) and rows of length 0 (zeros) through the runs kernel: the split
     kernel's bits."""

@@ -16,9 +16,13 @@ def test_model_repr(name, cls, family, option):
     assert r.startswith(f"{cls}(name={name!r}, family={family!r}, dtype=torch.float32, device={m.device.type}, ")
     for part in ("layers=2", "hidden_size=64", "vocab_size=256", "experts=8 (top 2)"):
         assert part in r
-    assert list(opts) == list(m.load_options())
+    expected = {"tiny-qwen": ["attention_products"], "tiny-deepseek": ["native_path"],
+                "tiny-glm": ["native_window", "attention_products"]}[name]
+    assert list(m.load_options()) == expected
     if option:
         assert option in r
+    if "attention_products" in expected:
+        assert "attention_products='split'" in r
 
 
 def test_repr_follows_an_option_changed_after_load():
