@@ -40,7 +40,9 @@ rounding q or p to 16 bits: q (and the probabilities p) are split as ``hi + lo``
 ``hi = x.to(cache dtype)``, ``lo = (x - hi).to(cache dtype)`` and both halves are multiplied
 with the (exact) 16-bit K / V tile, accumulating in fp32. This keeps ~16 extra mantissa bits,
 i.e. effectively fp32 math (relative error ~1e-5 rather than bf16's 4e-3), for twice the
-tensor-core work, which decode (memory bound) does not notice. With fp16 caches q·scale·log2e
+tensor-core work, which decode (memory bound) does not notice and a long prompt's prefill does;
+``products="cache"`` (a model's ``attention_products`` load option) rounds q and p once to the cache
+dtype instead, one MMA each, as FlashAttention does. With fp16 caches q·scale·log2e
 must lie within the fp16 range (|x| < 65504), as in any fp16 model. fp32 caches use IEEE fp32
 dots (no TF32), see :func:`ds4t.backend.mma`.
 
