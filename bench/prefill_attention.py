@@ -17,8 +17,8 @@ are ~80 % of a GLM-4.5 / DeepSeek-V3 chunk at 31744). Shapes (bf16 caches):
 
 FLOPs count what the math needs, causal: 2 * H * (D + Dv) per (row, cached position) -- no padding heads,
 no hi / lo halves, no masked work. % is of a bf16 ``torch.matmul`` 8192^3 timed in the same process.
-Timing: CUDA events around ``--iters`` calls after a warm-up, median of ``--rounds`` rounds, variants
-interleaved round by round.
+Timing: ``bench.hf_peer.median_ms`` (CUDA events a call) over ``--iters`` calls a round after a warm-up call,
+the median of ``--rounds`` round medians, variants interleaved round by round.
 
 Bits: each variant's output is compared with the base's (the table's), bit for bit -- a variant that only
 moves work (tile rows per program, warps, stages) must keep them; one with ``"products": "cache"`` computes
@@ -37,48 +37,20 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.bench_prefill import matmul_peak  # noqa: E402
+from bench.hf_peer import median_ms  # noqa: E402
+from bench.step_ab import parse_variant  # noqa: E402
 from ds4t.kernels import attention as A  # noqa: E402
 from ds4t.kernels import config as C  # noqa: E402
 from ds4t.kernels import mla as M  # noqa: E402
 
 SHAPES = {"glm": ("gqa", 96, 8, 128), "qwen": ("gqa", 16, 2, 256), "mla": ("mla", 128, 512, 64)}
-
-
-def _events_ms(fn, iters: int) -> float:
-    if not torch.cuda.is_available():   # a CPU smoke run: wall time
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
-
-
-def matmul_peak(device) -> float:
-    n = 8192 if device.type == "cuda" else 256
-    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    y = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        x @ y
-    _sync(device)
-    return 2 * n ** 3 / (statistics.median(_events_ms(lambda: x @ y, 3) for _ in range(5)) * 1e-3)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def chunk_case(kind: str, shape, at: int, chunk: int, device, seed: int = 0):
@@ -150,10 +122,7 @@ def main():
         print(s, flush=True)
         lines.append(s)
 
-    variants = [("base", None)]
-    for v in args.variant:
-        name, spec = v.split("=", 1)
-        variants.append((name, json.load(open(spec)) if os.path.exists(spec) else json.loads(spec)))
+    variants = [("base", None)] + [parse_variant(v, i + 1) for i, v in enumerate(args.variant)]
     device = torch.device(args.device)
     peak = matmul_peak(device)
     log(f"# prefill-chunk attention on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
@@ -181,11 +150,10 @@ def main():
                 fns["sdpa (flash, not invariant)"] = peer
                 times["sdpa (flash, not invariant)"] = []
                 peer()
-            _sync(device)
             for rnd in range(args.rounds):
                 order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
                 for name in order:
-                    times[name].append(_events_ms(fns[name], args.iters))
+                    times[name].append(median_ms(fns[name], args.iters, 0, device))
             base = outs["base"]
             checks = []
             # the control: every row in splits half its longest row's (a fixed size, so few partials)

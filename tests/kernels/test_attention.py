@@ -353,6 +353,14 @@ class _Launches:
         return self.kernel[grid]
 
 
+def _run_rows(runs, device):
+    """(slots, lengths) int32 of prefill-like runs ``[(slot, rows, first length), ...]``: each run's rows at
+    consecutive lengths of its slot."""
+    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
+    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    return slots, lengths
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq%d-Hkv%d-D%d-Dv%d" % s)
 def test_same_slot_runs_give_the_split_kernels_bits(device, dtype, shape, monkeypatch):
@@ -365,8 +373,7 @@ def test_same_slot_runs_give_the_split_kernels_bits(device, dtype, shape, monkey
     S, L = 4, 160
     kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
     runs = [(1, 21, 50), (0, 1, 150), (2, 9, 120), (3, 1, 7), (2, 1, 3), (3, 6, 61)]   # (slot, rows, first length)
-    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
-    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    slots, lengths = _run_rows(runs, device)
     for sl in range(S):   # NaN past each slot's longest row
         used = int(lengths[slots == sl].max())
         kc[sl, used:] = float("nan")
@@ -404,8 +411,7 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
     g = _gen(33)
     kc, vc = _cache(3, 140, HKV, D, DV, torch.bfloat16, device, g)
     runs = [(0, 13, 58), (2, 1, 9), (1, 7, 120), (0, 2, 3)]   # (slot, rows, first length)
-    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
-    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    slots, lengths = _run_rows(runs, device)
     q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
     sched = SplitSchedule(16, 64, 4)
     base = A.ATTENTION_CONFIGS(16, max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV)))
@@ -439,8 +445,7 @@ def test_cache_products_match_the_reference_and_keep_every_invariance(device, dt
     g = _gen(35)
     kc, vc = _cache(3, 140, HKV, D, DV, dtype, device, g)
     runs = [(0, 9, 58), (2, 1, 9), (1, 6, 120)]   # (slot, rows, first length)
-    slots = torch.tensor([sl for sl, n, _ in runs for _ in range(n)], dtype=torch.int32, device=device)
-    lengths = torch.tensor([l0 + t for _, n, l0 in runs for t in range(n)], dtype=torch.int32, device=device)
+    slots, lengths = _run_rows(runs, device)
     for sl in range(3):
         used = int(lengths[slots == sl].max())
         kc[sl, used:] = float("nan")
