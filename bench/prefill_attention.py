@@ -17,8 +17,11 @@ are ~80 % of a GLM-4.5 / DeepSeek-V3 chunk at 31744). Shapes (bf16 caches):
 
 FLOPs count what the math needs, causal: 2 * H * (D + Dv) per (row, cached position) -- no padding heads,
 no hi / lo halves, no masked work. % is of a bf16 ``torch.matmul`` 8192^3 timed in the same process.
-Timing: ``bench.hf_peer.median_ms`` (CUDA events a call) over ``--iters`` calls a round after a warm-up call,
-the median of ``--rounds`` round medians, variants interleaved round by round.
+Timing: on a GPU a CUDA graph of 4 back-to-back calls captured under the variant's tables
+(``bench.bench_kernels.time_calls``: no host launch cost in the time -- timed a call at a time from the host,
+a 0.3 ms chunk read up to 60 % slower and a variant's table switch counted against it), the median of
+``--iters`` replays a round, the median of ``--rounds`` round medians, variants interleaved round by round;
+on the CPU wall time a call.
 
 Bits: each variant's output is compared with the base's (the table's), bit for bit -- a variant that only
 moves work (tile rows per program, warps, stages) must keep them; one with ``"products": "cache"`` computes
@@ -43,6 +46,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.bench_kernels import time_calls  # noqa: E402
 from bench.bench_prefill import matmul_peak  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from bench.step_ab import parse_variant  # noqa: E402
@@ -81,7 +85,8 @@ def chunk_case(kind: str, shape, at: int, chunk: int, device, seed: int = 0):
 def run_ds4t(kind: str, x: dict, runs: bool = True, split_size=None, products: str = "split"):
     if kind == "gqa":
         return A.decode_attention(x["q"], x["kc"], x["vc"], x["slots"], x["lengths"], x["scale"],
-                                  same_slot_runs=runs, split_size=split_size, products=products)
+                                  same_slot_runs=x["q"].shape[0] if runs else 0, split_size=split_size,
+                                  products=products)
     if products != "split":
         raise SystemExit("a variant's products applies to GQA only (MLA multiplies in the cache dtype already)")
     return M.mla_decode(x["ql"], x["qp"], x["cache"], x["slots"], x["lengths"], x["scale"], kv_lora_rank=x["r"],
@@ -99,6 +104,15 @@ def sdpa_peer(x: dict, at: int, chunk: int):
     k, v = (c[0, :at + chunk].transpose(0, 1).repeat_interleave(g, 0).contiguous()[None] for c in (x["kc"], x["vc"]))
     mask = causal_lower_right(chunk, at + chunk)
     return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=x["scale"])
+
+
+def timed_ms(fn, table, device, iters: int) -> float:
+    """Median ms of one call of fn under the config tables ``table`` (None: as they are): a CUDA graph's
+    replays on a GPU, wall time on the CPU."""
+    with C.overridden(table or {}):
+        if device.type == "cuda":
+            return time_calls([fn], min_calls=4, iters=iters)[0]
+        return median_ms(fn, iters, 0, device)
 
 
 def main():
@@ -135,25 +149,23 @@ def main():
         for at in (int(a) for a in args.at.split(",")):
             x, flops = chunk_case(kind, SHAPES[key], at, args.chunk, device)
             outs, times = {}, {n: [] for n, _ in variants}
-            fns = {}
+            fns = {}   # name: (call, its config tables)
             for name, spec in variants:
-                def call(spec=spec, x=x, kind=kind):
-                    if spec is None:
-                        return run_ds4t(kind, x)
-                    table = {k: v for k, v in spec.items() if k != "products"}
-                    with C.overridden(table):
-                        return run_ds4t(kind, x, products=spec.get("products", "split"))
-                fns[name] = call
-                outs[name] = call()
+                spec = spec or {}
+                table = {k: v for k, v in spec.items() if k != "products"}
+                fns[name] = (lambda x=x, kind=kind, p=spec.get("products", "split"): run_ds4t(kind, x, products=p),
+                             table)
+                with C.overridden(table):
+                    outs[name] = fns[name][0]()
             peer = sdpa_peer(x, at, args.chunk) if kind == "gqa" else None
             if peer is not None:
-                fns["sdpa (flash, not invariant)"] = peer
+                fns["sdpa (flash, not invariant)"] = (peer, None)
                 times["sdpa (flash, not invariant)"] = []
                 peer()
             for rnd in range(args.rounds):
                 order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
                 for name in order:
-                    times[name].append(median_ms(fns[name], args.iters, 0, device))
+                    times[name].append(timed_ms(*fns[name], device, args.iters))
             base = outs["base"]
             checks = []
             # the control: every row in splits half its longest row's (a fixed size, so few partials)

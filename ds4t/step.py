@@ -65,6 +65,7 @@ class StepBatch:
     # int64 [M, 4]: the segments of more than one token, in order, as (first row, rows, slot, states row
     # or -1: Segment.states_row) on the device, for kernels that run all of them in one launch
     multi_segments: Optional[torch.Tensor] = None
+    shortest_run: int = 0   # tokens of the shortest segment of more than one (0: none, a pure decode batch)
 
     @property
     def rows(self) -> int:
@@ -154,6 +155,7 @@ class StepBatch:
             all_single=all(sg.n == 1 for sg in segs),
             hidden_rows=meta[n + o + s:e] if h else None,
             multi_segments=meta[e:e + 4 * m].view(m, 4) if m else None,
+            shortest_run=min((sg.n for sg in segs if sg.n > 1), default=0),
         )
 
     @classmethod

@@ -125,6 +125,8 @@ class AttentionConfig:
     run_warps: Optional[int] = None
     run_stages: Optional[int] = None  # stages of the same-slot-runs kernel (None: num_stages)
     merge_stages: int = 4           # merge: loads of this many splits in flight (1: one split at a time)
+    run_fuse_rows: Optional[int] = None  # when a launch's shortest same-slot run has this many rows, a
+                                         # one-slot program does all its splits and merges them (None: never)
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -136,10 +138,16 @@ def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     96 / 8 heads) 5 rows a program (60 of a 64-row tile), 4 warps, 2 stages -- 1.05 / 2.13 / 10.07 ms against
     1.48 / 3.31 / 17.0 for 4 rows and 3 stages (8 warps, 10 rows or 1 stage slower); d 256 (Qwen3-Next's 16 / 2)
     4 rows (a 32-row tile), 4 warps, 3 stages -- 0.49 / 1.12 / 7.09 ms against 0.46 / 1.81 / 13.67 for a program
-    a row (8 rows, 2 warps or other stages slower)."""
+    a row (8 rows, 2 warps or other stages slower). Fused runs (``run_fuse_rows``: a one-slot program folds and
+    merges all its splits; bench/results/2026-12-04-h200-fused-runs.md, CUDA-graph timing, same bits): d 128 from
+    1024-row runs -- whole prompts (bench/prefill_ab.py) GLM-4.5-4l 4k -10.5 %, 32k -3.0 %; 512-row chunks gain
+    early (0.23 -> 0.14 ms at 0) and lose late (4.83 -> 5.64 ms at 31744), so 512 stays unfused; d 256 from 512
+    -- 1024-row chunks -17 / -11 / -4 % at 0 / 3072 / 31744, 512-row -5 % / -3 % at 0 / 31744, 256-row +12 % /
+    +83 % (too few programs); whole Qwen3-Next-4l prompts 4k -1.5 %, 32k -3.2 %."""
     wide = block_d + block_dv >= 512
     return AttentionConfig(block_n=min(split, 32 if wide else 64), num_warps=4, num_stages=3, merge_warps=4,
-                           run_rows=4 if wide else 5, run_warps=4, run_stages=3 if wide else 2)
+                           run_rows=4 if wide else 5, run_warps=4, run_stages=3 if wide else 2,
+                           run_fuse_rows=512 if wide else 1024)
 
 
 def run_tile(run_rows: int, group: int) -> int:
@@ -150,8 +158,9 @@ def run_tile(run_rows: int, group: int) -> int:
 
 def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
-    > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU."""
-    return AttentionConfig(block_n=min(split, 64), run_rows=4)
+    > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU; one-slot runs
+    fused from 16 rows (the interpreter pays per program: fewer, longer ones are cheaper)."""
+    return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16)
 
 
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
@@ -452,6 +461,67 @@ def _attn_split_kernel(
 
 
 @triton.jit
+def _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start, end,
+                      d, dm, dv, dvm, BLOCK_N: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr):
+    """One split of the rows ``grp`` [M] of one slot (K / V at k_base / v_base): each row folds its own tiles
+    of [start, end) [M], ascending, with the split kernel's operations; the union of the rows' ranges is
+    walked once, a tile outside a row's range leaving the row untouched (tl.where, not arithmetic on -inf).
+    Returns the rows' running max, sum and un-normalised output (m [M], l [M], acc [M, BLOCK_DV] fp32)."""
+    TILE_M: tl.constexpr = q_hi.shape[0]
+    n = tl.arange(0, BLOCK_N)
+    lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
+    hi = tl.max(tl.where(grp, end, 0), axis=0)
+    m_i = tl.full([TILE_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, dv.shape[0]], tl.float32)
+    for t0 in range(lo, hi, BLOCK_N):
+        pos = t0 + n
+        pm = pos < hi
+        kt = tl.load(k_base + pos.to(tl.int64)[:, None] * skc_l + d[None, :] * skc_d,
+                     mask=pm[:, None] & dm[None, :], other=0.0)
+        vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d,
+                     mask=pm[:, None] & dvm[None, :], other=0.0)
+        ktt = tl.trans(kt)
+        mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+        upd = grp & (t0 >= start) & (t0 < end)     # this tile is one of the row's own
+        sc = tl.where(mine, _scores(q_hi, q_lo, ktt, SPLIT_PRODUCTS), float("-inf"))
+        # rows that skip this tile take max 0 (their results are dropped): no -inf - -inf
+        m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(mine & upd[:, None], tl.exp2(sc - m_new[:, None]), 0.0)
+        l_new, a_new = _fold(p, vt, acc, l_i, alpha, SPLIT_PRODUCTS)
+        m_i = tl.where(upd, m_new, m_i)
+        l_i = tl.where(upd, l_new, l_i)
+        acc = tl.where(upd[:, None], a_new, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
+    """Fold one split's (m_s, l_s, o_s) into the running (m, l, acc) of its rows: the merge's one step, in
+    ascending split order (the same expression wherever a split is merged, so the same bits)."""
+    m_new = tl.maximum(m_run, m_s)
+    a = tl.exp2(m_run - m_new)
+    c = tl.exp2(m_s - m_new)
+    acc = acc * a[:, None] + o_s * c[:, None]
+    l_run = l_run * a + l_s * c
+    return m_new, l_run, acc
+
+
+@triton.jit
+def _run_is_fused(slots_ptr, blk, B, RUN: tl.constexpr, RUN_P2: tl.constexpr):
+    """Whether batch rows blk * RUN .. + RUN - 1 all exist (< B) and name one slot: a run of a prefill chunk
+    (decode rows are a slot each, and a lone last row is never fused) whose splits one program folds and
+    merges (FUSE) -- the runs kernel and the merge kernel both ask."""
+    j = tl.arange(0, RUN_P2)
+    rows = blk.to(tl.int64) * RUN + j
+    ok = (j < RUN) & (rows < B)
+    sl = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
+    one = tl.max(tl.where(ok, sl, -1), axis=0) == tl.min(tl.where(ok, sl, 9223372036854775807), axis=0)
+    return one & ((blk.to(tl.int64) + 1) * RUN <= B)
+
+
+@triton.jit
 def _attn_runs_kernel(
     q_ptr, sq_b, sq_h, sq_d,
     kc_ptr, skc_s, skc_l, skc_h, skc_d,
@@ -465,18 +535,20 @@ def _attn_runs_kernel(
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
     RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
+    FUSE: tl.constexpr = False, RUN_P2: tl.constexpr = 1,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
     # one slot (a prefill chunk) share each K / V tile load and one MMA of TILE_M >= RUN * G tile rows,
     # packed densely (tile row i = batch row i // G, query head i % G of kv head g; rows from RUN * G
     # on are padding), so G = 12 heads waste no quarter of the tile as a 16-row head block would. Each row still folds
-    # exactly its own tiles, in the same order, with the same operations: its split size from its
-    # own length, its tiles on the BLOCK_N grid from its split start (split sizes are multiples of
-    # BLOCK_N), positions outside [start, end) at -inf, and a tile outside its range leaves its
-    # running max / sum / output untouched (tl.where, not arithmetic on -inf). The MMA gives a row
-    # the same bits whatever the other rows of the tile (ds4t.backend.mma; on the H200 for every tile
-    # shape, bench/mma_shapes.py), so a row's bits are the split kernel's. Rows of different slots in
-    # one program (a decode row beside a chunk) run as separate groups, one slot each.
+    # exactly its own tiles, in the same order, with the same operations (_runs_group_split): its split size
+    # from its own length, its tiles on the BLOCK_N grid from its split start (split sizes are multiples of
+    # BLOCK_N). The MMA gives a row the same bits whatever the other rows of the tile (ds4t.backend.mma; on
+    # the H200 for every tile shape, bench/mma_shapes.py), so a row's bits are the split kernel's. Rows of
+    # different slots in one program (a decode row beside a chunk) run as separate groups, one slot each.
+    # FUSE: a run of one slot is done by its split-0 program alone -- every split in ascending order, each
+    # merged into the rows' running result at once by the merge kernel's own step (_merge_step), so no
+    # partials go through memory and the merge kernel skips these rows (it asks _run_is_fused too).
     grid_dependency()
     blk = tl.program_id(0)
     g = tl.program_id(1)
@@ -489,74 +561,83 @@ def _attn_runs_kernel(
     length = tl.minimum(tl.load(lens_ptr + b, mask=hm, other=0).to(tl.int32), L)
     slot = tl.load(slots_ptr + b, mask=hm, other=0).to(tl.int64)
     split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)
-    start = s * split
-    end = tl.minimum(start + split, length)
     dv = tl.arange(0, BLOCK_DV)
     dvm = dv < DV
     if FINAL:  # rows of length 0 return zeros
         _store_out(out_ptr, b * so_b + qh * so_h, dv, so_d, (hm & (length == 0))[:, None] & dvm[None, :],
                    tl.zeros([TILE_M, BLOCK_DV], tl.float32), gate_ptr, b * sg_b + qh * DV, GATED)
+    fused = False
+    if FUSE:
+        fused = _run_is_fused(slots_ptr, blk, B, RUN, RUN_P2)
+    if fused and s > 0:   # the split-0 program does this run's every split
+        return
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    n = tl.arange(0, BLOCK_N)
     q_hi, q_lo = _q_halves(q_ptr + b[:, None] * sq_b + qh[:, None] * sq_h + d[None, :] * sq_d,
                            hm[:, None] & dm[None, :], qk_scale, kc_ptr, SPLIT_PRODUCTS)
-
-    todo = hm & (start < length)
-    while tl.max(todo.to(tl.int32), axis=0) > 0:
-        lead = tl.min(tl.where(todo, i, TILE_M), axis=0)
-        lead_slot = tl.max(tl.where(i == lead, slot, -1), axis=0)
-        grp = todo & (slot == lead_slot)
-        lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
-        hi = tl.max(tl.where(grp, end, 0), axis=0)
-        k_base = kc_ptr + lead_slot * skc_s + g.to(tl.int64) * skc_h
-        v_base = vc_ptr + lead_slot * svc_s + g.to(tl.int64) * svc_h
-        m_i = tl.full([TILE_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([TILE_M], tl.float32)
-        acc = tl.zeros([TILE_M, BLOCK_DV], tl.float32)
-        for t0 in range(lo, hi, BLOCK_N):
-            pos = t0 + n
-            pm = pos < hi
-            kt = tl.load(k_base + pos.to(tl.int64)[:, None] * skc_l + d[None, :] * skc_d,
-                         mask=pm[:, None] & dm[None, :], other=0.0)
-            vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d,
-                         mask=pm[:, None] & dvm[None, :], other=0.0)
-            ktt = tl.trans(kt)
-            mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
-            upd = grp & (t0 >= start) & (t0 < end)     # this tile is one of the row's own
-            sc = tl.where(mine, _scores(q_hi, q_lo, ktt, SPLIT_PRODUCTS), float("-inf"))
-            # rows that skip this tile take max 0 (their results are dropped below): no -inf - -inf
-            m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.where(mine & upd[:, None], tl.exp2(sc - m_new[:, None]), 0.0)
-            l_new, a_new = _fold(p, vt, acc, l_i, alpha, SPLIT_PRODUCTS)
-            m_i = tl.where(upd, m_new, m_i)
-            l_i = tl.where(upd, l_new, l_i)
-            acc = tl.where(upd[:, None], a_new, acc)
-        one = length <= split
-        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc, l_i,
-                    gate_ptr, b * sg_b + qh * DV, GATED)
-        part = grp & (length > split)
-        row = (b * NS + s) * HQ + qh
-        tl.store(m_ptr + row, m_i, mask=part)
-        tl.store(l_ptr + row, l_i, mask=part)
-        tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=part[:, None] & dvm[None, :])
-        todo = todo & (slot != lead_slot)
+    one = length <= split
+    if fused:
+        run_slot = tl.max(tl.where(hm, slot, 0), axis=0)
+        k_base = kc_ptr + run_slot * skc_s + g.to(tl.int64) * skc_h
+        v_base = vc_ptr + run_slot * svc_s + g.to(tl.int64) * svc_h
+        m_run = tl.full([TILE_M], float("-inf"), tl.float32)
+        l_run = tl.zeros([TILE_M], tl.float32)
+        acc_run = tl.zeros([TILE_M, BLOCK_DV], tl.float32)
+        n_splits = tl.max(tl.where(hm, tl.cdiv(length, split), 0), axis=0)
+        for sp in range(0, n_splits):
+            start = sp * split
+            grp = hm & (start < length)
+            m_i, l_i, acc = _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                              tl.minimum(start + split, length), d, dm, dv, dvm, BLOCK_N,
+                                              SPLIT_PRODUCTS)
+            if sp == 0:   # rows of one split: no merge, as in the split kernel
+                _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc,
+                            l_i, gate_ptr, b * sg_b + qh * DV, GATED)
+            part = grp & (length > split)
+            m_new, l_new, a_new = _merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
+            m_run = tl.where(part, m_new, m_run)
+            l_run = tl.where(part, l_new, l_run)
+            acc_run = tl.where(part[:, None], a_new, acc_run)
+        # rows of more than one split, and of none (length 0: zeros, as the merge writes them)
+        _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (hm & (~one | (length == 0)))[:, None] & dvm[None, :],
+                    acc_run, l_run, gate_ptr, b * sg_b + qh * DV, GATED)
+    else:
+        start = s * split
+        end = tl.minimum(start + split, length)
+        todo = hm & (start < length)
+        while tl.max(todo.to(tl.int32), axis=0) > 0:
+            lead = tl.min(tl.where(todo, i, TILE_M), axis=0)
+            lead_slot = tl.max(tl.where(i == lead, slot, -1), axis=0)
+            grp = todo & (slot == lead_slot)
+            k_base = kc_ptr + lead_slot * skc_s + g.to(tl.int64) * skc_h
+            v_base = vc_ptr + lead_slot * svc_s + g.to(tl.int64) * svc_h
+            m_i, l_i, acc = _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                              end, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS)
+            _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc, l_i,
+                        gate_ptr, b * sg_b + qh * DV, GATED)
+            part = grp & (length > split)
+            row = (b * NS + s) * HQ + qh
+            tl.store(m_ptr + row, m_i, mask=part)
+            tl.store(l_ptr + row, l_i, mask=part)
+            tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=part[:, None] & dvm[None, :])
+            todo = todo & (slot != lead_slot)
 
 
 @triton.jit
 def _attn_merge_kernel(
     o_ptr, m_ptr, l_ptr,
-    lens_ptr,
+    lens_ptr, slots_ptr, B,
     out_ptr, so_b, so_h, so_d,
     gate_ptr, sg_b,
     L, NS,
     HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr, GATED: tl.constexpr, MERGE_STAGES: tl.constexpr,
+    FUSED_RUN: tl.constexpr = 0, RUN_P2: tl.constexpr = 1,
 ):
     # grid (B, Hkv, value-column blocks): the merge is elementwise in the value columns, so the
-    # column block changes no bit; it only gives a row more programs.
+    # column block changes no bit; it only gives a row more programs. FUSED_RUN: the runs kernel ran with
+    # FUSE and runs of this many rows; a row of a one-slot run is already merged and stored.
     grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -564,6 +645,9 @@ def _attn_merge_kernel(
     nvalid = tl.cdiv(length, split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS))
     if nvalid == 1:   # the split kernel wrote this row
         return
+    if FUSED_RUN > 0:
+        if _run_is_fused(slots_ptr, b // FUSED_RUN, B, FUSED_RUN, RUN_P2):
+            return
     h = tl.arange(0, BLOCK_H)
     hm = h < G
     qh = g * G + h
@@ -580,12 +664,7 @@ def _attn_merge_kernel(
         m_s = tl.load(m_ptr + row, mask=hm, other=0.0)
         l_s = tl.load(l_ptr + row, mask=hm, other=0.0)
         o_s = tl.load(o_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        a = tl.exp2(m_run - m_new)
-        c = tl.exp2(m_s - m_new)
-        acc = acc * a[:, None] + o_s * c[:, None]
-        l_run = l_run * a + l_s * c
-        m_run = m_new
+        m_run, l_run, acc = _merge_step(m_run, l_run, acc, m_s, l_s, o_s)
     _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_run, gate_ptr, b * sg_b + qh * DV, GATED)
 
 
@@ -652,7 +731,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
                      split_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
                      gate: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32,
-                     same_slot_runs: bool = False, products: str = "split") -> torch.Tensor:
+                     same_slot_runs: int = 0, products: str = "split") -> torch.Tensor:
     """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
@@ -667,9 +746,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     a linear reading the output in that dtype would round it to; with a gate ``out`` is then scratch).
     Batch invariant; no host synchronisation.
 
-    ``same_slot_runs``: a launch hint that rows come in runs of one slot (prefill chunks): programs
-    then take ``AttentionConfig.run_rows`` consecutive rows and share each K / V tile among a run's
-    rows. Every row's bits are the same either way (see ``_attn_runs_kernel``); only speed changes.
+    ``same_slot_runs``: a launch hint (host-side, never read from the device): 0 / False -- one row a slot
+    (decode); n >= 1 (True: 1) -- rows come in runs of one slot (prefill chunks), the shortest run of more
+    than one row having n rows (``StepBatch.shortest_run``). Programs then take ``AttentionConfig.run_rows``
+    consecutive rows and share each K / V tile among a run's rows, and from n >= ``run_fuse_rows`` a program
+    whose rows are all of one slot folds and merges every split of them (no partials, no merge for them).
+    Every row's bits are the same either way (see ``_attn_runs_kernel``); only speed changes.
 
     ``products`` (16-bit caches; an fp32 cache always multiplies in IEEE fp32): ``"split"`` (default) --
     q and the probabilities as hi + lo halves in the cache dtype, two MMAs each, effectively fp32 products;
@@ -721,22 +803,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             o_part, m_part, l_part, y, *y.stride(), *g_args, float(scale) * _LOG2E, L, NS)
     consts = dict(HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
                   BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, GATED=gated, SPLIT_PRODUCTS=split_products)
-    if same_slot_runs and cfg.run_rows > 1 and B > 1:
+    runs = bool(same_slot_runs) and cfg.run_rows > 1 and B > 1
+    # one-slot programs fold and merge their splits when every run is long (a chunk of >= run_fuse_rows rows
+    # gives programs enough without the splits'; a short run at a long position -- a speculative verify
+    # beside a chunk -- keeps its splits' parallelism); the same bits either way
+    fuse = runs and not final and cfg.run_fuse_rows is not None and int(same_slot_runs) >= cfg.run_fuse_rows
+    run_p2 = triton.next_power_of_2(cfg.run_rows)
+    if runs:
         warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
         run_stages = cfg.num_stages if cfg.run_stages is None else cfg.run_stages
         stages = {} if run_stages is None else {"num_stages": run_stages}
         _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
-            *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), **warps, **stages, **LAUNCH)
+            *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), FUSE=fuse, RUN_P2=run_p2,
+            **warps, **stages, **LAUNCH)
     else:
         _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
         merge_dv = min(_MERGE_DV, BLOCK_DV)
         _attn_merge_kernel[(B, HKV, triton.cdiv(DV, merge_dv))](
-            o_part, m_part, l_part, lengths,
+            o_part, m_part, l_part, lengths, slots, B,
             y, *y.stride(), *g_args,
             L, NS,
             HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv, GATED=gated,
-            MERGE_STAGES=cfg.merge_stages,
+            MERGE_STAGES=cfg.merge_stages, FUSED_RUN=cfg.run_rows if fuse else 0, RUN_P2=run_p2,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     return y if gated or out_dtype == torch.float32 else out.to(out_dtype)

@@ -390,7 +390,7 @@ def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq
         ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
         q = qk[:, :H]
     o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5,
-                             same_slot_runs=not batch.all_single, **products_kwargs(products))
+                             same_slot_runs=batch.shortest_run, **products_kwargs(products))
     return Projection(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 

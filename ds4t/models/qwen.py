@@ -320,7 +320,7 @@ class QwenModel(DecoderModel):
                                          kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
         # · sigmoid(gate), stored in the dtype o_proj rounds its input to
         o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate,
-                                 same_slot_runs=not batch.all_single, **narrow_store(qkv, w.w_o),
+                                 same_slot_runs=batch.shortest_run, **narrow_store(qkv, w.w_o),
                                  **products_kwargs(self.attention_products))
         return Projection(o.view(R, H * hd), w.w_o, w.b_o)
 

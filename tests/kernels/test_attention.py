@@ -427,6 +427,72 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
         assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=32, same_slot_runs=True), got)
 
 
+class _Kwargs(_Launches):
+    """_Launches that also keeps each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        super().__init__(kernel)
+        self.kwargs = []
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def call(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("products", ["split", "cache"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, monkeypatch):
+    """``run_fuse_rows``: when the launch's shortest run (``same_slot_runs=n``) has at least that many rows, a
+    full one-slot program's split-0 program folds every split and merges them with the merge kernel's step, no
+    partials; programs of several slots, and a lone last row, keep the split programs and the merge. Every row
+    keeps the split kernel's bits -- runs crossing split-size thresholds (16 -> 32 -> 64), up to 5 splits a
+    row, rows of length 0 and rows of one split inside fused runs, decode rows of other slots beside them,
+    gated too -- and the merge kernel leaves the fused rows alone (NaN outputs would show otherwise). A launch
+    whose shortest run is below the threshold (``True``: 1) does not fuse. Control: the same fused launch
+    under another split schedule differs."""
+    import dataclasses
+
+    HQ, HKV, D, DV = 6, 2, 48, 40
+    g = _gen(37)
+    S, L = 4, 320
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    runs = [(1, 12, 0), (0, 1, 150), (2, 9, 58), (3, 1, 7), (2, 8, 120), (3, 14, 300)]   # (slot, rows, first length)
+    slots, lengths = _run_rows(runs, device)
+    for sl in range(S):
+        used = int(lengths[slots == sl].max())
+        kc[sl, used:] = float("nan")
+        vc[sl, used:] = float("nan")
+    B = slots.numel()
+    q = torch.randn(B, HQ, D, generator=g).to(device)
+    gate = torch.randn(B, HQ * DV, generator=g).to(device)
+    sched = SplitSchedule(16, 64, 4)
+    base = A.ATTENTION_CONFIGS(16, 64, 64)
+    spy = _Kwargs(A._attn_runs_kernel)
+    monkeypatch.setattr(A, "_attn_runs_kernel", spy)
+    got = {}
+    with launcher_path(A, False):
+        split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched, products=products)
+        split_gated = decode_attention(q, kc, vc, slots, lengths, 0.2, split_size=sched, gate=gate, products=products)
+        # the shortest run of more than one row has 8 rows; True: runs of unknown length
+        cfg = dataclasses.replace(base, run_rows=4, run_fuse_rows=8)
+        with A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
+            for shortest in (True, 8):
+                kw = dict(split_size=sched, same_slot_runs=shortest, products=products)
+                got[shortest] = (_run(q, kc, vc, slots, lengths, 0.2, **kw),
+                                 decode_attention(q, kc, vc, slots, lengths, 0.2, gate=gate, **kw))
+            other = _run(q, kc, vc, slots, lengths, 0.2, **{**kw, "split_size": 32})
+    assert [k["FUSE"] for k in spy.kwargs] == [False, False, True, True, True]
+    for fuse in got:
+        assert not torch.isnan(got[fuse][0]).any()
+        assert torch.equal(got[fuse][0], split) and torch.equal(got[fuse][1], split_gated), fuse
+    assert torch.equal(got[8][0][lengths == 0], torch.zeros_like(got[8][0][lengths == 0]))
+    assert not torch.equal(other, got[8][0])
+
+
 # ----------------------------------------------------------------------------- products="cache"
 
 # q and the probabilities rounded once to the cache dtype (FlashAttention's numerics): bf16-sized errors against
