@@ -166,7 +166,8 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
     "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
     source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); same-slot runs: "
-           "bench/results/2026-12-04-h200-prefill-attention.md (bench/prefill_attention.py)")
+           "bench/results/2026-12-04-h200-prefill-attention.md (bench/prefill_attention.py); fused runs: "
+           "bench/results/2026-12-04-h200-fused-runs.md (bench/prefill_attention.py, bench/prefill_ab.py)")
 """Keyed on (the schedule's smallest split, BLOCK_D, BLOCK_DV)."""
 
 PRODUCTS = ("split", "cache")
