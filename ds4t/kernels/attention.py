@@ -127,6 +127,7 @@ class AttentionConfig:
     merge_stages: int = 4           # merge: loads of this many splits in flight (1: one split at a time)
     run_fuse_rows: Optional[int] = None  # when a launch's shortest same-slot run has this many rows, a
                                          # one-slot program does all its splits and merges them (None: never)
+    run_interior: bool = False      # runs kernel: the tiles inside all of a group's ranges without masks
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -160,7 +161,7 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
     > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU; one-slot runs
     fused from 16 rows (the interpreter pays per program: fewer, longer ones are cheaper)."""
-    return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16)
+    return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16, run_interior=True)
 
 
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
@@ -462,30 +463,22 @@ def _attn_split_kernel(
 
 
 @triton.jit
-def _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start, end,
-                      d, dm, dv, dvm, BLOCK_N: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr):
-    """One split of the rows ``grp`` [M] of one slot (K / V at k_base / v_base): each row folds its own tiles
-    of [start, end) [M], ascending, with the split kernel's operations; the union of the rows' ranges is
-    walked once, a tile outside a row's range leaving the row untouched (tl.where, not arithmetic on -inf).
-    Returns the rows' running max, sum and un-normalised output (m [M], l [M], acc [M, BLOCK_DV] fp32)."""
-    TILE_M: tl.constexpr = q_hi.shape[0]
-    n = tl.arange(0, BLOCK_N)
-    lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
-    hi = tl.max(tl.where(grp, end, 0), axis=0)
-    m_i = tl.full([TILE_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([TILE_M], tl.float32)
-    acc = tl.zeros([TILE_M, dv.shape[0]], tl.float32)
-    for t0 in range(lo, hi, BLOCK_N):
-        pos = t0 + n
+def _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start, end, m_i, l_i, acc,
+               d, dm, dv, dvm, BLOCK_N: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr, MASKED: tl.constexpr):
+    """The tile of positions t0 .. t0 + BLOCK_N - 1 folded into the rows of ``grp`` whose range [start, end)
+    holds it; others untouched (tl.where, not arithmetic on -inf). MASKED off: the tile lies inside every
+    ``grp`` row's range and below hi, so every mask would be all true and is left out -- the same operations
+    on the same values for those rows (rows outside ``grp`` are then updated too; callers drop them)."""
+    pos = t0 + tl.arange(0, BLOCK_N)
+    if MASKED:
         pm = pos < hi
         kt = tl.load(k_base + pos.to(tl.int64)[:, None] * skc_l + d[None, :] * skc_d,
                      mask=pm[:, None] & dm[None, :], other=0.0)
         vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d,
                      mask=pm[:, None] & dvm[None, :], other=0.0)
-        ktt = tl.trans(kt)
         mine = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
         upd = grp & (t0 >= start) & (t0 < end)     # this tile is one of the row's own
-        sc = tl.where(mine, _scores(q_hi, q_lo, ktt, SPLIT_PRODUCTS), float("-inf"))
+        sc = tl.where(mine, _scores(q_hi, q_lo, tl.trans(kt), SPLIT_PRODUCTS), float("-inf"))
         # rows that skip this tile take max 0 (their results are dropped): no -inf - -inf
         m_new = tl.where(upd, tl.maximum(m_i, tl.max(sc, axis=1)), 0.0)
         alpha = tl.exp2(m_i - m_new)
@@ -494,6 +487,51 @@ def _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, gr
         m_i = tl.where(upd, m_new, m_i)
         l_i = tl.where(upd, l_new, l_i)
         acc = tl.where(upd[:, None], a_new, acc)
+    else:
+        kt = tl.load(k_base + pos.to(tl.int64)[:, None] * skc_l + d[None, :] * skc_d, mask=dm[None, :], other=0.0)
+        vt = tl.load(v_base + pos.to(tl.int64)[:, None] * svc_l + dv[None, :] * svc_d, mask=dvm[None, :],
+                     other=0.0)
+        sc = _scores(q_hi, q_lo, tl.trans(kt), SPLIT_PRODUCTS)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i, acc = _fold(p, vt, acc, l_i, alpha, SPLIT_PRODUCTS)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start, end,
+                      d, dm, dv, dvm, BLOCK_N: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr,
+                      INTERIOR: tl.constexpr = False):
+    """One split of the rows ``grp`` [M] of one slot (K / V at k_base / v_base): each row folds its own tiles
+    of [start, end) [M], ascending, with the split kernel's operations; the union of the rows' ranges is
+    walked once (:func:`_runs_tile`). INTERIOR: the tiles inside every row's range (most of a chunk's split:
+    the rows share its start and differ in their ends by < the chunk) without masks, the edges with them.
+    Returns the rows' running max, sum and un-normalised output (m [M], l [M], acc [M, BLOCK_DV] fp32)."""
+    TILE_M: tl.constexpr = q_hi.shape[0]
+    lo = tl.min(tl.where(grp, start, 2147483647), axis=0)
+    hi = tl.max(tl.where(grp, end, 0), axis=0)
+    m_i = tl.full([TILE_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, dv.shape[0]], tl.float32)
+    if INTERIOR:
+        # tiles on the BLOCK_N grid from lo (every start is on it: splits are multiples of BLOCK_N)
+        a = tl.max(tl.where(grp, start, 0), axis=0)
+        b = tl.maximum(a + ((tl.min(tl.where(grp, end, 2147483647), axis=0) - a) // BLOCK_N) * BLOCK_N, a)
+        for t0 in range(lo, a, BLOCK_N):
+            m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                       end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
+        for t0 in range(a, b, BLOCK_N):
+            m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                       end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, False)
+        for t0 in range(b, hi, BLOCK_N):
+            m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                       end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
+    else:
+        for t0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                       end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
     return m_i, l_i, acc
 
 
@@ -536,7 +574,7 @@ def _attn_runs_kernel(
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
     RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
-    FUSE: tl.constexpr = False, RUN_P2: tl.constexpr = 1,
+    FUSE: tl.constexpr = False, RUN_P2: tl.constexpr = 1, INTERIOR: tl.constexpr = False,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
     # one slot (a prefill chunk) share each K / V tile load and one MMA of TILE_M >= RUN * G tile rows,
@@ -590,7 +628,7 @@ def _attn_runs_kernel(
             grp = hm & (start < length)
             m_i, l_i, acc = _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
                                               tl.minimum(start + split, length), d, dm, dv, dvm, BLOCK_N,
-                                              SPLIT_PRODUCTS)
+                                              SPLIT_PRODUCTS, INTERIOR)
             if sp == 0:   # rows of one split: no merge, as in the split kernel
                 _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc,
                             l_i, gate_ptr, b * sg_b + qh * DV, GATED)
@@ -613,7 +651,7 @@ def _attn_runs_kernel(
             k_base = kc_ptr + lead_slot * skc_s + g.to(tl.int64) * skc_h
             v_base = vc_ptr + lead_slot * svc_s + g.to(tl.int64) * svc_h
             m_i, l_i, acc = _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
-                                              end, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS)
+                                              end, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, INTERIOR)
             _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc, l_i,
                         gate_ptr, b * sg_b + qh * DV, GATED)
             part = grp & (length > split)
@@ -816,7 +854,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         stages = {} if run_stages is None else {"num_stages": run_stages}
         _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
             *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), FUSE=fuse, RUN_P2=run_p2,
-            **warps, **stages, **LAUNCH)
+            INTERIOR=cfg.run_interior, **warps, **stages, **LAUNCH)
     else:
         _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
