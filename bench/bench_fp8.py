@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth, exactness, step_floor_bytes  # noqa: E402
+from bench.report import Report  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402,F401  (bench_gguf and bench_tp import it from here)
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.config import overridden  # noqa: E402
@@ -177,11 +178,7 @@ def main() -> int:
                     help="JSON file of GPU config-table entries to use instead (ds4t.kernels.config.overridden)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log = Report()
 
     if args.configs:
         for table, key, cfg in _OVERRIDES.enter_context(overridden(args.configs)):
@@ -208,8 +205,7 @@ def main() -> int:
     for r in mrows:
         log(f"{r['model']} N={r['n']} ctx={r['ctx']}: {r['native_ms']:.2f} ms, {r['ratio']:.2f}x the floor")
     log(f"exactness on GPU: {'PASS' if ok else 'FAIL'}")
-    with open(os.path.join(args.out, "fp8.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    log.write(args.out, "fp8.md")
     return 0 if ok else 1
 
 

@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
+from bench.report import Report  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, qlinear_config  # noqa: E402
@@ -453,11 +454,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log = Report()
 
     cuda = torch.device(args.device).type == "cuda"
     bw = copy_bandwidth("cuda") if cuda else 20e9
@@ -511,8 +508,7 @@ def main() -> int:
             log(f"| {r['model']} | {r['n']} | {r['native_ms']:.2f} | {r['floor_ms']:.2f} | {r['ratio']:.2f}x |")
     log(f"\nexactness and correctness on {'GPU' if cuda else 'CPU'}: {'PASS' if ok else 'FAIL'}; "
         f"{time.time() - t_start:.0f} s")
-    with open(os.path.join(args.out, "gguf.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    log.write(args.out, "gguf.md")
     return 0 if ok else 1
 
 

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ds4t  # noqa: E402
 from ds4t.batch import speculative as spec  # noqa: E402
 from ds4t.batch.graphs import suspended  # noqa: E402
+from bench.report import Report  # noqa: E402
 
 
 def sync(model):
@@ -121,11 +122,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lines, rows = [], []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log, rows = Report(), []
 
     dev = ds4t.backend.device_name()
     log(f"# ds4t speculative decoding (MTP) on {dev}")
@@ -165,8 +162,7 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     log(f"\nexact on GPU (every speculative run's tokens == plain greedy): {'PASS' if ok_all else 'FAIL'}")
-    with open(os.path.join(args.out, "mtp.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    log.write(args.out, "mtp.md")
     log("\n## Summary")
     for r in rows:
         log(f"{r['model']} N={r['n']} {r['run']}: acceptance {r['acceptance']:.0%}, {r['tok_s']:.0f} tok/s, "

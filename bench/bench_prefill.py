@@ -48,17 +48,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
+from bench.report import Report  # noqa: E402
 from bench import hf_peer  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from ds4t.exactness.chunks import run_chunk_check  # noqa: E402
 from ds4t.exactness.harness import plant  # noqa: E402
 
-LOG = []
-
-
-def log(s: str = "") -> None:
-    print(s, flush=True)
-    LOG.append(s)
+log = Report()
 
 
 def matmul_peak(device) -> float:
@@ -390,8 +386,7 @@ def main() -> int:
         log(f"| {r['model']} | {r['prompt']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | "
             f"{100 * r['frac']:.1f} % | {r['floor_ms']:.1f} / {r['ms']:.1f} = {100 * r['floor_ms'] / r['ms']:.0f} % | "
             f"{hf_cols} | {'yes' if r.get('chunk_invariant') else 'NO'} |")
-    with open(os.path.join(args.out, "prefill.md"), "w") as f:
-        f.write("\n".join(LOG) + "\n")
+    log.write(args.out, "prefill.md")
     return 0 if ok else 1
 
 

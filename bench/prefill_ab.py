@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.prompt < 1 or args.chunk < 1:
         raise SystemExit("prefill_ab: --rounds, --prompt and --chunk must be at least 1")
-    variants, dev, model, lines, log = ab_setup(args, "prefill_ab")
+    variants, dev, model, log = ab_setup(args, "prefill_ab")
     ns = [int(x) for x in args.sessions.split(",") if x.strip()]
     rng = random.Random(0)
     prompt = [rng.randrange(model.vocab_size) for _ in range(args.prompt)]
@@ -129,8 +129,7 @@ def main(argv=None) -> int:
     rows = run(model, prompt, args.chunk, ns, variants, args.rounds, dev, log)
     log("")
     log(table(rows, args.chunk))
-    with open(os.path.join(args.out, "prefill_ab.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    log.write(args.out, "prefill_ab.md")
     with open(os.path.join(args.out, "prefill_ab.json"), "w") as f:
         json.dump(dict(model=args.model, prompt=args.prompt, chunk=args.chunk, commit=args.commit,
                        variants=dict(variants), rows=rows), f)

@@ -47,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.bench_kernels import time_calls  # noqa: E402
+from bench.report import Report  # noqa: E402
 from bench.bench_prefill import matmul_peak  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from bench.step_ab import parse_variant  # noqa: E402
@@ -130,11 +131,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log = Report()
 
     variants = [("base", None)] + [parse_variant(v, i + 1) for i, v in enumerate(args.variant)]
     device = torch.device(args.device)
@@ -190,8 +187,7 @@ def main():
             del x, outs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "prefill_attention.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    log.write(args.out, "prefill_attention.md")
     with open(os.path.join(args.out, "prefill_attention.json"), "w") as f:
         json.dump(rows, f, indent=1)
     log("\n| shape | at | variant | ms | TFLOP/s | bits |")

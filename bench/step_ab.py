@@ -52,6 +52,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402
 from bench import bench_decode  # noqa: E402
+from bench.report import Report  # noqa: E402
 from bench.bench_fp8 import synthetic_sessions  # noqa: E402
 from ds4t.batch.graphs import capture_overrides, graphs_for  # noqa: E402
 from ds4t.kernels.config import overridden  # noqa: E402
@@ -215,7 +216,7 @@ def table(rows) -> str:
 
 def ab_setup(args, tool: str):
     """What an A/B script needs from its parsed arguments (``--variant``, ``--device``, ``--model``, ``--out``):
-    (variants with the base first, device, the loaded model, the log's lines, log). SystemExit naming
+    (variants with the base first, device, the loaded model, its Report log). SystemExit naming
     ``tool`` for no variant, repeated names or a missing GPU."""
     if not args.variant:
         raise SystemExit(f"{tool}: give at least one --variant to compare with the base")
@@ -227,14 +228,10 @@ def ab_setup(args, tool: str):
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{tool}: no CUDA GPU here (use --device cpu for a smoke run on a tiny preset)")
     os.makedirs(args.out, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log = Report()
 
     name, _, q = args.model.partition(":")
-    return variants, dev, ds4t.load(name, device=dev, quantize=q or None), lines, log
+    return variants, dev, ds4t.load(name, device=dev, quantize=q or None), log
 
 
 def main(argv=None) -> int:
@@ -251,7 +248,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.iters < 1:
         raise SystemExit("step_ab: --rounds and --iters must be at least 1")
-    variants, dev, model, lines, log = ab_setup(args, "step_ab")
+    variants, dev, model, log = ab_setup(args, "step_ab")
     bench_decode.DEVICE = dev
     ns = bench_decode.ints(args.ns)
     bw = bench_decode.copy_bandwidth(dev)
@@ -262,8 +259,7 @@ def main(argv=None) -> int:
     rows = run(model, ns, args.ctx, variants, args.rounds, args.iters, bw, log)
     log("")
     log(table(rows))
-    with open(os.path.join(args.out, "step_ab.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    log.write(args.out, "step_ab.md")
     with open(os.path.join(args.out, "step_ab.json"), "w") as f:
         json.dump(dict(model=args.model, ctx=args.ctx, commit=args.commit, variants=dict(variants), rows=rows), f)
     return 0

@@ -22,7 +22,9 @@ Algorithm (two kernels, no host synchronisation, grid from shapes only):
    ``(B / RUN, Hkv, NS)``, RUN consecutive rows a program sharing each K / V tile of their slot and
    one MMA of their RUN x G (row, query head) pairs packed densely (:func:`run_tile` rows, a power of
    two), every row folding exactly the tiles and operations it folds in the
-   split kernel (same bits; rows of another slot in the same program run as their own group). Row
+   split kernel (same bits; rows of another slot in the same program run as their own group). When every
+   run of the launch is long (``run_fuse_rows``), a program whose rows are one slot folds all their splits
+   itself, merging each with the merge kernel's step as it ends: no partials for those rows. Row
    sums of the probabilities are MMAs against ones in both kernels (:func:`_row_sum`): tl.sum's
    reduction tree follows the tile's layout, which differs between the two tile heights.
 2. ``_attn_merge_kernel``, grid ``(B, Hkv, Dv / 64)``: merges a row's splits in ascending split
@@ -128,6 +130,7 @@ class AttentionConfig:
     run_fuse_rows: Optional[int] = None  # when a launch's shortest same-slot run has this many rows, a
                                          # one-slot program does all its splits and merges them (None: never)
     run_interior: bool = False      # runs kernel: the tiles inside all of a group's ranges without masks
+                                    # (same bits; off on the GPU until timed: the fused-runs results file)
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -160,7 +163,8 @@ def run_tile(run_rows: int, group: int) -> int:
 def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
     > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU; one-slot runs
-    fused from 16 rows (the interpreter pays per program: fewer, longer ones are cheaper)."""
+    fused from 16 rows (the interpreter pays per program: fewer, longer ones are cheaper), interior tiles
+    unmasked (fewer ops; the GPU's table leaves it off until timed)."""
     return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16, run_interior=True)
 
 

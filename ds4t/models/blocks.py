@@ -364,6 +364,20 @@ def attention_products_option(value) -> str:
     return value
 
 
+class AttentionProducts:
+    """A model's ``attention_products`` attribute, checked by :func:`attention_products_option` whenever it is
+    set, at load or later (a bad value raises and the model keeps the one it had)."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.slot, attention_products_option(value))
+
+
 def products_kwargs(products: str) -> dict:
     """decode_attention's ``products`` keyword, left out at the default so that an override of the op written
     before the option existed still sees the calls it saw (setting the option needs one that takes it)."""

@@ -30,8 +30,8 @@ import torch
 
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import NativeRule, StepBatch
-from ds4t.models.blocks import (GQAAttentionWeights, GQAMixer, GQAShape, Layer, Output, SigmoidMoEConfig,
-                                attention_products_option, ffn, preset_init_plain)
+from ds4t.models.blocks import (AttentionProducts, GQAAttentionWeights, GQAMixer, GQAShape, Layer, Output,
+                                SigmoidMoEConfig, ffn, preset_init_plain)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
@@ -112,12 +112,13 @@ GlmAttentionWeights = GQAAttentionWeights
 
 class GlmModel(GQAMixer, DecoderModel):
     family = "glm4_moe"
+    attention_products = AttentionProducts()
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "glm4_moe", progress=None,
                  native_window: Optional[int] = DEFAULT_NATIVE_WINDOW, attention_products: str = "split"):
         c = GlmConfig.from_dict(cfg)
         self.native_window = native_window
-        self.attention_products = attention_products_option(attention_products)
+        self.attention_products = attention_products
         self._init_stack(c, name, device, dtype, source)
 
         def load_layer(get, p: str, i: int) -> Layer:

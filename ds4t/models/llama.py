@@ -23,7 +23,7 @@ import torch
 from ds4t.kernels import weights
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import StepBatch
-from ds4t.models.blocks import (DenseMLP, GQAMixer, GQAShape, Layer, Output, attention_products_option,
+from ds4t.models.blocks import (AttentionProducts, DenseMLP, GQAMixer, GQAShape, Layer, Output,
                                 preset_init_plain, swiglu_projection)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, stack_tensors
@@ -132,11 +132,12 @@ def expected_tensors(c: LlamaConfig) -> Dict[str, tuple]:
 
 class LlamaModel(GQAMixer, DecoderModel):
     family = "llama"
+    attention_products = AttentionProducts()
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "llama", progress=None,
                  attention_products: str = "split"):
         c = LlamaConfig.from_dict(cfg)
-        self.attention_products = attention_products_option(attention_products)
+        self.attention_products = attention_products
         self._init_stack(c, name, device, dtype, source)
         get = WeightReader(source, expected_tensors(c), self.device, dtype, progress=progress)
         self._load_stack(get)

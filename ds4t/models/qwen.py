@@ -18,8 +18,8 @@ from ds4t.kernels import gdn, ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
-from ds4t.models.blocks import (DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig,
-                               attention_products_option, ffn, fuse_shared_expert, fused_linear, narrow_store,
+from ds4t.models.blocks import (AttentionProducts, DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig,
+                               ffn, fuse_shared_expert, fused_linear, narrow_store,
                                products_kwargs, stack_experts)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
@@ -210,11 +210,12 @@ def _q_gate_order(c: QwenConfig):
 class QwenModel(DecoderModel):
     family = "qwen3_next"
     zero_centered_norms = True
+    attention_products = AttentionProducts()
 
     def __init__(self, cfg: dict, source, device, dtype: torch.dtype, name: str = "qwen3_next", progress=None,
                  attention_products: str = "split"):
         c = QwenConfig.from_dict(cfg)
-        self.attention_products = attention_products_option(attention_products)
+        self.attention_products = attention_products
         self._init_stack(c, name, device, dtype, source)
         self._read_checkpoint(source, dtype, progress, MTPNames.qwen3_next(),
                               lambda mtp: expected_tensors(c, mtp=mtp, source=source), self._load_layer)

@@ -50,3 +50,9 @@ def test_bad_option_values_are_refused():
         ds4t.load("tiny-glm", attention_products="bf16")
     with pytest.raises(TypeError, match="no option 'attention_products'"):
         ds4t.load("tiny-deepseek", attention_products="cache")   # MLA multiplies in the cache dtype already
+    m = ds4t.load("tiny-qwen", attention_products="cache")
+    with pytest.raises(ValueError, match="attention_products must be one of"):
+        m.attention_products = "fp8"
+    assert m.attention_products == "cache"
+    m.attention_products = "split"
+    assert m.attention_products == "split"
