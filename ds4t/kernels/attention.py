@@ -179,6 +179,13 @@ PRODUCTS = ("split", "cache")
 """How :func:`decode_attention` multiplies with a 16-bit cache: hi + lo halves (fp32-accurate) or once in the
 cache dtype."""
 
+
+def checked_products(value, what: str = "products") -> str:
+    """``value`` if it names one of :data:`PRODUCTS`, else ValueError "{what} must be one of ..."."""
+    if value not in PRODUCTS:
+        raise ValueError(f"{what} must be one of {PRODUCTS}, got {value!r}")
+    return value
+
 _MERGE_DV = 64
 """Value columns per merge program: the merge is elementwise in them (no bit depends on it); 64 gives
 a row 2 (d 128) or 4 (d 256) programs per kv head."""
@@ -519,23 +526,20 @@ def _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, gr
     m_i = tl.full([TILE_M], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, dv.shape[0]], tl.float32)
+    edge = lo   # the masked tiles from here to hi (without INTERIOR: all of them)
     if INTERIOR:
         # tiles on the BLOCK_N grid from lo (every start is on it: splits are multiples of BLOCK_N)
         a = tl.max(tl.where(grp, start, 0), axis=0)
-        b = tl.maximum(a + ((tl.min(tl.where(grp, end, 2147483647), axis=0) - a) // BLOCK_N) * BLOCK_N, a)
+        edge = tl.maximum(a + ((tl.min(tl.where(grp, end, 2147483647), axis=0) - a) // BLOCK_N) * BLOCK_N, a)
         for t0 in range(lo, a, BLOCK_N):
             m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
                                        end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
-        for t0 in range(a, b, BLOCK_N):
+        for t0 in range(a, edge, BLOCK_N):
             m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
                                        end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, False)
-        for t0 in range(b, hi, BLOCK_N):
-            m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
-                                       end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
-    else:
-        for t0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
-                                       end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
+    for t0 in range(edge, hi, BLOCK_N):
+        m_i, l_i, acc = _runs_tile(t0, hi, q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
+                                   end, m_i, l_i, acc, d, dm, dv, dvm, BLOCK_N, SPLIT_PRODUCTS, True)
     return m_i, l_i, acc
 
 
@@ -803,8 +807,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bf16-sized errors. A numerics choice, so a caller's (a model's load option), never a table entry: decode
     and prefill of one model must use the same one for chunked prefill to keep its bits.
     """
-    if products not in PRODUCTS:
-        raise ValueError(f"decode_attention: products must be one of {PRODUCTS}, got {products!r}")
+    checked_products(products, "decode_attention: products")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"decode_attention: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     B, HQ, HKV, D, DV, L, sched = _attn_args(q, k_cache, v_cache, slots, lengths, split_size)
@@ -953,8 +956,7 @@ def decode_attention_ref(q, k_cache, v_cache, slots, lengths, scale, *, split_si
     """Plain-torch :func:`decode_attention`, one row at a time, fp32 (``split_size`` is ignored). ``products``
     "cache": q pre-scaled (by ``scale`` and log2 e, as the kernel does) rounded to a 16-bit cache's dtype; the
     probabilities stay exact (the tolerance covers the kernel's rounded ones)."""
-    if products not in PRODUCTS:
-        raise ValueError(f"decode_attention_ref: products must be one of {PRODUCTS}, got {products!r}")
+    checked_products(products, "decode_attention_ref: products")
     if products == "cache" and k_cache.dtype != torch.float32:
         q = (q.float() * (scale * _LOG2E)).to(k_cache.dtype).float() / (scale * _LOG2E)
     B, HQ, D = q.shape

@@ -357,11 +357,9 @@ def attention_products_option(value) -> str:
     with a 16-bit cache (:data:`ds4t.kernels.attention.PRODUCTS`; "split", the default: fp32-accurate hi + lo
     halves; "cache": once in the cache dtype, as FlashAttention does -- half the tensor-core work of a long
     prompt's attention, bf16-sized errors). Every row of the model, decode or prefill, uses it."""
-    from ds4t.kernels.attention import PRODUCTS
+    from ds4t.kernels.attention import checked_products
 
-    if value not in PRODUCTS:
-        raise ValueError(f"attention_products must be one of {PRODUCTS}, got {value!r}")
-    return value
+    return checked_products(value, "attention_products")
 
 
 class AttentionProducts:

@@ -343,14 +343,19 @@ def test_a_batch_dependent_split_is_caught(path, pool):
 
 
 class _Launches:
-    """Counts launches of a Triton kernel (``kernel[grid](...)``)."""
+    """Counts launches of a Triton kernel (``kernel[grid](...)``) and keeps each one's keyword arguments."""
 
     def __init__(self, kernel):
-        self.kernel, self.n = kernel, 0
+        self.kernel, self.n, self.kwargs = kernel, 0, []
 
     def __getitem__(self, grid):
         self.n += 1
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
 
 
 def _run_rows(runs, device):
@@ -427,22 +432,6 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
         assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=32, same_slot_runs=True), got)
 
 
-class _Kwargs(_Launches):
-    """_Launches that also keeps each launch's keyword arguments."""
-
-    def __init__(self, kernel):
-        super().__init__(kernel)
-        self.kwargs = []
-
-    def __getitem__(self, grid):
-        launch = super().__getitem__(grid)
-
-        def call(*args, **kwargs):
-            self.kwargs.append(kwargs)
-            return launch(*args, **kwargs)
-        return call
-
-
 @pytest.mark.parametrize("interior", [False, True], ids=["masked", "interior"])
 @pytest.mark.parametrize("products", ["split", "cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
@@ -473,7 +462,7 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interio
     gate = torch.randn(B, HQ * DV, generator=g).to(device)
     sched = SplitSchedule(16, 64, 4)
     base = A.ATTENTION_CONFIGS(16, 64, 64)
-    spy = _Kwargs(A._attn_runs_kernel)
+    spy = _Launches(A._attn_runs_kernel)
     monkeypatch.setattr(A, "_attn_runs_kernel", spy)
     got = {}
     with launcher_path(A, False):
