@@ -52,6 +52,7 @@ from bench.report import Report  # noqa: E402
 from bench import hf_peer  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from ds4t.exactness.chunks import run_chunk_check  # noqa: E402
+from ds4t.cli import key_value  # noqa: E402
 from ds4t.exactness.harness import plant  # noqa: E402
 
 log = Report()
@@ -153,7 +154,7 @@ def bench_sessions(model, name, n, args, peak, bw, dense, head, prompt, device) 
     log(f"{n} sessions, {per} tokens each a step ({n * per} rows): {tokens} tokens in {ms:.1f} ms = "
         f"{tokens / (ms * 1e-3):,.0f} tok/s; {tflops / 1e12:.1f} TFLOP/s = {100 * tflops / peak:.1f} % of peak; "
         f"roofline {floor:.1f} ms = {100 * floor / ms:.0f} %")
-    return dict(model=name, chunk=f"{n} x {per}", prompt=tokens, ms=ms, tok_s=tokens / (ms * 1e-3),
+    return dict(model=name, opt=dict(args.opt), chunk=f"{n} x {per}", prompt=tokens, ms=ms, tok_s=tokens / (ms * 1e-3),
                 tflops=tflops / 1e12, frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor)
 
 
@@ -223,10 +224,10 @@ def bench_model(name, args, peak, device, rows, bw=float("inf")):
 
 def _ds4t_part(name, args, peak, device, rows, bw):
     t0 = time.time()
-    model = ds4t.load(name, device=device)
+    model = ds4t.load(name, device=device, **dict(args.opt))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    log(f"loaded in {time.time() - t0:.0f} s: {model!r}")
+    log(f"loaded in {time.time() - t0:.0f} s: {model!r}" + (f"; load options {dict(args.opt)}" if args.opt else ""))
     dense, head = weight_flops_per_token(model)
     rng = random.Random(0)
     prompts = [[rng.randrange(model.vocab_size) for _ in range(p)] for p in ints(args.prompt)]
@@ -250,7 +251,7 @@ def _ds4t_part(name, args, peak, device, rows, bw):
             # roofline of the whole prompt: each chunk needs max(its weight bytes / copy BW, its FLOPs / peak)
             floor = sum(max(weight_bytes_per_chunk(model, min(chunk, P - p0)) / bw, f / peak) * 1e3
                         for p0, f in zip(range(0, P, chunk), flops))
-            row = dict(model=name, chunk=chunk, prompt=P, ms=ms, tok_s=tok_s, tflops=tflops / 1e12,
+            row = dict(model=name, opt=dict(args.opt), chunk=chunk, prompt=P, ms=ms, tok_s=tok_s, tflops=tflops / 1e12,
                        frac=tflops / peak, first_ms=times[0], last_ms=times[-1], floor_ms=floor, flops=sum(flops),
                        logits=logits.float().cpu())
             rows.append(row)
@@ -354,6 +355,9 @@ def main() -> int:
     ap.add_argument("--configs", default=None,
                     help="JSON file (or JSON text) of GPU config-table entries to use instead "
                          "(ds4t.kernels.config.overridden), e.g. the attention's run_rows")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                    help="ds4t load option for every model, as `ds4t demo --opt` (e.g. attention_products=cache); "
+                         "the HF peer runs as always")
     ap.add_argument("--device", default="cuda", help="cuda; cpu for a smoke run with tiny presets")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -383,7 +387,8 @@ def main() -> int:
         hf = r.get("hf_ms")
         hf_cols = (f"{r['prompt'] / (hf * 1e-3):,.0f} | {hf / r['ms']:.2f}x" if hf else
                    f"{r.get('hf_note', '-')} | -")
-        log(f"| {r['model']} | {r['prompt']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | "
+        opt = "".join(f" {k}={v}" for k, v in r.get("opt", {}).items())
+        log(f"| {r['model']}{opt} | {r['prompt']} | {r['chunk']} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | "
             f"{100 * r['frac']:.1f} % | {r['floor_ms']:.1f} / {r['ms']:.1f} = {100 * r['floor_ms'] / r['ms']:.0f} % | "
             f"{hf_cols} | {'yes' if r.get('chunk_invariant') else 'NO'} |")
     log.write(args.out, "prefill.md")

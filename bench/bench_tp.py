@@ -1,28 +1,34 @@
-"""Tensor + expert parallel on two GPUs of one host, in one call (issue 16): exactness, TP = 1 against
-TP = 2 decode steps with the time in collectives apart, and Qwen3-Next-80B-A3B at full depth in bf16.
+"""Tensor + expert parallel on the GPUs of one host, in one call (issues 16, 19): exactness, TP = 1 against
+TP = K decode steps with the time in collectives apart, and models at full depth.
 
 Launch (NVLink multicast off, one process per GPU):
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tp.py --out $OUT
+    # issue 19 (8 GPUs): DeepSeek-V3 (61 layers) and GLM-4.5 (92 layers) at full depth in block-FP8, 4k context
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 bench/bench_tp.py --models deepseek-v3-fp8,glm-4.5-fp8 \
+        --ctx 4096 --ns 1,8,16,32,64 --budget-s 540 --out $OUT
 
-For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers in bf16, ~80 GB per GPU):
-  1. exactness under TP = 2 on the GPUs: the harness (native vs ordered, torch.equal on every row's
+For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers in bf16, ~80 GB per GPU at K = 2):
+  0. the memory plan of every rank (ds4t.serve.planner: its weights, the largest N sessions at ``--ctx``, the
+     step's workspace) against its GPU, before anything is loaded: a preset that cannot fit is skipped;
+  1. exactness under TP = K on the GPUs: the harness (native vs ordered, torch.equal on every row's
      logits and every state tensor of this rank's shard) on a random session mix with prompts fed as
      chunks, its negative controls (1-ulp, batch-dependent linear, size-dependent reduction), and CUDA
      graph replay == eager (graphs captured per rank, the collectives inside them); every rank's
      verdict, all must pass; every rank ends with the same logits;
-  2. TP = 2 against TP = 1 (4-layer presets; TP = 1 runs on rank 0 alone): max relative logit error on
+  2. TP = K against TP = 1 (presets that fit one GPU; TP = 1 runs on rank 0 alone): max relative logit error on
      a prompt and teacher-forced steps (another sum order: close, not equal), next to its noise floor (TP = 1
      against TP = 1 with every mixer/FFN output nudged by one fp32 ulp) and the router flips of both: in bf16
      MoE models a near-tie in the router turns sum-order noise into another expert (GLM-4.5: ~0.4);
-  3. decode step at N = 1, 16, 64 (``--ns``) sessions at ``--ctx`` tokens of synthetic context: TP = 2
-     with CUDA graphs, TP = 2 eager with the time in collectives (CUDA events around each all-gather +
+  3. decode step at N = 1, 16, 64 (``--ns``) sessions at ``--ctx`` tokens of synthetic context: TP = K
+     with CUDA graphs, TP = K eager with the time in collectives (CUDA events around each all-gather +
      sum), and TP = 1 with graphs; against the bytes floor per GPU (this rank's weights once, the
-     distinct local experts N tokens touch, its state shard) over the measured copy bandwidth.
+     distinct local experts N tokens touch, its state shard) over the measured copy bandwidth. DeepSeek-V3 at
+     full depth is set beside the public anchor issue 19 names (:data:`ANCHORS`).
 
 A time budget (``--budget-s``, default 420) skips what is left once spent (rank 0 decides, all follow).
 Full results in ``$OUT/tp.md`` and ``$OUT/tp.jsonl``; the short table is printed last.
-CPU smoke run of the script (gloo, tiny presets, wall clock):
+CPU smoke run of the script (gloo, tiny presets, wall clock; any K the preset's heads allow):
     torchrun --nproc-per-node 2 bench/bench_tp.py --device cpu --models tiny-qwen --ns 1,2 --ctx 8 --iters 2
 """
 from __future__ import annotations
@@ -31,6 +37,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -50,6 +57,9 @@ from ds4t.exactness.harness import random_scenario, run_scenario  # noqa: E402
 from ds4t.testing.parallel import reference_run, route_differences  # noqa: E402
 
 DEFAULT_MODELS = "qwen3-next-80b-4l,qwen3-next-80b,glm-4.5-4l,deepseek-v3-4l"
+ANCHORS = {"deepseek-v3-fp8": ("SGLang, DeepSeek-V3 on 8x H200 (the figures issue 19 quotes)", {1: 30.0, 8: 206.0, 32: 761.0})}
+"""Public decode throughputs (tokens/s over all sessions, by batch size) to set beside a preset's rows: cited, not
+run here (an SGLang wheel does not fit the machines)."""
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 
 
@@ -158,6 +168,31 @@ def exactness_tp(model, run: Run) -> bool:
     return ok
 
 
+def rank_plans(name: str, run: Run, dt, cap) -> bool:
+    """Step 0: every rank's memory plan (its shard built on 'meta': shapes only), the largest N of ``--ns``
+    sessions at ``--ctx`` (plus the steps timed), a step of N rows + one 1024-token prompt chunk, against
+    ``cap`` bytes (None: not checked). Logs one row per rank; whether every rank fits."""
+    from ds4t.serve.planner import fmt_bytes, plan
+
+    a = run.args
+    n = max(a.ns)
+    shard = ds4t.load(name, device="meta", dtype=dt, tp=run.size)
+    p = plan(shard, n, a.ctx + a.iters + 32, n + 1024, memory_limit=cap)
+    mine = (p.weights, p.sessions, p.workspace, p.total, p.fits)
+    del shard
+    every = [None] * run.size
+    dist.all_gather_object(every, mine)
+    run.log(f"Memory plan a rank ({n} sessions at {a.ctx} tokens; ds4t.serve.planner; CUDA graphs not counted), "
+            f"against {fmt_bytes(cap) if cap else 'no limit'}:\n")
+    run.log("| rank | weights | sessions | workspace | total | fits |")
+    run.log("|---|---|---|---|---|---|")
+    for r, (w, sess, ws, tot, fits) in enumerate(every):
+        run.log(f"| {r} | {fmt_bytes(w)} | {fmt_bytes(sess)} | {fmt_bytes(ws)} | {fmt_bytes(tot)} | "
+                f"{'yes' if fits else 'NO'} |")
+    run.log("")
+    return all(e[-1] for e in every)
+
+
 def bench_preset(name: str, run: Run, bw: float) -> bool:
     a = run.args
     run.log(f"\n## {name}\n")
@@ -167,6 +202,9 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
     del meta
     cap = torch.cuda.get_device_properties(0).total_memory if run.cuda else float("inf")
     tp1 = run.agree(full_bytes < 0.8 * cap and not a.no_tp1)
+    if not rank_plans(name, run, dt, None if math.isinf(cap) else cap):
+        run.log(f"{name}: skipped, a rank's plan does not fit its GPU")
+        return True
     free0 = torch.cuda.mem_get_info()[0] if run.cuda else 0
     t = time.time()
     m = ds4t.load(name, device=a.device, tp=run.size, dtype=dt)
@@ -202,7 +240,7 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
         torch.cuda.empty_cache()
     dist.barrier()
     if tp1 and run.time_left():
-        run.log(f"\n### TP=1 on rank 0 (same weights)\n")
+        run.log("\n### TP=1 on rank 0 (same weights)\n")
         if run.rank == 0:
             m1 = ds4t.load(name, device=a.device, dtype=dt)
             logits1, routes1 = reference_run(m1, PROMPT, 4)
@@ -212,13 +250,13 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
             floor = ((nudged - logits1).abs().max() / scale).item()
             flips, pairs = route_differences(routes2, routes1)
             flips_n, _ = route_differences(routes_n, routes1)
-            run.log(f"TP=2 vs TP=1 logits ({len(PROMPT)}-token prompt + 4 teacher-forced steps): max relative error "
+            run.log(f"TP={run.size} vs TP=1 logits ({len(PROMPT)}-token prompt + 4 teacher-forced steps): max relative error "
                     f"{err:.2e}; bitwise equal: {torch.equal(logits1, logits2)} (another sum order: not expected); "
                     f"expert sets differing in {flips} of {pairs} token-layer pairs")
             run.log(f"noise floor, TP=1 vs TP=1 with every mixer/FFN output moved by 1 fp32 ulp (a sum-order-sized "
                     f"change, ds4t.testing.parallel.reference_run): {floor:.2e}, expert sets differing in {flips_n} "
                     f"of {pairs}")
-            run.log("\n| N | TP=1 graphs ms | TP=1 floor ms | TP=2 graphs ms | speed-up |")
+            run.log(f"\n| N | TP=1 graphs ms | TP=1 floor ms | TP={run.size} graphs ms | speed-up |")
             run.log("|---|---|---|---|---|")
             for n in a.ns:
                 if time.time() - run.t0 > a.budget_s or n not in results:
@@ -287,13 +325,18 @@ def main() -> int:
             ok = False
     ok = run.all_ok(ok)
     run.log("\n## Summary\n")
-    run.log("| model | N | TP=2 ms | collectives ms | floor/GPU ms | TP=1 ms | TP=2 vs TP=1 rel err |")
-    run.log("|---|---|---|---|---|---|---|")
+    K = run.size
+    run.log(f"| model | N | TP={K} ms | tok/s | collectives ms | floor/GPU ms | floor / TP={K} | TP=1 ms | "
+            f"TP={K} vs TP=1 rel err | public anchor tok/s |")
+    run.log("|---|---|---|---|---|---|---|---|---|---|")
     for r in run.rows:
         tp1 = f"{r['tp1_ms']:.2f}" if "tp1_ms" in r else "-"
         err = f"{r['tp1_rel_err']:.1e}" if "tp1_rel_err" in r else "-"
-        run.log(f"| {r['model']} | {r['n']} | {r['graphs_ms']:.2f} | {r['coll_ms']:.2f} | {r['floor_ms']:.3f} | "
-                f"{tp1} | {err} |")
+        src, anchor = ANCHORS.get(r["model"], ("", {}))
+        ref = f"{anchor[r['n']]:.0f} ({src})" if r["n"] in anchor else "-"
+        run.log(f"| {r['model']} | {r['n']} | {r['graphs_ms']:.2f} | {r['n'] / r['graphs_ms'] * 1e3:.0f} | "
+                f"{r['coll_ms']:.2f} | {r['floor_ms']:.3f} | {100 * r['floor_ms'] / r['graphs_ms']:.0f}% | {tp1} | "
+                f"{err} | {ref} |")
     run.log(f"\nexactness under TP={run.size} (all ranks): {'PASS' if ok else 'FAIL'}; "
             f"total {time.time() - run.t0:.0f} s")
     if run.rank == 0:

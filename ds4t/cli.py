@@ -65,7 +65,9 @@ def _chunk_sizes(text: str) -> List[int]:
     return sizes
 
 
-def _key_value(text: str):
+def key_value(text: str):
+    """``KEY=VALUE`` (a ``--opt`` load option) -> (key, value), the value an int when it reads as one; an
+    argparse error otherwise. Also the bench scripts' ``--opt``."""
     k, eq, v = text.partition("=")
     if not eq or not k:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -185,6 +187,10 @@ def _one_line_error(args, err: Exception) -> int:
     """Print a command's error as one line; exit status 2 for a usage error, 1 for a model whose logits held a
     NaN (FloatingPointError: the command ran, the model failed)."""
     print(f"ds4t {args.cmd}: error: {err}", file=sys.stderr)
+    return _error_code(err)
+
+
+def _error_code(err: Exception) -> int:
     return 2 if isinstance(err, UsageError) else 1
 
 
@@ -459,11 +465,17 @@ def _on_ranks(run, args) -> int:
 
 
 def _rank_main(name: str, args) -> int:
-    """One rank of ``_on_ranks`` (module level: spawned ranks import it by name)."""
+    """One rank of ``_on_ranks`` (module level: spawned ranks import it by name). A usage error or a NaN is
+    the same on every rank (the checks and the logits are), so rank 0 alone prints its line, as it alone
+    prints the output; the other ranks' lines only with ``DS4T_TP_VERBOSE=1``. Their exit codes still count."""
+    import torch.distributed as dist
+
     import_user_modules(getattr(args, "imports", []))
     try:
         return globals()[name](args)
     except (UsageError, FloatingPointError) as err:
+        if dist.is_initialized() and dist.get_rank() != 0 and os.environ.get("DS4T_TP_VERBOSE", "0") == "0":
+            return _error_code(err)
         return _one_line_error(args, err)
 
 
@@ -540,7 +552,7 @@ def main(argv=None) -> int:
                         help="where the model lives; must be where the kernels run (cuda when a GPU is present)")
         sp.add_argument("--dtype", default=None,
                         help="cast the weights to fp32, bf16 or fp16 (otherwise the checkpoint's dtype)")
-        sp.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+        sp.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="model load option, e.g. native_path=ds4 (DeepSeek) or native_window=20 (GLM)")
         progress_arg(sp)
 

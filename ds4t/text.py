@@ -19,6 +19,11 @@ class TokenizeError(ValueError):
     """A prompt that cannot be turned into token ids (reported to the client as a 400)."""
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles of OpenAI's chat messages. Any other string would be rendered into the prompt as a speaker the
+template was never trained with (or that it fails on deep inside), so :meth:`TextCodec.chat_prompt` refuses it."""
+
+
 class TextCodec:
     def __init__(self, vocab_size: int, tokenizer=None, chat_template: Optional[str] = None,
                  special: Optional[Dict[str, str]] = None, eos_ids: Sequence[int] = ()):
@@ -83,6 +88,8 @@ class TextCodec:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise TokenizeError(f"messages[{i}] must be an object with a string 'role'")
+            if m["role"] not in CHAT_ROLES:
+                raise TokenizeError(f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}")
             content = m.get("content", "")
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 parts = []

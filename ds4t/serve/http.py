@@ -141,6 +141,26 @@ def _json_depth(raw: bytes) -> int:
     return best
 
 
+def _chat_features(body: dict) -> None:
+    """Refuse what a chat request asks for that this server would otherwise silently drop: tool calling (no
+    tool-call parser: the model's reply would come back as plain text), constrained output formats (no
+    constrained decoding) and the legacy ``functions``. ``tool_choice: "none"`` and ``response_format``
+    ``{"type": "text"}`` ask for nothing and pass."""
+    none = body.get("tool_choice") == "none"
+    for name in ("tools", "functions"):
+        if body.get(name) and not none:
+            raise ApiError(400, f"'{name}' is not supported by this server: it has no tool-call parser, so a call "
+                                "would come back as plain text (send tool_choice 'none' to ignore them)", name)
+    if body.get("tool_choice") not in (None, "none", "auto") or body.get("function_call") not in (None, "none", "auto"):
+        name = "tool_choice" if body.get("tool_choice") not in (None, "none", "auto") else "function_call"
+        raise ApiError(400, f"'{name}' {body.get(name)!r} is not supported by this server (no tool calling)", name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"'response_format' {kind!r} is not supported by this server (no constrained decoding; "
+                            "only {\"type\": \"text\"})", "response_format")
+
+
 def _int(body: dict, name: str, default=None, lo=None, hi=None, what="an integer"):
     v = body.get(name, default)
     if v is None:
@@ -407,6 +427,7 @@ class Server:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
+        _chat_features(body)
         try:
             text = self.codec.chat_prompt(body.get("messages"))
         except TokenizeError as e:

@@ -7,7 +7,7 @@ every rank of the pool, SPMD, and returns something picklable (CPU tensors, dict
 from __future__ import annotations
 
 import random
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -82,15 +82,43 @@ def tp_logits(path_or_preset: str, prompt: Sequence[int], steps: int, **options)
     return reference_logits(tp_model(path_or_preset, **options), prompt, steps)
 
 
-def config_model(cfg: dict, dtype=None, tp=None, seed: int = 0):
-    """A model of the HF-style config dict ``cfg`` (any family) with a preset's deterministic random weights
-    (``ds4t.models.registry.preset_source``'s draw), on the CPU; ``tp``: this rank's shard. For configs
-    that are no preset: a preset's structure at other sizes."""
+def config_source(cfg: dict, seed: int = 0):
+    """The weights of the HF-style config dict ``cfg`` (any family): a preset's deterministic random draw
+    (``ds4t.models.registry.preset_source``'s), as a PresetSource (``keys()``, ``get(name)``)."""
     from ds4t.models.loading import PresetSource
     from ds4t.models.registry import _families
 
-    cls, parse, expected, init = _families()[cfg["model_type"]]
-    src = PresetSource(expected(parse(cfg)), init, seed, origin="config " + cfg["model_type"])
+    _, parse, expected, init = _families()[cfg["model_type"]]
+    return PresetSource(expected(parse(cfg)), init, seed, origin="config " + cfg["model_type"])
+
+
+def write_checkpoint(cfg: dict, directory, tensors: Optional[Dict[str, torch.Tensor]] = None, seed: int = 0) -> str:
+    """An HF checkpoint directory (``config.json`` + ``model.safetensors``) of ``cfg`` (dtype float32 unless it
+    names one) holding ``tensors`` (default: :func:`config_source`'s weights); returns its path. For configs
+    that are no preset (a preset's structure at other sizes, a ``quantization_config``) that ``ds4t.load``
+    and the rank jobs take by path."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    if tensors is None:
+        src = config_source(cfg, seed)
+        tensors = {k: src.get(k) for k in src.keys()}
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(dict({"dtype": "float32"}, **cfg), f)
+    return str(directory)
+
+
+def config_model(cfg: dict, dtype=None, tp=None, seed: int = 0):
+    """A model of the HF-style config dict ``cfg`` (any family) with :func:`config_source`'s weights, on the
+    CPU; ``tp``: this rank's shard. For configs that are no preset: a preset's structure at other sizes."""
+    from ds4t.models.registry import _families
+
+    cls = _families()[cfg["model_type"]][0]
+    src = config_source(cfg, seed)
     src.tp = None
     if tp is not None:
         from ds4t.parallel.runtime import TensorParallel
@@ -155,6 +183,18 @@ def tp_reduce_rows(rows: int, dim: int, seed: int = 0) -> Dict[str, torch.Tensor
     whole = comm.sum(p)
     alone = torch.cat([comm.sum(p[i:i + 1]) for i in range(rows)])
     return {"whole": whole, "alone": alone, "partial": p}
+
+
+def tp_plan(path_or_preset: str, slots: int, ctx: int, step_rows: int, limit: int, **options) -> Dict[str, object]:
+    """This rank's memory plan (:func:`ds4t.serve.planner.plan`) for ``slots`` sessions at ``ctx`` tokens and
+    steps of ``step_rows`` rows against ``limit`` bytes, its shard built on 'meta' (shapes only: any size)."""
+    import torch.distributed as dist
+
+    from ds4t.serve.planner import plan
+
+    m = ds4t.load(path_or_preset, device="meta", tp=dist.get_world_size(), **options)
+    p = plan(m, slots, ctx, step_rows, memory_limit=limit)
+    return {"weights": p.weights, "per_slot": p.per_slot, "total": p.total, "fits": p.fits}
 
 
 def tp_parameters(preset: str, **options) -> Dict[str, tuple]:

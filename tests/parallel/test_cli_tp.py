@@ -55,6 +55,7 @@ def test_tp_that_does_not_divide_the_heads_is_one_line(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "tp=3 does not divide num_attention_heads (4)" in r.stderr
     assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr   # rank 0's line, not one a rank
 
 
 @pytest.mark.parametrize("bad", ["0", "x"])

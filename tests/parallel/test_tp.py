@@ -13,6 +13,8 @@ from ds4t.testing.markers import cpu_interpreter_only
 pytestmark = cpu_interpreter_only
 
 PROMPT = [3, 17, 250, 9, 41, 128, 77]
+FP8_16 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+"""Block-FP8 with 16 x 16 blocks: CPU-sized weights that a shard can still cut on block boundaries."""
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
@@ -93,19 +95,10 @@ def test_experts_split_across_ranks(ranks):
 def fp8_qwen_dir(tmp_path_factory):
     """tiny-qwen as an HF checkpoint directory whose quantization_config has 16 x 16 blocks, so that
     ``quantize="fp8"`` gives FP8 weights a tp = 2 shard can cut on block boundaries."""
-    import json
-
-    from safetensors.torch import save_file
-
     from ds4t.models.registry import preset_source
 
-    cfg, src = preset_source("tiny-qwen")
-    d = tmp_path_factory.mktemp("fp8-qwen")
-    save_file({k: src.get(k) for k in src.keys()}, str(d / "model.safetensors"))
-    cfg = dict(cfg, dtype="float32", quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                                          "activation_scheme": "dynamic", "weight_block_size": [16, 16]})
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    cfg = dict(preset_source("tiny-qwen")[0], quantization_config=FP8_16)
+    return jobs.write_checkpoint(cfg, tmp_path_factory.mktemp("fp8-qwen"))
 
 
 def test_fp8_weights_under_tp2(ranks, fp8_qwen_dir):
@@ -121,21 +114,10 @@ def test_fp8_weights_under_tp2(ranks, fp8_qwen_dir):
 def fp8_uneven_shared_dir(tmp_path_factory):
     """tiny-qwen's structure with a 48-wide shared expert and 16 x 16 FP8 blocks: tp = 2 cannot give each
     rank 24 columns (not a whole block), so the shared expert splits 32 + 16 on block boundaries."""
-    import json
+    from ds4t.models.qwen import preset_config
 
-    from safetensors.torch import save_file
-
-    from ds4t.models.loading import PresetSource
-    from ds4t.models.qwen import QwenConfig, expected_tensors, preset_config, preset_init
-
-    cfg = dict(preset_config("tiny-qwen"), shared_expert_intermediate_size=48, dtype="float32",
-               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": [16, 16]})
-    src = PresetSource(expected_tensors(QwenConfig.from_dict(cfg)), preset_init, 0, origin="test")
-    d = tmp_path_factory.mktemp("fp8-uneven")
-    save_file({k: src.get(k).contiguous() for k in src.keys()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    cfg = dict(preset_config("tiny-qwen"), shared_expert_intermediate_size=48, quantization_config=FP8_16)
+    return jobs.write_checkpoint(cfg, tmp_path_factory.mktemp("fp8-uneven"))
 
 
 def test_fp8_shared_expert_split_on_block_boundaries(ranks, fp8_uneven_shared_dir):
@@ -213,10 +195,6 @@ def test_mtp_head_and_speculative_decoding_under_tp2(ranks, preset):
 def deepseek_own_mtp_copies_dir(tmp_path_factory):
     """tiny-deepseek as an HF checkpoint directory whose MTP layer carries its own embedding and
     shared_head.head (as DeepSeek-V3's published checkpoints do), different from the model's."""
-    import json
-
-    from safetensors.torch import save_file
-
     from ds4t.models.registry import preset_source
 
     cfg, src = preset_source("tiny-deepseek")
@@ -225,10 +203,7 @@ def deepseek_own_mtp_copies_dir(tmp_path_factory):
     g = torch.Generator().manual_seed(3)
     for name in ("embed_tokens.weight", "shared_head.head.weight"):
         t[f"model.layers.{L}.{name}"] = 0.05 * torch.randn(t["model.embed_tokens.weight"].shape, generator=g)
-    d = tmp_path_factory.mktemp("ds-mtp")
-    save_file(t, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps(dict(cfg, dtype="float32")))
-    return str(d)
+    return jobs.write_checkpoint(cfg, tmp_path_factory.mktemp("ds-mtp"), t)
 
 
 def test_mtp_own_embedding_and_head_are_vocabulary_sharded(ranks, deepseek_own_mtp_copies_dir):

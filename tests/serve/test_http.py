@@ -101,6 +101,15 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0.7, "top_k": 2147483648}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "top_k": 257}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "'wizard' is not one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "no tool-call parser"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400,
+     "'functions'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "'tool_choice'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "'json_object'"),
 ]
 
 
@@ -119,6 +128,23 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         assert st == status and msg in j["error"]["message"], (body, st, j)
         assert j["error"]["type"] == "invalid_request_error"
     assert ok[0] == 200 and ok[1]["usage"]["completion_tokens"] == 1
+
+
+def test_chat_fields_that_ask_for_nothing_are_accepted(server):
+    """The refusals above are for what the server would drop; tools with tool_choice 'none', a text
+    response_format and every OpenAI role are answered."""
+    user = [{"role": "user", "content": "x"}]
+    bodies = [{"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+              {"messages": user, "response_format": {"type": "text"}, "tool_choice": "auto"}]
+    bodies += [{"messages": [{"role": r, "content": "x"}]} for r in ("system", "developer", "assistant", "tool")]
+
+    async def main():
+        async with session() as s:
+            return [await post(s, server.url + "/v1/chat/completions", dict(b, max_tokens=1, temperature=0))
+                    for b in bodies]
+
+    for b, (st, j) in zip(bodies, run(main())):
+        assert st == 200 and j["usage"]["completion_tokens"] == 1, (b, st, j)
 
 
 def test_client_disconnect_mid_stream_frees_its_slot(server):
