@@ -162,11 +162,11 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     log(f"\nexact on GPU (every speculative run's tokens == plain greedy): {'PASS' if ok_all else 'FAIL'}")
-    log.write(args.out, "mtp.md")
     log("\n## Summary")
     for r in rows:
         log(f"{r['model']} N={r['n']} {r['run']}: acceptance {r['acceptance']:.0%}, {r['tok_s']:.0f} tok/s, "
             f"{r['plain_graph_s'] / r['seconds']:.2f}x plain (graphs), {'exact' if r['exact'] else 'NOT EXACT'}")
+    log.write(args.out, "mtp.md")   # last: the summary is in the file too
     return 0 if ok_all else 1
 
 

@@ -10,8 +10,10 @@ hiddens, which are the same on every rank, and the rollbacks). Slots are freed b
 on any thread, so a free is held back and sent with the next operation, from the thread that runs the
 steps.
 
-Restoring a saved state (``--kv-cache-dir``) is not mirrored (rank 0's state dict is its shard only):
-:class:`Leader` refuses any load but a reset to the fresh state.
+Session states (``--kv-cache-dir``, ``Session.state_dict``) are every rank's: under a :class:`Leader` a slot's
+state is gathered to rank 0 as one dict whose names carry the rank (``tp0.<name>``, ``tp1.<name>``, ...; host
+memory), so one file holds the whole state, and loading one scatters each rank its part and fails on rank 0
+when any rank refuses its part (the slot is then reset on every rank by the caller, as on one rank).
 """
 from __future__ import annotations
 
@@ -38,9 +40,12 @@ class Leader:
         self.model, self.group = model, group
         self._frees: List[int] = []
         self._lock = threading.Lock()
+        self.size = dist.get_world_size(group)
         pool = model.pool
-        self._alloc, self._free, self._reserve, self._load = pool.alloc, pool.free, pool.reserve, pool.load
-        pool.alloc, pool.free, pool.reserve, pool.load = self.alloc, self.free, self.reserve, self.load
+        self._alloc, self._free, self._reserve = pool.alloc, pool.free, pool.reserve
+        self._state, self._load = pool.state, pool.load
+        pool.alloc, pool.free, pool.reserve = self.alloc, self.free, self.reserve
+        pool.state, pool.load = self.state, self.load
         model.step_hook = self.step
         model.spec_hook = self.spec
 
@@ -63,12 +68,30 @@ class Leader:
         self._send("reserve", slots, ctx)
         self._reserve(slots, ctx)
 
+    def state(self, slot: int, pos: int, device=None) -> dict:
+        """The slot's state on every rank, gathered: ``tp{r}.<name>`` for rank r's shard, in host memory
+        (``device`` is ignored: the shards of other ranks arrive on the host anyway)."""
+        self._send("state", slot, pos)
+        parts = [None] * self.size
+        dist.gather_object(self._state(slot, pos, "cpu"), parts, dst=0, group=self.group)
+        return {f"tp{r}.{k}": v for r, part in enumerate(parts) for k, v in part.items()}
+
     def load(self, slot: int, state, pos: int) -> None:
-        if pos != 0 or any(bool(t.any()) for t in state.values()):
-            raise ParallelError("restoring a saved session state is not supported under tensor parallel "
-                                "(each rank holds its shard): serve without --kv-cache-dir")
-        self._send("reset", slot)
-        self._load(slot, state, pos)
+        """Load a state of :meth:`state`'s form: each rank its part. A fresh (all-zero) state at 0 is a reset
+        (nothing travels). ValueError when the state is not every rank's, or a rank refused its part."""
+        parts = split_ranks(state, self.size)
+        if pos == 0 and not any(bool(t.any()) for t in state.values()):
+            self._send("reset", slot)
+            self._load(slot, parts[0], pos)
+            return
+        self._send("load", slot, pos)
+        mine = [None]
+        dist.scatter_object_list(mine, parts, src=0, group=self.group)
+        errors = [None] * self.size
+        dist.gather_object(_try_load(self._load, slot, mine[0], pos), errors, dst=0, group=self.group)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise ValueError(f"rank {bad[0][0]} refused its part of the state: {bad[0][1]}")
 
     def step(self, segments, all_logits: bool) -> None:
         self._send("step", [(int(s), list(t), int(p)) for s, t, p in segments], bool(all_logits))
@@ -83,6 +106,33 @@ class Leader:
     def stop(self) -> None:
         """Release the followers (they return from :func:`follow`)."""
         self._send("stop")
+
+
+def split_ranks(state: dict, size: int) -> list:
+    """A gathered state (``tp{r}.<name>``) -> [rank 0's dict, ..., rank size-1's]; ValueError naming what
+    is missing or foreign (a state saved on another number of ranks, or on one)."""
+    parts = [{} for _ in range(size)]
+    for key, t in state.items():
+        head, dot, name = key.partition(".")
+        r = int(head[2:]) if head.startswith("tp") and head[2:].isdigit() and dot else -1
+        if not 0 <= r < size:
+            raise ValueError(f"state entry {key!r} is not one of {size} ranks' (tp<rank>.<name>): a state saved "
+                             f"with another --tp does not fit")
+        parts[r][name] = t
+    empty = [r for r, p in enumerate(parts) if not p]
+    if empty:
+        raise ValueError(f"the state holds nothing for rank(s) {empty} of {size}")
+    return parts
+
+
+def _try_load(load, slot: int, part: dict, pos: int):
+    """``load(slot, part, pos)``; None, or the error's text (the pool checks every shape before it writes,
+    so a refused part leaves the slot as it was)."""
+    try:
+        load(slot, part, pos)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _spec_call(model, op: str, args) -> None:
@@ -126,6 +176,12 @@ def follow(model, group) -> int:
         elif op == "reset":
             for t in pool.tensors.values():
                 t[cmd[1]].zero_()
+        elif op == "state":
+            dist.gather_object(pool.state(cmd[1], cmd[2], "cpu"), None, dst=0, group=group)
+        elif op == "load":
+            mine = [None]
+            dist.scatter_object_list(mine, None, src=0, group=group)
+            dist.gather_object(_try_load(pool.load, cmd[1], mine[0], cmd[2]), None, dst=0, group=group)
         elif op == "step":
             with torch.no_grad():
                 run_step(model, cmd[1], cmd[2])

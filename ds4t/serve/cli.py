@@ -176,9 +176,6 @@ def build(args, model=None):
 
 def run(args) -> int:
     if getattr(args, "tp", 1) > 1:
-        if args.kv_cache_dir:
-            raise SystemExit("ds4t serve: --kv-cache-dir is not supported with --tp yet (a rank's saved state "
-                             "is its shard only)")
         from ds4t.parallel.launch import run_spmd
 
         return run_spmd(serve_rank, args.tp, args)

@@ -62,10 +62,72 @@ def test_serve_tp2_with_mtp_answers_like_plain_tp1():
     assert drafted and drafted[0] > 0, "the steps were speculative (drafts verified)"
 
 
-def test_serve_tp_refuses_kv_cache_dir(tmp_path):
-    import subprocess
-    import sys
+def _complete(url: str, model: str, prompt: list, n: int) -> dict:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
 
-    r = subprocess.run([sys.executable, "-m", "ds4t", "serve", "--tp", "2", "--kv-cache-dir", str(tmp_path / "kv")],
-                       env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "--kv-cache-dir is not supported with --tp" in r.stderr
+
+def _counter(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        lines = [x for x in r.read().decode().splitlines() if x.startswith(f"ds4t_serve_{name} ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path):
+    """``--tp 2 --kv-cache-dir``: with one slot, a second conversation evicts the first, whose state (both
+    ranks' shards, gathered to rank 0: one file) is saved; the first conversation's next turn is restored
+    from it (each rank loads its shard) and answers as one-rank plain decoding does from scratch. A
+    follower that kept a stale shard (or none) would answer otherwise. Then a second server on the same
+    directory at --tp 2 restores the state again, and a one-rank server ignores it (another state layout)."""
+    model, kv = "tiny-qwen", str(tmp_path / "kv")
+    first = [104, 105, 33]
+
+    def serve(tp: int):
+        args = ["--model", model, "--kv-cache-dir", kv, "--batched-session", "1", "--port", "0"]
+        return spawn(args + (["--tp", str(tp)] if tp > 1 else []), env=ENV, program=("-m", "ds4t", "serve"),
+                     timeout=240)[:2]
+
+    p, url = serve(2)
+    try:
+        a = _complete(url, model, first, 3)
+        _complete(url, model, [7, 8, 9, 10], 2)                  # the only slot goes to another conversation
+        turn = first + a["choices"][0]["token_ids"] + [32, 63]
+        b = _complete(url, model, turn, 3)
+        assert _counter(url, "kv_saves_total") >= 1 and _counter(url, "kv_restores_total") == 1
+        assert b["choices"][0]["token_ids"] == _greedy_tp1(bytes(turn), 3, model)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0
+    p, url = serve(2)                                           # the saved files outlive the server
+    try:
+        assert _complete(url, model, turn, 3)["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert _counter(url, "kv_restores_total") == 1
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0
+    p, url = serve(1)                                           # states of 2 ranks do not fit one
+    try:
+        assert _complete(url, model, turn, 3)["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert _counter(url, "kv_restores_total") == 0
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0
+
+
+def test_a_gathered_state_splits_by_rank_and_foreign_ones_are_named():
+    import pytest
+    import torch
+
+    from ds4t.parallel.mirror import split_ranks
+
+    t = torch.zeros(2)
+    assert split_ranks({"tp0.a": t, "tp1.a": t, "tp1.b": t}, 2) == [{"a": t}, {"a": t, "b": t}]
+    with pytest.raises(ValueError, match="another --tp"):
+        split_ranks({"a": t}, 2)                        # a one-rank state
+    with pytest.raises(ValueError, match="another --tp"):
+        split_ranks({"tp0.a": t, "tp2.a": t}, 2)        # a state of more ranks
+    with pytest.raises(ValueError, match=r"nothing for rank\(s\) \[1\]"):
+        split_ranks({"tp0.a": t}, 2)
