@@ -6,7 +6,7 @@ Launch (NVLink multicast off, one process per GPU):
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tp.py --out $OUT
     # issue 19 (8 GPUs): DeepSeek-V3 (61 layers) and GLM-4.5 (92 layers) at full depth in block-FP8, 4k context
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 bench/bench_tp.py --models deepseek-v3-fp8,glm-4.5-fp8 \
-        --ctx 4096 --ns 1,8,16,32,64 --budget-s 540 --out $OUT
+        --ctx 4096 --ns 1,8,16,32,64 --scatter --budget-s 540 --out $OUT
 
 For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers in bf16, ~80 GB per GPU at K = 2):
   0. the memory plan of every rank (ds4t.serve.planner: its weights, the largest N sessions at ``--ctx``, the
@@ -24,7 +24,9 @@ For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers
      with CUDA graphs, TP = K eager with the time in collectives (CUDA events around each all-gather +
      sum), and TP = 1 with graphs; against the bytes floor per GPU (this rank's weights once, the
      distinct local experts N tokens touch, its state shard) over the measured copy bandwidth. DeepSeek-V3 at
-     full depth is set beside the public anchor issue 19 names (:data:`ANCHORS`).
+     full depth is set beside the public anchor issue 19 names (:data:`ANCHORS`). ``--scatter``: the same
+     steps with the two-phase reduction (ds4t.parallel.comm.scattered_sum) on every reduction, its logits
+     checked bitwise against the default path's (the numbers that would set its GPU threshold).
 
 A time budget (``--budget-s``, default 420) skips what is left once spent (rank 0 decides, all follow).
 Full results in ``$OUT/tp.md`` and ``$OUT/tp.jsonl``; the short table is printed last.
@@ -234,6 +236,8 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
                           coll_calls=calls, floor_ms=floor, load_s=load_s, exact=ok)
         run.log(f"| {n} | {g_ms:.2f} | {e_ms:.2f} | {c_ms:.2f} ({100 * c_ms / e_ms:.0f}%) | {calls:.0f} | "
                 f"{floor:.3f} | {100 * floor / g_ms:.0f}% | {n / g_ms * 1e3:.0f} |")
+    if a.scatter and results and run.time_left():
+        ok &= scatter_rows(m, run, results, logits2)
     del m
     gc.collect()
     if run.cuda:
@@ -277,6 +281,43 @@ def bench_preset(name: str, run: Run, bw: float) -> bool:
     return ok
 
 
+def scatter_rows(m, run: Run, results: dict, base_logits: torch.Tensor) -> bool:
+    """The two-phase reduction (ds4t.parallel.comm.scattered_sum: all-to-all of column slices, rank-order sum,
+    all-gather; 2 x the output's bytes instead of K x) on every reduction: the reference logits bitwise the
+    default path's, then the decode steps again (graphs captured anew, and eager with the collectives timed).
+    The default choice is restored after."""
+    from ds4t.batch.graphs import graphs_for
+
+    a, comm = run.args, m.tp.comm
+    default = comm.scatter_from
+
+    def regraph():
+        g = graphs_for(m)
+        if g is not None:
+            g.clear()
+
+    comm.scatter_from = 0
+    regraph()
+    try:
+        logits, _ = reference_run(m, PROMPT, 4)
+        same = run.all_ok(bool(torch.equal(logits, base_logits)))
+        run.log(f"\n### Two-phase reduction (all-to-all + rank-order sum + all-gather) on every reduction\n\n"
+                f"logits bitwise the default reduction's: {'yes' if same else 'NO'}\n")
+        run.log("| N | graphs ms | vs default | eager ms | collectives ms (eager) | calls/step |")
+        run.log("|---|---|---|---|---|---|")
+        for n, r in results.items():
+            if not run.time_left():
+                break
+            g_ms = time_native(m, n, a.ctx, a.iters)
+            e_ms, c_ms, calls = eager_with_collectives(m, n, a.ctx, a.iters, run)
+            r.update(scatter_graphs_ms=g_ms, scatter_coll_ms=c_ms)
+            run.log(f"| {n} | {g_ms:.2f} | {g_ms / r['graphs_ms']:.2f}x | {e_ms:.2f} | {c_ms:.2f} | {calls:.0f} |")
+    finally:
+        comm.scatter_from = default
+        regraph()
+    return same
+
+
 def _from_rank0(t: torch.Tensor, run: Run) -> torch.Tensor:
     x = t.to("cuda" if run.cuda else "cpu").contiguous()
     dist.broadcast(x, src=0)
@@ -295,6 +336,8 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="model dtype (default: the preset's); float32 separates sum-order noise from sharding bugs")
     ap.add_argument("--no-tp1", action="store_true", help="skip the TP=1 comparison")
+    ap.add_argument("--scatter", action="store_true",
+                    help="also run the steps with the two-phase reduction on every reduction (bits checked)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

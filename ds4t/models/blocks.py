@@ -233,8 +233,12 @@ def local_expert_ids(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down_proj")):
-    """Stack per-expert HF weights ``{prefix}.{i}.{name}.weight`` into [E, ...] tensors."""
-    return [get.stack([f"{prefix}.{i}.{nm}.weight" for i in range(n)]) for nm in names]
+    """Stack per-expert HF weights ``{prefix}.{i}.{name}.weight`` into [E, ...] tensors: all n experts, or
+    under tensor parallel only this rank's ``get.expert_range(n)`` (the others are never read; the
+    MoEWeights built from them carries that range as its ``expert_range``)."""
+    lo, hi = get.expert_range(n) or (0, n)
+    get.skip((n - (hi - lo)) * len(names))
+    return [get.stack([f"{prefix}.{i}.{nm}.weight" for i in range(lo, hi)]) for nm in names]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -530,7 +534,8 @@ class SigmoidMoEConfig:
                             get(prefix + "down_proj.weight"))
         wg, wu, wd = stack_experts(get, prefix + "experts", self.num_experts)
         w = MoEWeights(router=get(prefix + "gate.weight", torch.float32), w_gate=wg, w_up=wu, w_down=wd,
-                       correction_bias=get(prefix + "gate.e_score_correction_bias", torch.float32))
+                       correction_bias=get(prefix + "gate.e_score_correction_bias", torch.float32),
+                       expert_range=get.expert_range(self.num_experts))
         if self.n_shared_experts:
             w.shared_gate_up = weights.cat([get(prefix + "shared_experts.gate_proj.weight"),
                                             get(prefix + "shared_experts.up_proj.weight")])

@@ -87,6 +87,7 @@ class DecoderModel(Model):
         self.tp = getattr(get.source, "tp", None)   # load(tp=K) puts it on the source
         if self.tp is not None:
             self.tp.check_config(self.cfg)          # a tp the heads cannot take fails before any read
+            get.expert_split = self.tp.expert_range  # each rank reads (or draws) only its own experts
         self.embed = get("model.embed_tokens.weight")
         self.lm_head = self.embed if self.cfg.tie_embeddings else get("lm_head.weight")
         if self.tp is not None:

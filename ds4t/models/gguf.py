@@ -547,28 +547,30 @@ class GGUFSource(TensorSource):
         return w.to(device).contiguous()
 
     def stacked(self, names, shapes, device, dtype):
-        """Experts ``names`` (entries 0..E-1 of one stacked GGUF tensor, in order) as that tensor: blocks
-        when stored in a kernel type (one GGUFWeight [E, N, K], the file's bytes), else float in ``dtype``;
-        None when ``names`` are not such a run."""
+        """Experts ``names`` (entries lo..hi-1 of one stacked GGUF tensor, in order: all of them, or a tensor
+        parallel rank's run) as that tensor's entries: blocks when stored in a kernel type (one GGUFWeight
+        [hi - lo, N, K], the file's bytes), else float in ``dtype``; None when ``names`` are not such a run."""
         from ds4t.kernels.quant_blocks import QTYPES
         from ds4t.models.loading import keeps_blocks
 
         rs = [self._recipes.get(n) for n in names]
         if not rs or any(r is None or r.kind != "expert" for r in rs):
             return None
-        g = rs[0].gnames[0]
-        if any(r.gnames[0] != g for r in rs) or [r.index for r in rs] != list(range(len(rs))) \
-                or self._gshape(g)[0] != len(rs):
+        g, lo = rs[0].gnames[0], rs[0].index
+        hi = lo + len(rs)
+        if any(r.gnames[0] != g for r in rs) or [r.index for r in rs] != list(range(lo, hi)) \
+                or self._gshape(g)[0] < hi:
             return None
         for n, s in zip(names, shapes):
             self._check_shape(n, s)
+        whole = lo == 0 and hi == self._gshape(g)[0]
         if self._t(g).tensor_type.name in QTYPES and keeps_blocks(names[0]):
             w = self._blocks_of(g)
             self.kept[w.qtype] += 1
-            return w.to(device).contiguous().with_act_dtype(dtype)
+            return (w if whole else w[lo:hi]).to(device).contiguous().with_act_dtype(dtype)
         out = self._read(g)
         self._cache = (None, None)
-        return out.to(device=device, dtype=dtype).contiguous()
+        return (out if whole else out[lo:hi]).to(device=device, dtype=dtype).contiguous()
 
     def default_dtype(self) -> torch.dtype:
         """bf16 / fp16 when every matrix is stored so, else fp32 (what dequantized types need)."""

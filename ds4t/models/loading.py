@@ -47,6 +47,9 @@ class WeightReader:
                  ignore_prefixes=(), progress: Optional[bool] = None, fp8: Optional[FP8Config] = None,
                  quantize: Optional[FP8Config] = None):
         self.source, self.device, self.dtype = source, device, dtype
+        self.expert_split = None
+        """Under tensor parallel (the model sets it before its layers load): n routed experts -> the
+        [lo, hi) this rank keeps. The reader then reads (or, for a preset, draws) only those experts."""
         # load() puts the checkpoint's FP8 settings and the quantize option on the source.
         self.fp8 = fp8 if fp8 is not None else getattr(source, "fp8", None)
         self.quantize = quantize if quantize is not None else getattr(source, "quantize", None)
@@ -121,6 +124,14 @@ class WeightReader:
                 t = quantize(t, q.block).with_act_dtype(self.dtype)
         self.bar.update(1)
         return t
+
+    def expert_range(self, n: int) -> Optional[Tuple[int, int]]:
+        """The routed experts [lo, hi) of ``n`` that this rank reads (:attr:`expert_split`); None: all."""
+        return None if self.expert_split is None else self.expert_split(n)
+
+    def skip(self, count: int) -> None:
+        """``count`` expected tensors this rank does not read (another rank's experts): progress only."""
+        self.bar.update(count)
 
     def stack(self, names):
         """``[get(n) for n in names]`` stacked along a new leading dim (MoE experts). Quantizing at load

@@ -254,7 +254,8 @@ class QwenModel(DecoderModel):
         if c.sparse(i):
             wg, wu, wd = stack_experts(get, m + "experts", c.num_experts)
             router_w = get(m + "gate.weight")
-            moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd)
+            moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd,
+                               expert_range=get.expert_range(c.num_experts))
             if c.shared_intermediate_size:
                 moe_w.router = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
                 moe_w.shared_gate_up = weights.cat(

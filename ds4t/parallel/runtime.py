@@ -24,7 +24,7 @@ class TensorParallel:
         self.rank, self.size, self.group, self.backend = g.rank, g.size, g.group, g.backend
         self.device = g.device
         self.part = shard.Part(g.rank, g.size)
-        self.comm = Collectives(g.group, g.size)
+        self.comm = Collectives(g.group, g.size, g.backend)
         self.vocab: Optional[Tuple[int, int, int]] = None   # (lo, hi, rows) of this rank's vocabulary shard
         self.global_cfg = None
 
@@ -51,6 +51,10 @@ class TensorParallel:
         """This rank's rows of another [V, D] table split like the model's (an MTP head's own embedding
         or LM head); :meth:`shard_vocab` has set the split."""
         return shard.vocab_rows(table, self.part)
+
+    def expert_range(self, n: int) -> Tuple[int, int]:
+        """The routed experts [lo, hi) of ``n`` this rank keeps (expert parallel: whole experts, evenly)."""
+        return self.part.even(n, "the number of routed experts")
 
     def shard_layer(self, layer, cfg, i: int):
         """Layer ``i``'s shard (``cfg``: the family config, global)."""

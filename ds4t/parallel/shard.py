@@ -186,7 +186,14 @@ def moe(w, p: Part, where: str):
     from ds4t.models.blocks import DenseMLP
 
     E = w.w_gate.shape[0] - (w.shared_index is not None)
-    lo, hi = p.even(E, "the number of routed experts")
+    if w.expert_range is not None:   # read as this rank's experts already (WeightReader.expert_range)
+        lo, hi = w.expert_range
+        if hi - lo != E:
+            raise ParallelError(f"{where}: {E} experts stacked for the range [{lo}, {hi})")
+        local = slice(0, E)
+    else:
+        lo, hi = p.even(E, "the number of routed experts")
+        local = slice(lo, hi)
     shared = None
     if w.shared_index is not None:
         s = w.shared_index
@@ -196,7 +203,7 @@ def moe(w, p: Part, where: str):
     if shared is not None:
         shared = dense_mlp(shared, p, where + ".shared")
     return dataclasses.replace(
-        w, w_gate=own(w.w_gate[lo:hi]), w_up=own(w.w_up[lo:hi]), w_down=own(w.w_down[lo:hi]),
+        w, w_gate=own(w.w_gate[local]), w_up=own(w.w_up[local]), w_down=own(w.w_down[local]),
         shared_gate_up=shared.gate_up if shared else None, shared_down=shared.down if shared else None,
         shared_index=None, expert_range=(lo, hi))
 

@@ -185,6 +185,85 @@ def tp_reduce_rows(rows: int, dim: int, seed: int = 0) -> Dict[str, torch.Tensor
     return {"whole": whole, "alone": alone, "partial": p}
 
 
+def tp_reduce_both(rows: int, dim: int, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Both batch-invariant reductions (:func:`ds4t.parallel.comm.fixed_order_sum`, ``scattered_sum``) of the
+    same random partials (different per rank, magnitudes that round), and the rank-order sum done in reverse
+    (what a wrong order gives: the test's control)."""
+    import torch.distributed as dist
+
+    from ds4t.parallel.comm import Collectives, fixed_order_sum, scattered_sum
+
+    comm = Collectives(None, dist.get_world_size())
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    p = torch.randn(rows, dim, generator=g) * torch.logspace(-3, 3, dim)
+    parts = comm.all_gather(p)
+    reverse = parts[-1].clone()
+    for k in range(parts.shape[0] - 2, -1, -1):
+        reverse.add_(parts[k])
+    return {"gathered": fixed_order_sum(comm, p), "scattered": scattered_sum(comm, p), "reverse": reverse}
+
+
+def tp_reduction_paths(path_or_preset: str, prompt: Sequence[int], steps: int, **options):
+    """:func:`reference_logits` with the model's default reduction choice, then with the two-phase path off
+    (``scatter_from = None``); each with the number of reductions that took :func:`ds4t.parallel.comm.scattered_sum`."""
+    from unittest import mock
+
+    from ds4t.parallel import comm as comm_mod
+
+    model = tp_model(path_or_preset, **options)
+    out = []
+    default = model.tp.comm.scatter_from
+    for scatter_from in (default, None):
+        model.tp.comm.scatter_from, calls = scatter_from, []
+        real = comm_mod.scattered_sum
+
+        def counted(comm, partial, real=real, calls=calls):
+            calls.append(1)
+            return real(comm, partial)
+
+        with mock.patch.object(comm_mod, "scattered_sum", counted):
+            logits = reference_logits(model, prompt, steps)
+        out.append({"logits": logits, "scattered": len(calls)})
+    model.tp.comm.scatter_from = default
+    return out
+
+
+def plain_tensors(w) -> list:
+    """A weight's tensors on the CPU, to compare bitwise: a float tensor, an FP8Weight's data and scale, a
+    GGUFWeight's repacked bytes."""
+    if isinstance(w, torch.Tensor):
+        return [w.detach().cpu()]
+    return [getattr(w, f).detach().cpu() for f in ("data", "scale") if getattr(w, f, None) is not None]
+
+
+def tp_expert_reads(path_or_preset: str, **options) -> Dict[str, object]:
+    """Load this rank's shard afresh, recording the routed experts its reader asks for: {"asked": {layer
+    prefix: [expert indices]}, "experts": {layer i: the rank's w_gate / w_up / w_down tensors}}."""
+    import re
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from ds4t.models.blocks import MoEWeights
+    from ds4t.models.loading import WeightReader
+
+    asked: Dict[str, set] = {}
+    real = WeightReader.stack
+
+    def stack(self, names):
+        for n in names:
+            m = re.match(r"(.*)\.experts\.(\d+)\.", n)
+            if m:
+                asked.setdefault(m.group(1), set()).add(int(m.group(2)))
+        return real(self, names)
+
+    with mock.patch.object(WeightReader, "stack", stack):
+        model = ds4t.load(path_or_preset, tp=dist.get_world_size(), **options)
+    experts = {i: [plain_tensors(w) for w in (lw.ffn.w_gate, lw.ffn.w_up, lw.ffn.w_down)]
+               for i, lw in enumerate(model.layers) if isinstance(lw.ffn, MoEWeights)}
+    return {"asked": {k: sorted(v) for k, v in asked.items()}, "experts": experts}
+
+
 def tp_plan(path_or_preset: str, slots: int, ctx: int, step_rows: int, limit: int, **options) -> Dict[str, object]:
     """This rank's memory plan (:func:`ds4t.serve.planner.plan`) for ``slots`` sessions at ``ctx`` tokens and
     steps of ``step_rows`` rows against ``limit`` bytes, its shard built on 'meta' (shapes only: any size)."""

@@ -217,3 +217,39 @@ def test_mtp_own_embedding_and_head_are_vocabulary_sharded(ranks, deepseek_own_m
     p = ranks.run(jobs.tp_parameters, d)[0]
     V, D = one.mtp.embed.shape
     assert p["mtp.embed"] == (-(-V // 2), D) and p["mtp.head"] == (-(-V // 2), D)   # half the rows a rank
+
+
+@pytest.fixture(scope="module")
+def glm_q8_gguf(tmp_path_factory):
+    """tiny-glm with a 192-wide shared expert (6 Q8_0 blocks: tp = 2 can split it) as a Q8_0 GGUF: routed
+    experts stored stacked (``ffn_*_exps``) in blocks."""
+    from ds4t.models.convert import convert
+    from ds4t.models.registry import preset_source
+
+    d = tmp_path_factory.mktemp("glm-q8")
+    src = jobs.write_checkpoint(dict(preset_source("tiny-glm")[0], n_shared_experts=6), d / "hf")
+    convert(src, str(d / "glm.gguf"), "Q8_0")
+    return str(d / "glm.gguf")
+
+
+@pytest.mark.parametrize("which", ["tiny-deepseek", "tiny-qwen", "tiny-glm", "gguf"])
+def test_each_rank_reads_only_its_experts_and_holds_the_one_rank_shard(ranks, which, glm_q8_gguf):
+    """Expert parallel at load: a rank's reader asks for its own routed experts only (a preset draws only
+    those, a checkpoint reads only those, a GGUF takes its run of the stacked blocks), and what it holds is
+    bit for bit the one-rank model's layer cut by the sharding rules."""
+    from ds4t.models.blocks import MoEWeights
+    from ds4t.parallel.shard import Part, layer
+
+    path = glm_q8_gguf if which == "gguf" else which
+    out = ranks.run(jobs.tp_expert_reads, path)
+    whole = ds4t.load(path)
+    moe = [i for i, lw in enumerate(whole.layers) if isinstance(lw.ffn, MoEWeights)]
+    assert moe and all(sorted(o["experts"]) == moe for o in out)
+    E = whole.router_cfg.num_experts
+    for r, o in enumerate(out):
+        assert o["asked"] and all(v == list(range(r * E // 2, (r + 1) * E // 2)) for v in o["asked"].values()), o["asked"]
+        for i in moe:
+            cut = layer(whole.layers[i], whole.cfg, Part(r, 2), f"layers.{i}").ffn
+            want = [jobs.plain_tensors(w) for w in (cut.w_gate, cut.w_up, cut.w_down)]
+            for a, b in zip(o["experts"][i], want):
+                assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (which, r, i)

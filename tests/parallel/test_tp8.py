@@ -120,6 +120,25 @@ def test_fp8_under_tp8(ranks, wide, name):
         assert widths == [32] * 4 + [16] * 4, widths
 
 
+@pytest.mark.parametrize("rows,dim", [(1, 7168), (9, 200), (5, 3)])
+def test_scattered_sum_has_the_gathered_sums_bits(ranks, rows, dim):
+    """The two-phase reduction (all-to-all of column slices, the rank-order sum of one slice, all-gather) gives
+    every element the bits of the all-gather + rank-order sum, on every rank; columns that 8 does not divide
+    (200, 3) included. The data are such that the order shows: the reverse order differs."""
+    out = ranks.run(jobs.tp_reduce_both, rows, dim)
+    for r in out:
+        assert torch.equal(r["scattered"], r["gathered"]) and torch.equal(r["gathered"], out[0]["gathered"])
+    if dim > 8:
+        assert not torch.equal(out[0]["reverse"], out[0]["gathered"]), "the control: another order, other bits"
+
+
+def test_models_at_tp8_reduce_through_the_scattered_sum(ranks, wide):
+    """On the CPU at >= 4 ranks every reduction takes the two-phase path (ds4t.parallel.comm.default_scatter_from),
+    so the model tests above ran it; the gathered path gives the same logits."""
+    on, off = ranks.run(jobs.tp_reduction_paths, wide["tiny-glm"], PROMPT, 2)[0]
+    assert on["scattered"] > 0 and off["scattered"] == 0 and torch.equal(on["logits"], off["logits"])
+
+
 def test_state_and_experts_are_sharded_eight_ways(ranks, wide):
     qwen = ranks.run(jobs.tp_state_shapes, wide["tiny-qwen"])
     for shapes in qwen:
