@@ -47,7 +47,7 @@ def default_scatter_from(backend: str, size: int) -> Optional[int]:
     """From how many bytes of a gathered message (K x rows x columns x 4) :meth:`Collectives.sum` takes
     :func:`scattered_sum`. gloo (the CPU) from 4 ranks: always, so the CPU tests run the two-phase path at
     4 and 8 ranks (it is the same bits). nccl: never, until ``bench/bench_tp.py`` times it on 4-8 GPUs (its
-    ``scatter`` rows): at N = 64 it would move 1.8 MB a rank instead of 14.7 MB a reduction at DeepSeek-V3's
+    ``scatter`` rows): at N = 64 it would move 3.7 MB into a rank instead of 14.7 MB a reduction at DeepSeek-V3's
     7168 columns and tp = 8, in two launches instead of one (latency at small N)."""
     return 0 if backend == "gloo" and size >= 4 else None
 
