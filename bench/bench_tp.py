@@ -393,4 +393,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The results are written and the group destroyed; skip the interpreter's finalisation, where gloo's worker
+    # threads can still hold work objects whose tensors need the GIL (a SIGABRT after a good run, seen once under
+    # load in CI; pytorch/pytorch#179291 describes it).
+    os._exit(code)
