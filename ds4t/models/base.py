@@ -33,6 +33,9 @@ class StateSpec:
     shape: Tuple
     dtype: torch.dtype
     order: Optional[Tuple[int, ...]] = None
+    replicated: bool = False
+    """Under tensor parallel every rank holds the same values (MLA's latent cache, shared by all heads):
+    a session's saved state keeps one copy (:mod:`ds4t.parallel.mirror`)."""
 
     def __post_init__(self):
         if self.order is not None and sorted(self.order) != list(range(len(self.shape))):

@@ -276,7 +276,7 @@ class DeepseekModel(DecoderModel):
     # -- state -------------------------------------------------------------------------------
     def state_specs(self) -> Dict[str, StateSpec]:
         c = self.cfg
-        return {f"layers.{i}.latent": StateSpec((CTX, c.kv_lora_rank + c.qk_rope_head_dim), self.dtype)
+        return {f"layers.{i}.latent": StateSpec((CTX, c.kv_lora_rank + c.qk_rope_head_dim), self.dtype, replicated=True)
                 for i in range(c.num_layers + (self.mtp is not None))}
 
 

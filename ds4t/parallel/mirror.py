@@ -13,7 +13,8 @@ steps.
 Session states (``--kv-cache-dir``, ``Session.state_dict``) are every rank's: under a :class:`Leader` a slot's
 state is gathered to rank 0 as one dict whose names carry the rank (``tp0.<name>``, ``tp1.<name>``, ...; host
 memory), so one file holds the whole state, and loading one scatters each rank its part and fails on rank 0
-when any rank refuses its part (the slot is then reset on every rank by the caller, as on one rank).
+when any rank refuses its part (the slot is then reset on every rank by the caller, as on one rank). State
+that every rank holds alike (``StateSpec.replicated``: MLA's latent cache) travels and is kept once, as rank 0's.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class Leader:
     def load(self, slot: int, state, pos: int) -> None:
         """Load a state of :meth:`state`'s form: each rank its part. A fresh (all-zero) state at 0 is a reset
         (nothing travels). ValueError when the state is not every rank's, or a rank refused its part."""
-        parts = split_ranks(state, self.size)
+        parts = split_ranks(state, self.size, _replicated(self.model.pool))
         if pos == 0 and not any(bool(t.any()) for t in state.values()):
             self._send("reset", slot)
             self._load(slot, parts[0], pos)
@@ -108,9 +109,20 @@ class Leader:
         self._send("stop")
 
 
-def split_ranks(state: dict, size: int) -> list:
-    """A gathered state (``tp{r}.<name>``) -> [rank 0's dict, ..., rank size-1's]; ValueError naming what
-    is missing or foreign (a state saved on another number of ranks, or on one)."""
+def _replicated(pool) -> frozenset:
+    return frozenset(name for name, spec in pool.specs.items() if spec.replicated)
+
+
+def _unique(pool, slot: int, pos: int) -> dict:
+    """A follower's part of a gathered state: its slot's state less what rank 0 sends for every rank."""
+    skip = _replicated(pool)
+    return {k: v for k, v in pool.state(slot, pos, "cpu").items() if k not in skip}
+
+
+def split_ranks(state: dict, size: int, replicated=frozenset()) -> list:
+    """A gathered state (``tp{r}.<name>``) -> [rank 0's dict, ..., rank size-1's], each rank given rank 0's
+    copy of the ``replicated`` names; ValueError naming what is missing or foreign (a state saved on another
+    number of ranks, or on one)."""
     parts = [{} for _ in range(size)]
     for key, t in state.items():
         head, dot, name = key.partition(".")
@@ -119,6 +131,10 @@ def split_ranks(state: dict, size: int) -> list:
             raise ValueError(f"state entry {key!r} is not one of {size} ranks' (tp<rank>.<name>): a state saved "
                              f"with another --tp does not fit")
         parts[r][name] = t
+    for name in replicated:
+        if name in parts[0]:
+            for p in parts[1:]:
+                p.setdefault(name, parts[0][name])
     empty = [r for r, p in enumerate(parts) if not p]
     if empty:
         raise ValueError(f"the state holds nothing for rank(s) {empty} of {size}")
@@ -177,7 +193,7 @@ def follow(model, group) -> int:
             for t in pool.tensors.values():
                 t[cmd[1]].zero_()
         elif op == "state":
-            dist.gather_object(pool.state(cmd[1], cmd[2], "cpu"), None, dst=0, group=group)
+            dist.gather_object(_unique(pool, cmd[1], cmd[2]), None, dst=0, group=group)
         elif op == "load":
             mine = [None]
             dist.scatter_object_list(mine, None, src=0, group=group)

@@ -92,6 +92,9 @@ def model_fingerprint(model, zero_state: State) -> str:
     """Identifies the weights and state layout a saved state belongs to: family, vocab, dtype,
     the state names/dtypes/fixed dims, and a sample (first and last row) of every weight tensor."""
     h = hashlib.sha256(f"{model.family}|{model.vocab_size}|{model.dtype}".encode())
+    tp = getattr(model, "tp", None)
+    if tp is not None:   # a state of K ranks is K shards: it fits that K only
+        h.update(f"|tp={tp.size}".encode())
     for name in sorted(zero_state):
         t = zero_state[name]
         h.update(f"|{name}|{t.dtype}|{tuple(t.shape[1:]) if t.dim() else ()}".encode())

@@ -6,6 +6,8 @@ import os
 import signal
 import urllib.request
 
+import pytest
+
 import ds4t
 from ds4t.serve.cli import spawn
 from ds4t.testing.markers import cpu_interpreter_only
@@ -76,13 +78,14 @@ def _counter(url: str, name: str) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
-def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path):
+@pytest.mark.parametrize("model", ["tiny-qwen", "tiny-deepseek"])
+def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path, model):
     """``--tp 2 --kv-cache-dir``: with one slot, a second conversation evicts the first, whose state (both
     ranks' shards, gathered to rank 0: one file) is saved; the first conversation's next turn is restored
     from it (each rank loads its shard) and answers as one-rank plain decoding does from scratch. A
     follower that kept a stale shard (or none) would answer otherwise. Then a second server on the same
     directory at --tp 2 restores the state again, and a one-rank server ignores it (another state layout)."""
-    model, kv = "tiny-qwen", str(tmp_path / "kv")
+    kv = str(tmp_path / "kv")
     first = [104, 105, 33]
 
     def serve(tp: int):
@@ -101,6 +104,13 @@ def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 0
+    from safetensors import safe_open
+
+    files = [f for f in os.listdir(kv) if f.endswith(".kv.safetensors")]
+    with safe_open(os.path.join(kv, files[0]), "pt") as f:
+        ranks = {k.split(".")[1] for k in f.keys() if k.startswith("state.")}
+    # both ranks' shards; MLA's latent cache (the same on every rank) once, as rank 0's
+    assert ranks == ({"tp0"} if model == "tiny-deepseek" else {"tp0", "tp1"}), ranks
     p, url = serve(2)                                           # the saved files outlive the server
     try:
         assert _complete(url, model, turn, 3)["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
@@ -118,7 +128,6 @@ def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path):
 
 
 def test_a_gathered_state_splits_by_rank_and_foreign_ones_are_named():
-    import pytest
     import torch
 
     from ds4t.parallel.mirror import split_ranks
@@ -131,3 +140,4 @@ def test_a_gathered_state_splits_by_rank_and_foreign_ones_are_named():
         split_ranks({"tp0.a": t, "tp2.a": t}, 2)        # a state of more ranks
     with pytest.raises(ValueError, match=r"nothing for rank\(s\) \[1\]"):
         split_ranks({"tp0.a": t}, 2)
+    assert split_ranks({"tp0.a": t}, 2, frozenset({"a"})) == [{"a": t}, {"a": t}]   # replicated: rank 0's copy
