@@ -190,8 +190,11 @@ class StepGraphs:
 
 def memory_estimate(model, max_batch: int) -> int:
     """Bytes the captured steps of batches of 1..max_batch sessions hold on to beyond one step's
-    workspace: each graph keeps its static logits (fp32 [n, vocab]); intermediates share one pool."""
-    if not enabled_for(model):
+    workspace: each graph keeps its static logits (fp32 [n, vocab]); intermediates share one pool. A model
+    on 'meta' (a plan for a GPU that is not here) counts them as that GPU would, unless graphs are off."""
+    planned = model.device.type == "meta" and getattr(model, "cuda_graphs", True) \
+        and os.environ.get("DS4T_CUDA_GRAPHS", "1") != "0"
+    if not (planned or enabled_for(model)):
         return 0
     top = min(max_batch, max_rows())
     return 4 * model.vocab_size * top * (top + 1) // 2

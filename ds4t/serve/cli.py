@@ -65,8 +65,8 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not a device: {text!r} (cuda, cuda:N or cpu)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU is available on this machine")
-    if dev.type not in ("cuda", "cpu"):
-        raise argparse.ArgumentTypeError(f"{text}: ds4t runs on cuda or cpu")
+    if dev.type not in ("cuda", "cpu", "meta"):
+        raise argparse.ArgumentTypeError(f"{text}: ds4t runs on cuda or cpu (meta: --plan-only)")
     return text
 
 
@@ -84,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     pos, nonneg = int_at_least(1), int_at_least(0)
     p.add_argument("--model", default="tiny-qwen", help="preset name or HF checkpoint directory")
-    p.add_argument("--device", default=None, type=_device, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--device", default=None, type=_device,
+                   help="cuda or cpu (default: cuda if present); meta with --plan-only: plan for hardware that is "
+                        "not here (shapes only, no weights read or drawn; give its memory with --memory-limit)")
     from ds4t.models.checkpoint import DTYPES
 
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
@@ -175,6 +177,9 @@ def build(args, model=None):
 
 
 def run(args) -> int:
+    if args.device == "meta" and not (args.plan_only and args.memory_limit):
+        raise SystemExit("ds4t serve: --device meta only plans: add --plan-only and the target's --memory-limit "
+                         "(e.g. 139GiB for one H200)")
     if getattr(args, "tp", 1) > 1:
         from ds4t.parallel.launch import run_spmd
 
@@ -194,6 +199,8 @@ def serve_rank(args) -> int:
         model = ds4t.load(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     except (ds4t.CheckpointError, ValueError, KeyError, OSError) as e:
         raise SystemExit(f"ds4t serve: cannot load {args.model!r} with --tp {args.tp}: {e}") from None
+    if args.plan_only:
+        return _plan_ranks(args, model)
     ctrl = dist.new_group(backend="gloo")   # the step list travels as CPU objects
     if dist.get_rank() != 0:
         return follow(model, ctrl)
@@ -202,6 +209,25 @@ def serve_rank(args) -> int:
         return _serve(args, model)
     finally:
         leader.stop()
+
+
+def _plan_ranks(args, model) -> int:
+    """``--plan-only`` under ``--tp``: every rank's plan (its shard, the sessions' state shard, the step's
+    workspace); rank 0 prints its own plan and every rank's total. 0 when every rank fits, else 2."""
+    import torch.distributed as dist
+
+    _, p = build(args, model)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (p.weights, p.sessions, p.workspace, p.total, p.fits, p.available))
+    if dist.get_rank() == 0:
+        from ds4t.serve.planner import fmt_bytes
+
+        print(p.format() + "\n  (rank 0's plan; every rank below)", flush=True)
+        for r, (w, sess, ws, tot, fits, avail) in enumerate(every):
+            print(f"  rank {r}: weights {fmt_bytes(w)}, sessions {fmt_bytes(sess)}, workspace {fmt_bytes(ws)}, "
+                  f"total {fmt_bytes(tot)} of {fmt_bytes(avail) if avail else '?'}: {'fits' if fits else 'DOES NOT FIT'}",
+                  flush=True)
+    return 0 if all(e[4] for e in every) else 2
 
 
 def _serve(args, model=None) -> int:

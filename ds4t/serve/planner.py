@@ -119,7 +119,7 @@ def workspace_estimate(model, rows: int) -> int:
         if dims:
             widest = max(widest, max(dims))
     per_row = 4 * (4 * model.vocab_size + 16 * widest)
-    margin = (256 << 20) if model.device.type == "cuda" else (16 << 20)
+    margin = (256 << 20) if model.device.type in ("cuda", "meta") else (16 << 20)   # meta: planning for a GPU
     return 2 * rows * per_row + margin
 
 

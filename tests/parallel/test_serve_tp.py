@@ -141,3 +141,22 @@ def test_a_gathered_state_splits_by_rank_and_foreign_ones_are_named():
     with pytest.raises(ValueError, match=r"nothing for rank\(s\) \[1\]"):
         split_ranks({"tp0.a": t}, 2)
     assert split_ranks({"tp0.a": t}, 2, frozenset({"a"})) == [{"a": t}, {"a": t}]   # replicated: rank 0's copy
+
+
+def test_plan_a_tp_deployment_on_meta():
+    """``ds4t serve --tp 2 --device meta --plan-only``: every rank plans its shard from shapes alone (Qwen3-Next-80B
+    in bf16, 159 GB: ~80 GB a rank); rank 0 prints each rank's total; exit 0 when all fit, 2 when one does not."""
+    import subprocess
+    import sys
+
+    def plan(limit):
+        return subprocess.run([sys.executable, "-m", "ds4t", "serve", "--model", "qwen3-next-80b", "--tp", "2",
+                               "--device", "meta", "--plan-only", "--memory-limit", limit, "--batched-session", "16"],
+                              env=dict(os.environ, **ENV), capture_output=True, text=True, timeout=300)
+
+    ok = plan("139GiB")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    lines = [x for x in ok.stdout.splitlines() if x.strip().startswith("rank ")]
+    assert len(lines) == 2 and all(": fits" in x for x in lines), ok.stdout
+    short = plan("60GiB")
+    assert short.returncode == 2 and "DOES NOT FIT" in short.stdout, short.stdout + short.stderr

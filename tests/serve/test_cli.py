@@ -65,6 +65,27 @@ def test_refuses_to_start_when_the_plan_does_not_fit(capsys):
     assert "refusing to start" in out.err and "--memory-limit" in out.err and "Lower --batched-session" in out.err
 
 
+def test_a_meta_plan_sizes_hardware_that_is_not_here(capsys):
+    """--device meta --plan-only: a full-size preset planned from shapes alone (nothing drawn), CUDA graphs
+    counted as the GPU would keep them; exit 0 when it fits the given memory, 2 with the refusal otherwise.
+    Qwen3-Next-80B FP8 with 64 sessions of 32k does not fit one H200 (it ran out of memory there)."""
+    argv = ["--model", "qwen3-next-80b-fp8", "--device", "meta", "--plan-only", "--memory-limit", "139GiB",
+            "--batched-session", "64"]
+    assert cli.run(args_for(*argv, "--max-ctx", "4096")) == 0
+    out = capsys.readouterr().out
+    assert "on meta" in out and "fits: yes" in out and "CUDA graphs of decode batches" in out
+    assert cli.run(args_for(*argv, "--max-ctx", "32768")) == 2
+    out = capsys.readouterr()
+    assert "fits: NO" in out.out and "at most 62 session(s) fit" in out.err
+
+
+def test_meta_is_for_plans_only():
+    with pytest.raises(SystemExit, match="--device meta only plans"):
+        cli.run(args_for("--device", "meta", "--port", "0"))
+    with pytest.raises(SystemExit, match="--memory-limit"):
+        cli.run(args_for("--device", "meta", "--plan-only"))
+
+
 def _start(tmp_path, env=None):
     p, url, _ = cli.spawn(["--model", "tiny-qwen", "--batched-session", "1", "--max-ctx", "64", "--port", "0",
                            "--coalesce-us", "0", "--kv-cache-dir", str(tmp_path)], env=env)
