@@ -4,9 +4,11 @@ TP = K decode steps with the time in collectives apart, and models at full depth
 Launch (NVLink multicast off, one process per GPU):
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tp.py --out $OUT
-    # issue 19 (8 GPUs): DeepSeek-V3 (61 layers) and GLM-4.5 (92 layers) at full depth in block-FP8, 4k context
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 bench/bench_tp.py --models deepseek-v3-fp8,glm-4.5-fp8 \
-        --ctx 4096 --ns 1,8,16,32,64 --scatter --budget-s 540 --out $OUT
+    # issue 19 (8 GPUs): DeepSeek-V3 (61 layers) and GLM-4.5 (92 layers) at full depth in block-FP8, 4k context;
+    # one device call a model (a full-depth load, the checks and the steps fill most of a 10-minute call)
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 bench/bench_tp.py --models deepseek-v3-fp8 \
+        --ctx 4096 --ns 1,8,16,32,64 --scatter --budget-s 540 --out $OUT/ds
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 bench/bench_tp.py --models glm-4.5-fp8 ...same... --out $OUT/glm
 
 For each preset (default: the 4-layer presets, and ``qwen3-next-80b``: 48 layers in bf16, ~80 GB per GPU at K = 2):
   0. the memory plan of every rank (ds4t.serve.planner: its weights, the largest N sessions at ``--ctx``, the
