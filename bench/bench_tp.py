@@ -176,25 +176,22 @@ def rank_plans(name: str, run: Run, dt, cap) -> bool:
     """Step 0: every rank's memory plan (its shard built on 'meta': shapes only), the largest N of ``--ns``
     sessions at ``--ctx`` (plus the steps timed), a step of N rows + one 1024-token prompt chunk, against
     ``cap`` bytes (None: not checked). Logs one row per rank; whether every rank fits."""
-    from ds4t.serve.planner import fmt_bytes, plan
+    from ds4t.serve.planner import every_rank, fmt_bytes, plan
 
     a = run.args
     n = max(a.ns)
     shard = ds4t.load(name, device="meta", dtype=dt, tp=run.size)
-    p = plan(shard, n, a.ctx + a.iters + 32, n + 1024, memory_limit=cap)
-    mine = (p.weights, p.sessions, p.workspace, p.total, p.fits)
+    every = every_rank(plan(shard, n, a.ctx + a.iters + 32, n + 1024, memory_limit=cap))
     del shard
-    every = [None] * run.size
-    dist.all_gather_object(every, mine)
-    run.log(f"Memory plan a rank ({n} sessions at {a.ctx} tokens; ds4t.serve.planner; CUDA graphs not counted), "
-            f"against {fmt_bytes(cap) if cap else 'no limit'}:\n")
+    run.log(f"Memory plan a rank ({n} sessions at {a.ctx} tokens; ds4t.serve.planner; CUDA graphs counted as a "
+            f"GPU keeps them), against {fmt_bytes(cap) if cap else 'no limit'}:\n")
     run.log("| rank | weights | sessions | workspace | total | fits |")
     run.log("|---|---|---|---|---|---|")
-    for r, (w, sess, ws, tot, fits) in enumerate(every):
-        run.log(f"| {r} | {fmt_bytes(w)} | {fmt_bytes(sess)} | {fmt_bytes(ws)} | {fmt_bytes(tot)} | "
-                f"{'yes' if fits else 'NO'} |")
+    for r, q in enumerate(every):
+        run.log(f"| {r} | {fmt_bytes(q.weights)} | {fmt_bytes(q.sessions)} | {fmt_bytes(q.workspace)} | "
+                f"{fmt_bytes(q.total)} | {'yes' if q.fits else 'NO'} |")
     run.log("")
-    return all(e[-1] for e in every)
+    return all(q.fits for q in every)
 
 
 def bench_preset(name: str, run: Run, bw: float) -> bool:

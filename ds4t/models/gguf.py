@@ -563,14 +563,13 @@ class GGUFSource(TensorSource):
             return None
         for n, s in zip(names, shapes):
             self._check_shape(n, s)
-        whole = lo == 0 and hi == self._gshape(g)[0]
         if self._t(g).tensor_type.name in QTYPES and keeps_blocks(names[0]):
             w = self._blocks_of(g)
             self.kept[w.qtype] += 1
-            return (w if whole else w[lo:hi]).to(device).contiguous().with_act_dtype(dtype)
+            return w[lo:hi].to(device).contiguous().with_act_dtype(dtype)
         out = self._read(g)
         self._cache = (None, None)
-        return (out if whole else out[lo:hi]).to(device=device, dtype=dtype).contiguous()
+        return out[lo:hi].to(device=device, dtype=dtype).contiguous()
 
     def default_dtype(self) -> torch.dtype:
         """bf16 / fp16 when every matrix is stored so, else fp32 (what dequantized types need)."""

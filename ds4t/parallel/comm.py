@@ -97,10 +97,10 @@ class Collectives:
 
 def fixed_order_sum(comm: Collectives, partial: torch.Tensor) -> torch.Tensor:
     """The batch-invariant reduction: all-gather, then p_0 + p_1 + ... + p_{K-1} elementwise in rank order."""
-    return _rank_order_sum(comm.all_gather(partial.float()))
+    return rank_order_sum(comm.all_gather(partial.float()))
 
 
-def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
+def rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
     """[K, ...] -> parts[0] + parts[1] + ... + parts[K-1], elementwise, in that order (a new tensor)."""
     out = parts[0].clone() if parts.shape[0] == 1 else torch.add(parts[0], parts[1])
     for k in range(2, parts.shape[0]):
@@ -122,7 +122,7 @@ def scattered_sum(comm: Collectives, partial: torch.Tensor) -> torch.Tensor:
     send = p.view(R, K, C).permute(1, 0, 2).contiguous()          # [K, R, C]: slice j for rank j
     recv = torch.empty_like(send)                                  # [K, R, C]: this rank's slice of every rank
     dist.all_to_all_single(recv, send, group=comm.group)
-    mine = _rank_order_sum(recv)                                   # [R, C]
+    mine = rank_order_sum(recv)                                   # [R, C]
     return comm.all_gather(mine).permute(1, 0, 2).reshape(R, C * K)[:, :D].contiguous()
 
 

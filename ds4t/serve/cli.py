@@ -216,18 +216,18 @@ def _plan_ranks(args, model) -> int:
     workspace); rank 0 prints its own plan and every rank's total. 0 when every rank fits, else 2."""
     import torch.distributed as dist
 
-    _, p = build(args, model)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (p.weights, p.sessions, p.workspace, p.total, p.fits, p.available))
-    if dist.get_rank() == 0:
-        from ds4t.serve.planner import fmt_bytes
+    from ds4t.serve.planner import every_rank, fmt_bytes
 
+    _, p = build(args, model)
+    every = every_rank(p)
+    if dist.get_rank() == 0:
         print(p.format() + "\n  (rank 0's plan; every rank below)", flush=True)
-        for r, (w, sess, ws, tot, fits, avail) in enumerate(every):
-            print(f"  rank {r}: weights {fmt_bytes(w)}, sessions {fmt_bytes(sess)}, workspace {fmt_bytes(ws)}, "
-                  f"total {fmt_bytes(tot)} of {fmt_bytes(avail) if avail else '?'}: {'fits' if fits else 'DOES NOT FIT'}",
+        for r, q in enumerate(every):
+            print(f"  rank {r}: weights {fmt_bytes(q.weights)}, sessions {fmt_bytes(q.sessions)}, workspace "
+                  f"{fmt_bytes(q.workspace)}, total {fmt_bytes(q.total)} of "
+                  f"{fmt_bytes(q.available) if q.available else '?'}: {'fits' if q.fits else 'DOES NOT FIT'}",
                   flush=True)
-    return 0 if all(e[4] for e in every) else 2
+    return 0 if all(q.fits for q in every) else 2
 
 
 def _serve(args, model=None) -> int:

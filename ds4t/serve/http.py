@@ -151,9 +151,9 @@ def _chat_features(body: dict) -> None:
         if body.get(name) and not none:
             raise ApiError(400, f"'{name}' is not supported by this server: it has no tool-call parser, so a call "
                                 "would come back as plain text (send tool_choice 'none' to ignore them)", name)
-    if body.get("tool_choice") not in (None, "none", "auto") or body.get("function_call") not in (None, "none", "auto"):
-        name = "tool_choice" if body.get("tool_choice") not in (None, "none", "auto") else "function_call"
-        raise ApiError(400, f"'{name}' {body.get(name)!r} is not supported by this server (no tool calling)", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise ApiError(400, f"'{name}' {body.get(name)!r} is not supported by this server (no tool calling)", name)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt

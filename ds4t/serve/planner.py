@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -121,6 +121,15 @@ def workspace_estimate(model, rows: int) -> int:
     per_row = 4 * (4 * model.vocab_size + 16 * widest)
     margin = (256 << 20) if model.device.type in ("cuda", "meta") else (16 << 20)   # meta: planning for a GPU
     return 2 * rows * per_row + margin
+
+
+def every_rank(p: MemoryPlan, group=None) -> List[MemoryPlan]:
+    """Every rank's plan under tensor parallel (each rank passes its own; torch.distributed), index = rank."""
+    import torch.distributed as dist
+
+    out: List[Optional[MemoryPlan]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, p, group=group)
+    return out
 
 
 def plan(model, slots: int, max_ctx: int, step_rows: int, memory_limit: Optional[int] = None) -> MemoryPlan:

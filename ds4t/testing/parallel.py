@@ -191,15 +191,12 @@ def tp_reduce_both(rows: int, dim: int, seed: int = 0) -> Dict[str, torch.Tensor
     (what a wrong order gives: the test's control)."""
     import torch.distributed as dist
 
-    from ds4t.parallel.comm import Collectives, fixed_order_sum, scattered_sum
+    from ds4t.parallel.comm import Collectives, fixed_order_sum, rank_order_sum, scattered_sum
 
     comm = Collectives(None, dist.get_world_size())
     g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
     p = torch.randn(rows, dim, generator=g) * torch.logspace(-3, 3, dim)
-    parts = comm.all_gather(p)
-    reverse = parts[-1].clone()
-    for k in range(parts.shape[0] - 2, -1, -1):
-        reverse.add_(parts[k])
+    reverse = rank_order_sum(comm.all_gather(p).flip(0))
     return {"gathered": fixed_order_sum(comm, p), "scattered": scattered_sum(comm, p), "reverse": reverse}
 
 

@@ -1,6 +1,7 @@
 """``ds4t serve --tp 2``: rank 0 serves HTTP, rank 1 replays its steps; greedy text equals the one-rank
 model's; SIGTERM drains and exits 0 (followers ignore SIGINT/SIGTERM, so a signal to the whole process
 group cannot take them away first: rank 0's stop releases them)."""
+import contextlib
 import json
 import os
 import signal
@@ -88,22 +89,25 @@ def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path, model):
     kv = str(tmp_path / "kv")
     first = [104, 105, 33]
 
-    def serve(tp: int):
+    @contextlib.contextmanager
+    def serving(tp: int):
+        """A server on the one directory (--tp 2, or one rank); SIGTERM at the end, exit 0."""
         args = ["--model", model, "--kv-cache-dir", kv, "--batched-session", "1", "--port", "0"]
-        return spawn(args + (["--tp", str(tp)] if tp > 1 else []), env=ENV, program=("-m", "ds4t", "serve"),
-                     timeout=240)[:2]
+        p, url, _ = spawn(args + (["--tp", str(tp)] if tp > 1 else []), env=ENV, program=("-m", "ds4t", "serve"),
+                          timeout=240)
+        try:
+            yield url
+        finally:
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=120) == 0
 
-    p, url = serve(2)
-    try:
+    with serving(2) as url:
         a = _complete(url, model, first, 3)
         _complete(url, model, [7, 8, 9, 10], 2)                  # the only slot goes to another conversation
         turn = first + a["choices"][0]["token_ids"] + [32, 63]
         b = _complete(url, model, turn, 3)
         assert _counter(url, "kv_saves_total") >= 1 and _counter(url, "kv_restores_total") == 1
         assert b["choices"][0]["token_ids"] == _greedy_tp1(bytes(turn), 3, model)
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=120) == 0
     from safetensors import safe_open
 
     files = [f for f in os.listdir(kv) if f.endswith(".kv.safetensors")]
@@ -111,20 +115,11 @@ def test_serve_tp2_saves_and_restores_sessions_in_kv_cache_dir(tmp_path, model):
         ranks = {k.split(".")[1] for k in f.keys() if k.startswith("state.")}
     # both ranks' shards; MLA's latent cache (the same on every rank) once, as rank 0's
     assert ranks == ({"tp0"} if model == "tiny-deepseek" else {"tp0", "tp1"}), ranks
-    p, url = serve(2)                                           # the saved files outlive the server
-    try:
-        assert _complete(url, model, turn, 3)["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
-        assert _counter(url, "kv_restores_total") == 1
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=120) == 0
-    p, url = serve(1)                                           # states of 2 ranks do not fit one
-    try:
-        assert _complete(url, model, turn, 3)["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
-        assert _counter(url, "kv_restores_total") == 0
-    finally:
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=120) == 0
+    # the saved files outlive the server (restored again at --tp 2); states of 2 ranks do not fit one
+    for tp, restores in ((2, 1), (1, 0)):
+        with serving(tp) as url:
+            assert _complete(url, model, turn, 3)["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+            assert _counter(url, "kv_restores_total") == restores
 
 
 def test_a_gathered_state_splits_by_rank_and_foreign_ones_are_named():
