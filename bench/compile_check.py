@@ -164,7 +164,8 @@ def record_gguf() -> None:
 
 
 def record(presets, checks: bool, fp8: bool = True) -> list:
-    """Distinct launches of a decode step, a mixed prefill + decode step, (``fp8``) the FP8-weight
+    """Distinct launches of a decode step, mixed prefill + decode steps (short runs, and long runs that fold their
+    attention splits), (``fp8``) the FP8-weight
     launches of :func:`record_fp8` and (``checks``) every registered kernel self-check, with the
     GPU's launcher paths."""
     import ds4t
@@ -200,6 +201,13 @@ def record(presets, checks: bool, fp8: bool = True) -> list:
                 b.prefill([4, 5])
                 ds4t.eval_batch([ds4t.DecodeItem(a, 6), ds4t.DecodeItem(b, 7)], mode="native")
                 ds4t.eval_batch([ds4t.DecodeItem(a, 8), ds4t.DecodeItem(c, [1, 2, 3, 4])], mode="native")
+                # runs long enough to fold their splits in one program (the interpreter's tables: >= 16 rows)
+                # past the shortest split, beside a short run and a decode row: the attention kernels'
+                # fused-run paths with a runs table of two runs
+                d = model.new_session(256)
+                d.prefill(list(range(1, 140)))
+                ds4t.eval_batch([ds4t.DecodeItem(a, 9), ds4t.DecodeItem(d, list(range(1, 21))),
+                                 ds4t.DecodeItem(c, [5, 6, 7])], mode="native")
             if fp8:
                 record_fp8()
                 record_gguf()

@@ -11,9 +11,14 @@ A prefill chunk is ``--chunk`` rows of one slot at positions ``at .. at + chunk 
 cache per row. That is where a long prompt's time goes (bench_prefill --profile-at: the attention kernels
 are ~80 % of a GLM-4.5 / DeepSeek-V3 chunk at 31744). Shapes (bf16 caches):
 
-  * glm  -- GQA 96 q / 8 kv heads, d 128 (GLM-4.5): ``decode_attention(..., same_slot_runs=True)``
+  * glm  -- GQA 96 q / 8 kv heads, d 128 (GLM-4.5): ``decode_attention(..., same_slot_runs=<the chunk's run>)``
   * qwen -- GQA 16 q / 2 kv heads, d 256 (Qwen3-Next's gated attention)
-  * mla  -- absorbed MLA, 128 heads, latent 512 + rope 64 (DeepSeek-V3): ``mla_decode`` (no runs kernel: a program a row)
+  * mla  -- absorbed MLA, 128 heads, latent 512 + rope 64 (DeepSeek-V3): ``mla_decode(..., same_slot_runs=...)``
+    (no runs kernel: a program a row; ``MLAConfig.fuse_rows`` folds a long run's splits in the row's program)
+
+The chunk's runs hint is what a model passes (``blocks.runs_hint``: a :class:`ds4t.kernels.splits.SameSlotRuns`
+table of the one run). To A/B the MLA fusion (off in the GPU table until timed):
+``--only mla --variant fuse='{"mla_decode": [{"key": [128, 512, 64, 128], "fields": {"fuse_rows": 512}}]}'``.
 
 FLOPs count what the math needs, causal: 2 * H * (D + Dv) per (row, cached position) -- no padding heads,
 no hi / lo halves, no masked work. % is of a bf16 ``torch.matmul`` 8192^3 timed in the same process.
@@ -26,7 +31,7 @@ on the CPU wall time a call.
 Bits: each variant's output is compared with the base's (the table's), bit for bit -- a variant that only
 moves work (tile rows per program, warps, stages) must keep them; one with ``"products": "cache"`` computes
 other numerics and differs by design -- and for GQA the base is compared with
-the split kernel (``same_slot_runs=False``, what decode runs): a prefill row must get its decode row's bits.
+the split kernel (``same_slot_runs=None``, what decode runs): a prefill row must get its decode row's bits.
 A planted control (another split schedule) must differ, so the comparison can fail.
 
 Peer: ``torch.nn.functional.scaled_dot_product_attention`` with a lower-right causal mask (FlashAttention
@@ -54,6 +59,7 @@ from bench.step_ab import parse_variant  # noqa: E402
 from ds4t.kernels import attention as A  # noqa: E402
 from ds4t.kernels import config as C  # noqa: E402
 from ds4t.kernels import mla as M  # noqa: E402
+from ds4t.kernels.splits import SameSlotRuns  # noqa: E402
 
 SHAPES = {"glm": ("gqa", 96, 8, 128), "qwen": ("gqa", 16, 2, 256), "mla": ("mla", 128, 512, 64)}
 
@@ -83,15 +89,21 @@ def chunk_case(kind: str, shape, at: int, chunk: int, device, seed: int = 0):
         2 * h * (r + dr + r) * total
 
 
+def chunk_runs(x: dict) -> SameSlotRuns:
+    """The runs hint of a chunk case: one run of every row, slot 0 (as ``blocks.runs_hint`` builds it)."""
+    n = x["slots"].shape[0]
+    return SameSlotRuns(torch.tensor([[0, n, 0, -1]], dtype=torch.int64, device=x["slots"].device), n, n)
+
+
 def run_ds4t(kind: str, x: dict, runs: bool = True, split_size=None, products: str = "split"):
+    hint = chunk_runs(x) if runs else None
     if kind == "gqa":
         return A.decode_attention(x["q"], x["kc"], x["vc"], x["slots"], x["lengths"], x["scale"],
-                                  same_slot_runs=x["q"].shape[0] if runs else 0, split_size=split_size,
-                                  products=products)
+                                  same_slot_runs=hint, split_size=split_size, products=products)
     if products != "split":
         raise SystemExit("a variant's products applies to GQA only (MLA multiplies in the cache dtype already)")
     return M.mla_decode(x["ql"], x["qp"], x["cache"], x["slots"], x["lengths"], x["scale"], kv_lora_rank=x["r"],
-                        split_size=split_size)
+                        split_size=split_size, same_slot_runs=hint)
 
 
 def sdpa_peer(x: dict, at: int, chunk: int):
@@ -170,9 +182,8 @@ def main():
                      else M.default_split_schedule(SHAPES[key][2], SHAPES[key][3], torch.bfloat16))
             half = max(16, sched.split_of(at + args.chunk) // 2)
             ctl = run_ds4t(kind, x, split_size=half)
-            if kind == "gqa":
-                split = run_ds4t(kind, x, runs=False)
-                checks.append(f"runs == split kernel (decode's bits): {torch.equal(base, split)}")
+            split = run_ds4t(kind, x, runs=False)
+            checks.append(f"runs == split kernel (decode's bits): {torch.equal(base, split)}")
             checks.append(f"control (splits of {half}) differs: {not torch.equal(ctl, base)}")
             checks.append(f"no NaN (slot 1 is NaN, never read): {not torch.isnan(base).any().item()}")
             log(f"\n## {key} {SHAPES[key][1:]} chunk at {at}: {flops / 1e9:.0f} GFLOP; " + "; ".join(checks))

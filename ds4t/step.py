@@ -66,6 +66,7 @@ class StepBatch:
     # or -1: Segment.states_row) on the device, for kernels that run all of them in one launch
     multi_segments: Optional[torch.Tensor] = None
     shortest_run: int = 0   # tokens of the shortest segment of more than one (0: none, a pure decode batch)
+    longest_run: int = 0    # tokens of the longest segment of more than one (0: none)
 
     @property
     def rows(self) -> int:
@@ -156,6 +157,7 @@ class StepBatch:
             hidden_rows=meta[n + o + s:e] if h else None,
             multi_segments=meta[e:e + 4 * m].view(m, 4) if m else None,
             shortest_run=min((sg.n for sg in segs if sg.n > 1), default=0),
+            longest_run=max((sg.n for sg in segs if sg.n > 1), default=0),
         )
 
     @classmethod

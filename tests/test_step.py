@@ -24,12 +24,13 @@ def test_layout_of_a_mixed_step():
     assert b.hidden_rows.tolist() == [6, 7, 8]
     assert b.multi_segments.tolist() == [[1, 4, 5, -1], [6, 3, 6, 0]]   # the kept chunk's states from row 0
     assert [s.states_row for s in b.segments] == [-1, -1, -1, 0]
-    assert not b.all_single and b.shortest_run == 3   # the verify chunk: decode_attention's same_slot_runs
+    assert not b.all_single and (b.shortest_run, b.longest_run) == (3, 4)   # the attention kernels' runs hint
 
 
 def test_a_decode_step_has_no_segment_table():
     b = StepBatch.build([(0, [5], 3), (1, [6], 9)], "cpu")
-    assert b.all_single and b.multi_segments is None and b.hidden_rows is None and b.shortest_run == 0
+    assert b.all_single and b.multi_segments is None and b.hidden_rows is None
+    assert b.shortest_run == b.longest_run == 0
     meta, n, o, segs, h = StepBatch.host_meta([(0, [5], 3), (1, [6], 9)])
     # a graph's static buffer: tokens, out rows, single rows, then positions / slots / lengths as int32 pairs
     assert meta.numel() == n + o + 2 + (3 * n + 1) // 2 and h == 0

@@ -58,7 +58,7 @@ length 0 returns zeros.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import triton
@@ -68,7 +68,7 @@ from ds4t.backend import INTERPRET, LAUNCH, cast, grid_dependency, mma, sigmoid,
 from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
-from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
+from ds4t.kernels.splits import SameSlotRuns, SplitSchedule, as_schedule, in_long_run, merge_step, split_of
 from ds4t.kernels.interp import attention_rows
 
 _LOG2E = 1.4426950408889634
@@ -544,28 +544,21 @@ def _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, gr
 
 
 @triton.jit
-def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
-    """Fold one split's (m_s, l_s, o_s) into the running (m, l, acc) of its rows: the merge's one step, in
-    ascending split order (the same expression wherever a split is merged, so the same bits)."""
-    m_new = tl.maximum(m_run, m_s)
-    a = tl.exp2(m_run - m_new)
-    c = tl.exp2(m_s - m_new)
-    acc = acc * a[:, None] + o_s * c[:, None]
-    l_run = l_run * a + l_s * c
-    return m_new, l_run, acc
-
-
-@triton.jit
-def _run_is_fused(slots_ptr, blk, B, RUN: tl.constexpr, RUN_P2: tl.constexpr):
-    """Whether batch rows blk * RUN .. + RUN - 1 all exist (< B) and name one slot: a run of a prefill chunk
-    (decode rows are a slot each, and a lone last row is never fused) whose splits one program folds and
-    merges (FUSE) -- the runs kernel and the merge kernel both ask."""
+def _run_is_fused(slots_ptr, blk, B, RUN: tl.constexpr, RUN_P2: tl.constexpr, runs_ptr, stride_run, M,
+                  FUSE_ROWS: tl.constexpr):
+    """Whether batch rows blk * RUN .. + RUN - 1 all exist (< B), name one slot (decode rows are a slot each,
+    and a lone last row is never fused) and, with FUSE_ROWS > 0, lie in a run of at least FUSE_ROWS rows of
+    the runs table (:func:`ds4t.kernels.splits.in_long_run`; FUSE_ROWS = 0: every run of the launch is long):
+    a program whose splits it folds and merges itself (FUSE) -- the runs kernel and the merge kernel both ask."""
     j = tl.arange(0, RUN_P2)
     rows = blk.to(tl.int64) * RUN + j
     ok = (j < RUN) & (rows < B)
     sl = tl.load(slots_ptr + rows, mask=ok, other=0).to(tl.int64)
     one = tl.max(tl.where(ok, sl, -1), axis=0) == tl.min(tl.where(ok, sl, 9223372036854775807), axis=0)
-    return one & ((blk.to(tl.int64) + 1) * RUN <= B)
+    one = one & ((blk.to(tl.int64) + 1) * RUN <= B)
+    if FUSE_ROWS > 0:
+        one = one & in_long_run(runs_ptr, stride_run, M, blk.to(tl.int64) * RUN, FUSE_ROWS)
+    return one
 
 
 @triton.jit
@@ -583,6 +576,7 @@ def _attn_runs_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
     RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
     FUSE: tl.constexpr = False, RUN_P2: tl.constexpr = 1, INTERIOR: tl.constexpr = False,
+    runs_ptr=None, stride_run=0, M=0, FUSE_ROWS: tl.constexpr = 0,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
     # one slot (a prefill chunk) share each K / V tile load and one MMA of TILE_M >= RUN * G tile rows,
@@ -594,8 +588,9 @@ def _attn_runs_kernel(
     # the H200 for every tile shape, bench/mma_shapes.py), so a row's bits are the split kernel's. Rows of
     # different slots in one program (a decode row beside a chunk) run as separate groups, one slot each.
     # FUSE: a run of one slot is done by its split-0 program alone -- every split in ascending order, each
-    # merged into the rows' running result at once by the merge kernel's own step (_merge_step), so no
-    # partials go through memory and the merge kernel skips these rows (it asks _run_is_fused too).
+    # merged into the rows' running result at once by the merge kernel's own step (merge_step), so no
+    # partials go through memory and the merge kernel skips these rows (it asks _run_is_fused too). With
+    # FUSE_ROWS, only programs in runs of that many rows (a verify chunk beside a long chunk keeps its splits).
     grid_dependency()
     blk = tl.program_id(0)
     g = tl.program_id(1)
@@ -615,7 +610,7 @@ def _attn_runs_kernel(
                    tl.zeros([TILE_M, BLOCK_DV], tl.float32), gate_ptr, b * sg_b + qh * DV, GATED)
     fused = False
     if FUSE:
-        fused = _run_is_fused(slots_ptr, blk, B, RUN, RUN_P2)
+        fused = _run_is_fused(slots_ptr, blk, B, RUN, RUN_P2, runs_ptr, stride_run, M, FUSE_ROWS)
     if fused and s > 0:   # the split-0 program does this run's every split
         return
     d = tl.arange(0, BLOCK_D)
@@ -641,7 +636,7 @@ def _attn_runs_kernel(
                 _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc,
                             l_i, gate_ptr, b * sg_b + qh * DV, GATED)
             part = grp & (length > split)
-            m_new, l_new, a_new = _merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
+            m_new, l_new, a_new = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
             m_run = tl.where(part, m_new, m_run)
             l_run = tl.where(part, l_new, l_run)
             acc_run = tl.where(part[:, None], a_new, acc_run)
@@ -680,7 +675,8 @@ def _attn_merge_kernel(
     HQ: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr, GATED: tl.constexpr, MERGE_STAGES: tl.constexpr,
-    FUSED_RUN: tl.constexpr = 0, RUN_P2: tl.constexpr = 1,
+    FUSED_RUN: tl.constexpr = 0, RUN_P2: tl.constexpr = 1, runs_ptr=None, stride_run=0, M=0,
+    FUSE_ROWS: tl.constexpr = 0,
 ):
     # grid (B, Hkv, value-column blocks): the merge is elementwise in the value columns, so the
     # column block changes no bit; it only gives a row more programs. FUSED_RUN: the runs kernel ran with
@@ -693,7 +689,7 @@ def _attn_merge_kernel(
     if nvalid == 1:   # the split kernel wrote this row
         return
     if FUSED_RUN > 0:
-        if _run_is_fused(slots_ptr, b // FUSED_RUN, B, FUSED_RUN, RUN_P2):
+        if _run_is_fused(slots_ptr, b // FUSED_RUN, B, FUSED_RUN, RUN_P2, runs_ptr, stride_run, M, FUSE_ROWS):
             return
     h = tl.arange(0, BLOCK_H)
     hm = h < G
@@ -711,7 +707,7 @@ def _attn_merge_kernel(
         m_s = tl.load(m_ptr + row, mask=hm, other=0.0)
         l_s = tl.load(l_ptr + row, mask=hm, other=0.0)
         o_s = tl.load(o_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
-        m_run, l_run, acc = _merge_step(m_run, l_run, acc, m_s, l_s, o_s)
+        m_run, l_run, acc = merge_step(m_run, l_run, acc, m_s, l_s, o_s)
     _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_run, gate_ptr, b * sg_b + qh * DV, GATED)
 
 
@@ -778,7 +774,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
                      split_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
                      gate: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32,
-                     same_slot_runs: int = 0, products: str = "split") -> torch.Tensor:
+                     same_slot_runs: Union[int, SameSlotRuns, None] = 0, products: str = "split") -> torch.Tensor:
     """softmax(scale · q · Kᵀ) · V per row over cache positions ``< lengths[b]`` of ``slots[b]``.
 
     q [B, Hq, D] (fp32, or any float, upcast), caches [S, L, Hkv, D] / [S, L, Hkv, Dv] (fp32 /
@@ -793,12 +789,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     a linear reading the output in that dtype would round it to; with a gate ``out`` is then scratch).
     Batch invariant; no host synchronisation.
 
-    ``same_slot_runs``: a launch hint (host-side, never read from the device): 0 / False -- one row a slot
-    (decode); n >= 1 (True: 1) -- rows come in runs of one slot (prefill chunks), the shortest run of more
-    than one row having n rows (``StepBatch.shortest_run``). Programs then take ``AttentionConfig.run_rows``
-    consecutive rows and share each K / V tile among a run's rows, and from n >= ``run_fuse_rows`` a program
-    whose rows are all of one slot folds and merges every split of them (no partials, no merge for them).
-    Every row's bits are the same either way (see ``_attn_runs_kernel``); only speed changes.
+    ``same_slot_runs``: a launch hint: 0 / False / None -- one row a slot (decode); rows come in runs of one
+    slot (prefill chunks): a :class:`~ds4t.kernels.splits.SameSlotRuns` (the runs' table on the device and
+    their shortest / longest lengths), or an int n >= 1 (True: 1), the shortest run of more than one row. Programs
+    then take ``AttentionConfig.run_rows`` consecutive rows and share each K / V tile among a run's rows, and
+    a program whose rows are all of one run of >= ``run_fuse_rows`` rows folds and merges every split of them
+    (no partials, no merge for them): with an int, every run when n >= ``run_fuse_rows`` (else none); with
+    the table, each run by its own length (a 1024-row chunk beside a 4-row verify chunk: the chunk's
+    programs fold, the verify's keep their splits' parallelism). Every row's bits are the same either way
+    (see ``_attn_runs_kernel``); only speed changes.
 
     ``products`` (16-bit caches; an fp32 cache always multiplies in IEEE fp32): ``"split"`` (default) --
     q and the probabilities as hi + lo halves in the cache dtype, two MMAs each, effectively fp32 products;
@@ -850,18 +849,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     consts = dict(HQ=HQ, G=G, D=D, DV=DV, **sched.kernel_args(), BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
                   BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, FINAL=final, GATED=gated, SPLIT_PRODUCTS=split_products)
     runs = bool(same_slot_runs) and cfg.run_rows > 1 and B > 1
-    # one-slot programs fold and merge their splits when every run is long (a chunk of >= run_fuse_rows rows
-    # gives programs enough without the splits'; a short run at a long position -- a speculative verify
-    # beside a chunk -- keeps its splits' parallelism); the same bits either way
-    fuse = runs and not final and cfg.run_fuse_rows is not None and int(same_slot_runs) >= cfg.run_fuse_rows
+    # one-slot programs of long runs fold and merge their splits (a chunk of >= run_fuse_rows rows gives
+    # programs enough without the splits'; a short run at a long position -- a speculative verify beside a
+    # chunk -- keeps its splits' parallelism); the same bits either way
+    fuse, fuse_rows, table = _fusion(same_slot_runs, cfg.run_fuse_rows, runs and not final, slots)
     run_p2 = triton.next_power_of_2(cfg.run_rows)
+    # without a table to ask, constant ints (no respecialisation from step to step)
+    table_args = dict(runs_ptr=table, stride_run=table.stride(0) if fuse_rows else 0,
+                      M=table.shape[0] if fuse_rows else 0, FUSE_ROWS=fuse_rows)
     if runs:
         warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
         run_stages = cfg.num_stages if cfg.run_stages is None else cfg.run_stages
         stages = {} if run_stages is None else {"num_stages": run_stages}
         _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
             *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), FUSE=fuse, RUN_P2=run_p2,
-            INTERIOR=cfg.run_interior, **warps, **stages, **LAUNCH)
+            INTERIOR=cfg.run_interior, **table_args, **warps, **stages, **LAUNCH)
     else:
         _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
@@ -871,10 +873,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             y, *y.stride(), *g_args,
             L, NS,
             HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv, GATED=gated,
-            MERGE_STAGES=cfg.merge_stages, FUSED_RUN=cfg.run_rows if fuse else 0, RUN_P2=run_p2,
+            MERGE_STAGES=cfg.merge_stages, FUSED_RUN=cfg.run_rows if fuse else 0, RUN_P2=run_p2, **table_args,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     return y if gated or out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def _fusion(hint, threshold: Optional[int], possible: bool, dummy: torch.Tensor):
+    """(fuse, FUSE_ROWS, table) of a launch hint ``same_slot_runs`` (:func:`decode_attention`) against a
+    config's ``run_fuse_rows`` threshold: whether any program may fold its rows' splits; 0 when every run
+    of the launch is long enough (no table to ask), else the threshold each program's run is held to; the
+    runs table ([M, >= 2] int64; ``dummy``'s storage, never read, when there is none). ``possible``: the
+    launch has split partials and runs programs at all."""
+    table = hint.table if isinstance(hint, SameSlotRuns) else dummy.view(-1, 1)
+    if not possible or threshold is None or not hint:
+        return False, 0, table
+    if isinstance(hint, SameSlotRuns):
+        if hint.longest < threshold:
+            return False, 0, table
+        return True, (0 if hint.shortest >= threshold else threshold), table
+    return int(hint) >= threshold, 0, table
 
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import triton
@@ -53,7 +53,7 @@ from ds4t.backend import LAUNCH, cast, grid_dependency, mma, timer
 from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
-from ds4t.kernels.splits import SplitSchedule, as_schedule, split_of
+from ds4t.kernels.splits import SameSlotRuns, SplitSchedule, as_schedule, in_long_run, merge_step, split_of
 from ds4t.kernels.tensors import float_out
 
 _LOG2E = 1.4426950408889634
@@ -98,7 +98,9 @@ def default_split_schedule(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype)
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Launch constants of mla_decode: heads per split program, tokens per tile, heads per merge
-    program, warps and stages of the split kernel, warps of the merge kernel."""
+    program, warps and stages of the split kernel, warps of the merge kernel; ``fuse_rows``: a row of a
+    run of at least this many rows (a prefill chunk; ``same_slot_runs``) has its splits folded and merged
+    by one program, no partials (None: never). Same bits either way."""
     block_h: int
     block_n: int
     merge_heads: int
@@ -106,6 +108,7 @@ class MLAConfig:
     num_stages: int = 2
     merge_warps: int = 4
     merge_stages: int = 4   # merge: loads of this many splits in flight (1: one split at a time)
+    fuse_rows: Optional[int] = None
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -120,15 +123,21 @@ def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
 
 
 def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
-    # Few, big programs: every head in one block, long tiles.
-    return MLAConfig(block_h=max(16, triton.next_power_of_2(H)),
-                     block_n=max(16, min(128, triton.next_power_of_2(split))),
-                     merge_heads=triton.next_power_of_2(H), num_warps=4)
+    # Few, big programs: every head in one block, long tiles -- as far as the interpreter's dot allows (it
+    # materialises [heads, R, tokens]: at most 2^20 elements, so DeepSeek-V3's R = 512 takes 16 heads x 128
+    # tokens); a prefill chunk's rows fold their own splits (fewer programs and no merge launch for them;
+    # the CPU tests run the fused path everywhere).
+    block_n = max(16, min(128, triton.next_power_of_2(split)))
+    budget = (1 << 20) // (triton.next_power_of_2(R) * block_n)
+    block_h = max(16, min(triton.next_power_of_2(H), triton.next_power_of_2(max(1, budget + 1)) // 2))
+    return MLAConfig(block_h=block_h, block_n=block_n, merge_heads=triton.next_power_of_2(H), num_warps=4,
+                     fuse_rows=16)
 
 
 MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
     "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
-    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep)")
+    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); fuse_rows: None on the GPU "
+           "until bench/prefill_attention.py --only mla times it")
 """Keyed on (heads, latent rank R, rope dim Dr, the schedule's smallest split): never on the batch."""
 
 
@@ -174,6 +183,39 @@ def _write_latent_kernel(
 
 
 @triton.jit
+def _mla_fold(q, qpe, base, s_cl, lo, hi, qk_scale, R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr,
+              DRP: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions lo .. hi of one row's cache (``base``: its slot's first entry) folded with the online
+    softmax for the BH heads of q [BH, RP] / qpe [BH, DRP] (in the cache dtype): (max [BH], sum [BH],
+    unnormalised output [BH, RP]) -- one split, the same operations wherever a split is folded."""
+    dt = base.dtype.element_ty
+    rr = tl.arange(0, RP)
+    rm = rr < R
+    rp = tl.arange(0, DRP)
+    pm = rp < DR
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, RP], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nm = pos < hi
+        rows = base + pos[:, None] * s_cl
+        # One load of the tile serves every head of the block, for both products.
+        c = tl.load(rows + rr[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
+        kpe = tl.load(rows + R + rp[None, :], mask=nm[:, None] & pm[None, :], other=0.0)
+        sc = mma(q, tl.trans(c), tl.zeros([BH, BLOCK_N], tl.float32))
+        sc = mma(qpe, tl.trans(kpe), sc)
+        sc = tl.where(nm[None, :], sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = cast(tl.exp2(sc - m_new[:, None]), dt)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+        acc = mma(p, c, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, s_qb, s_qh,
     qpe_ptr, s_pb, s_ph,
@@ -182,10 +224,16 @@ def _mla_split_kernel(
     out_ptr, s_ob, s_oh,
     po_ptr, pm_ptr, pl_ptr,
     qk_scale, H, L, NS,
+    runs_ptr, stride_run, M, row0,
     R: tl.constexpr, DR: tl.constexpr, RP: tl.constexpr, DRP: tl.constexpr,
     BH: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
+    FUSE_ROWS: tl.constexpr = 0,
 ):
+    # Program (head block, split) x row. FUSE_ROWS > 0: a row of more than one split in a run of at
+    # least FUSE_ROWS rows (batch row row0 + b of the runs table) is done by its split-0 programs alone --
+    # every split in ascending order, each merged into the row's running result with the merge kernel's
+    # own step (splits.merge_step), so no partials go through memory and the merge skips the row.
     grid_dependency()
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -194,9 +242,13 @@ def _mla_split_kernel(
     length = tl.load(lengths_ptr + b)
     length = tl.maximum(tl.minimum(length, L), 0)
     split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)
+    fused = False
+    if FUSE_ROWS > 0:
+        fused = (length > split) & in_long_run(runs_ptr, stride_run, M, row0 + b.to(tl.int64), FUSE_ROWS)
     lo = s * split
+    if fused and s > 0:   # the split-0 program does this row's every split
+        return
     if lo < length:
-        hi = tl.minimum(lo + split, length)
         dt = cache_ptr.dtype.element_ty
         b64 = b.to(tl.int64)
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -219,36 +271,28 @@ def _mla_split_kernel(
             qpe = cast(qpe.to(tl.float32), dt)
 
         base = cache_ptr + slot * s_cs
-        m_i = tl.full([BH], float("-inf"), tl.float32)
-        l_i = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, RP], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            nm = pos < hi
-            rows = base + pos[:, None] * s_cl
-            # One load of the tile serves every head of the block, for both products.
-            c = tl.load(rows + rr[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
-            kpe = tl.load(rows + R + rp[None, :], mask=nm[:, None] & pm[None, :], other=0.0)
-            sc = mma(q, tl.trans(c), tl.zeros([BH, BLOCK_N], tl.float32))
-            sc = mma(qpe, tl.trans(kpe), sc)
-            sc = tl.where(nm[None, :], sc * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = cast(tl.exp2(sc - m_new[:, None]), dt)
-            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
-            acc = mma(p, c, acc * alpha[:, None])
-            m_i = m_new
-
         om = hm[:, None] & rm[None, :]
-        if length <= split:
-            # The row has one split: normalise and write the output; the merge skips the row.
-            o = acc / l_i[:, None]
-            tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], o, mask=om)
+        if fused:
+            m_run = tl.full([BH], float("-inf"), tl.float32)
+            l_run = tl.zeros([BH], tl.float32)
+            acc_run = tl.zeros([BH, RP], tl.float32)
+            for sp in range(0, tl.cdiv(length, split)):
+                m_i, l_i, acc = _mla_fold(q, qpe, base, s_cl, sp * split, tl.minimum(sp * split + split, length),
+                                          qk_scale, R, DR, RP, DRP, BH, BLOCK_N)
+                m_run, l_run, acc_run = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
+            tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], acc_run / l_run[:, None], mask=om)
         else:
-            prow = (b64 * NS + s) * H + heads
-            tl.store(po_ptr + prow[:, None] * R + rr[None, :], acc, mask=om)
-            tl.store(pm_ptr + prow, m_i, mask=hm)
-            tl.store(pl_ptr + prow, l_i, mask=hm)
+            m_i, l_i, acc = _mla_fold(q, qpe, base, s_cl, lo, tl.minimum(lo + split, length), qk_scale,
+                                      R, DR, RP, DRP, BH, BLOCK_N)
+            if length <= split:
+                # The row has one split: normalise and write the output; the merge skips the row.
+                o = acc / l_i[:, None]
+                tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], o, mask=om)
+            else:
+                prow = (b64 * NS + s) * H + heads
+                tl.store(po_ptr + prow[:, None] * R + rr[None, :], acc, mask=om)
+                tl.store(pm_ptr + prow, m_i, mask=hm)
+                tl.store(pl_ptr + prow, l_i, mask=hm)
     elif s == 0:
         # An empty row (length 0) gets zeros.
         heads = hb * BH + tl.arange(0, BH)
@@ -263,10 +307,13 @@ def _mla_merge_kernel(
     out_ptr, s_ob, s_oh,
     po_ptr, pm_ptr, pl_ptr,
     lengths_ptr, H, L, NS,
+    runs_ptr, stride_run, M, row0,
     R: tl.constexpr, RP: tl.constexpr, MH: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr,
-    MERGE_STAGES: tl.constexpr,
+    MERGE_STAGES: tl.constexpr, FUSE_ROWS: tl.constexpr = 0,
 ):
+    # The splits of a row in ascending order, with the one merge step (splits.merge_step) a fused row's
+    # program uses too. FUSE_ROWS > 0: rows the split kernel fused are already stored.
     grid_dependency()
     hb = tl.program_id(0)
     b = tl.program_id(1)
@@ -274,26 +321,26 @@ def _mla_merge_kernel(
     length = tl.maximum(tl.minimum(length, L), 0)
     n = tl.cdiv(length, split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS))
     if n > 1:
+        if FUSE_ROWS > 0:
+            if in_long_run(runs_ptr, stride_run, M, row0 + b.to(tl.int64), FUSE_ROWS):
+                return
         b64 = b.to(tl.int64)
         heads = hb * MH + tl.arange(0, MH)
         hm = heads < H
         rr = tl.arange(0, RP)
         om = hm[:, None] & (rr < R)[None, :]
-        row0 = b64 * NS * H + heads
-        m_max = tl.full([MH], float("-inf"), tl.float32)
-        for s in tl.range(0, n, num_stages=MERGE_STAGES):   # loads of several splits in flight
-            m_s = tl.load(pm_ptr + row0 + s * H, mask=hm, other=0.0)
-            m_max = tl.maximum(m_max, m_s)
-        num = tl.zeros([MH, RP], tl.float32)
-        den = tl.zeros([MH], tl.float32)
-        for s in tl.range(0, n, num_stages=MERGE_STAGES):  # ascending split order, always
-            prow = row0 + s * H
-            w = tl.exp2(tl.load(pm_ptr + prow, mask=hm, other=0.0) - m_max)
-            den = den + w * tl.load(pl_ptr + prow, mask=hm, other=1.0)
+        row0_p = b64 * NS * H + heads
+        m_run = tl.full([MH], float("-inf"), tl.float32)
+        l_run = tl.zeros([MH], tl.float32)
+        acc = tl.zeros([MH, RP], tl.float32)
+        # The loads do not depend on the running max: MERGE_STAGES splits' loads are in flight at once.
+        for s in tl.range(0, n, num_stages=MERGE_STAGES):
+            prow = row0_p + s * H
+            m_s = tl.load(pm_ptr + prow, mask=hm, other=0.0)
+            l_s = tl.load(pl_ptr + prow, mask=hm, other=1.0)
             a = tl.load(po_ptr + prow[:, None] * R + rr[None, :], mask=om, other=0.0)
-            num = num + w[:, None] * a
-        o = num / den[:, None]
-        tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], o, mask=om)
+            m_run, l_run, acc = merge_step(m_run, l_run, acc, m_s, l_s, a)
+        tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + rr[None, :], acc / l_run[:, None], mask=om)
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +511,8 @@ def _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank):
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                slots: torch.Tensor, lengths: torch.Tensor, scale: float, *,
                kv_lora_rank: int, split_size: Optional[int] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None,
+               same_slot_runs: Union[SameSlotRuns, int, None] = None) -> torch.Tensor:
     """Absorbed MLA attention over the latent cache; returns the latent output fp32 [B, H, R].
 
     q_latent [B, H, R] (q_nope @ W_UK) and q_pe [B, H, Dr] (after RoPE), any float dtype, rounded to
@@ -475,6 +523,12 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     tokens per KV split, an int (every row) or a :class:`~ds4t.kernels.splits.SplitSchedule`
     (default :func:`default_split_schedule`); results depend on it, never on B. ``out``: optional
     fp32 [B, H, R] destination (may be strided, last dim contiguous).
+
+    ``same_slot_runs``: a launch hint that never changes a bit, :class:`~ds4t.kernels.splits.SameSlotRuns` of
+    the step (prefill chunks): a row of more than one split in a run of at least ``MLAConfig.fuse_rows`` rows
+    is done by one program a head block, its splits folded in ascending order and merged as the merge kernel
+    merges them (no fp32 partials: 256 KiB a split and row at H = 128), while decode rows and short runs keep
+    a program a split. Other values (an int, None): no run is fused.
     """
     B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
     S, L, _ = cache.shape
@@ -492,6 +546,10 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
 
     NS = sched.max_splits(L)
     cfg = MLA_CONFIGS(H, R, Dr, sched.min_split)
+    runs = same_slot_runs if isinstance(same_slot_runs, SameSlotRuns) else None
+    fuse = NS > 1 and runs is not None and cfg.fuse_rows is not None and runs.longest >= cfg.fuse_rows
+    # never read without fusion: then constant ints (no respecialisation from step to step)
+    table_args = (runs.table, runs.table.stride(0), runs.table.shape[0]) if fuse else (slots, 0, 0)
     BH, BLOCK_N, MH, warps = cfg.block_h, cfg.block_n, cfg.merge_heads, cfg.num_warps
     RP = triton.next_power_of_2(R)
     DRP = max(16, triton.next_power_of_2(max(Dr, 1)))
@@ -520,17 +578,17 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             slots[b0:b1], lengths[b0:b1],
             o_c, out.stride(0), out.stride(1),
             po_c, pm_c, pl_c,
-            qk_scale, H, L, NS,
+            qk_scale, H, L, NS, *table_args, b0,
             R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, NHB=NHB, **sched.kernel_args(),
-            num_warps=warps, num_stages=cfg.num_stages, **LAUNCH,
+            FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=warps, num_stages=cfg.num_stages, **LAUNCH,
         )
         if NS > 1:
             _mla_merge_kernel[(triton.cdiv(H, MH), nb)](
                 o_c, out.stride(0), out.stride(1),
                 po_c, pm_c, pl_c,
-                lengths[b0:b1], H, L, NS,
+                lengths[b0:b1], H, L, NS, *table_args, b0,
                 R=R, RP=RP, MH=MH, **sched.kernel_args(), MERGE_STAGES=cfg.merge_stages,
-                num_warps=cfg.merge_warps, **LAUNCH,
+                FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=cfg.merge_warps, **LAUNCH,
             )
     return out
 

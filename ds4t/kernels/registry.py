@@ -340,9 +340,10 @@ def recording(timed: bool = False) -> Iterator[List[OpCall]]:
 
 ADVISORY_KWARGS = ("out_dtype", "same_slot_runs")
 """Keywords an override may leave out of its signature: storage and launch hints whose readers get the
-same values either way (``same_slot_runs``, the step's shortest same-slot run or 0:
-:func:`ds4t.kernels.attention.decode_attention` may share K / V tiles among a prefill chunk's rows and fold
-their splits in one program, same bits). A model asks a norm (``DecoderModel.norm_dtype``), ``silu_mul``, ``linear_heads``,
+same values either way (``same_slot_runs``, the step's runs of one slot, :class:`ds4t.kernels.splits.SameSlotRuns`,
+or None: :func:`ds4t.kernels.attention.decode_attention` may share K / V tiles among a prefill chunk's rows, and
+it and :func:`ds4t.kernels.mla.mla_decode` fold a long run's splits in one program, same bits). A model asks a
+norm (``DecoderModel.norm_dtype``), ``silu_mul``, ``linear_heads``,
 ``decode_attention``, ``gdn_decode`` or ``gated_rms_norm`` (``blocks.narrow_store``) for
 ``out_dtype=torch.bfloat16`` only where every reader rounds the output to bf16, so an override that returns fp32 feeds them the same values; a call drops these keywords for an
 override that cannot take them."""

@@ -13,12 +13,18 @@ row gets short splits (enough programs for one row to fill the GPU at N = 1) and
 (few fp32 partials per row at large batches). Because a prefill row at position p and the decode row
 at the same position have the same length, they get the same splits: chunked prefill stays bitwise
 equal to token-by-token decode. A fixed split size is the schedule with ``min_split == max_split``.
+
+Also here, shared by both kernels: the merge's one step (:func:`merge_step`), and the launch hint of a
+prefill step's rows -- runs of consecutive rows of one slot (:class:`SameSlotRuns`) -- with the device
+test that tells a kernel whether a row sits in a run long enough for one program to fold all of its
+splits (:func:`in_long_run`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Optional, Union
 
+import torch
 import triton
 import triton.language as tl
 
@@ -98,3 +104,60 @@ def describe(s: SplitSchedule) -> str:
     if s.min_split == s.max_split:
         return f"split {s.min_split}"
     return f"split {s.min_split}..{s.max_split} (<= {s.target_splits} per row)"
+
+
+@dataclasses.dataclass(frozen=True)
+class SameSlotRuns:
+    """A launch hint: the rows of a step come in runs of consecutive rows of one slot (prefill chunks,
+    speculative verify chunks) beside one-row decode rows. Never changes a bit; it lets a kernel share
+    K / V tiles among a run's rows and, for a run of many rows, fold all splits of a row in one program.
+
+    ``table``: int64 [M, >= 2] on the kernels' device, one line a run of more than one row, its first row
+    and its number of rows in columns 0 and 1 (``StepBatch.multi_segments``); ``shortest`` / ``longest``:
+    rows of its shortest / longest run (host ints, so a launch can choose its kernels without reading
+    the device)."""
+    table: torch.Tensor
+    shortest: int
+    longest: int
+
+    def __post_init__(self):
+        if self.table.dim() != 2 or self.table.shape[1] < 2 or self.table.dtype != torch.int64:
+            raise ValueError(f"SameSlotRuns: table must be int64 [M, >= 2], got {self.table.dtype} "
+                             f"{tuple(self.table.shape)}")
+        if not 2 <= self.shortest <= self.longest:
+            raise ValueError(f"SameSlotRuns: runs have 2 <= shortest <= longest rows, got {self.shortest}, "
+                             f"{self.longest}")
+
+    @classmethod
+    def of(cls, table: Optional[torch.Tensor], lengths) -> Optional["SameSlotRuns"]:
+        """The hint of a step whose runs of more than one row have ``lengths`` rows (host ints, in table
+        order) and device ``table``; None when there is none (a decode step)."""
+        lengths = [int(n) for n in lengths if n > 1]
+        if table is None or not lengths:
+            return None
+        return cls(table, min(lengths), max(lengths))
+
+
+@triton.jit
+def merge_step(m_run, l_run, acc, m_s, l_s, o_s):
+    """Fold one split's (max m_s [R], sum l_s [R], unnormalised output o_s [R, C]) into its rows' running
+    (m, l, acc), in ascending split order from (-inf, 0, 0). Every merge of splits -- a merge kernel, or a
+    program that folds a row's splits itself -- uses this one expression, so both give the same bits."""
+    m_new = tl.maximum(m_run, m_s)
+    a = tl.exp2(m_run - m_new)
+    c = tl.exp2(m_s - m_new)
+    acc = acc * a[:, None] + o_s * c[:, None]
+    l_run = l_run * a + l_s * c
+    return m_new, l_run, acc
+
+
+@triton.jit
+def in_long_run(runs_ptr, stride_run, M, row, FUSE_ROWS: tl.constexpr):
+    """Whether batch row ``row`` (an int64 scalar) lies in a run of at least FUSE_ROWS rows of the
+    ``runs_ptr`` table (M lines of (first row, rows, ...), line stride ``stride_run``; :class:`SameSlotRuns`)."""
+    hit = row < 0   # False, as a scalar of the right type
+    for i in range(M):
+        first = tl.load(runs_ptr + i * stride_run)
+        n = tl.load(runs_ptr + i * stride_run + 1)
+        hit = hit | ((first <= row) & (row < first + n) & (n >= FUSE_ROWS))
+    return hit

@@ -12,6 +12,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ds4t.kernels import ops, weights
+from ds4t.kernels.splits import SameSlotRuns
 from ds4t.kernels.weights import Weight, activation_dtype
 
 
@@ -386,6 +387,15 @@ def products_kwargs(products: str) -> dict:
     return {} if products == "split" else {"products": products}
 
 
+def runs_hint(batch) -> Optional[SameSlotRuns]:
+    """The attention kernels' launch hint of a step (``same_slot_runs``): its runs of more than one row
+    (prefill and verify chunks) as a table on the device with their shortest / longest lengths, or None
+    for a pure decode step."""
+    if batch.multi_segments is None:
+        return None
+    return SameSlotRuns(batch.multi_segments, batch.shortest_run, batch.longest_run)
+
+
 def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq: torch.Tensor,
                   kc: torch.Tensor, vc: torch.Tensor, batch, products: str = "split") -> torch.Tensor:
     """One GQA attention layer on rows x fp32 [R, D]: fused q/k/v (+ bias), optional per-head q/k
@@ -406,7 +416,7 @@ def gqa_attention(x: torch.Tensor, w: GQAAttentionWeights, a: GQAShape, inv_freq
         ops.write_kv(qk[:, H:], v, kc, vc, batch.slots, batch.positions)
         q = qk[:, :H]
     o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5,
-                             same_slot_runs=batch.shortest_run, **products_kwargs(products))
+                             same_slot_runs=runs_hint(batch), **products_kwargs(products))
     return Projection(o.reshape(R, H * hd), w.w_o, w.b_o)
 
 

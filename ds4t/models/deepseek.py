@@ -50,8 +50,8 @@ from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, NativeRule, StateSpec, StepBatch
 from ds4t.models.blocks import (DenseMLP, Layer, Output, Projection, SigmoidMoEConfig, applied, ffn, fused_linear,
-                                moe_block, narrow_store, preset_init_plain, store_kwargs, swiglu, yarn_inv_freq,
-                                yarn_mscale)
+                                moe_block, narrow_store, preset_init_plain, runs_hint, store_kwargs, swiglu,
+                                yarn_inv_freq, yarn_mscale)
 from ds4t.models.checkpoint import ConfigError, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
@@ -288,16 +288,16 @@ class DeepseekModel(DecoderModel):
         w = self.layers[i].mixer
         a = fused_linear(x, w.w_a, w.b_a)   # Q/KV down-projections: always batched
         if not self._per_session(batch.segments):
-            return self._mla(i, a, batch.positions, batch.slots, batch.lengths)
+            return self._mla(i, a, batch.positions, batch.slots, batch.lengths, runs_hint(batch))
         out = torch.empty((x.shape[0], self.cfg.hidden_size), dtype=torch.float32, device=x.device)
         for s in batch.segments:
             r = slice(s.start_row, s.start_row + s.n)
             out[r] = self._mla(i, a[r], batch.positions[r], batch.slots[r], batch.lengths[r]).apply()
         return out
 
-    def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths) -> Projection:
+    def _mla(self, i: int, a: torch.Tensor, positions, slots, lengths, runs=None) -> Projection:
         """Attention after the down-projection for rows ``a`` [R, q_width + kv_lora_rank + rope], o_proj not
-        applied yet."""
+        applied yet; ``runs``: the step's runs hint (:func:`blocks.runs_hint`) when ``a`` is the whole step."""
         c, w = self.cfg, self.layers[i].mixer
         n, H, R = a.shape[0], c.num_heads, c.kv_lora_rank
         dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -316,7 +316,8 @@ class DeepseekModel(DecoderModel):
         # mla_decode rounds q_latent to the cache dtype; storing it so here is the same rounding (RNE):
         # the same bits from half the bytes.
         q_lat = ops.linear_heads(q[:, :H * dn].view(n, H, dn), w.w_uk_t, **store_kwargs(cache.dtype))
-        lat = ops.mla_decode(q_lat, q_pe, cache, slots, lengths, self.softmax_scale, kv_lora_rank=R)
+        lat = ops.mla_decode(q_lat, q_pe, cache, slots, lengths, self.softmax_scale, kv_lora_rank=R,
+                             same_slot_runs=runs)
         o = ops.linear_heads(lat, w.w_uv, **narrow_store(lat, w.w_o))   # o_proj rounds it so anyway
         return Projection(o.view(n, H * dv), w.w_o, w.b_o)
 

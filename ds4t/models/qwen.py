@@ -20,7 +20,7 @@ from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
 from ds4t.models.blocks import (AttentionProducts, DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig,
                                ffn, fuse_shared_expert, fused_linear, narrow_store,
-                               products_kwargs, stack_experts)
+                               products_kwargs, runs_hint, stack_experts)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
@@ -322,7 +322,7 @@ class QwenModel(DecoderModel):
                                          kc, vc, batch.slots, rotary_dim=c.rotary_dim, zero_centered=True)
         # · sigmoid(gate), stored in the dtype o_proj rounds its input to
         o = ops.decode_attention(q, kc, vc, batch.slots, batch.lengths, hd ** -0.5, gate=gate,
-                                 same_slot_runs=batch.shortest_run, **narrow_store(qkv, w.w_o),
+                                 same_slot_runs=runs_hint(batch), **narrow_store(qkv, w.w_o),
                                  **products_kwargs(self.attention_products))
         return Projection(o.view(R, H * hd), w.w_o, w.b_o)
 

@@ -29,14 +29,23 @@ def launcher_path(module, rows_path: bool):
         yield
 
 
-def poison_empty(patch) -> None:
+def poison_empty(patch, keep=None) -> list:
     """``torch.empty`` replaced, through ``patch`` (a pytest MonkeyPatch), by NaN-filled float and zeroed
     integer buffers: a kernel that leaves part of a launcher's buffer unwritten then shows, where a freed
     buffer's old values (the caching allocator hands the same memory back) could stand in for the missing
-    ones."""
-    empty = torch.empty
-    patch.setattr(torch, "empty", lambda *a, dtype=None, **kw: empty(*a, dtype=dtype, **kw).fill_(
-        float("nan") if dtype is None or dtype.is_floating_point else 0))
+    ones. Returns a list that collects the float buffers whose shape ``keep`` (a predicate on the shape
+    tuple) accepts, e.g. a launcher's scratch partials, to see which parts a kernel wrote."""
+    empty, kept = torch.empty, []
+
+    def nan_empty(*a, dtype=None, **kw):
+        t = empty(*a, dtype=dtype, **kw)
+        t.fill_(float("nan") if t.is_floating_point() else 0)
+        if keep is not None and t.is_floating_point() and keep(tuple(t.shape)):
+            kept.append(t)
+        return t
+
+    patch.setattr(torch, "empty", nan_empty)
+    return kept
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from ds4t.kernels.attention import (
 )
 from ds4t.kernels.splits import SplitSchedule
 from tests.kernels.devices import gen
-from tests.kernels.invariance import assert_rows_invariant, launcher_path, poisoned
+from tests.kernels.invariance import assert_rows_invariant, launcher_path, poison_empty, poisoned
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -482,6 +482,41 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interio
         assert torch.equal(got[fuse][0], split) and torch.equal(got[fuse][1], split_gated), fuse
     assert torch.equal(got[8][0][lengths == 0], torch.zeros_like(got[8][0][lengths == 0]))
     assert not torch.equal(other, got[8][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_fused_runs_are_chosen_run_by_run_with_the_runs_table(device, dtype, monkeypatch):
+    """``same_slot_runs`` as a :class:`SameSlotRuns` table: a launch holding a long run (a chunk of >=
+    ``run_fuse_rows`` rows) and a short one (a verify chunk) fuses the long run's programs only -- their
+    partials are never written, the merge leaves their rows alone -- while the short run keeps its split
+    programs and the merge; every row keeps the split kernel's bits. Control: the shortest run as an int
+    hint (below the threshold) fuses nothing, so the long run's partials are written."""
+    import dataclasses
+
+    from ds4t.kernels.splits import SameSlotRuns
+
+    HQ, HKV, D, DV = 6, 2, 48, 40
+    g = _gen(38)
+    S, L = 3, 200
+    kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
+    runs = [(0, 16, 60), (1, 4, 150), (2, 1, 90)]   # (slot, rows, first length): chunk, verify, decode
+    slots, lengths = _run_rows(runs, device)
+    B = slots.numel()
+    q = torch.randn(B, HQ, D, generator=g).to(device)
+    table = torch.tensor([[0, 16, 0, -1], [16, 4, 1, -1]], dtype=torch.int64, device=device)
+    sched = SplitSchedule(16, 64, 4)   # every row of more than one split
+    cfg = dataclasses.replace(A.ATTENTION_CONFIGS(16, 64, 64), run_rows=4, run_fuse_rows=8)
+    with launcher_path(A, False):
+        split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched)
+        kept = poison_empty(monkeypatch, lambda shape: len(shape) == 4 and shape[0] == B and shape[2:] == (HQ, DV))
+        with A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
+            fused = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched, same_slot_runs=SameSlotRuns(table, 4, 16))
+            unfused = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched, same_slot_runs=4)
+        monkeypatch.undo()
+    assert torch.isfinite(fused).all() and torch.equal(fused, split) and torch.equal(unfused, split)
+    written = [t[:, 0].isfinite().all(-1).all(-1).tolist() for t in kept]   # split 0's partials, per row
+    assert written[0] == [False] * 16 + [True] * 5
+    assert written[1] == [True] * 21
 
 
 # ----------------------------------------------------------------------------- products="cache"

@@ -26,7 +26,7 @@ from ds4t.kernels.mla import (
 from ds4t.kernels import mla as MLA
 from ds4t.kernels import norm, rope
 from ds4t.kernels.splits import SplitSchedule
-from tests.kernels.invariance import assert_rows_invariant, poisoned
+from tests.kernels.invariance import assert_rows_invariant, poison_empty, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(4, 16, 8), (6, 48, 16)]  # (H, R, Dr): the tiny config, and odd non-power-of-two dims
@@ -476,3 +476,48 @@ def test_absorbed_matches_hf_deepseek_v3_attention(device):
 def test_self_check(device):
     results = _check(device)
     assert results and all(r.ok for r in results), results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_fused_runs_keep_every_rows_bits(dtype, device, monkeypatch):
+    """``same_slot_runs`` (a :class:`SameSlotRuns` table) with ``MLAConfig.fuse_rows``: a row of several
+    splits in a run of >= fuse_rows rows is folded and merged by its split-0 programs, with the merge
+    kernel's step -- its partials are never written and the merge leaves it alone -- while the rows of a
+    short run (a verify chunk), decode rows and a row of length 0 keep a program a split. Every row keeps
+    the unfused launch's bits (which a row decoded alone has: test_prefill_rows_equal_single_decodes).
+    Controls: without the table (an int hint) the long run's partials are written; another split schedule
+    changes the bits."""
+    import dataclasses
+
+    from ds4t.kernels.splits import SameSlotRuns
+
+    H, R, Dr, S, L = 6, 48, 16, 4, 200
+    runs = [(0, 20, 40), (1, 3, 100), (2, 1, 150), (3, 1, 0)]   # (slot, rows, first length): chunk, verify, decode
+    slots = [sl for sl, n, _ in runs for _ in range(n)]
+    lengths = [l0 + t for _, n, l0 in runs for t in range(n)]
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, dtype, slots, lengths, seed=24, device=device)
+    table = torch.tensor([[0, 20, 0, -1], [20, 3, 1, -1]], dtype=torch.int64, device=device)
+    hint = SameSlotRuns(table, 3, 20)
+    sched = SplitSchedule(16, 64, 4)   # the chunk's rows: 3-4 splits; the verify rows: 2-3; the decode row: 3
+    B = len(slots)
+    rule = MLA._interp_config if INTERPRET else MLA._gpu_config
+
+    def run(fuse_rows, runs_hint, split=sched):
+        cfg = lambda *k: dataclasses.replace(rule(*k), fuse_rows=fuse_rows)   # noqa: E731
+        with MLA_CONFIGS.forced(cfg):
+            return mla_decode(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R, split_size=split, same_slot_runs=runs_hint,
+                              out=poisoned((B, H, R), device=device))
+
+    plain = run(None, None)
+    kept = poison_empty(monkeypatch, lambda shape: len(shape) == 4 and shape[0] == B and shape[2:] == (H, R))
+    fused = run(8, hint)
+    unfused = run(8, 3)
+    monkeypatch.undo()
+    assert torch.isfinite(plain).all() and torch.equal(fused, plain) and torch.equal(unfused, plain)
+    written = [t[:, 0].isfinite().all(-1).all(-1).tolist() for t in kept]   # split 0's partials, per row
+    # fused: the chunk's rows (all of more than one split) never wrote a partial; the verify rows and the
+    # decode row did; the length-0 row has none
+    assert written[0] == [False] * 20 + [True] * 4 + [False]
+    assert written[1] == [True] * 24 + [False]   # control: an int hint fuses nothing
+    _assert_close(fused, mla_decode_ref(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R), dtype)
+    assert not torch.equal(run(8, hint, split=32), fused)
