@@ -127,8 +127,10 @@ CASES = [
     ("router", "ROUTER_CONFIGS", ("rows",), (512,), (1,), (16,)),
     ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (2048,), (1, 256), (16, 2048)),
     ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (100,), (1, 128), (16, 128)),
-    ("mla", "MLA_CONFIGS", ("block_h", "block_n", "merge_heads", "num_warps", "num_stages", "merge_warps"),
-     (128, 512, 64, 256), (32, 64, 8, 4, 2, 4), (128, 128, 128, 4, 2, 4)),
+    # the interpreter's dot materialises [heads, R, tokens] (<= 2^20 elements): 16 heads at R = 512
+    ("mla", "MLA_CONFIGS", ("block_h", "block_n", "merge_heads", "num_warps", "num_stages", "merge_warps", "fuse_rows"),
+     (128, 512, 64, 256), (32, 64, 8, 4, 2, 4, None), (16, 128, 128, 4, 2, 4, 16)),
+    ("mla", "MLA_CONFIGS", ("block_h", "block_n"), (4, 16, 8, 128), (16, 64), (16, 128)),
     ("linear", "SPLITK_SUM_CONFIGS", ("min_block", "max_block", "num_warps"), (4096,), (1024, 1024, 4),
      (16, 1 << 16, 4)),
 ]
