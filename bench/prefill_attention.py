@@ -30,8 +30,8 @@ on the CPU wall time a call.
 
 Bits: each variant's output is compared with the base's (the table's), bit for bit -- a variant that only
 moves work (tile rows per program, warps, stages) must keep them; one with ``"products": "cache"`` computes
-other numerics and differs by design -- and for GQA the base is compared with
-the split kernel (``same_slot_runs=None``, what decode runs): a prefill row must get its decode row's bits.
+other numerics and differs by design -- and the base is compared with the split kernels
+(``same_slot_runs=None``, what decode runs): a prefill row must get its decode row's bits.
 A planted control (another split schedule) must differ, so the comparison can fail.
 
 Peer: ``torch.nn.functional.scaled_dot_product_attention`` with a lower-right causal mask (FlashAttention

@@ -28,9 +28,9 @@ def test_smoke_run_writes_its_tables(tmp_path, monkeypatch, device):
 
 
 def test_mla_smoke_run_checks_the_fused_rows_against_the_split_programs(tmp_path, monkeypatch, device):
-    """The MLA case passes the chunk's runs table: with ``fuse_rows`` (the interpreter's table fuses runs of
-    16 rows) the chunk's rows are folded in one program each; the variant that switches it off, and decode's
-    split programs, give the same bits."""
+    """The MLA case passes the chunk's runs table (the interpreter's table folds the splits of runs of 16
+    rows; which programs fold is the kernel test's to show): the variant that switches folding off, and
+    decode's split programs, give the base's bits."""
     from ds4t.kernels import mla as M
 
     key = [128, 512, 64, M.default_split_schedule(512, 64, torch.bfloat16).min_split]

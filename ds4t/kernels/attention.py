@@ -22,9 +22,10 @@ Algorithm (two kernels, no host synchronisation, grid from shapes only):
    ``(B / RUN, Hkv, NS)``, RUN consecutive rows a program sharing each K / V tile of their slot and
    one MMA of their RUN x G (row, query head) pairs packed densely (:func:`run_tile` rows, a power of
    two), every row folding exactly the tiles and operations it folds in the
-   split kernel (same bits; rows of another slot in the same program run as their own group). When every
-   run of the launch is long (``run_fuse_rows``), a program whose rows are one slot folds all their splits
-   itself, merging each with the merge kernel's step as it ends: no partials for those rows. Row
+   split kernel (same bits; rows of another slot in the same program run as their own group). A program
+   whose rows are one slot of a long run (``run_fuse_rows``; each run's length from the step's runs table,
+   :class:`~ds4t.kernels.splits.SameSlotRuns`) folds all their splits itself, merging each with the merge
+   kernel's step as it ends: no partials for those rows, and the merge kernel skips them. Row
    sums of the probabilities are MMAs against ones in both kernels (:func:`_row_sum`): tl.sum's
    reduction tree follows the tile's layout, which differs between the two tile heights.
 2. ``_attn_merge_kernel``, grid ``(B, Hkv, Dv / 64)``: merges a row's splits in ascending split
@@ -127,8 +128,8 @@ class AttentionConfig:
     run_warps: Optional[int] = None
     run_stages: Optional[int] = None  # stages of the same-slot-runs kernel (None: num_stages)
     merge_stages: int = 4           # merge: loads of this many splits in flight (1: one split at a time)
-    run_fuse_rows: Optional[int] = None  # when a launch's shortest same-slot run has this many rows, a
-                                         # one-slot program does all its splits and merges them (None: never)
+    run_fuse_rows: Optional[int] = None  # a one-slot program of a same-slot run of this many rows does all
+                                         # its splits and merges them (None: never)
     run_interior: bool = False      # runs kernel: the tiles inside all of a group's ranges without masks
                                     # (same bits; off on the GPU until timed: the fused-runs results file)
 
@@ -885,6 +886,8 @@ def _fusion(hint, threshold: Optional[int], possible: bool, dummy: torch.Tensor)
     of the launch is long enough (no table to ask), else the threshold each program's run is held to; the
     runs table ([M, >= 2] int64; ``dummy``'s storage, never read, when there is none). ``possible``: the
     launch has split partials and runs programs at all."""
+    if isinstance(hint, SameSlotRuns):
+        hint.check_device(dummy.device, "decode_attention")
     table = hint.table if isinstance(hint, SameSlotRuns) else dummy.view(-1, 1)
     if not possible or threshold is None or not hint:
         return False, 0, table

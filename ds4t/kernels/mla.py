@@ -29,12 +29,16 @@ through a split schedule (:mod:`ds4t.kernels.splits`; default :func:`default_spl
 from R, Dr and the cache dtype only). Kernel 1 runs one program per (head block, split, row); a
 split past the row's length exits at once. A row with one split writes its output directly (a
 row of length 0 gets zeros); otherwise each split writes (unnormalised acc, max, sumexp) and
-kernel 2 merges the splits in ascending order with log-sum-exp. The grid comes from shapes
-(B, H, L) only; nothing is read back to the host. The fp32 partials take B * NS * H * (R + 2) * 4
-bytes of scratch (NS: the most splits a row of length <= L has; never read or written past a
-row's length).
+kernel 2 merges the splits in ascending order with log-sum-exp (:func:`ds4t.kernels.splits.merge_step`,
+online). The grid comes from shapes (B, H, L) only; nothing is read back to the host. The fp32 partials
+take B * NS * H * (R + 2) * 4 bytes of scratch (NS: the most splits a row of length <= L has; never read
+or written past a row's length). A prefill chunk's rows (the launch hint ``same_slot_runs``, a
+:class:`~ds4t.kernels.splits.SameSlotRuns` table of the step's runs) may instead be folded whole by their
+split-0 programs -- every split in order, each merged at once with the same step -- when their run is
+long (``MLAConfig.fuse_rows``): their partials are never written and kernel 2 skips them. Same bits.
 
-Batch invariance: every program reads one row's q, slot and length and writes only that row;
+Batch invariance: every program reads one row's q, slot and length (and the runs table, a hint that
+changes no bit) and writes only that row;
 tile sizes, the split schedule and the reduction order depend on (H, R, Dr, dtype, interpreter or
 GPU), never on B; a row's split size depends on its own length only (so a prefill row at position
 p splits as the decode row at p does). So a row's bits never depend on the other rows of the launch.
@@ -527,7 +531,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     ``same_slot_runs``: a launch hint that never changes a bit, :class:`~ds4t.kernels.splits.SameSlotRuns` of
     the step (prefill chunks): a row of more than one split in a run of at least ``MLAConfig.fuse_rows`` rows
     is done by one program a head block, its splits folded in ascending order and merged as the merge kernel
-    merges them (no fp32 partials: 256 KiB a split and row at H = 128), while decode rows and short runs keep
+    merges them (its fp32 partials, 256 KiB a split and row at H = 128, are never written or read), while decode
+    rows and short runs keep
     a program a split. Other values (an int, None): no run is fused.
     """
     B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
@@ -546,7 +551,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
 
     NS = sched.max_splits(L)
     cfg = MLA_CONFIGS(H, R, Dr, sched.min_split)
-    runs = same_slot_runs if isinstance(same_slot_runs, SameSlotRuns) else None
+    runs = same_slot_runs.check_device(slots.device, "mla_decode") if isinstance(same_slot_runs, SameSlotRuns) \
+        else None
     fuse = NS > 1 and runs is not None and cfg.fuse_rows is not None and runs.longest >= cfg.fuse_rows
     # never read without fusion: then constant ints (no respecialisation from step to step)
     table_args = (runs.table, runs.table.stride(0), runs.table.shape[0]) if fuse else (slots, 0, 0)

@@ -22,7 +22,7 @@ splits (:func:`in_long_run`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import triton
@@ -121,33 +121,34 @@ class SameSlotRuns:
     longest: int
 
     def __post_init__(self):
-        if self.table.dim() != 2 or self.table.shape[1] < 2 or self.table.dtype != torch.int64:
-            raise ValueError(f"SameSlotRuns: table must be int64 [M, >= 2], got {self.table.dtype} "
-                             f"{tuple(self.table.shape)}")
+        if (self.table.dim() != 2 or self.table.shape[1] < 2 or self.table.dtype != torch.int64
+                or self.table.stride(1) != 1):
+            raise ValueError(f"SameSlotRuns: table must be int64 [M, >= 2] with unit column stride, got "
+                             f"{self.table.dtype} {tuple(self.table.shape)} strides {self.table.stride()}")
         if not 2 <= self.shortest <= self.longest:
             raise ValueError(f"SameSlotRuns: runs have 2 <= shortest <= longest rows, got {self.shortest}, "
                              f"{self.longest}")
 
-    @classmethod
-    def of(cls, table: Optional[torch.Tensor], lengths) -> Optional["SameSlotRuns"]:
-        """The hint of a step whose runs of more than one row have ``lengths`` rows (host ints, in table
-        order) and device ``table``; None when there is none (a decode step)."""
-        lengths = [int(n) for n in lengths if n > 1]
-        if table is None or not lengths:
-            return None
-        return cls(table, min(lengths), max(lengths))
+    def check_device(self, device: torch.device, op: str) -> "SameSlotRuns":
+        """self, when its table is on ``device`` (the kernels read it there); ValueError naming ``op``
+        otherwise."""
+        if self.table.device != device:
+            raise ValueError(f"{op}: same_slot_runs' table is on {self.table.device}, the rows on {device}")
+        return self
 
 
 @triton.jit
 def merge_step(m_run, l_run, acc, m_s, l_s, o_s):
     """Fold one split's (max m_s [R], sum l_s [R], unnormalised output o_s [R, C]) into its rows' running
     (m, l, acc), in ascending split order from (-inf, 0, 0). Every merge of splits -- a merge kernel, or a
-    program that folds a row's splits itself -- uses this one expression, so both give the same bits."""
+    program that folds a row's splits itself -- uses this one expression, so both give the same bits. The
+    fused multiply-adds are written out: left to the compiler, ``x * a + y * c`` may contract either
+    product, and that choice could differ between two kernels that inline this step."""
     m_new = tl.maximum(m_run, m_s)
     a = tl.exp2(m_run - m_new)
     c = tl.exp2(m_s - m_new)
-    acc = acc * a[:, None] + o_s * c[:, None]
-    l_run = l_run * a + l_s * c
+    acc = tl.fma(acc, a[:, None], o_s * c[:, None])
+    l_run = tl.fma(l_run, a, l_s * c)
     return m_new, l_run, acc
 
 

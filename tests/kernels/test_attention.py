@@ -497,13 +497,16 @@ def test_fused_runs_are_chosen_run_by_run_with_the_runs_table(device, dtype, mon
 
     HQ, HKV, D, DV = 6, 2, 48, 40
     g = _gen(38)
-    S, L = 3, 200
+    S, L = 4, 200
     kc, vc = _cache(S, L, HKV, D, DV, dtype, device, g)
-    runs = [(0, 16, 60), (1, 4, 150), (2, 1, 90)]   # (slot, rows, first length): chunk, verify, decode
+    # (slot, rows, first length): chunk, verify, decode, a chunk of exactly the threshold (8 rows: 21-28, so
+    # programs of 4 rows hold rows 20-23 (a decode row and three of it: not one slot), 24-27 (fused) and 28
+    # (a lone last row: never fused)
+    runs = [(0, 16, 60), (1, 4, 150), (2, 1, 90), (3, 8, 70)]
     slots, lengths = _run_rows(runs, device)
     B = slots.numel()
     q = torch.randn(B, HQ, D, generator=g).to(device)
-    table = torch.tensor([[0, 16, 0, -1], [16, 4, 1, -1]], dtype=torch.int64, device=device)
+    table = torch.tensor([[0, 16, 0, -1], [16, 4, 1, -1], [21, 8, 3, -1]], dtype=torch.int64, device=device)
     sched = SplitSchedule(16, 64, 4)   # every row of more than one split
     cfg = dataclasses.replace(A.ATTENTION_CONFIGS(16, 64, 64), run_rows=4, run_fuse_rows=8)
     with launcher_path(A, False):
@@ -515,8 +518,30 @@ def test_fused_runs_are_chosen_run_by_run_with_the_runs_table(device, dtype, mon
         monkeypatch.undo()
     assert torch.isfinite(fused).all() and torch.equal(fused, split) and torch.equal(unfused, split)
     written = [t[:, 0].isfinite().all(-1).all(-1).tolist() for t in kept]   # split 0's partials, per row
-    assert written[0] == [False] * 16 + [True] * 5
-    assert written[1] == [True] * 21
+    assert written[0] == [False] * 16 + [True] * 8 + [False] * 4 + [True]
+    assert written[1] == [True] * B
+
+
+def test_fusion_decision_of_each_hint():
+    """``_fusion`` (the launcher's choice): (fuse at all, FUSE_ROWS: 0 when every run is long, else the
+    threshold each program's run is held to, table read). No fusion without a threshold, without split
+    partials, for a decode step (0 / None / False), or when no run reaches the threshold; an int hint is the
+    shortest run, all or nothing."""
+    from ds4t.kernels.attention import _fusion
+    from ds4t.kernels.splits import SameSlotRuns
+
+    dummy = torch.zeros(5, dtype=torch.int32)
+    table = torch.zeros(2, 4, dtype=torch.int64)
+    pick = lambda hint, threshold=8, possible=True: _fusion(hint, threshold, possible, dummy)[:2]   # noqa: E731
+    for hint in (0, None, False, True, 7):
+        assert pick(hint) == (False, 0), hint
+    assert pick(8) == (True, 0) and pick(9) == (True, 0)
+    assert pick(SameSlotRuns(table, 2, 7)) == (False, 0)
+    assert pick(SameSlotRuns(table, 2, 8)) == (True, 8)     # the long run only: each program asks the table
+    assert pick(SameSlotRuns(table, 8, 20)) == (True, 0)    # every run long: no table to ask
+    assert pick(SameSlotRuns(table, 8, 20), threshold=None) == (False, 0)
+    assert pick(SameSlotRuns(table, 8, 20), possible=False) == (False, 0)
+    assert _fusion(SameSlotRuns(table, 2, 8), 8, True, dummy)[2] is table
 
 
 # ----------------------------------------------------------------------------- products="cache"

@@ -480,27 +480,37 @@ def test_self_check(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
 def test_fused_runs_keep_every_rows_bits(dtype, device, monkeypatch):
-    """``same_slot_runs`` (a :class:`SameSlotRuns` table) with ``MLAConfig.fuse_rows``: a row of several
-    splits in a run of >= fuse_rows rows is folded and merged by its split-0 programs, with the merge
-    kernel's step -- its partials are never written and the merge leaves it alone -- while the rows of a
-    short run (a verify chunk), decode rows and a row of length 0 keep a program a split. Every row keeps
-    the unfused launch's bits (which a row decoded alone has: test_prefill_rows_equal_single_decodes).
-    Controls: without the table (an int hint) the long run's partials are written; another split schedule
-    changes the bits."""
+    """``same_slot_runs`` (a :class:`SameSlotRuns` table) with ``MLAConfig.fuse_rows`` = 8: a row of several
+    splits in a run of >= 8 rows is folded and merged by its split-0 programs, with the merge kernel's step --
+    its partials are never written and the merge leaves it alone -- while rows of one split, the rows of a
+    short run (a verify chunk), decode rows and a row of length 0 keep a program a split. Runs: a chunk of 20
+    rows, one of exactly 8, one from length 1 (its first rows one split, its last ones two), a verify run of
+    3; the launch cut into grid chunks of 7 rows (runs cross them: the table holds batch rows). Every row
+    keeps the unfused launch's bits (which a row decoded alone has: test_prefill_rows_equal_single_decodes).
+    Controls: without the table (an int hint) every row of several splits writes its partials; another
+    split schedule changes the bits."""
     import dataclasses
 
     from ds4t.kernels.splits import SameSlotRuns
 
-    H, R, Dr, S, L = 6, 48, 16, 4, 200
-    runs = [(0, 20, 40), (1, 3, 100), (2, 1, 150), (3, 1, 0)]   # (slot, rows, first length): chunk, verify, decode
+    H, R, Dr, L = 6, 48, 16, 200
+    # (slot, rows, first length): chunk, verify, decode, empty decode, chunk from the start, chunk of 8
+    runs = [(0, 20, 40), (1, 3, 100), (2, 1, 150), (3, 1, 0), (4, 20, 1), (5, 8, 60)]
     slots = [sl for sl, n, _ in runs for _ in range(n)]
     lengths = [l0 + t for _, n, l0 in runs for t in range(n)]
-    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, dtype, slots, lengths, seed=24, device=device)
-    table = torch.tensor([[0, 20, 0, -1], [20, 3, 1, -1]], dtype=torch.int64, device=device)
+    q, qp, cache, sl, ln = _make(H, R, Dr, len(runs), L, dtype, slots, lengths, seed=24, device=device)
+    firsts = [sum(n for _, n, _ in runs[:i]) for i in range(len(runs))]
+    table = torch.tensor([[f, n, s_, -1] for f, (s_, n, _) in zip(firsts, runs) if n > 1], dtype=torch.int64,
+                         device=device)
     hint = SameSlotRuns(table, 3, 20)
-    sched = SplitSchedule(16, 64, 4)   # the chunk's rows: 3-4 splits; the verify rows: 2-3; the decode row: 3
+    sched = SplitSchedule(16, 64, 4)
     B = len(slots)
+    run_rows = [n for _, n, _ in runs for _ in range(n)]
+    several = [length > sched.split_of(length) for length in lengths]
+    fused_rows = [m and n >= 8 for m, n in zip(several, run_rows)]
+    assert sum(fused_rows) == 20 + 8 + 4 and sum(several) > sum(fused_rows)
     rule = MLA._interp_config if INTERPRET else MLA._gpu_config
+    monkeypatch.setattr(MLA, "_MAX_GRID_Y", 7)
 
     def run(fuse_rows, runs_hint, split=sched):
         cfg = lambda *k: dataclasses.replace(rule(*k), fuse_rows=fuse_rows)   # noqa: E731
@@ -515,9 +525,25 @@ def test_fused_runs_keep_every_rows_bits(dtype, device, monkeypatch):
     monkeypatch.undo()
     assert torch.isfinite(plain).all() and torch.equal(fused, plain) and torch.equal(unfused, plain)
     written = [t[:, 0].isfinite().all(-1).all(-1).tolist() for t in kept]   # split 0's partials, per row
-    # fused: the chunk's rows (all of more than one split) never wrote a partial; the verify rows and the
-    # decode row did; the length-0 row has none
-    assert written[0] == [False] * 20 + [True] * 4 + [False]
-    assert written[1] == [True] * 24 + [False]   # control: an int hint fuses nothing
+    assert written[0] == [m and not f for m, f in zip(several, fused_rows)]
+    assert written[1] == several   # control: an int hint fuses nothing
     _assert_close(fused, mla_decode_ref(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R), dtype)
     assert not torch.equal(run(8, hint, split=32), fused)
+
+
+def test_same_slot_runs_refuses_a_bad_table(device):
+    """The runs hint's table is what the kernels read as (first row, rows) pairs: int64, unit column stride,
+    on the rows' device; its lengths are those of runs (>= 2 rows)."""
+    from ds4t.kernels.splits import SameSlotRuns
+
+    good = torch.tensor([[0, 4, 0, -1]], dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="int64"):
+        SameSlotRuns(good.int(), 4, 4)
+    with pytest.raises(ValueError, match="unit column stride"):
+        SameSlotRuns(good[:, ::2], 4, 4)
+    with pytest.raises(ValueError, match="shortest"):
+        SameSlotRuns(good, 1, 4)
+    hint = SameSlotRuns(good, 4, 4)
+    assert hint.check_device(good.device, "op") is hint
+    with pytest.raises(ValueError, match="op: same_slot_runs' table is on"):
+        hint.check_device(torch.device("meta"), "op")

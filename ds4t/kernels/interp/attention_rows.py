@@ -100,8 +100,8 @@ def _attn_rows_kernel(
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # as above
         a = tl.exp2(m_run - m_sub)
         c = tl.exp2(m_i - m_sub)
-        acc_run = tl.where(end[:, :, None], acc_run * a[:, :, None] + acc * c[:, :, None], acc_run)
-        l_run = tl.where(end, l_run * a + l_i * c, l_run)
+        acc_run = tl.where(end[:, :, None], tl.fma(acc_run, a[:, :, None], acc * c[:, :, None]), acc_run)
+        l_run = tl.where(end, tl.fma(l_run, a, l_i * c), l_run)
         m_run = tl.where(end, m_new, m_run)
         m_i = tl.where(end, float("-inf"), m_i)
         l_i = tl.where(end, 0.0, l_i)
