@@ -25,6 +25,7 @@ bench/results/2026-12-01-h200-fp8-options.md). To look at a table's GPU config, 
 ``ConfigTable.forced`` (the records keep block sizes, warps and stages as launched).
 
 Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama] [--checks] [--no-fp8]
+                                     [--gguf-tables]
                                      [--sass _moe_down_kernel]
 (FP8-weight launches of linear, linear_heads and moe_experts, and GGUF-block (Q8_0 / Q4_K / Q6_K) launches of
 linear and moe_experts, are recorded unless --no-fp8.)
@@ -163,7 +164,23 @@ def record_gguf() -> None:
             M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
 
 
-def record(presets, checks: bool, fp8: bool = True) -> list:
+def record_gguf_tables() -> None:
+    """The GGUF decode linear's measured GPU table entries (``qlinear._GPU_TABLE``) at their own K, one N
+    tile (or pair) of 16 rows: their loops are the H200's, for ``--sass _qlinear`` (instructions a weight).
+    Call inside the GPU-variant selection."""
+    import torch
+
+    from ds4t.kernels import linear as L
+    from ds4t.kernels import qlinear as Q
+    from ds4t.kernels.quant_blocks import quantize
+
+    g = torch.Generator().manual_seed(0)
+    for (K, N, qt, adt), cfg in Q._GPU_TABLE.items():
+        w = quantize(torch.randn(cfg.block_n * (2 if cfg.pair else 1), K, generator=g) / K ** 0.5, qt)
+        L.linear(torch.randn(16, K, generator=g), w, None, config=cfg, act_dtype=adt)
+
+
+def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False) -> list:
     """Distinct launches of a decode step, mixed prefill + decode steps (short runs, and long runs that fold their
     attention splits), (``fp8``) the FP8-weight
     launches of :func:`record_fp8` and (``checks``) every registered kernel self-check, with the
@@ -211,6 +228,8 @@ def record(presets, checks: bool, fp8: bool = True) -> list:
             if fp8:
                 record_fp8()
                 record_gguf()
+            if gguf_tables:
+                record_gguf_tables()
             if checks:
                 for check in registry.all_checks():
                     check("cpu")
@@ -372,6 +391,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama")
     ap.add_argument("--checks", action="store_true", help="also every registered kernel self-check")
+    ap.add_argument("--gguf-tables", action="store_true",
+                    help="also the GGUF decode linear's GPU table entries at their own K (for --sass _qlinear)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sass", default="", help="print the SASS instruction mix of kernels whose name contains this")
@@ -382,7 +403,8 @@ def main():
             records = json.load(f)
         print(json.dumps(compile_all(records, args.arch, args.sass)))
         return 0
-    records = record([p for p in args.presets.split(",") if p], args.checks, fp8=not args.no_fp8)
+    records = record([p for p in args.presets.split(",") if p], args.checks, fp8=not args.no_fp8,
+                     gguf_tables=args.gguf_tables)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(records, f)
     env = dict(os.environ, TRITON_INTERPRET="0")

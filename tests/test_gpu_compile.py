@@ -91,3 +91,19 @@ print(json.dumps(out))
     assert out["aligned"][2] == [0, 1, 2]                 # both pointers and n_cols divisible by 16
     assert out["unaligned"][2] == [1]                     # only y (x unaligned, n_cols 33)
     assert out["one"][0]["n_cols"] == "constexpr" and out["one"][1]["n_cols"] == 1 and out["one"][2] == [0, 1]
+
+
+@pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="records launches in the interpreter")
+def test_gguf_table_entries_compile_with_their_loops_reported():
+    """``--gguf-tables --sass _qlinear``: each measured GGUF table entry compiles at its own K and reports its
+    K loop (the instructions-a-weight figures of docs/design.md come from these)."""
+    from ds4t.kernels import qlinear as Q
+
+    p = subprocess.run([sys.executable, TOOL, "--presets", "", "--no-fp8", "--gguf-tables", "--sass", "_qlinear"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0 and " 0 failed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    heads = [line for line in p.stdout.splitlines() if line.startswith("qlinear._qlinear_kernel")]
+    assert len(heads) == len(Q._GPU_TABLE)
+    assert sum(1 for line in p.stdout.splitlines() if line.strip().startswith("loop ")) >= len(Q._GPU_TABLE)
+    for k, *_ in Q._GPU_TABLE:
+        assert f"'K': {k}," in p.stdout, k
