@@ -120,6 +120,11 @@ def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
     # (bench/results/2026-11-30-h200-attention.md), 2x the 64-head / 8-warp tile, whose fp32
     # accumulator [64, 512] does not fit the registers. Each cache tile is read once per 32 heads
     # (DeepSeek-V3: 4 head blocks; the repeats mostly hit L2). tl.dot needs M >= 16.
+    # fuse_rows stays None: a folding program holds a second fp32 [32, 512] accumulator (the running merge
+    # beside the split's), and the sm_90 build of that kernel at DeepSeek-V3's dims spills (552 bytes of
+    # stack and ~270 local loads / stores a tile loop, against 184 bytes for the split kernel alone;
+    # bench/compile_check.py's SASS report). A tile that holds both (16 heads over 8 warps: no spill) would
+    # change the row sums' reduction layout, which decode must share. Untimed either way.
     return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
                      block_n=max(16, min(64, triton.next_power_of_2(split))),
                      merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
