@@ -379,9 +379,66 @@ def cmd_exactness(args) -> int:
             print("note: a control that is not applicable had nothing to show in (no native call of 2+ rows "
                   "in its scenario); it neither passes nor fails the run")
     chunks_ok = _chunk_check(model, args) if args.chunks else True
-    print("exact: yes" if total.ok else f"exact: NO ({total.mismatches} mismatches, "
-          f"{total.native_missing} rows not native)")
-    return 0 if total.ok and chunks_ok and all(c.ok for c in controls) else 1
+    soak_ok = _soak(model, args) if args.soak else True
+    print("exact: yes" if total.ok and soak_ok else f"exact: NO ({total.mismatches} mismatches, "
+          f"{total.native_missing} rows not native" + ("" if soak_ok else "; a soak case differed") + ")")
+    return 0 if total.ok and chunks_ok and soak_ok and all(c.ok for c in controls) else 1
+
+
+SOAK_KINDS = ("scenario", "chunks", "speculative")
+"""What a soak case checks, chosen by its seed (``seed % 3``), so ``--soak 1 --seed S`` replays case S."""
+
+
+def _soak(model, args) -> bool:
+    """--soak N: N random cases, the case of seed S (args.seed, args.seed + 1, ...) being SOAK_KINDS[S % 3]:
+    a session mix (native vs ordered), a prompt of random length in random chunk sizes (vs whole and token
+    by token in a batch), or speculative decoding with 1-4 drafts (vs plain decoding) -- bitwise, each with
+    its sizes drawn from the seed within --sessions / --steps / --max-prompt. Stops at the first case that
+    differs and names its seed."""
+    import random
+    import time
+
+    from ds4t.exactness.chunks import run_chunk_check
+    from ds4t.exactness.harness import random_scenario, run_scenario
+    from ds4t.exactness.speculative import run_speculative
+
+    counts = {k: [0, 0, 0] for k in SOAK_KINDS}   # cases, rows compared, mismatches
+    bad, t0 = None, time.time()
+    bar = _progress(args, args.soak, "soak")
+    for seed in range(args.seed, args.seed + args.soak):
+        rng, kind = random.Random(seed), SOAK_KINDS[seed % 3]
+        if kind == "scenario":
+            sc = random_scenario(rng, model.vocab_size, rng.randint(2, max(2, args.sessions)),
+                                 rng.randint(2, max(2, args.steps)), max_prompt=args.max_prompt,
+                                 max_ctx=args.max_prompt + args.steps + 8)
+            rep = run_scenario(model, sc, mode=args.mode)
+            rows, what = rep.rows, rep.first_mismatch
+            diff = rep.mismatches + rep.native_missing
+        elif kind == "chunks":
+            n = rng.randint(2, max(2, args.max_prompt))
+            sizes = sorted({1, rng.randint(2, 40), rng.randint(2, n), n})
+            rep = run_chunk_check(model, [rng.randrange(model.vocab_size) for _ in range(n)], sizes)
+            rows, diff, what = rep.rows, rep.mismatches, rep.first_mismatch
+            what = f"{n}-token prompt in chunks {sizes}: {what}" if diff else what
+        else:
+            k = rng.randint(1, 4)
+            rep = run_speculative(model, k=k, sessions=rng.randint(2, max(2, args.sessions)),
+                                  new_tokens=min(args.steps, 8), seed=seed,
+                                  max_ctx=args.max_prompt + args.steps + k + 16)
+            rows, diff, what = rep.calls, rep.mismatches, rep.first_mismatch
+        c = counts[kind]
+        c[0], c[1], c[2] = c[0] + 1, c[1] + rows, c[2] + diff
+        bar.update()
+        if diff:
+            bad = (seed, kind, what)
+            break
+    bar.close()
+    print(f"soak: {sum(c[0] for c in counts.values())} of {args.soak} random cases in {time.time() - t0:.0f} s "
+          f"(seeds from {args.seed}; bitwise):")
+    print(_table(["kind", "cases", "rows / calls compared", "mismatches"], [[k, *counts[k]] for k in SOAK_KINDS]))
+    if bad is not None:
+        print(f"soak case {bad[0]} ({bad[1]}) differed: {bad[2]}; replay it alone with --soak 1 --seed {bad[0]}")
+    return bad is None
 
 
 def _chunk_check(model, args) -> bool:
@@ -441,8 +498,9 @@ def _exactness_mtp(args) -> int:
             controls_ok = controls_ok and rep.mismatches > 0
         print("negative control (planted deviations):")
         print(_table(["planted", "mismatches", "verdict"], crow))
-    print("exact: yes" if ok else "exact: NO")
-    return 0 if ok and controls_ok else 1
+    soak_ok = _soak(model, args) if args.soak else True
+    print("exact: yes" if ok and soak_ok else "exact: NO")
+    return 0 if ok and controls_ok and soak_ok else 1
 
 
 def cmd_diagnose(args) -> int:
@@ -587,6 +645,10 @@ def main(argv=None) -> int:
                    help="also check prefill chunk invariance: a --max-prompt-token prompt whole vs in chunks of "
                         "each size (e.g. 1,17,64) vs token by token in a native batch, logits and state bitwise; "
                         "on a GPU a prompt of >= 128 tokens also covers the row tiles of long prefill chunks")
+    e.add_argument("--soak", type=_non_negative_int, default=0, metavar="N",
+                   help="also N random cases in turn -- session mixes, prefill chunkings, speculative decoding, "
+                        "sizes drawn from the case's seed within --sessions / --steps / --max-prompt -- stopping "
+                        "at the first that differs (its seed replays it: --soak 1 --seed S)")
     e.add_argument("--mtp", type=_non_negative_int, default=0, metavar="K",
                    help="check speculative decoding instead: K drafts per step (the MTP head's, and replayed "
                         "ones with planted errors) against plain decoding -- tokens, logits, state -- bitwise")

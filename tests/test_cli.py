@@ -180,3 +180,30 @@ def test_demo_of_a_gguf_prints_text(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "chat prompts through the checkpoint's tokenizer" in out and "bit-exact: yes" in out
     assert "'What is the capital of France?' -> " in out and "'What is 12 times 12?' -> " in out
+
+
+SOAK = ["exactness", "--model", "tiny-llama", "--sessions", "3", "--steps", "3", "--max-prompt", "24",
+        "--no-negative-control", "--no-progress"]
+
+
+def test_exactness_soak_runs_every_kind_and_replays_a_case_by_its_seed(capsys):
+    """--soak N: N seeded cases, the kind from the seed (scenario, chunks, speculative in turn); --soak 1
+    --seed S replays case S alone, the same kind."""
+    rc, out, _ = _run(SOAK + ["--soak", "3"], capsys)
+    assert rc == 0 and "soak: 3 of 3 random cases" in out and "exact: yes" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in
+            (["scenario"], ["chunks"], ["speculative"])}
+    assert {k: v[0] for k, v in rows.items()} == {"scenario": "1", "chunks": "1", "speculative": "1"}
+    rc, out, _ = _run(SOAK + ["--soak", "1", "--seed", "4"], capsys)
+    assert rc == 0 and "chunks       1" in out and "scenario     0" in out
+
+
+def test_exactness_soak_stops_at_the_first_case_that_differs(capsys):
+    """Negative control: under a batch-dependent linear the first soak case (a session mix) differs; the run
+    stops there, names its seed and fails."""
+    from ds4t.exactness.harness import plant
+
+    with plant("batch-dependent"):
+        rc, out, _ = _run(SOAK + ["--rounds", "1", "--soak", "3", "--seed", "3"], capsys)
+    assert rc == 1 and "soak: 1 of 3 random cases" in out
+    assert "soak case 3 (scenario) differed" in out and "--soak 1 --seed 3" in out and "exact: NO" in out
