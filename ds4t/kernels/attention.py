@@ -69,7 +69,8 @@ from ds4t.backend import INTERPRET, LAUNCH, cast, grid_dependency, mma, sigmoid,
 from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, variant
-from ds4t.kernels.splits import SameSlotRuns, SplitSchedule, as_schedule, in_long_run, merge_step, split_of
+from ds4t.kernels.splits import (SameSlotRuns, SplitSchedule, as_schedule, in_long_run, merge_step, split_of,
+                                 table_args)
 from ds4t.kernels.interp import attention_rows
 
 _LOG2E = 1.4426950408889634
@@ -853,18 +854,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # one-slot programs of long runs fold and merge their splits (a chunk of >= run_fuse_rows rows gives
     # programs enough without the splits'; a short run at a long position -- a speculative verify beside a
     # chunk -- keeps its splits' parallelism); the same bits either way
-    fuse, fuse_rows, table = _fusion(same_slot_runs, cfg.run_fuse_rows, runs and not final, slots)
+    if isinstance(same_slot_runs, SameSlotRuns):
+        same_slot_runs.check_device(slots.device, "decode_attention")
+    fuse, fuse_rows = _fusion(same_slot_runs, cfg.run_fuse_rows, runs and not final)
     run_p2 = triton.next_power_of_2(cfg.run_rows)
-    # without a table to ask, constant ints (no respecialisation from step to step)
-    table_args = dict(runs_ptr=table, stride_run=table.stride(0) if fuse_rows else 0,
-                      M=table.shape[0] if fuse_rows else 0, FUSE_ROWS=fuse_rows)
+    ptr, stride, lines = table_args(same_slot_runs if fuse_rows else None, slots)
+    table = dict(runs_ptr=ptr, stride_run=stride, M=lines, FUSE_ROWS=fuse_rows)
     if runs:
         warps = {} if cfg.run_warps is None else {"num_warps": cfg.run_warps}
         run_stages = cfg.num_stages if cfg.run_stages is None else cfg.run_stages
         stages = {} if run_stages is None else {"num_stages": run_stages}
         _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
             *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), FUSE=fuse, RUN_P2=run_p2,
-            INTERIOR=cfg.run_interior, **table_args, **warps, **stages, **LAUNCH)
+            INTERIOR=cfg.run_interior, **table, **warps, **stages, **LAUNCH)
     else:
         _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
@@ -874,28 +876,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             y, *y.stride(), *g_args,
             L, NS,
             HQ=HQ, G=G, DV=DV, **sched.kernel_args(), BLOCK_H=BLOCK_H, MERGE_DV=merge_dv, GATED=gated,
-            MERGE_STAGES=cfg.merge_stages, FUSED_RUN=cfg.run_rows if fuse else 0, RUN_P2=run_p2, **table_args,
+            MERGE_STAGES=cfg.merge_stages, FUSED_RUN=cfg.run_rows if fuse else 0, RUN_P2=run_p2, **table,
             **({} if cfg.merge_warps is None else {"num_warps": cfg.merge_warps}), **LAUNCH,
         )
     return y if gated or out_dtype == torch.float32 else out.to(out_dtype)
 
 
-def _fusion(hint, threshold: Optional[int], possible: bool, dummy: torch.Tensor):
-    """(fuse, FUSE_ROWS, table) of a launch hint ``same_slot_runs`` (:func:`decode_attention`) against a
-    config's ``run_fuse_rows`` threshold: whether any program may fold its rows' splits; 0 when every run
-    of the launch is long enough (no table to ask), else the threshold each program's run is held to; the
-    runs table ([M, >= 2] int64; ``dummy``'s storage, never read, when there is none). ``possible``: the
-    launch has split partials and runs programs at all."""
-    if isinstance(hint, SameSlotRuns):
-        hint.check_device(dummy.device, "decode_attention")
-    table = hint.table if isinstance(hint, SameSlotRuns) else dummy.view(-1, 1)
+def _fusion(hint, threshold: Optional[int], possible: bool):
+    """(fuse, FUSE_ROWS) of a launch hint ``same_slot_runs`` (:func:`decode_attention`) against a config's
+    ``run_fuse_rows`` threshold: whether any program may fold its rows' splits; 0 when every run of the
+    launch is long enough (no table to ask), else the threshold each program's run is held to (the
+    kernels then read the hint's table). ``possible``: the launch has split partials and runs programs."""
     if not possible or threshold is None or not hint:
-        return False, 0, table
+        return False, 0
     if isinstance(hint, SameSlotRuns):
         if hint.longest < threshold:
-            return False, 0, table
-        return True, (0 if hint.shortest >= threshold else threshold), table
-    return int(hint) >= threshold, 0, table
+            return False, 0
+        return True, (0 if hint.shortest >= threshold else threshold)
+    return int(hint) >= threshold, 0
 
 
 def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,

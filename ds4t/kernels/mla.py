@@ -57,7 +57,8 @@ from ds4t.backend import LAUNCH, cast, grid_dependency, mma, timer
 from ds4t.kernels import norm, rope
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
-from ds4t.kernels.splits import SameSlotRuns, SplitSchedule, as_schedule, in_long_run, merge_step, split_of
+from ds4t.kernels.splits import (SameSlotRuns, SplitSchedule, as_schedule, in_long_run, merge_step, split_of,
+                                 table_args)
 from ds4t.kernels.tensors import float_out
 
 _LOG2E = 1.4426950408889634
@@ -536,9 +537,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     ``same_slot_runs``: a launch hint that never changes a bit, :class:`~ds4t.kernels.splits.SameSlotRuns` of
     the step (prefill chunks): a row of more than one split in a run of at least ``MLAConfig.fuse_rows`` rows
     is done by one program a head block, its splits folded in ascending order and merged as the merge kernel
-    merges them (its fp32 partials, 256 KiB a split and row at H = 128, are never written or read), while decode
-    rows and short runs keep
-    a program a split. Other values (an int, None): no run is fused.
+    merges them (its fp32 partials, 256 KiB a split and row at H = 128, are never written or read), while
+    decode rows and short runs keep a program a split. Other values (an int, None): no run is fused.
     """
     B, H, R, Dr = _check_decode_args(q_latent, q_pe, cache, slots, lengths, kv_lora_rank)
     S, L, _ = cache.shape
@@ -559,8 +559,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     runs = same_slot_runs.check_device(slots.device, "mla_decode") if isinstance(same_slot_runs, SameSlotRuns) \
         else None
     fuse = NS > 1 and runs is not None and cfg.fuse_rows is not None and runs.longest >= cfg.fuse_rows
-    # never read without fusion: then constant ints (no respecialisation from step to step)
-    table_args = (runs.table, runs.table.stride(0), runs.table.shape[0]) if fuse else (slots, 0, 0)
+    table = table_args(runs if fuse else None, slots)
     BH, BLOCK_N, MH, warps = cfg.block_h, cfg.block_n, cfg.merge_heads, cfg.num_warps
     RP = triton.next_power_of_2(R)
     DRP = max(16, triton.next_power_of_2(max(Dr, 1)))
@@ -589,7 +588,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             slots[b0:b1], lengths[b0:b1],
             o_c, out.stride(0), out.stride(1),
             po_c, pm_c, pl_c,
-            qk_scale, H, L, NS, *table_args, b0,
+            qk_scale, H, L, NS, *table, b0,
             R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, NHB=NHB, **sched.kernel_args(),
             FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=warps, num_stages=cfg.num_stages, **LAUNCH,
         )
@@ -597,7 +596,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             _mla_merge_kernel[(triton.cdiv(H, MH), nb)](
                 o_c, out.stride(0), out.stride(1),
                 po_c, pm_c, pl_c,
-                lengths[b0:b1], H, L, NS, *table_args, b0,
+                lengths[b0:b1], H, L, NS, *table, b0,
                 R=R, RP=RP, MH=MH, **sched.kernel_args(), MERGE_STAGES=cfg.merge_stages,
                 FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=cfg.merge_warps, **LAUNCH,
             )

@@ -137,6 +137,15 @@ class SameSlotRuns:
         return self
 
 
+def table_args(runs: "SameSlotRuns | None", dummy: torch.Tensor) -> tuple:
+    """(pointer, line stride, lines) of the runs table a launch's kernels read (:func:`in_long_run`), or
+    ``(dummy, 0, 0)`` when they read none (``runs`` None): constant ints, so a launch without a table is
+    not respecialised from step to step, and any tensor of the launch serves as the unread pointer."""
+    if runs is None:
+        return dummy, 0, 0
+    return runs.table, runs.table.stride(0), runs.table.shape[0]
+
+
 @triton.jit
 def merge_step(m_run, l_run, acc, m_s, l_s, o_s):
     """Fold one split's (max m_s [R], sum l_s [R], unnormalised output o_s [R, C]) into its rows' running

@@ -524,15 +524,15 @@ def test_fused_runs_are_chosen_run_by_run_with_the_runs_table(device, dtype, mon
 
 def test_fusion_decision_of_each_hint():
     """``_fusion`` (the launcher's choice): (fuse at all, FUSE_ROWS: 0 when every run is long, else the
-    threshold each program's run is held to, table read). No fusion without a threshold, without split
-    partials, for a decode step (0 / None / False), or when no run reaches the threshold; an int hint is the
-    shortest run, all or nothing."""
+    threshold each program's run is held to). No fusion without a threshold, without split partials, for a
+    decode step (0 / None / False), or when no run reaches the threshold; an int hint is the shortest run,
+    all or nothing. ``splits.table_args``: the table the kernels then read, or the unread dummy and zeros."""
     from ds4t.kernels.attention import _fusion
-    from ds4t.kernels.splits import SameSlotRuns
+    from ds4t.kernels.splits import SameSlotRuns, table_args
 
     dummy = torch.zeros(5, dtype=torch.int32)
     table = torch.zeros(2, 4, dtype=torch.int64)
-    pick = lambda hint, threshold=8, possible=True: _fusion(hint, threshold, possible, dummy)[:2]   # noqa: E731
+    pick = lambda hint, threshold=8, possible=True: _fusion(hint, threshold, possible)   # noqa: E731
     for hint in (0, None, False, True, 7):
         assert pick(hint) == (False, 0), hint
     assert pick(8) == (True, 0) and pick(9) == (True, 0)
@@ -541,7 +541,10 @@ def test_fusion_decision_of_each_hint():
     assert pick(SameSlotRuns(table, 8, 20)) == (True, 0)    # every run long: no table to ask
     assert pick(SameSlotRuns(table, 8, 20), threshold=None) == (False, 0)
     assert pick(SameSlotRuns(table, 8, 20), possible=False) == (False, 0)
-    assert _fusion(SameSlotRuns(table, 2, 8), 8, True, dummy)[2] is table
+    ptr, stride, lines = table_args(SameSlotRuns(table, 2, 8), dummy)
+    assert ptr is table and (stride, lines) == (4, 2)
+    ptr, stride, lines = table_args(None, dummy)
+    assert ptr is dummy and (stride, lines) == (0, 0)
 
 
 # ----------------------------------------------------------------------------- products="cache"
