@@ -66,11 +66,14 @@ SHAPES = {"glm": ("gqa", 96, 8, 128), "qwen": ("gqa", 16, 2, 256), "mla": ("mla"
 
 def chunk_case(kind: str, shape, at: int, chunk: int, device, seed: int = 0):
     """(inputs dict, useful FLOPs) of one chunk at position ``at``: a cache of at + chunk positions (slot 0
-    holds them; slot 1 is NaN and never read), q rows for positions at .. at + chunk - 1."""
+    holds them; slot 1 is NaN and never read), q rows for positions at .. at + chunk - 1, and the chunk's
+    runs hint (``runs``), built once here as a model's step metadata is -- inside the timed call its table's
+    host-to-device copy cost ~0.3 ms a call (bench/results/2026-12-05-h200-prefill-runs.md)."""
     g = torch.Generator(device=device).manual_seed(seed)
     L = at + chunk
     lengths = torch.arange(at + 1, at + chunk + 1, dtype=torch.int32, device=device)
     slots = torch.zeros(chunk, dtype=torch.int32, device=device)
+    runs = chunk_runs(slots)
     total = (at + 1 + at + chunk) * chunk // 2          # sum of the rows' lengths
     if kind == "gqa":
         _, hq, hkv, d = shape
@@ -79,24 +82,25 @@ def chunk_case(kind: str, shape, at: int, chunk: int, device, seed: int = 0):
         kc[1] = float("nan")
         vc[1] = float("nan")
         q = torch.randn(chunk, hq, d, device=device, generator=g)
-        return dict(q=q, kc=kc, vc=vc, slots=slots, lengths=lengths, scale=d ** -0.5), 2 * hq * 2 * d * total
+        return dict(q=q, kc=kc, vc=vc, slots=slots, lengths=lengths, scale=d ** -0.5, runs=runs), \
+            2 * hq * 2 * d * total
     _, h, r, dr = shape
     cache = (torch.randn(2, L, r + dr, device=device, generator=g) * 0.5).to(torch.bfloat16)
     cache[1] = float("nan")
     ql = (torch.randn(chunk, h, r, device=device, generator=g) * 0.1).to(torch.bfloat16)
     qp = (torch.randn(chunk, h, dr, device=device, generator=g) * 0.1).to(torch.bfloat16)
-    return dict(ql=ql, qp=qp, cache=cache, slots=slots, lengths=lengths, scale=(192 ** -0.5), r=r), \
+    return dict(ql=ql, qp=qp, cache=cache, slots=slots, lengths=lengths, scale=(192 ** -0.5), r=r, runs=runs), \
         2 * h * (r + dr + r) * total
 
 
-def chunk_runs(x: dict) -> SameSlotRuns:
-    """The runs hint of a chunk case: one run of every row, slot 0 (as ``blocks.runs_hint`` builds it)."""
-    n = x["slots"].shape[0]
-    return SameSlotRuns(torch.tensor([[0, n, 0, -1]], dtype=torch.int64, device=x["slots"].device), n, n)
+def chunk_runs(slots: torch.Tensor) -> SameSlotRuns:
+    """The runs hint of a chunk: one run of every row, slot 0 (as ``blocks.runs_hint`` builds it)."""
+    n = slots.shape[0]
+    return SameSlotRuns(torch.tensor([[0, n, 0, -1]], dtype=torch.int64, device=slots.device), n, n)
 
 
 def run_ds4t(kind: str, x: dict, runs: bool = True, split_size=None, products: str = "split"):
-    hint = chunk_runs(x) if runs else None
+    hint = x["runs"] if runs else None
     if kind == "gqa":
         return A.decode_attention(x["q"], x["kc"], x["vc"], x["slots"], x["lengths"], x["scale"],
                                   same_slot_runs=hint, split_size=split_size, products=products)

@@ -13,13 +13,16 @@ DV = {"state_order": {"recurrent": None}}   # Qwen3-Next's GDN state re-laid Dv-
 
 def test_smoke_on_a_tiny_preset(tmp_path, device):
     """One session in chunks and two sessions sharing each step, base and a layout variant: the interpreter
-    reduces alike in either layout, so the variant keeps the base's bits."""
+    reduces alike in either layout, so there the variant keeps the base's bits (a GPU's kernels reduce a
+    re-laid state in another order: there the column may say so, and is not asserted)."""
     assert ab.main(["--model", "tiny-qwen", "--device", str(device), "--prompt", "8", "--chunk", "4",
                     "--sessions", "1,2", "--rounds", "1", "--variant", f"dv={json.dumps(DV)}",
                     "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "prefill_ab.json").read_text())["rows"]
     assert [(r["n"], r["variant"]) for r in rows] == [(1, "base"), (1, "dv"), (2, "base"), (2, "dv")]
-    assert all(r["bits"] and len(r["rounds"]) == 1 and r["ms"] > 0 for r in rows)
+    assert all(len(r["rounds"]) == 1 and r["ms"] > 0 for r in rows)
+    if device.type == "cpu":
+        assert all(r["bits"] for r in rows)
     md = (tmp_path / "prefill_ab.md").read_text()
     assert "| 1 | 4 | dv |" in md and "| 2 | 2 x 2 | base |" in md
 
