@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -7,6 +9,13 @@ from ds4t.testing import plugin as ds4t_plugin
 
 
 def pytest_configure(config):
+    # HF's Qwen3-Next oracle runs on the CPU, so its gated delta rule must take its torch forms. Some
+    # transformers releases send the rule to flash-linear-attention whenever that package imports, whatever
+    # the tensors' device: on a GPU machine with fla installed, fla's kernels got the oracle's CPU tensors and
+    # failed ("cannot be accessed from Triton (cpu tensor?)"). No test uses fla itself (the GPU benches'
+    # HF peers do, in their own processes), so the test process does not import it.
+    if "fla" not in sys.modules:
+        sys.modules["fla"] = None
     if not config.pluginmanager.is_registered(ds4t_plugin):
         config.pluginmanager.register(ds4t_plugin, "ds4t.testing.plugin")
     torch.manual_seed(0)
@@ -29,3 +38,4 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device(ds4t_device):
     return ds4t_device
+
