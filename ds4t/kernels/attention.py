@@ -132,7 +132,7 @@ class AttentionConfig:
     run_fuse_rows: Optional[int] = None  # a one-slot program of a same-slot run of this many rows does all
                                          # its splits and merges them (None: never)
     run_interior: bool = False      # runs kernel: the tiles inside all of a group's ranges without masks
-                                    # (same bits; off on the GPU until timed: the fused-runs results file)
+                                    # (same bits; on the GPU for d 256 only, where it was faster)
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -149,11 +149,15 @@ def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     1024-row runs -- whole prompts (bench/prefill_ab.py) GLM-4.5-4l 4k -10.5 %, 32k -3.0 %; 512-row chunks gain
     early (0.23 -> 0.14 ms at 0) and lose late (4.83 -> 5.64 ms at 31744), so 512 stays unfused; d 256 from 512
     -- 1024-row chunks -17 / -11 / -4 % at 0 / 3072 / 31744, 512-row -5 % / -3 % at 0 / 31744, 256-row +12 % /
-    +83 % (too few programs); whole Qwen3-Next-4l prompts 4k -1.5 %, 32k -3.2 %."""
+    +83 % (too few programs); whole Qwen3-Next-4l prompts 4k -1.5 %, 32k -3.2 %. Interior tiles without masks
+    (``run_interior``; bench/results/2026-12-05-h200-prefill-runs.md, same bits): d 256 -- a 1024-row chunk
+    +9 / -8 / -14 % at 0 / 3072 / 31744, whole Qwen3-Next-4l prompts 4k -0.7 %, 32k -4.2 %; d 128 loses
+    (GLM-4.5's chunk at 0 / 31744 +11 / +17 %: its unmasked tile keeps the masked one's registers and adds
+    code), so off."""
     wide = block_d + block_dv >= 512
     return AttentionConfig(block_n=min(split, 32 if wide else 64), num_warps=4, num_stages=3, merge_warps=4,
                            run_rows=4 if wide else 5, run_warps=4, run_stages=3 if wide else 2,
-                           run_fuse_rows=512 if wide else 1024)
+                           run_fuse_rows=512 if wide else 1024, run_interior=wide)
 
 
 def run_tile(run_rows: int, group: int) -> int:
@@ -166,7 +170,7 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
     > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU; one-slot runs
     fused from 16 rows (the interpreter pays per program: fewer, longer ones are cheaper), interior tiles
-    unmasked (fewer ops; the GPU's table leaves it off until timed)."""
+    unmasked (fewer ops)."""
     return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16, run_interior=True)
 
 
@@ -174,7 +178,8 @@ ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
     "decode_attention", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
     source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); same-slot runs: "
            "bench/results/2026-12-04-h200-prefill-attention.md (bench/prefill_attention.py); fused runs: "
-           "bench/results/2026-12-04-h200-fused-runs.md (bench/prefill_attention.py, bench/prefill_ab.py)")
+           "bench/results/2026-12-04-h200-fused-runs.md (bench/prefill_attention.py, bench/prefill_ab.py); interior "
+           "tiles: bench/results/2026-12-05-h200-prefill-runs.md")
 """Keyed on (the schedule's smallest split, BLOCK_D, BLOCK_DV)."""
 
 PRODUCTS = ("split", "cache")

@@ -121,15 +121,17 @@ def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
     # (bench/results/2026-11-30-h200-attention.md), 2x the 64-head / 8-warp tile, whose fp32
     # accumulator [64, 512] does not fit the registers. Each cache tile is read once per 32 heads
     # (DeepSeek-V3: 4 head blocks; the repeats mostly hit L2). tl.dot needs M >= 16.
-    # fuse_rows stays None: a folding program holds a second fp32 [32, 512] accumulator (the running merge
-    # beside the split's), and the sm_90 build of that kernel at DeepSeek-V3's dims spills (552 bytes of
-    # stack and ~270 local loads / stores a tile loop, against 184 bytes for the split kernel alone;
-    # bench/compile_check.py's SASS report). A tile that holds both (16 heads over 8 warps: no spill) would
-    # change the row sums' reduction layout, which decode must share. Untimed either way.
+    # fuse_rows 512 from 64 heads: a folding program holds a second fp32 [32, 512] accumulator (the running
+    # merge beside the split's) and its sm_90 build spills more (552 bytes of stack against the split kernel's
+    # 184; bench/compile_check.py's SASS report), yet skipping the partials wins: DeepSeek-V3's 1024-row
+    # chunk at 0 / 3072 / 31744 -17 / -11 / -2 %, whole DeepSeek-V3-4l prompts 4k -7.6 %, 32k -2.0 %
+    # (bench/results/2026-12-05-h200-prefill-runs.md; same bits). Timed at 128 heads (4 head blocks a row);
+    # below 64 heads (tensor-parallel ranks of 8) a chunk's fused programs would be a row's 1 head block
+    # alone: untimed, so off there.
     return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
                      block_n=max(16, min(64, triton.next_power_of_2(split))),
                      merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
-                     num_warps=4, num_stages=2)
+                     num_warps=4, num_stages=2, fuse_rows=512 if H >= 64 else None)
 
 
 def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -146,8 +148,8 @@ def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
 
 MLA_CONFIGS: ConfigTable[MLAConfig] = ConfigTable(
     "mla_decode", gpu={}, gpu_rule=_gpu_config, interp_rule=_interp_config,
-    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); fuse_rows: None on the GPU "
-           "until bench/prefill_attention.py --only mla times it")
+    source="bench/results/2026-11-30-h200-attention.md (bench/bench_attention.py --sweep); fuse_rows: "
+           "bench/results/2026-12-05-h200-prefill-runs.md (bench/prefill_attention.py --only mla, bench/prefill_ab.py)")
 """Keyed on (heads, latent rank R, rope dim Dr, the schedule's smallest split): never on the batch."""
 
 

@@ -129,7 +129,11 @@ CASES = [
     ("moe", "MOE_COMBINE_CONFIGS", ("rows", "block_d"), (100,), (1, 128), (16, 128)),
     # the interpreter's dot materialises [heads, R, tokens] (<= 2^20 elements): 16 heads at R = 512
     ("mla", "MLA_CONFIGS", ("block_h", "block_n", "merge_heads", "num_warps", "num_stages", "merge_warps", "fuse_rows"),
-     (128, 512, 64, 256), (32, 64, 8, 4, 2, 4, None), (16, 128, 128, 4, 2, 4, 16)),
+     (128, 512, 64, 256), (32, 64, 8, 4, 2, 4, 512), (16, 128, 128, 4, 2, 4, 16)),
+    ("mla", "MLA_CONFIGS", ("block_h", "fuse_rows"), (16, 512, 64, 256), (16, None), (16, 16)),
+    # interior tiles unmasked on the GPU for d 256 only (2026-12-05-h200-prefill-runs.md)
+    ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior"), (64, 256, 256), (512, True), (16, True)),
+    ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior"), (64, 128, 128), (1024, False), (16, True)),
     ("mla", "MLA_CONFIGS", ("block_h", "block_n"), (4, 16, 8, 128), (16, 64), (16, 128)),
     ("linear", "SPLITK_SUM_CONFIGS", ("min_block", "max_block", "num_warps"), (4096,), (1024, 1024, 4),
      (16, 1 << 16, 4)),
