@@ -64,5 +64,16 @@ def test_cpu_smoke_one_and_several_sessions(tmp_path):
     assert "0 mismatches" in table and "caught" in table
     import re
 
+    ceilings = [int(c) for c in re.findall(r"\| [\d.]+ % \| (\d+) % \| [\d.]+ / [\d.]+ =", table)]
+    assert len(ceilings) == 3 and all(0 < c <= 100 for c in ceilings), table[-3000:]
+
     errs = [float(e) for e in re.findall(r"HF prompt \d+, chunk 8: .* max rel error (\S+)", table)]
     assert len(errs) == 2 and max(errs) < 1e-4, table[-3000:]
+
+
+def test_peak_ceiling_is_the_rooflines_fraction_of_the_peak():
+    """A prefill that took exactly its roofline time runs at flops / floor: the whole peak when every chunk
+    is compute-bound, less when streaming the weights takes longer than the FLOPs."""
+    peak = 800e12
+    assert bp.peak_ceiling(8e12, 10.0, peak) == 1.0            # 8 TFLOP in 10 ms at 800 TFLOP/s: compute-bound
+    assert abs(bp.peak_ceiling(2e12, 10.0, peak) - 0.25) < 1e-12   # the floor is 4x the FLOPs' time: bytes
