@@ -335,6 +335,9 @@ def main():
     ap.add_argument("--mla-configs", default=None,
                     help="sweep only these MLA tiles, heads x tokens x warps x stages (e.g. 64x32x8x2,32x64x4x2), "
                          "with the default split schedule")
+    ap.add_argument("--mla-heads", default=str(MLA_SHAPE[0]),
+                    help="MLA query heads a GPU holds, e.g. 128,64,16 (DeepSeek-V3 on 1, 2 and 8 tensor-parallel "
+                         "ranks): 128 heads spend 242 FLOP a cached byte (compute-bound), 16 heads 30 (bytes-bound)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -346,7 +349,9 @@ def main():
     log(f"# ds4t long-context decode attention on {torch.cuda.get_device_name()}")
     log(f"commit {args.commit or '?'}; torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
     log("command: " + " ".join(sys.argv))
-    shapes = ([("gqa", s) for s in GQA_SHAPES] if "gqa" in kinds else []) + ([("mla", MLA_SHAPE)] if "mla" in kinds else [])
+    mla_shapes = [(int(h), *MLA_SHAPE[1:]) for h in args.mla_heads.split(",")]
+    shapes = ([("gqa", s) for s in GQA_SHAPES] if "gqa" in kinds else []) + ([("mla", s) for s in mla_shapes]
+                                                                           if "mla" in kinds else [])
     gen = torch.Generator(device="cuda").manual_seed(7)
 
     chosen = {}
@@ -386,6 +391,9 @@ def main():
                     ms = time_case(kind, p, split, cfg)
                     err, inv = check_case(kind, p, split, cfg)
                     tbs = p["bytes"] / (ms * 1e-3) / 1e12
+                    if kind == "mla":   # compute next to bytes: 2 H (R + Dr + R) FLOP a row and cached position
+                        tf = 2 * shape[0] * (2 * shape[1] + shape[2]) * L * B / (ms * 1e-3) / 1e12
+                        log(f"  mla {shape} L={L} B={B} {label}: {tf:.0f} TFLOP/s of MMA work")
                     rows.append((kind, shape, L, B, f"ds4t {label} ({describe(split) if isinstance(split, SplitSchedule) else f'split {split}'})", ms, tbs, 100 * tbs * 1e12 / bw,
                                  f"{err:.1e}", "yes" if inv else "**NO**"))
                 if kind == "gqa":
