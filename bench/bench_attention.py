@@ -350,6 +350,15 @@ def main():
     log(f"commit {args.commit or '?'}; torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
     log("command: " + " ".join(sys.argv))
     mla_shapes = [(int(h), *MLA_SHAPE[1:]) for h in args.mla_heads.split(",")]
+    if "mla" in kinds:
+        # absorbed MLA multiplies every cached latent row by each head's query twice (scores over R + Dr,
+        # output over R): with many heads the MMAs, not the bytes, bound a step
+        from bench.bench_prefill import matmul_peak
+        peak = matmul_peak(torch.device("cuda"))
+        for h, r, dr in mla_shapes:
+            per_byte = h * (2 * r + dr) / (r + dr)
+            log(f"mla {h} heads: {per_byte:.0f} FLOP a cached byte; at the measured bf16 peak ({peak / 1e12:.0f} "
+                f"TFLOP/s) the cache streams at most {100 * min(1.0, peak / (per_byte * bw)):.0f} % of copy bandwidth")
     shapes = ([("gqa", s) for s in GQA_SHAPES] if "gqa" in kinds else []) + ([("mla", s) for s in mla_shapes]
                                                                            if "mla" in kinds else [])
     gen = torch.Generator(device="cuda").manual_seed(7)
