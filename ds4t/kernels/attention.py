@@ -131,6 +131,8 @@ class AttentionConfig:
     merge_stages: int = 4           # merge: loads of this many splits in flight (1: one split at a time)
     run_fuse_rows: Optional[int] = None  # a one-slot program of a same-slot run of this many rows does all
                                          # its splits and merges them (None: never)
+    run_peel: bool = False          # fused runs: split 0 before the split loop (same bits, fewer spills;
+                                    # off on the GPU until timed)
     run_interior: bool = False      # runs kernel: the tiles inside all of a group's ranges without masks
                                     # (same bits; on the GPU for d 256 only, where it was faster)
 
@@ -170,8 +172,9 @@ def _interp_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
     """Up to 64 positions per tile: few loop iterations at the small splits tests use, while splits
     > 64 still run the multi-tile online softmax the GPU runs. Runs of 4 rows, as on the GPU; one-slot runs
     fused from 16 rows (the interpreter pays per program: fewer, longer ones are cheaper), interior tiles
-    unmasked (fewer ops)."""
-    return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16, run_interior=True)
+    unmasked (fewer ops), fused programs' split 0 peeled off their loop (the GPU table's path-to-be runs
+    through every CPU test)."""
+    return AttentionConfig(block_n=min(split, 64), run_rows=4, run_fuse_rows=16, run_interior=True, run_peel=True)
 
 
 ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
@@ -583,7 +586,7 @@ def _attn_runs_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
     RUN: tl.constexpr, GATED: tl.constexpr, TILE_M: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
     FUSE: tl.constexpr = False, RUN_P2: tl.constexpr = 1, INTERIOR: tl.constexpr = False,
-    runs_ptr=None, stride_run=0, M=0, FUSE_ROWS: tl.constexpr = 0,
+    runs_ptr=None, stride_run=0, M=0, FUSE_ROWS: tl.constexpr = 0, PEEL: tl.constexpr = False,
 ):
     # _attn_split_kernel for RUN consecutive rows at once, grid (cdiv(B, RUN), Hkv, NS): the rows of
     # one slot (a prefill chunk) share each K / V tile load and one MMA of TILE_M >= RUN * G tile rows,
@@ -598,6 +601,9 @@ def _attn_runs_kernel(
     # merged into the rows' running result at once by the merge kernel's own step (merge_step), so no
     # partials go through memory and the merge kernel skips these rows (it asks _run_is_fused too). With
     # FUSE_ROWS, only programs in runs of that many rows (a verify chunk beside a long chunk keeps its splits).
+    # PEEL: a fused program's split 0 runs before its split loop (the same operations in the same order): the
+    # loop then holds no store for the rows of one split (sm_90 at GLM-4.5's tile: 640 -> 456 bytes of spills,
+    # 2351 -> 1825 instructions a split outside the tile loop; bench/compile_check.py --sass).
     grid_dependency()
     blk = tl.program_id(0)
     g = tl.program_id(1)
@@ -633,15 +639,30 @@ def _attn_runs_kernel(
         l_run = tl.zeros([TILE_M], tl.float32)
         acc_run = tl.zeros([TILE_M, BLOCK_DV], tl.float32)
         n_splits = tl.max(tl.where(hm, tl.cdiv(length, split), 0), axis=0)
-        for sp in range(0, n_splits):
+        first = 0
+        if PEEL:   # split 0 before the loop, with the one-split rows' store: no store inside the loop
+            grp = hm & (0 < length)
+            m_i, l_i, acc = _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp,
+                                              split * 0, tl.minimum(split, length), d, dm, dv, dvm, BLOCK_N,
+                                              SPLIT_PRODUCTS, INTERIOR)
+            _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc,
+                        l_i, gate_ptr, b * sg_b + qh * DV, GATED)
+            part = grp & (length > split)
+            m_new, l_new, a_new = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
+            m_run = tl.where(part, m_new, m_run)
+            l_run = tl.where(part, l_new, l_run)
+            acc_run = tl.where(part[:, None], a_new, acc_run)
+            first = 1
+        for sp in range(first, n_splits):
             start = sp * split
             grp = hm & (start < length)
             m_i, l_i, acc = _runs_group_split(q_hi, q_lo, k_base, skc_l, skc_d, v_base, svc_l, svc_d, grp, start,
                                               tl.minimum(start + split, length), d, dm, dv, dvm, BLOCK_N,
                                               SPLIT_PRODUCTS, INTERIOR)
-            if sp == 0:   # rows of one split: no merge, as in the split kernel
-                _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc,
-                            l_i, gate_ptr, b * sg_b + qh * DV, GATED)
+            if not PEEL:
+                if sp == 0:   # rows of one split: no merge, as in the split kernel
+                    _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :],
+                                acc, l_i, gate_ptr, b * sg_b + qh * DV, GATED)
             part = grp & (length > split)
             m_new, l_new, a_new = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
             m_run = tl.where(part, m_new, m_run)
@@ -871,7 +892,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         stages = {} if run_stages is None else {"num_stages": run_stages}
         _attn_runs_kernel[(triton.cdiv(B, cfg.run_rows), HKV, NS)](
             *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), FUSE=fuse, RUN_P2=run_p2,
-            INTERIOR=cfg.run_interior, **table, **warps, **stages, **LAUNCH)
+            INTERIOR=cfg.run_interior, PEEL=fuse and cfg.run_peel, **table, **warps, **stages, **LAUNCH)
     else:
         _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:

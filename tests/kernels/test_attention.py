@@ -432,10 +432,11 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
         assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=32, same_slot_runs=True), got)
 
 
-@pytest.mark.parametrize("interior", [False, True], ids=["masked", "interior"])
+@pytest.mark.parametrize("interior,peel", [(False, False), (True, False), (True, True)],
+                         ids=["masked", "interior", "interior-peel"])   # GPU d 128, GPU d 256, interpreter
 @pytest.mark.parametrize("products", ["split", "cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
-def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interior, monkeypatch):
+def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interior, peel, monkeypatch):
     """``run_fuse_rows``: when the launch's shortest run (``same_slot_runs=n``) has at least that many rows, a
     full one-slot program's split-0 program folds every split and merges them with the merge kernel's step, no
     partials; programs of several slots, and a lone last row, keep the split programs and the merge. Every row
@@ -443,8 +444,9 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interio
     row, rows of length 0 and rows of one split inside fused runs, decode rows of other slots beside them,
     gated too -- and the merge kernel leaves the fused rows alone (NaN outputs would show otherwise). A launch
     whose shortest run is below the threshold (``True``: 1) does not fuse. ``run_interior``: the tiles inside
-    every row's range of a group folded without masks, the same bits. Control: the same fused launch under
-    another split schedule differs."""
+    every row's range of a group folded without masks, the same bits; ``run_peel``: a fused program's split 0
+    run before its split loop, the same bits. Control: the same fused launch under another split schedule
+    differs."""
     import dataclasses
 
     HQ, HKV, D, DV = 6, 2, 48, 40
@@ -469,14 +471,15 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interio
         split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched, products=products)
         split_gated = decode_attention(q, kc, vc, slots, lengths, 0.2, split_size=sched, gate=gate, products=products)
         # the shortest run of more than one row has 8 rows; True: runs of unknown length
-        cfg = dataclasses.replace(base, run_rows=4, run_fuse_rows=8, run_interior=interior)
+        cfg = dataclasses.replace(base, run_rows=4, run_fuse_rows=8, run_interior=interior, run_peel=peel)
         with A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
             for shortest in (True, 8):
                 kw = dict(split_size=sched, same_slot_runs=shortest, products=products)
                 got[shortest] = (_run(q, kc, vc, slots, lengths, 0.2, **kw),
                                  decode_attention(q, kc, vc, slots, lengths, 0.2, gate=gate, **kw))
             other = _run(q, kc, vc, slots, lengths, 0.2, **{**kw, "split_size": 32})
-    assert [(k["FUSE"], k["INTERIOR"]) for k in spy.kwargs] == [(False, interior)] * 2 + [(True, interior)] * 3
+    assert [(k["FUSE"], k["INTERIOR"], k["PEEL"]) for k in spy.kwargs] == \
+        [(False, interior, False)] * 2 + [(True, interior, peel)] * 3
     for fuse in got:
         assert not torch.isnan(got[fuse][0]).any()
         assert torch.equal(got[fuse][0], split) and torch.equal(got[fuse][1], split_gated), fuse

@@ -132,8 +132,10 @@ CASES = [
      (128, 512, 64, 256), (32, 64, 8, 4, 2, 4, 512), (16, 128, 128, 4, 2, 4, 16)),
     ("mla", "MLA_CONFIGS", ("block_h", "fuse_rows"), (16, 512, 64, 256), (16, None), (16, 16)),
     # interior tiles unmasked on the GPU for d 256 only (2026-12-05-h200-prefill-runs.md)
-    ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior"), (64, 256, 256), (512, True), (16, True)),
-    ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior"), (64, 128, 128), (1024, False), (16, True)),
+    ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior", "run_peel"), (64, 256, 256),
+     (512, True, False), (16, True, True)),
+    ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior", "run_peel"), (64, 128, 128),
+     (1024, False, False), (16, True, True)),
     ("mla", "MLA_CONFIGS", ("block_h", "block_n"), (4, 16, 8, 128), (16, 64), (16, 128)),
     ("linear", "SPLITK_SUM_CONFIGS", ("min_block", "max_block", "num_warps"), (4096,), (1024, 1024, 4),
      (16, 1 << 16, 4)),
