@@ -317,6 +317,15 @@ def sweep(kind, shape, gen, bw, budget_end, mla_spec=None):
     return results[0][1:3] if results else None
 
 
+def mla_copy_ceiling(heads: int, r: int, dr: int, peak: float, bw: float) -> tuple:
+    """(FLOP a cached byte, the most of copy bandwidth ``bw`` the latent cache can stream at) of absorbed
+    MLA decode with ``heads`` query heads, latent rank ``r`` and rope dim ``dr`` (bf16 cache, 2 bytes an
+    element): each cached row costs 2 * heads * (r + dr) FLOP for the scores and 2 * heads * r for the
+    output, so with many heads the MMAs at ``peak`` FLOP/s, not the bytes, set the step's time."""
+    per_byte = heads * (2 * r + dr) / (r + dr)
+    return per_byte, min(1.0, peak / (per_byte * bw))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
@@ -356,9 +365,9 @@ def main():
         from bench.bench_prefill import matmul_peak
         peak = matmul_peak(torch.device("cuda"))
         for h, r, dr in mla_shapes:
-            per_byte = h * (2 * r + dr) / (r + dr)
+            per_byte, ceiling = mla_copy_ceiling(h, r, dr, peak, bw)
             log(f"mla {h} heads: {per_byte:.0f} FLOP a cached byte; at the measured bf16 peak ({peak / 1e12:.0f} "
-                f"TFLOP/s) the cache streams at most {100 * min(1.0, peak / (per_byte * bw)):.0f} % of copy bandwidth")
+                f"TFLOP/s) the cache streams at most {100 * ceiling:.0f} % of copy bandwidth")
     shapes = ([("gqa", s) for s in GQA_SHAPES] if "gqa" in kinds else []) + ([("mla", s) for s in mla_shapes]
                                                                            if "mla" in kinds else [])
     gen = torch.Generator(device="cuda").manual_seed(7)
