@@ -386,15 +386,16 @@ def cmd_exactness(args) -> int:
 
 
 SOAK_KINDS = ("scenario", "chunks", "speculative")
-"""What a soak case checks, chosen by its seed (``seed % 3``), so ``--soak 1 --seed S`` replays case S."""
+"""What a soak case checks, chosen by its seed (``seed % len(SOAK_KINDS)``), so ``--soak 1 --seed S`` replays
+case S."""
 
 
 def _soak(model, args) -> bool:
-    """--soak N: N random cases, the case of seed S (args.seed, args.seed + 1, ...) being SOAK_KINDS[S % 3]:
-    a session mix (native vs ordered), a prompt of random length in random chunk sizes (vs whole and token
-    by token in a batch), or speculative decoding with 1-4 drafts (vs plain decoding) -- bitwise, each with
-    its sizes drawn from the seed within --sessions / --steps / --max-prompt. Stops at the first case that
-    differs and names its seed."""
+    """--soak N: N random cases, the case of seed S (args.seed, args.seed + 1, ...) being the kind
+    SOAK_KINDS[S % len(SOAK_KINDS)]: a session mix (native vs ordered), a prompt of random length in random
+    chunk sizes (vs whole and token by token in a batch), or speculative decoding with 1-4 drafts (vs plain
+    decoding) -- bitwise, each with its sizes drawn from the seed within --sessions / --steps /
+    --max-prompt. Stops at the first case that differs and names its seed."""
     import random
     import time
 
@@ -406,7 +407,7 @@ def _soak(model, args) -> bool:
     bad, t0 = None, time.time()
     bar = _progress(args, args.soak, "soak")
     for seed in range(args.seed, args.seed + args.soak):
-        rng, kind = random.Random(seed), SOAK_KINDS[seed % 3]
+        rng, kind = random.Random(seed), SOAK_KINDS[seed % len(SOAK_KINDS)]
         if kind == "scenario":
             sc = random_scenario(rng, model.vocab_size, rng.randint(2, max(2, args.sessions)),
                                  rng.randint(2, max(2, args.steps)), max_prompt=args.max_prompt,

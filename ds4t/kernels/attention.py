@@ -572,6 +572,15 @@ def _run_is_fused(slots_ptr, blk, B, RUN: tl.constexpr, RUN_P2: tl.constexpr, ru
 
 
 @triton.jit
+def _merge_rows(part, m_run, l_run, acc_run, m_i, l_i, acc):
+    """A fused program's merge of one split (m_i, l_i, acc) into its rows' running result, for the rows in
+    ``part`` (those of more than one split that reach this split); the other rows keep theirs."""
+    m_new, l_new, a_new = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
+    return (tl.where(part, m_new, m_run), tl.where(part, l_new, l_run),
+            tl.where(part[:, None], a_new, acc_run))
+
+
+@triton.jit
 def _attn_runs_kernel(
     q_ptr, sq_b, sq_h, sq_d,
     kc_ptr, skc_s, skc_l, skc_h, skc_d,
@@ -648,10 +657,7 @@ def _attn_runs_kernel(
             _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :], acc,
                         l_i, gate_ptr, b * sg_b + qh * DV, GATED)
             part = grp & (length > split)
-            m_new, l_new, a_new = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
-            m_run = tl.where(part, m_new, m_run)
-            l_run = tl.where(part, l_new, l_run)
-            acc_run = tl.where(part[:, None], a_new, acc_run)
+            m_run, l_run, acc_run = _merge_rows(part, m_run, l_run, acc_run, m_i, l_i, acc)
             first = 1
         for sp in range(first, n_splits):
             start = sp * split
@@ -664,10 +670,7 @@ def _attn_runs_kernel(
                     _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (grp & one)[:, None] & dvm[None, :],
                                 acc, l_i, gate_ptr, b * sg_b + qh * DV, GATED)
             part = grp & (length > split)
-            m_new, l_new, a_new = merge_step(m_run, l_run, acc_run, m_i, l_i, acc)
-            m_run = tl.where(part, m_new, m_run)
-            l_run = tl.where(part, l_new, l_run)
-            acc_run = tl.where(part[:, None], a_new, acc_run)
+            m_run, l_run, acc_run = _merge_rows(part, m_run, l_run, acc_run, m_i, l_i, acc)
         # rows of more than one split, and of none (length 0: zeros, as the merge writes them)
         _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, (hm & (~one | (length == 0)))[:, None] & dvm[None, :],
                     acc_run, l_run, gate_ptr, b * sg_b + qh * DV, GATED)
