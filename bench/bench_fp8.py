@@ -123,9 +123,12 @@ def time_native(model, n: int, ctx: int, iters: int) -> float:
             s.close()
 
 
-def bench_model(spec: str, args, bw: float, log, out_rows):
+def bench_model(spec: str, args, bw: float, log, out_rows, label: str = None):
+    """Load ``spec`` ("preset" or "preset:quantize"), check it on the GPU, time its decode steps; rows and
+    headings say ``label`` (default: the spec)."""
     name, _, q = spec.partition(":")
-    log(f"\n# {spec}\n")
+    label = label or spec
+    log(f"\n# {label}\n")
     cuda = torch.device(args.device).type == "cuda"
     free0 = torch.cuda.mem_get_info()[0] if cuda else 0
     t0 = time.time()
@@ -153,7 +156,7 @@ def bench_model(spec: str, args, bw: float, log, out_rows):
             log(f"| {n} | not native at this context: {e} | | | |")
             continue
         floor = step_floor_bytes(model, n, args.ctx)["total"] / bw * 1e3
-        row = dict(model=spec, n=n, ctx=args.ctx, native_ms=ms, floor_ms=floor, ratio=ms / floor,
+        row = dict(model=label, n=n, ctx=args.ctx, native_ms=ms, floor_ms=floor, ratio=ms / floor,
                    tok_s=n / ms * 1e3, load_s=load_s, weights_gb=model.weight_bytes() / 1e9, exact=ok)
         out_rows.append(row)
         log(f"| {n} | {ms:.2f} | {floor:.2f} | {100 * floor / ms:.0f}% ({ms / floor:.2f}x) | {row['tok_s']:.0f} |")

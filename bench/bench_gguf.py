@@ -49,10 +49,13 @@ from bench.report import Report  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, qlinear_config  # noqa: E402
+from ds4t.kernels.config import overridden  # noqa: E402
 from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
 from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
 
 SHAPES = ((7168, 36864), (2048, 151936))
+PLANE_ON = {"gguf_layout": [{"key": ["Q4_K", "torch.bfloat16"], "fields": {"scale_plane": True}}]}
+"""The layout override that loads bf16 Q4_K weights with their scale plane (off in the GPU's table)."""
 MOE = dict(E=512, I=512, D=2048, k=10)
 
 
@@ -95,6 +98,16 @@ def correctness(dev, log) -> bool:
             good = err <= (1e-4 if adt == torch.float32 else 3e-2) and inv
             ok &= good
             log(f"| moe E={E} I={I} D={D} | {qt} | {str(adt)[6:]} | {err:.1e} | rows {inv} | {good} |")
+        if qt == "Q4_K":   # the scale plane: the header route's bits (bf16 activations, fold route)
+            bf = torch.bfloat16
+            x = torch.randn(16, K, generator=g).to(dev)
+            same = torch.equal(L.linear(x, w.with_scale_plane(), act_dtype=bf), L.linear(x, w, act_dtype=bf))
+            o = M.moe_experts(h, ids, wts, *ws, shared_expert=E - 1, act_dtype=bf)
+            op = M.moe_experts(h, ids, wts, *(t.with_scale_plane() for t in ws), shared_expert=E - 1, act_dtype=bf)
+            same_moe = torch.equal(o, op)
+            ok &= same and same_moe
+            log(f"| scale plane == header, linear / moe | Q4_K | bfloat16 | - | {same} / {same_moe} | "
+                f"{same and same_moe} |")
     return ok
 
 
@@ -106,8 +119,21 @@ def _timed(fns, dev):
     return median_ms(lambda: [f() for f in fns], 2, 1, dev) / len(fns)
 
 
+def _as_type(w: torch.Tensor, fmt: str) -> GGUFWeight:
+    """``w`` quantized as ``fmt``: a kernel type, or "Q4_K+plane" (Q4_K rows with their scale plane)."""
+    qt, _, plane = fmt.partition("+")
+    return quantize(w, qt, act_dtype=torch.bfloat16).with_scale_plane(bool(plane))
+
+
+def _block_bytes(w: GGUFWeight) -> int:
+    """The bytes of ``w``'s blocks (repacked rows without a scale plane): what % of copy bandwidth counts, so
+    a plane's extra bytes show as time, not as bandwidth."""
+    return w.with_scale_plane(False).nbytes
+
+
 def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
-    """ms, GB/s and % of copy bandwidth: quantized linear / MoE next to cuBLAS and ds4t on bf16."""
+    """ms, GB/s and % of copy bandwidth: quantized linear / MoE next to cuBLAS and ds4t on bf16. ``types``
+    may hold "Q4_K+plane" (bytes counted without the plane)."""
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     bf = torch.bfloat16
@@ -124,8 +150,8 @@ def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
                                  gbs=nb / ms / 1e6, pct=100 * nb / ms / 1e-3 / bw))
             del ws
         for qt in types:
-            q = [quantize(w, qt, act_dtype=bf) for _ in range(2)]
-            nb = q[0].nbytes
+            q = [_as_type(w, qt) for _ in range(2)]
+            nb = _block_bytes(q[0])
             for B in (1, 4, 16):
                 x = [torch.randn(B, K, device=dev, generator=g, dtype=bf) for _ in range(2)]
                 ms = _timed([lambda i=i: L.linear(x[i], q[i]) for i in range(2)], dev)
@@ -135,14 +161,14 @@ def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
         del w
     E, I, D, k = moe["E"], moe["I"], moe["D"], moe["k"]
     wf = [torch.randn(*s, device=dev, generator=g, dtype=bf) * s[-1] ** -0.5 for s in ((E, I, D), (E, I, D), (E, D, I))]
-    formats = [("bf16", wf)] + [(qt, [quantize(t, qt, act_dtype=bf) for t in wf]) for qt in types]
+    formats = [("bf16", wf)] + [(qt, [_as_type(t, qt) for t in wf]) for qt in types]
     for B in (1, 4, 16):
         h = torch.randn(B, D, device=dev, generator=g)
         ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(B)]).to(torch.int32)
         wts = torch.softmax(torch.randn(B, k, device=dev, generator=g), -1)
         touched = len(set(ids.flatten().tolist()))
         for fmt, ws in formats:
-            nb = sum(getattr(t, "nbytes", None) or t.numel() * 2 for t in ws) / E * touched
+            nb = sum(_block_bytes(t) if isinstance(t, GGUFWeight) else t.numel() * 2 for t in ws) / E * touched
             ms = _timed([lambda ws=ws: M.moe_experts(h, ids, wts, *ws)], dev)
             rows.append(dict(kernel="moe_experts", fmt=fmt, shape=f"E={E} I={I} D={D} top{k} ({touched} experts)",
                              B=B, mb=nb / 1e6, ms=ms, gbs=nb / ms / 1e6, pct=100 * nb / ms / 1e-3 / bw))
@@ -438,6 +464,8 @@ def write_sweep_csv(path, rows):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--scale-plane", action="store_true",
+                    help="--kernels: Q4_K with its scale plane too; --formats may then name q4_k+plane")
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
@@ -467,10 +495,12 @@ def main() -> int:
     krows, mrows = [], []
     if args.kernels:
         log("\n## Kernels (bf16 activations)\n")
+        types = QTYPES + (("Q4_K+plane",) if args.scale_plane else ())
         if cuda:
-            krows = kernel_rows(bw, args.device, log)
+            krows = kernel_rows(bw, args.device, log, types=types)
         else:
-            krows = kernel_rows(bw, args.device, log, shapes=((512, 96),), moe=dict(E=8, I=256, D=256, k=2))
+            krows = kernel_rows(bw, args.device, log, shapes=((512, 96),), moe=dict(E=8, I=256, D=256, k=2),
+                                types=types)
     if args.sweep:
         log("\n## Sweep (bf16 activations)\n")
         types, what = [t for t in args.sweep_types.split(",") if t], [w for w in args.sweep_what.split(",") if w]
@@ -485,7 +515,11 @@ def main() -> int:
     for name in [m for m in args.models.split(",") if m]:
         for fmt in [f for f in args.formats.split(",") if f]:
             spec = name if fmt == "bf16" else f"{name}:{fmt}"
-            ok &= bench_model(spec, args, bw, log, mrows)
+            if fmt.endswith("+plane"):   # Q4_K rows with their scale plane: the layout table says so at load
+                with overridden(PLANE_ON):
+                    ok &= bench_model(spec.removesuffix("+plane"), args, bw, log, mrows, label=spec)
+            else:
+                ok &= bench_model(spec, args, bw, log, mrows)
     with open(os.path.join(args.out, "gguf.jsonl"), "w") as f:
         for r in krows + mrows:
             f.write(json.dumps(r) + "\n")
@@ -493,7 +527,7 @@ def main() -> int:
     if krows:
         log("| weights | kernel | B | % of copy BW (blocks >= 100 MB) |")
         log("|---|---|---|---|")
-        for fmt in ["bf16 cuBLAS", "bf16 ds4t", *QTYPES]:
+        for fmt in ["bf16 cuBLAS", "bf16 ds4t", *QTYPES, "Q4_K+plane"]:
             for kern in ("linear", "moe_experts"):
                 for B in (1, 4, 16):
                     sel = [r for r in krows if r["fmt"] == fmt and r["kernel"] == kern and r["B"] == B

@@ -153,6 +153,8 @@ def record_gguf() -> None:
                         Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
                         Q.QLinearConfig(block_n=32, split=2, group=2, fold=True)):   # fold: bf16 only
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
+                if qt == "Q4_K":   # rows with a scale plane (read on the fold route only)
+                    L.linear(x, w.with_scale_plane(), b, config=cfg, act_dtype=adt)
         E, I, D = 4, 256, 256
         for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")):
             wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, qg) for _ in range(2))
@@ -161,12 +163,16 @@ def record_gguf() -> None:
             wts = torch.rand(3, 2, generator=g)
             with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
+                if qg == "Q4_K":   # gate / up rows with a scale plane
+                    M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg.with_scale_plane(),
+                                  wu.with_scale_plane(), wd, shared_expert=E - 1, act_dtype=adt)
             M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
 
 
 def record_gguf_tables() -> None:
     """The GGUF decode linear's measured GPU table entries (``qlinear._GPU_TABLE``) at their own K, one N
-    tile (or pair) of 16 rows: their loops are the H200's, for ``--sass _qlinear`` (instructions a weight).
+    tile (or pair) of 16 rows: their loops are the H200's, for ``--sass _qlinear`` (instructions a weight);
+    Q4_K also with its scale plane, and the grouped MoE's Q4_K kernels at real expert dims (``--sass _qmoe``).
     Call inside the GPU-variant selection."""
     import torch
 
@@ -178,6 +184,20 @@ def record_gguf_tables() -> None:
     for (K, N, qt, adt), cfg in Q._GPU_TABLE.items():
         w = quantize(torch.randn(cfg.block_n * (2 if cfg.pair else 1), K, generator=g) / K ** 0.5, qt)
         L.linear(torch.randn(16, K, generator=g), w, None, config=cfg, act_dtype=adt)
+        if qt == "Q4_K":   # the same entry reading the scale plane (FMT 3)
+            L.linear(torch.randn(16, K, generator=g), w.with_scale_plane(), None, config=cfg, act_dtype=adt)
+    # the grouped MoE at Qwen3-Next-80B's expert dims (D 2048, I 512; 3 experts stand for 512) with the GPU
+    # rule's tiles, bf16 Q4_K experts with and without their scale planes
+    from ds4t.kernels import moe as M
+    from ds4t.kernels import qmoe as QM
+
+    E, I, D = 3, 512, 2048
+    ws = [quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5, "Q4_K") for s in ((E, I, D), (E, I, D), (E, D, I))]
+    ids, wts = torch.tensor([[0, 1]], dtype=torch.int32), torch.rand(1, 2, generator=g)
+    with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
+        for plane in (False, True):
+            M.moe_experts(torch.randn(1, D, generator=g), ids, wts, *(w.with_scale_plane(plane) for w in ws),
+                          act_dtype=torch.bfloat16)
 
 
 def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False) -> list:

@@ -198,8 +198,13 @@ def _fold_dot(acc, q, s, mn, xt):
     """Fold route: acc + (q * s - mn) . xt, the weight ``fma(q, s, -mn)`` rounded once to bf16 (one packed
     FMA per two weights), one MMA into acc. q [BN, SB] bf16 integers (exact), s / mn fp32 [BN, SB] (each
     rounded to bf16 first), xt [SB, BM] bf16."""
-    s16 = cast(s, tl.bfloat16)
-    return mma(fma_bf16(q, s16, cast(0.0 - mn, tl.bfloat16)), xt, acc)
+    return _fold_dot16(acc, q, cast(s, tl.bfloat16), cast(0.0 - mn, tl.bfloat16), xt)
+
+
+@triton.jit
+def _fold_dot16(acc, q, s16, nmn16, xt):
+    """:func:`_fold_dot` with the scales already rounded: s16 = bf16(s), nmn16 = bf16(-mn), bf16 [BN, SB]."""
+    return mma(fma_bf16(q, s16, nmn16), xt, acc)
 
 
 @triton.jit
@@ -241,6 +246,27 @@ def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
 
 
 @triton.jit
+def _plane4(p, i: tl.constexpr):
+    """bf16 [BN, 4]: entries 4 i .. 4 i + 3 of each row's 16 (p [BN] bf16 pointers; one 8-byte load a row)."""
+    return tl.load(p[:, None] + (4 * i + tl.arange(0, 4))[None, :])
+
+
+@triton.jit
+def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr):
+    """Fold route, Q4_K rows with a scale plane (:func:`ds4t.kernels.quant_blocks.make_scale_plane`, after
+    the repacked row at byte KW / 2 + KW / 16, 32 bytes a block): :func:`_q4_k_fold`'s two MMAs on the same
+    bf16 scales and negated mins, loaded instead of decoded from the header (the same bits)."""
+    p = (w_row + (KW // 2 + KW // 16) + (k // 256) * 32).to(tl.pointer_type(tl.bfloat16))
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
+    j = tl.arange(0, 128)
+    cols = k + (j // 32) * 64 + j % 32      # byte 32 c + l: low nibble column 64 c + l, high 64 c + 32 + l
+    acc = _fold_dot16(acc, lo, _spread(_plane4(p, 0), 32), _spread(_plane4(p, 2), 32),
+                      _x_cols(x_row, cols, tl.bfloat16))
+    return _fold_dot16(acc, hi, _spread(_plane4(p, 1), 32), _spread(_plane4(p, 3), 32),
+                       _x_cols(x_row, cols + 32, tl.bfloat16))
+
+
+@triton.jit
 def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
     """Fold route, Q6_K: the 256-block at k in eight MMAs of 32 columns (two 16-column sub-blocks each).
     Half hf, quarter t: ql bytes 64 hf + 32 (t % 2) .. + 32, nibble t // 2; qh bytes 32 hf .. + 32, bit
@@ -265,12 +291,15 @@ def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
 def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
             FOLD: tl.constexpr = False):
     """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K: one
-    256-block), by the exact or (FOLD) the fold route."""
+    256-block; 3 Q4_K read through its scale plane, fold route only), by the exact or (FOLD) the fold
+    route."""
     if FOLD:
         if FMT == 0:
             acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
         elif FMT == 1:
             acc = _q4_k_fold(acc, w_row, x_row, k, KW)
+        elif FMT == 3:
+            acc = _q4_k_fold_plane(acc, w_row, x_row, k, KW)
         else:
             acc = _q6_k_fold(acc, w_row, x_row, k, KW)
     elif FMT == 0:
@@ -421,6 +450,13 @@ def folds(cfg, act_dtype: torch.dtype) -> bool:
     return cfg.fold and act_dtype == torch.bfloat16
 
 
+def kernel_format(weight: GGUFWeight, fold: bool) -> int:
+    """The kernels' constexpr FMT for ``weight`` on the fold route or not: its format's code, or 3 for a Q4_K
+    weight with a scale plane on the fold route (the exact route reads the header, whose fp32 scales the
+    plane's bf16 ones cannot give back)."""
+    return 3 if fold and weight.scale_plane else block_format(weight.qtype).code
+
+
 FOLD_TYPES = ("Q8_0", "Q4_K")
 """Types whose rule takes the fold route for bf16 activations: faster on the H200 in every swept shape;
 Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-fold.md)."""
@@ -478,11 +514,11 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     split = triton.cdiv(K, kps)
     if B == 0:
         return out
-    fmt = block_format(weight.qtype).code
+    fold = folds(cfg, act_dtype)
     has_bias = bias is not None
     b_arg = bias if has_bias else out
-    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=fmt, ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=folds(cfg, act_dtype),
+    consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=kernel_format(weight, fold), ADT=tl_dtype(act_dtype), G=cfg.group,
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=fold,
                   **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:

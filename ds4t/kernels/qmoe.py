@@ -25,8 +25,8 @@ from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
                               down_finder, row_program_count)                 # inside its launcher
-from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, qdot, qdot_pair
-from ds4t.kernels.quant_blocks import GGUFWeight, block_format
+from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair
+from ds4t.kernels.quant_blocks import GGUFWeight
 
 
 @triton.jit
@@ -159,11 +159,13 @@ def qmoe_config(kernel: str, qtype: str, B: int) -> QMoEConfig:
 
 
 def check_weights(w_gate, w_up, w_down) -> None:
-    """GGUF experts: gate and up of one type (read in one loop), down any kernel type; all one act_dtype."""
+    """GGUF experts: gate and up of one type and layout (read in one loop), down any kernel type; all one
+    act_dtype."""
     if not all(isinstance(w, GGUFWeight) for w in (w_gate, w_up, w_down)):
         raise TypeError("w_gate, w_up, w_down: cannot mix GGUF block weights with other formats")
-    if w_gate.qtype != w_up.qtype:
-        raise ValueError(f"w_gate and w_up must share one GGUF type, got {w_gate.qtype} and {w_up.qtype}")
+    if (w_gate.qtype, w_gate.scale_plane) != (w_up.qtype, w_up.scale_plane):
+        raise ValueError(f"w_gate and w_up must share one GGUF type and layout, got {w_gate.qtype} and "
+                         f"{w_up.qtype} (scale planes: {w_gate.scale_plane}, {w_up.scale_plane})")
     if len({w.act_dtype for w in (w_gate, w_up, w_down)}) != 1:
         raise ValueError("w_gate, w_up, w_down must share one act_dtype")
 
@@ -188,12 +190,12 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     BN, G = cfg.tiles(I, D, w_gate.qtype)
     _qmoe_gate_up_kernel[(row_program_count(E, P, 16) if gu_rows else n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
-        I, KT, E, D=D, FMT=block_format(w_gate.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
         slots_ptr=slots, ROW_PROGRAMS=gu_rows, **launch_kwargs(cfg), **LAUNCH)
     cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(row_program_count(E, P, 16) if dn_rows else n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
-        y.stride(0), D, E, I=I, FMT=block_format(w_down.qtype).code, G=G, ADT=ADT, BM=16, BN=BN,
+        y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
         FOLD=folds(cfg, adt), **down_finder(gu_rows, dn_rows, BE), **launch_kwargs(cfg), **LAUNCH)

@@ -66,6 +66,12 @@ the exact route's instructions (H200: Q8_0 66-83 % of copy bandwidth against 39-
 bench/results/2026-12-02-h200-gguf-fold.md). Like every launch constant it comes from shapes, type and
 activation dtype, never from the batch; fp32 and fp16 activations always take the exact route.
 
+**The scale plane** (Q4_K, a load-time layout: :data:`GGUF_LAYOUTS`): a row may end with ``K / 8`` more bytes,
+16 bf16 a block -- ``bf16(s_j)`` then ``-bf16(mn_j)`` for the sub-blocks in :data:`PLANE_ORDER`
+(:func:`make_scale_plane`) -- which the fold route loads instead of decoding the packed header: the values
+it would have computed, so the same bits, for fewer instructions a weight (the header stays: the exact route
+and :meth:`GGUFWeight.blocks` read it).
+
 Other GGUF types are dequantized at load (:mod:`ds4t.models.gguf`).
 """
 from __future__ import annotations
@@ -76,6 +82,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.tensors import TensorLike
 
 QTYPES = ("Q8_0", "Q4_K", "Q6_K")
@@ -180,6 +187,10 @@ class GGUFWeight(TensorLike):
     act_dtype: Optional[torch.dtype] = None
     """What activations are rounded to before the products (the model dtype, set at load; None: the
     activations' own dtype). The block integers convert exactly to fp32, bf16 or fp16."""
+    scale_plane: bool = False
+    """Q4_K only: each row ends with a scale plane (:func:`make_scale_plane`, ``K / 8`` bytes more), which the
+    fold route reads instead of decoding the packed header (the same values, so the same bits). Set by
+    :meth:`with_act_dtype` from :data:`GGUF_LAYOUTS`."""
 
     def __post_init__(self):
         f = block_format(self.qtype)
@@ -189,19 +200,43 @@ class GGUFWeight(TensorLike):
             raise ValueError(f"GGUFWeight data must be [..., N, bytes], got {tuple(self.data.shape)}")
         if not (isinstance(self.k, int) and self.k > 0 and self.k % f.qk == 0):
             raise ValueError(f"GGUFWeight {self.qtype}: K={self.k!r} must be a positive multiple of {f.qk}")
-        if self.data.shape[-1] != f.row_bytes(self.k):
-            raise ValueError(f"GGUFWeight {self.qtype}: K={self.k} needs {f.row_bytes(self.k)} bytes a "
-                             f"repacked row, data has {self.data.shape[-1]}")
+        if self.scale_plane and self.qtype != "Q4_K":
+            raise ValueError(f"GGUFWeight {self.qtype}: only Q4_K rows carry a scale plane")
+        if self.data.shape[-1] != self.row_bytes:
+            raise ValueError(f"GGUFWeight {self.qtype}: K={self.k} needs {self.row_bytes} bytes a "
+                             f"repacked row{' with its scale plane' if self.scale_plane else ''}, data has "
+                             f"{self.data.shape[-1]}")
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, qtype: str, k: int,
-                    act_dtype: Optional[torch.dtype] = None) -> "GGUFWeight":
-        """The weight of ggml blocks ``uint8 [..., N, K / QK * BPB]`` (a GGUF file's bytes), repacked."""
-        return cls(repack(blocks, qtype, k), qtype, k, act_dtype)
+    def from_blocks(cls, blocks: torch.Tensor, qtype: str, k: int, act_dtype: Optional[torch.dtype] = None,
+                    scale_plane: bool = False) -> "GGUFWeight":
+        """The weight of ggml blocks ``uint8 [..., N, K / QK * BPB]`` (a GGUF file's bytes), repacked (and with
+        its scale plane appended when ``scale_plane``)."""
+        data = repack(blocks, qtype, k)
+        if scale_plane:
+            data = torch.cat([data, make_scale_plane(blocks, k)], -1)
+        return cls(data, qtype, k, act_dtype, scale_plane)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a stored row: the repacked blocks, plus the scale plane when there is one."""
+        return self.format.row_bytes(self.k) + (scale_plane_bytes(self.k) if self.scale_plane else 0)
 
     def blocks(self) -> torch.Tensor:
         """The ggml blocks ``uint8 [..., N, K / QK * BPB]``, bit for bit what :meth:`from_blocks` took."""
         return unpack(self.data, self.qtype, self.k)
+
+    def with_scale_plane(self, on: bool = True) -> "GGUFWeight":
+        """The same weight with (``on``) or without the Q4_K scale plane (a no-op when it already is so)."""
+        if on == self.scale_plane:
+            return self
+        if not on:
+            return dataclasses.replace(self, data=self.data[..., :self.format.row_bytes(self.k)].contiguous(),
+                                       scale_plane=False)
+        if self.qtype != "Q4_K":
+            raise ValueError(f"GGUFWeight {self.qtype}: only Q4_K rows carry a scale plane")
+        return dataclasses.replace(self, data=torch.cat([self.data, make_scale_plane(self.blocks(), self.k)], -1),
+                                   scale_plane=True)
 
     @property
     def format(self) -> BlockFormat:
@@ -213,8 +248,18 @@ class GGUFWeight(TensorLike):
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel reads: the repacked rows (the blocks plus any row padding)."""
+        """Bytes held: the repacked rows (the blocks plus any row padding and scale plane). A kernel reads
+        all but one of the two scale encodings of a row with a plane (:meth:`read_bytes`)."""
         return self.data.numel()
+
+    def read_bytes(self, fold: bool) -> int:
+        """Bytes a launch reads (the fold route or not): a Q4_K row with a scale plane is read with its
+        plane on the fold route and with its packed header otherwise, never both."""
+        if not self.scale_plane:
+            return self.nbytes
+        nb = self.k // 256
+        skipped = nb * 16 if fold else scale_plane_bytes(self.k)
+        return self.nbytes - self.data[..., 0].numel() * skipped
 
     def contiguous(self) -> "GGUFWeight":
         return dataclasses.replace(self, data=self.data.contiguous())
@@ -223,7 +268,10 @@ class GGUFWeight(TensorLike):
         return dataclasses.replace(self, data=self.data.to(device))
 
     def with_act_dtype(self, dtype: Optional[torch.dtype]) -> "GGUFWeight":
-        return dataclasses.replace(self, act_dtype=dtype)
+        """The weight for a model of activation dtype ``dtype`` (what load calls), laid out as
+        :data:`GGUF_LAYOUTS` says for (type, dtype)."""
+        w = dataclasses.replace(self, act_dtype=dtype)
+        return w.with_scale_plane(gguf_layout(self.qtype, dtype).scale_plane)
 
     def __getitem__(self, idx) -> "GGUFWeight":
         """Rows (or leading-dim entries) selected by ``idx``; the K axis is never indexed."""
@@ -238,7 +286,7 @@ class GGUFWeight(TensorLike):
         if a % qk or b % qk or not 0 <= a < b <= self.k:
             raise ValueError(f"GGUFWeight {self.qtype}: columns [{a}, {b}) do not fall on its {qk}-column blocks")
         return GGUFWeight.from_blocks(self.blocks()[..., a // qk * bpb: b // qk * bpb].contiguous(), self.qtype,
-                                      b - a, self.act_dtype)
+                                      b - a, self.act_dtype, self.scale_plane)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real weight, as ``gguf.quants.dequantize`` computes it (fp32), cast to ``dtype``."""
@@ -274,12 +322,7 @@ def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, t
     elif qtype == "Q4_K":
         qs = b[:, 16:].reshape(n, 4, 1, 32).int()
         q = torch.cat([qs & 15, qs >> 4], 2).reshape(n, 256).double()
-        p = b[:, 4:16].int()
-        j = torch.arange(4, device=b.device)
-        sc = torch.cat([p[:, j] & 63, (p[:, 8 + j] & 15) | ((p[:, j] >> 6) << 4)], 1)
-        m = torch.cat([p[:, 4 + j] & 63, (p[:, 8 + j] >> 4) | ((p[:, 4 + j] >> 6) << 4)], 1)
-        s = (f16(0) * sc.double()).repeat_interleave(32, 1)
-        mn = (f16(2) * m.double()).repeat_interleave(32, 1)
+        s, mn = (t.repeat_interleave(32, 1) for t in _q4_k_scales(b))
     else:
         e = torch.arange(128, device=b.device)
         ql = b[:, :128].reshape(n, 2, 64).int()[:, :, e % 64]
@@ -288,6 +331,39 @@ def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, t
         s = (f16(208) * b[:, 192:208].view(torch.int8).double()).repeat_interleave(16, 1)
         mn = torch.zeros_like(q)
     return tuple(t.reshape(*lead, K) for t in (q, s, mn))
+
+
+def _q4_k_scales(b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K blocks ``uint8 [n, 144]`` -> (s, mn) fp64 ``[n, 8]``: each sub-block's scale ``d * sc`` and min
+    ``dmin * m`` (ggml's ``get_scale_min_k4``; both exact in fp32)."""
+    p = b[:, 4:16].int()
+    j = torch.arange(4, device=b.device)
+    sc = torch.cat([p[:, j] & 63, (p[:, 8 + j] & 15) | ((p[:, j] >> 6) << 4)], 1)
+    m = torch.cat([p[:, 4 + j] & 63, (p[:, 8 + j] >> 4) | ((p[:, 4 + j] >> 6) << 4)], 1)
+    d, dmin = (b[:, lo:lo + 2].contiguous().view(torch.float16).double() for lo in (0, 2))
+    return d * sc.double(), dmin * m.double()
+
+
+PLANE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""Sub-blocks in a scale plane's block: the low nibbles' four (bytes 32 c + l hold sub-blocks 2 c and 2 c + 1),
+then the high nibbles' four: the order of the fold route's two MMAs."""
+
+
+def scale_plane_bytes(K: int) -> int:
+    """Bytes a Q4_K row of K columns adds with a scale plane: 16 bf16 a block."""
+    return K // 256 * 32
+
+
+def make_scale_plane(blocks: torch.Tensor, K: int) -> torch.Tensor:
+    """Q4_K blocks ``uint8 [..., N, K / 256 * 144]`` -> the scale plane ``uint8 [..., N, K / 8]``: per block
+    16 bf16, ``bf16(s_j)`` for j in :data:`PLANE_ORDER`, then ``-bf16(mn_j)`` in the same order (s = d sc and
+    mn = dmin m exact in fp32, each rounded once to bf16, nearest-even): the values the fold route's
+    packed FMA takes, made once at load instead of on every read."""
+    lead, nb = blocks.shape[:-1], K // 256
+    s, mn = _q4_k_scales(blocks.reshape(-1, 144))
+    order = torch.tensor(PLANE_ORDER, device=blocks.device)
+    plane = torch.cat([s[:, order], -mn[:, order]], 1).float().to(torch.bfloat16)   # fp64 -> fp32 exact
+    return plane.reshape(*lead, nb * 16).view(torch.uint8)
 
 
 def bf16_of_f64(v: torch.Tensor) -> torch.Tensor:
@@ -389,7 +465,7 @@ def quantize_numpy(w: np.ndarray, qtype: str) -> np.ndarray:
 
 def quantize(w: torch.Tensor, qtype: str, act_dtype: Optional[torch.dtype] = None) -> GGUFWeight:
     """A float weight ``[..., N, K]`` as a :class:`GGUFWeight` of ``qtype`` (on ``w``'s device)."""
-    return GGUFWeight.from_blocks(quantize_blocks(w, qtype), qtype, int(w.shape[-1]), act_dtype)
+    return GGUFWeight.from_blocks(quantize_blocks(w, qtype), qtype, int(w.shape[-1])).with_act_dtype(act_dtype)
 
 
 def fallback_type(qtype: str, K: int) -> Optional[str]:
@@ -402,5 +478,32 @@ def fallback_type(qtype: str, K: int) -> Optional[str]:
 
 
 def same_format(parts: Sequence[GGUFWeight]) -> bool:
-    """Can ``parts`` be joined into one weight (rows or experts): one type, one K, one act_dtype."""
-    return len({(p.qtype, p.k, p.act_dtype) for p in parts}) == 1
+    """Can ``parts`` be joined into one weight (rows or experts): one type, one K, one act_dtype, one
+    layout."""
+    return len({(p.qtype, p.k, p.act_dtype, p.scale_plane) for p in parts}) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout at load: a function of (type, activation dtype), in the one config idiom
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GGUFLayout:
+    scale_plane: bool = False   # Q4_K with bf16 activations: append the bf16 scale plane to every row
+
+
+def _layout_interp(qtype: str, act_dtype) -> GGUFLayout:
+    # on wherever the fold route could read it, so every CPU test of a bf16 Q4_K model runs it
+    return GGUFLayout(scale_plane=qtype == "Q4_K" and act_dtype == torch.bfloat16)
+
+
+GGUF_LAYOUTS: ConfigTable[GGUFLayout] = ConfigTable(
+    "gguf_layout", gpu={}, gpu_rule=lambda qtype, act_dtype: GGUFLayout(), interp_rule=_layout_interp,
+    source="the scale plane is untimed on the GPU (off there): 22 % more bytes held and 11 % more read a Q4_K "
+           "block against ~26 % fewer instructions a fold step offline (docs/design.md; the kernel rows "
+           "of bench/results/2026-12-04-h200-gguf-int8.md are the base to beat)")
+"""Keyed on (GGUF type, activation dtype); read when a weight is given its activation dtype at load, so an
+override (``ds4t.kernels.config.overridden``) must be in force while the model loads."""
+
+
+def gguf_layout(qtype: str, act_dtype) -> GGUFLayout:
+    return GGUF_LAYOUTS(qtype, act_dtype)

@@ -19,8 +19,9 @@ from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
-from ds4t.kernels.quant_blocks import (FORMATS, QTYPES, GGUFWeight, block_terms, dequantize, fold_weights, quantize,
-                                       quantize_numpy, repack, unpack)
+from ds4t.kernels.quant_blocks import (FORMATS, GGUF_LAYOUTS, PLANE_ORDER, QTYPES, GGUFLayout, GGUFWeight, block_terms,
+                                       dequantize, fold_weights, gguf_layout, quantize, quantize_numpy, repack,
+                                       scale_plane_bytes, unpack)
 from tests.kernels.invariance import assert_rows_invariant, half_row_tiles, poison_empty, poisoned
 
 DEV = torch.device("cpu" if INTERPRET else "cuda")
@@ -133,6 +134,79 @@ def test_repack_round_trips_and_aligns(qtype, K):
     assert torch.equal(w.cols(j * f.qk, (j + 1) * f.qk).blocks(), raw[..., j * f.bpb:(j + 1) * f.bpb])
     with pytest.raises(ValueError, match="do not fall"):
         w.cols(1, f.qk)
+
+
+# ----------------------------------------------------------------------------- the Q4_K scale plane
+
+def test_scale_plane_layout_round_trips():
+    """A Q4_K row with its scale plane: the repacked row then K / 8 bytes of bf16 (s, -mn) in PLANE_ORDER,
+    each s = d sc and mn = dmin m of gguf-py's decoding rounded once to bf16; the ggml blocks come back bit
+    for bit; rows, experts, columns and joins keep the plane; other types refuse one."""
+    K = 512
+    w = random_blocks((2, 3, K), "Q4_K", seed=5)
+    wp = w.with_scale_plane()
+    R = FORMATS["Q4_K"].row_bytes(K)
+    assert wp.data.shape == (2, 3, R + scale_plane_bytes(K)) and wp.row_bytes == R + K // 8
+    assert torch.equal(wp.data[..., :R], w.data) and torch.equal(wp.blocks(), w.blocks())
+    q, s, mn = block_terms(w.blocks(), "Q4_K", K)
+    plane = wp.data[..., R:].contiguous().view(torch.bfloat16).reshape(2, 3, K // 256, 16)
+    order = torch.tensor(PLANE_ORDER)
+    sub_s = s.reshape(2, 3, K // 256, 8, 32)[..., 0][..., order]
+    sub_mn = mn.reshape(2, 3, K // 256, 8, 32)[..., 0][..., order]
+    assert torch.equal(plane, torch.cat([sub_s, -sub_mn], -1).float().to(torch.bfloat16))
+    assert torch.equal(wp.with_scale_plane(False).data, w.data) and wp.with_scale_plane() is wp
+    assert wp.read_bytes(fold=True) == wp.nbytes - 6 * (K // 256) * 16   # the header is not read
+    assert wp.read_bytes(fold=False) == w.nbytes == w.read_bytes(fold=True)
+    assert wp[1][1:].scale_plane and torch.equal(wp[1][1:].blocks(), w[1][1:].blocks())
+    cut = wp.cols(256, 512)
+    assert cut.scale_plane and torch.equal(cut.data, w.cols(256, 512).with_scale_plane().data)
+    assert weights.stack([wp[0], wp[1]]).scale_plane and not weights.joinable([wp[0], w[1]])
+    with pytest.raises(ValueError, match="only Q4_K"):
+        random_blocks((4, 256), "Q8_0", seed=1).with_scale_plane()
+    with pytest.raises(ValueError, match="with its scale plane"):
+        GGUFWeight(w.data, "Q4_K", K, scale_plane=True)
+
+
+def test_layout_table_decides_the_plane_at_load():
+    """with_act_dtype (what load calls) lays a weight out as GGUF_LAYOUTS says for (type, activation dtype):
+    in the interpreter a plane for bf16 Q4_K only; a forced table turns it off (or on) for every weight."""
+    w = random_blocks((16, 256), "Q4_K", seed=2)
+    assert INTERPRET is False or w.with_act_dtype(torch.bfloat16).scale_plane
+    assert not w.with_act_dtype(torch.float32).scale_plane
+    assert not random_blocks((16, 256), "Q8_0", seed=2).with_act_dtype(torch.bfloat16).scale_plane
+    assert quantize(torch.randn(16, 256), "Q4_K", act_dtype=torch.bfloat16).scale_plane == \
+        gguf_layout("Q4_K", torch.bfloat16).scale_plane
+    for on in (False, True):
+        with GGUF_LAYOUTS.forced(lambda qtype, adt: GGUFLayout(scale_plane=on and qtype == "Q4_K")):
+            assert w.with_act_dtype(torch.bfloat16).scale_plane is on
+
+
+def _corrupt_plane(w: GGUFWeight) -> GGUFWeight:
+    """Negative control: ``w`` with the last block's first plane scale of every row doubled (its header kept)."""
+    data = w.data.clone()
+    at = data.shape[-1] - 32
+    s = data[..., at:at + 2].contiguous().view(torch.bfloat16) * 2
+    data[..., at:at + 2] = s.view(torch.uint8)
+    return dataclasses.replace(w, data=data)
+
+
+@pytest.mark.parametrize("cfg", [QLinearConfig(block_n=16, split=2, fold=True),
+                                 QLinearConfig(block_n=32, split=1, fold=True, pair=True),
+                                 QLinearConfig(block_n=64, split=3, fold=True)], ids=str)
+def test_scale_plane_changes_no_bit(cfg):
+    """The fold route through the scale plane gives the header route's bits (same bf16 scales, same
+    operations); fp32 activations take the exact route, which reads the header. Control: a plane whose
+    values differ from the header's is what the kernel reads on the fold route (and only there)."""
+    K, N, B = 768, 50, 5
+    w = random_blocks((N, K), "Q4_K", seed=21)
+    wp = w.with_scale_plane()
+    x, b = _x(B, K, 22), torch.randn(N).to(DEV)
+    for adt in (torch.bfloat16, torch.float32):
+        base = linear(x, w, b, config=cfg, act_dtype=adt, out=poisoned((B, N), device=DEV))
+        plane = linear(x, wp, b, config=cfg, act_dtype=adt, out=poisoned((B, N), device=DEV))
+        assert not torch.isnan(plane).any() and torch.equal(base, plane)
+        bad = linear(x, _corrupt_plane(wp), b, config=cfg, act_dtype=adt)
+        assert torch.equal(bad, base) is (adt == torch.float32)
 
 
 # ----------------------------------------------------------------------------- linear
@@ -375,6 +449,26 @@ def test_moe_rows_entry_may_change_row_programs_only():
         assert qmoe.qmoe_config("down", "Q8_0", 4) == base
         with pytest.raises(ValueError, match="row_programs only"):
             qmoe.qmoe_config("down", "Q8_0", 8)
+
+
+def test_moe_scale_plane_changes_no_bit():
+    """Q4_K experts (gate/up and down) through their scale planes on the fold route: the header route's
+    bits; a gate with a plane and an up without one are refused (one loop reads both). Control: a corrupted
+    down plane changes the output."""
+    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q4_K", seed=17)
+    E = wg.shape[0]
+
+    def run(g, u, d):
+        with use_variants({"moe_experts": "gpu"}):
+            return moe_experts(h, ids, wts, g, u, d, shared_expert=E - 1, act_dtype=torch.bfloat16,
+                               out=poisoned((h.shape[0], h.shape[1]), device=DEV))
+
+    planes = [w.with_scale_plane() for w in (wg, wu, wd)]
+    base, plane = run(wg, wu, wd), run(*planes)
+    assert not torch.isnan(plane).any() and torch.equal(base, plane)
+    assert not torch.equal(run(planes[0], planes[1], _corrupt_plane(planes[2])), base)
+    with pytest.raises(ValueError, match="layout"):
+        run(planes[0], wu, wd)
 
 
 def test_moe_weight_errors():
