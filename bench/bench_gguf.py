@@ -12,7 +12,9 @@
 3. Models (``--models``): each preset in bf16 and quantized at load (``preset:q4_k``, ``preset:q8_0``):
    load, exactness on the GPU (harness native == ordered with both negative controls), decode step time
    at each N against the bytes floor (bench/floor.py's count: weights once, every session's state), via
-   bench_fp8.bench_model.
+   bench_fp8.bench_model. ``--formats q4_k+plane`` (with ``--scale-plane``) loads Q4_K with its scale plane
+   (``quant_blocks.GGUF_LAYOUTS``); its floor counts the bytes held (the plane too, though the fold route reads
+   the plane instead of the 16-byte header), so compare its steps with the q4_k rows in ms.
 
 4. Sweep (``--sweep``, one call of a few minutes on an H200): per GGUF type, a small grid of launch configs
    (route -- ``--sweep-routes exact,fold`` --, N tile, warps, stages, split-K, Q8_0 blocks a step) of the quantized linear at
@@ -128,7 +130,7 @@ def _as_type(w: torch.Tensor, fmt: str) -> GGUFWeight:
 def _block_bytes(w: GGUFWeight) -> int:
     """The bytes of ``w``'s blocks (repacked rows without a scale plane): what % of copy bandwidth counts, so
     a plane's extra bytes show as time, not as bandwidth."""
-    return w.with_scale_plane(False).nbytes
+    return w.data[..., 0].numel() * w.format.row_bytes(w.k)
 
 
 def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):

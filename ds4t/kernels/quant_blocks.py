@@ -248,18 +248,9 @@ class GGUFWeight(TensorLike):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the repacked rows (the blocks plus any row padding and scale plane). A kernel reads
-        all but one of the two scale encodings of a row with a plane (:meth:`read_bytes`)."""
+        """Bytes held: the repacked rows (the blocks plus any row padding and scale plane). A launch reads a
+        row's plane on the fold route and its packed header otherwise, never both."""
         return self.data.numel()
-
-    def read_bytes(self, fold: bool) -> int:
-        """Bytes a launch reads (the fold route or not): a Q4_K row with a scale plane is read with its
-        plane on the fold route and with its packed header otherwise, never both."""
-        if not self.scale_plane:
-            return self.nbytes
-        nb = self.k // 256
-        skipped = nb * 16 if fold else scale_plane_bytes(self.k)
-        return self.nbytes - self.data[..., 0].numel() * skipped
 
     def contiguous(self) -> "GGUFWeight":
         return dataclasses.replace(self, data=self.data.contiguous())
