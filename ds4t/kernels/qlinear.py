@@ -3,7 +3,8 @@ launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
 
 Shapes and dtypes
     x       [B, K]  fp32 / bf16 / fp16, rounded to the activation dtype A inside the kernel
-    weight  GGUFWeight [N, K]: uint8 [N, row_bytes(K)], the blocks repacked in aligned planes
+    weight  GGUFWeight [N, K]: uint8 [N, row_bytes], the blocks repacked in aligned planes (a Q4_K row may end
+            with its scale plane, read on the fold route instead of the header: FMT 3)
     bias    [N] or None, any float dtype, added in fp32
     returns [B, N]  fp32
 

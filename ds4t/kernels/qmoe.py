@@ -42,7 +42,7 @@ def _qmoe_gate_up_kernel(
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
     whole K loop after the other; the same bits either way.
-    wg / wu: repacked rows uint8 [E, I, row_bytes(D)] (strides sw_e, sw_n bytes, same for both); D is a
+    wg / wu: repacked rows uint8 [E, I, GGUFWeight.row_bytes] (strides sw_e, sw_n bytes, same for both); D is a
     constexpr because the planes of a row start at offsets made from it. ``slots``: as in
     :func:`ds4t.kernels.moe._moe_gate_up_kernel` (each slot's expert, for the down kernel). ROW_PROGRAMS: one
     row tile a program (:func:`ds4t.kernels.moe._program_tile`; no slots)."""
@@ -82,7 +82,7 @@ def _qmoe_down_kernel(
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
-    row_bytes(I)]); ``experts`` lists each slot's expert (-1: none), the gate/up kernel's ``slots`` or the
+    GGUFWeight.row_bytes]); ``experts`` lists each slot's expert (-1: none), the gate/up kernel's ``slots`` or the
     host-made list; DEVICE_LIST / ROW_PROGRAMS as in :func:`ds4t.kernels.moe._moe_down_kernel`."""
     grid_dependency()
     if ROW_PROGRAMS:
