@@ -313,9 +313,12 @@ _POOLS = {}
 
 
 def _pool(qtype):
+    """(x [POOL, K], weight [24, K], bias) of ``qtype``, or of "Q4_K+plane" (Q4_K rows with their scale plane)."""
     if qtype not in _POOLS:
-        K = 128 if qtype == "Q8_0" else 512   # several sub-blocks per split: a split regroups the sum
-        _POOLS[qtype] = (_x(POOL, K, seed=9), random_blocks((24, K), qtype, seed=5), torch.randn(24).to(DEV))
+        base, _, plane = qtype.partition("+")
+        K = 128 if base == "Q8_0" else 512   # several sub-blocks per split: a split regroups the sum
+        w = random_blocks((24, K), base, seed=5).with_scale_plane(bool(plane))
+        _POOLS[qtype] = (_x(POOL, K, seed=9), w, torch.randn(24).to(DEV))
     return _POOLS[qtype]
 
 
@@ -337,24 +340,28 @@ def _check(launch, qtype, batch):
 
 
 @PROPERTY
-@given(batch=batches(), qtype=st.sampled_from(QTYPES), cfg=st.sampled_from([None, *PATH_CONFIGS]),
+@given(batch=batches(), qtype=st.sampled_from([*QTYPES, "Q4_K+plane"]), cfg=st.sampled_from([None, *PATH_CONFIGS]),
        adt=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_rows_invariant(batch, qtype, cfg, adt):
     _check(lambda x, w, b: linear(x, w, b, config=cfg, act_dtype=adt), qtype, batch)
 
 
-def _split_from_batch(x, w, b):
-    """Negative control: the split-K count follows the batch size (what the config must never do)."""
-    return linear(x, w, b, config=QLinearConfig(block_n=16, split=1 if x.shape[0] == 1 else 2, group=1))
+def _split_from_batch(x, w, b, fold=False):
+    """Negative control: the split-K count follows the batch size (what the config must never do); ``fold``:
+    on the fold route with bf16 activations (a Q4_K weight's scale plane is read there)."""
+    cfg = QLinearConfig(block_n=16, split=1 if x.shape[0] == 1 else 2, group=1, fold=fold)
+    return linear(x, w, b, config=cfg, act_dtype=torch.bfloat16 if fold else None)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q4_K+plane"])
 def test_negative_control_is_caught(qtype):
+    fold = qtype.endswith("+plane")
+
     @settings(max_examples=25, deadline=None, database=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck))
     @given(batch=batches())
     def prop(batch):
-        _check(_split_from_batch, qtype, batch)
+        _check(lambda x, w, b: _split_from_batch(x, w, b, fold), qtype, batch)
 
     with pytest.raises(AssertionError, match="differs between batch"):
         prop()
