@@ -208,14 +208,10 @@ class GGUFWeight(TensorLike):
                              f"{self.data.shape[-1]}")
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, qtype: str, k: int, act_dtype: Optional[torch.dtype] = None,
-                    scale_plane: bool = False) -> "GGUFWeight":
-        """The weight of ggml blocks ``uint8 [..., N, K / QK * BPB]`` (a GGUF file's bytes), repacked (and with
-        its scale plane appended when ``scale_plane``)."""
-        data = repack(blocks, qtype, k)
-        if scale_plane:
-            data = torch.cat([data, make_scale_plane(blocks, k)], -1)
-        return cls(data, qtype, k, act_dtype, scale_plane)
+    def from_blocks(cls, blocks: torch.Tensor, qtype: str, k: int,
+                    act_dtype: Optional[torch.dtype] = None) -> "GGUFWeight":
+        """The weight of ggml blocks ``uint8 [..., N, K / QK * BPB]`` (a GGUF file's bytes), repacked."""
+        return cls(repack(blocks, qtype, k), qtype, k, act_dtype)
 
     @property
     def row_bytes(self) -> int:
@@ -262,7 +258,7 @@ class GGUFWeight(TensorLike):
         """The weight for a model of activation dtype ``dtype`` (what load calls), laid out as
         :data:`GGUF_LAYOUTS` says for (type, dtype)."""
         w = dataclasses.replace(self, act_dtype=dtype)
-        return w.with_scale_plane(gguf_layout(self.qtype, dtype).scale_plane)
+        return w.with_scale_plane(GGUF_LAYOUTS(self.qtype, dtype).scale_plane)
 
     def __getitem__(self, idx) -> "GGUFWeight":
         """Rows (or leading-dim entries) selected by ``idx``; the K axis is never indexed."""
@@ -277,7 +273,7 @@ class GGUFWeight(TensorLike):
         if a % qk or b % qk or not 0 <= a < b <= self.k:
             raise ValueError(f"GGUFWeight {self.qtype}: columns [{a}, {b}) do not fall on its {qk}-column blocks")
         return GGUFWeight.from_blocks(self.blocks()[..., a // qk * bpb: b // qk * bpb].contiguous(), self.qtype,
-                                      b - a, self.act_dtype, self.scale_plane)
+                                      b - a, self.act_dtype).with_scale_plane(self.scale_plane)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The real weight, as ``gguf.quants.dequantize`` computes it (fp32), cast to ``dtype``."""
@@ -494,7 +490,3 @@ GGUF_LAYOUTS: ConfigTable[GGUFLayout] = ConfigTable(
            "of bench/results/2026-12-04-h200-gguf-int8.md are the base to beat)")
 """Keyed on (GGUF type, activation dtype); read when a weight is given its activation dtype at load, so an
 override (``ds4t.kernels.config.overridden``) must be in force while the model loads."""
-
-
-def gguf_layout(qtype: str, act_dtype) -> GGUFLayout:
-    return GGUF_LAYOUTS(qtype, act_dtype)

@@ -20,7 +20,7 @@ from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
 from ds4t.kernels.quant_blocks import (FORMATS, GGUF_LAYOUTS, PLANE_ORDER, QTYPES, GGUFLayout, GGUFWeight, block_terms,
-                                       dequantize, fold_weights, gguf_layout, quantize, quantize_numpy, repack,
+                                       dequantize, fold_weights, quantize, quantize_numpy, repack,
                                        scale_plane_bytes, unpack)
 from tests.kernels.invariance import assert_rows_invariant, half_row_tiles, poison_empty, poisoned
 
@@ -174,7 +174,7 @@ def test_layout_table_decides_the_plane_at_load():
     assert not w.with_act_dtype(torch.float32).scale_plane
     assert not random_blocks((16, 256), "Q8_0", seed=2).with_act_dtype(torch.bfloat16).scale_plane
     assert quantize(torch.randn(16, 256), "Q4_K", act_dtype=torch.bfloat16).scale_plane == \
-        gguf_layout("Q4_K", torch.bfloat16).scale_plane
+        GGUF_LAYOUTS("Q4_K", torch.bfloat16).scale_plane
     for on in (False, True):
         with GGUF_LAYOUTS.forced(lambda qtype, adt: GGUFLayout(scale_plane=on and qtype == "Q4_K")):
             assert w.with_act_dtype(torch.bfloat16).scale_plane is on
