@@ -1,4 +1,4 @@
-"""GGUF blocks (Q8_0, Q4_K, Q6_K) on the GPU, in one call: correctness, kernel bandwidth, decode steps.
+"""GGUF blocks (Q8_0, Q4_K, Q5_K, Q6_K) on the GPU, in one call: correctness, kernel bandwidth, decode steps.
 
 1. Correctness (always): every kernel type against gguf-py's dequantize + torch (fp64), the blocks decoded
    bitwise (identity rows), rows alone == rows in a batch of 16 (bitwise), the grouped MoE against its
@@ -53,11 +53,12 @@ from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, qlinear_config  # noqa: E402
 from ds4t.kernels.config import overridden  # noqa: E402
 from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
-from ds4t.kernels.quant_blocks import QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
+from ds4t.kernels.quant_blocks import K_HEADER, QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
 
 SHAPES = ((7168, 36864), (2048, 151936))
-PLANE_ON = {"gguf_layout": [{"key": ["Q4_K", "torch.bfloat16"], "fields": {"scale_plane": True}}]}
-"""The layout override that loads bf16 Q4_K weights with their scale plane (off in the GPU's table)."""
+PLANE_ON = {"gguf_layout": [{"key": [qt, "torch.bfloat16"], "fields": {"scale_plane": True}} for qt in K_HEADER]}
+"""The layout override that loads bf16 Q4_K / Q5_K weights with their scale plane (off in the GPU's table)."""
+PLANE_TYPES = tuple(f"{qt}+plane" for qt in K_HEADER)
 MOE = dict(E=512, I=512, D=2048, k=10)
 
 
@@ -100,7 +101,7 @@ def correctness(dev, log) -> bool:
             good = err <= (1e-4 if adt == torch.float32 else 3e-2) and inv
             ok &= good
             log(f"| moe E={E} I={I} D={D} | {qt} | {str(adt)[6:]} | {err:.1e} | rows {inv} | {good} |")
-        if qt == "Q4_K":   # the scale plane: the header route's bits (bf16 activations, fold route)
+        if qt in K_HEADER:   # the scale plane: the header route's bits (bf16 activations, fold route)
             bf = torch.bfloat16
             x = torch.randn(16, K, generator=g).to(dev)
             same = torch.equal(L.linear(x, w.with_scale_plane(), act_dtype=bf), L.linear(x, w, act_dtype=bf))
@@ -108,7 +109,7 @@ def correctness(dev, log) -> bool:
             op = M.moe_experts(h, ids, wts, *(t.with_scale_plane() for t in ws), shared_expert=E - 1, act_dtype=bf)
             same_moe = torch.equal(o, op)
             ok &= same and same_moe
-            log(f"| scale plane == header, linear / moe | Q4_K | bfloat16 | - | {same} / {same_moe} | "
+            log(f"| scale plane == header, linear / moe | {qt} | bfloat16 | - | {same} / {same_moe} | "
                 f"{same and same_moe} |")
     return ok
 
@@ -122,7 +123,7 @@ def _timed(fns, dev):
 
 
 def _as_type(w: torch.Tensor, fmt: str) -> GGUFWeight:
-    """``w`` quantized as ``fmt``: a kernel type, or "Q4_K+plane" (Q4_K rows with their scale plane)."""
+    """``w`` quantized as ``fmt``: a kernel type, or "Q4_K+plane" / "Q5_K+plane" (rows with their scale plane)."""
     qt, _, plane = fmt.partition("+")
     return quantize(w, qt, act_dtype=torch.bfloat16).with_scale_plane(bool(plane))
 
@@ -135,7 +136,7 @@ def _block_bytes(w: GGUFWeight) -> int:
 
 def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
     """ms, GB/s and % of copy bandwidth: quantized linear / MoE next to cuBLAS and ds4t on bf16. ``types``
-    may hold "Q4_K+plane" (bytes counted without the plane)."""
+    may hold "Q4_K+plane" / "Q5_K+plane" (bytes counted without the plane)."""
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     bf = torch.bfloat16
@@ -467,7 +468,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--scale-plane", action="store_true",
-                    help="--kernels: Q4_K with its scale plane too; --formats may then name q4_k+plane")
+                    help="--kernels: Q4_K and Q5_K with their scale planes too; --formats may then name q4_k+plane, q5_k+plane")
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
@@ -497,7 +498,7 @@ def main() -> int:
     krows, mrows = [], []
     if args.kernels:
         log("\n## Kernels (bf16 activations)\n")
-        types = QTYPES + (("Q4_K+plane",) if args.scale_plane else ())
+        types = QTYPES + (PLANE_TYPES if args.scale_plane else ())
         if cuda:
             krows = kernel_rows(bw, args.device, log, types=types)
         else:
@@ -517,7 +518,7 @@ def main() -> int:
     for name in [m for m in args.models.split(",") if m]:
         for fmt in [f for f in args.formats.split(",") if f]:
             spec = name if fmt == "bf16" else f"{name}:{fmt}"
-            if fmt.endswith("+plane"):   # Q4_K rows with their scale plane: the layout table says so at load
+            if fmt.endswith("+plane"):   # rows with their scale plane: the layout table says so at load
                 with overridden(PLANE_ON):
                     ok &= bench_model(spec.removesuffix("+plane"), args, bw, log, mrows, label=spec)
             else:
@@ -529,7 +530,7 @@ def main() -> int:
     if krows:
         log("| weights | kernel | B | % of copy BW (blocks >= 100 MB) |")
         log("|---|---|---|---|")
-        for fmt in ["bf16 cuBLAS", "bf16 ds4t", *QTYPES, "Q4_K+plane"]:
+        for fmt in ["bf16 cuBLAS", "bf16 ds4t", *QTYPES, *PLANE_TYPES]:
             for kern in ("linear", "moe_experts"):
                 for B in (1, 4, 16):
                     sel = [r for r in krows if r["fmt"] == fmt and r["kernel"] == kern and r["B"] == B

@@ -131,7 +131,7 @@ def record_fp8() -> None:
 
 
 def record_gguf() -> None:
-    """Launches with GGUF block weights (Q8_0, Q4_K, Q6_K), which the presets do not load: linear with the
+    """Launches with GGUF block weights (Q8_0, Q4_K, Q5_K, Q6_K), which the presets do not load: linear with the
     interpreter's config, the GPU rule's and split-K; moe_experts with the interpreter's and the GPU's tiles
     (gate/up and down of different types); fp32 and bf16 activations. Call inside the GPU-variant selection."""
     import torch
@@ -140,11 +140,11 @@ def record_gguf() -> None:
     from ds4t.kernels import moe as M
     from ds4t.kernels import qlinear as Q
     from ds4t.kernels import qmoe as QM
-    from ds4t.kernels.quant_blocks import quantize
+    from ds4t.kernels.quant_blocks import K_HEADER, QTYPES, quantize
 
     g = torch.Generator().manual_seed(0)
     for adt in (torch.float32, torch.bfloat16):
-        for qt in ("Q8_0", "Q4_K", "Q6_K"):
+        for qt in QTYPES:
             K, N = 512, 80
             x = torch.randn(3, K, generator=g)
             w = quantize(torch.randn(N, K, generator=g) / K ** 0.5, qt)
@@ -153,17 +153,17 @@ def record_gguf() -> None:
                         Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
                         Q.QLinearConfig(block_n=32, split=2, group=2, fold=True)):   # fold: bf16 only
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
-                if qt == "Q4_K":   # rows with a scale plane (read on the fold route only)
+                if qt in K_HEADER:   # rows with a scale plane (read on the fold route only)
                     L.linear(x, w.with_scale_plane(), b, config=cfg, act_dtype=adt)
         E, I, D = 4, 256, 256
-        for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")):
+        for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K")):
             wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, qg) for _ in range(2))
             wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, qd)
             ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
             wts = torch.rand(3, 2, generator=g)
             with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
-                if qg == "Q4_K":   # gate / up rows with a scale plane
+                if qg in K_HEADER:   # gate / up rows with a scale plane
                     M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg.with_scale_plane(),
                                   wu.with_scale_plane(), wd, shared_expert=E - 1, act_dtype=adt)
             M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
@@ -172,8 +172,8 @@ def record_gguf() -> None:
 def record_gguf_tables() -> None:
     """The GGUF decode linear's measured GPU table entries (``qlinear._GPU_TABLE``) at their own K, one N
     tile (or pair) of 16 rows: their loops are the H200's, for ``--sass _qlinear`` (instructions a weight);
-    Q4_K also with its scale plane, and the grouped MoE's Q4_K kernels at real expert dims (``--sass _qmoe``).
-    Call inside the GPU-variant selection."""
+    Q4_K also with its scale plane, Q5_K at the Q4_K entries' configs (the rule gives it Q4_K's), and the grouped
+    MoE's Q4_K and Q5_K kernels at real expert dims (``--sass _qmoe``). Call inside the GPU-variant selection."""
     import torch
 
     from ds4t.kernels import linear as L
@@ -184,20 +184,24 @@ def record_gguf_tables() -> None:
     for (K, N, qt, adt), cfg in Q._GPU_TABLE.items():
         w = quantize(torch.randn(cfg.block_n * (2 if cfg.pair else 1), K, generator=g) / K ** 0.5, qt)
         L.linear(torch.randn(16, K, generator=g), w, None, config=cfg, act_dtype=adt)
-        if qt == "Q4_K":   # the same entry reading the scale plane (FMT 3)
+        if qt == "Q4_K":   # the same entry reading the scale plane (FMT 3), and Q5_K with and without (FMT 4 / 5)
             L.linear(torch.randn(16, K, generator=g), w.with_scale_plane(), None, config=cfg, act_dtype=adt)
+            w5 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, "Q5_K")
+            for plane in (False, True):
+                L.linear(torch.randn(16, K, generator=g), w5.with_scale_plane(plane), None, config=cfg, act_dtype=adt)
     # the grouped MoE at Qwen3-Next-80B's expert dims (D 2048, I 512; 3 experts stand for 512) with the GPU
     # rule's tiles, bf16 Q4_K experts with and without their scale planes
     from ds4t.kernels import moe as M
     from ds4t.kernels import qmoe as QM
 
     E, I, D = 3, 512, 2048
-    ws = [quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5, "Q4_K") for s in ((E, I, D), (E, I, D), (E, D, I))]
     ids, wts = torch.tensor([[0, 1]], dtype=torch.int32), torch.rand(1, 2, generator=g)
-    with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
-        for plane in (False, True):
-            M.moe_experts(torch.randn(1, D, generator=g), ids, wts, *(w.with_scale_plane(plane) for w in ws),
-                          act_dtype=torch.bfloat16)
+    for qt in ("Q4_K", "Q5_K"):
+        ws = [quantize(torch.randn(*s, generator=g) / s[-1] ** 0.5, qt) for s in ((E, I, D), (E, I, D), (E, D, I))]
+        with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
+            for plane in (False, True):
+                M.moe_experts(torch.randn(1, D, generator=g), ids, wts, *(w.with_scale_plane(plane) for w in ws),
+                              act_dtype=torch.bfloat16)
 
 
 def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False) -> list:
@@ -402,8 +406,13 @@ def compile_all(records: list, arch: int, sass: str = "") -> list:
                 report = sass_report(ck.asm["cubin"], f"{label} {opts} {shown}")
             results.append((label, True, time.time() - t0, report))
         except Exception as e:  # report every failure, keep compiling the rest
-            msg = str(e).strip().splitlines()
-            results.append((label, False, time.time() - t0, " | ".join(msg[-6:])[:600]))
+            root = e
+            while root.__cause__ is not None:   # Triton chains the call sites; the innermost says what failed
+                root = root.__cause__
+            msg = str(e).strip().splitlines()[-6:]
+            if root is not e:
+                msg += [type(root).__name__ + ":", *str(root).strip().splitlines()[-8:]]
+            results.append((label, False, time.time() - t0, " | ".join(msg)[-1500:]))
     return results
 
 

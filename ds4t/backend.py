@@ -329,6 +329,49 @@ def six_bit_to(ql, qh, NIB: tl.constexpr, PAIR: tl.constexpr, dtype: tl.constexp
     return out
 
 
+def _five_bits_asm(shift: int) -> str:
+    # Both nibbles of two qs bytes ($2) with their fifth bits from two qh bytes ($3) shifted right by `shift`
+    # (<= 6): bit 0 for the low nibble, bit 1 for the high (the shift moves no bit of the second byte into
+    # the first's two lowest). Then each byte to a 16-bit lane (prmt), so the lane shifts stay in their
+    # lanes; 0x4300 | u is the bf16 128 + u, minus 128. Two bytes of each input a call, four values out.
+    sh = f"shr.u32 h, h, {shift};" if shift else ""
+    return f"""{{
+.reg .b32 t, h, u, m;
+mov.b32 m, 0x43004300;
+mov.b32 t, {{$2, 0}};
+mov.b32 h, {{$3, 0}};
+{sh}
+prmt.b32 t, t, 0, 0x4140;
+prmt.b32 h, h, 0, 0x4140;
+shl.b32 u, h, 4;
+lop3.b32 u, u, 0x00100010, m, 0xEA;
+lop3.b32 $0, t, 0x000F000F, u, 0xEA;
+sub.rn.bf16x2 $0, $0, m;
+shr.u32 t, t, 4;
+shl.b32 u, h, 3;
+lop3.b32 u, u, 0x00100010, m, 0xEA;
+lop3.b32 $1, t, 0x000F000F, u, 0xEA;
+sub.rn.bf16x2 $1, $1, m;
+}}"""
+
+
+_FIVE_BITS_ASMS = tl.constexpr(tuple(_five_bits_asm(b) for b in range(7)))
+
+
+@triton.jit
+def five_bits_to(qs, qh, BIT: tl.constexpr, dtype: tl.constexpr):
+    """Q5_K's 5-bit values (0..31) of uint8 tiles qs, qh of one shape as two ``dtype`` tiles (exact): the low
+    nibbles of qs with bit BIT of qh as their fifth bit, and the high nibbles with bit BIT + 1."""
+    if _INTERPRET_C or dtype != tl.bfloat16:
+        w, h = qs.to(tl.int32), qh.to(tl.int32) >> BIT
+        lo = cast(((w & 15) | ((h & 1) << 4)).to(tl.float32), dtype)
+        hi = cast(((w >> 4) | ((h & 2) << 3)).to(tl.float32), dtype)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_FIVE_BITS_ASMS[BIT], "=r,=r,h,h", [qs, qh],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    return lo, hi
+
+
 # Nibbles: two bytes a call (pack=2) -- in the wgmma operand layout a thread's byte pairs come from
 # separate 16-bit shared-memory loads, and merging two of them into one register cost ~6 PRMTs per four
 # bytes (sm_90 SASS).

@@ -663,7 +663,7 @@ def main(argv=None) -> int:
     v = sub.add_parser("convert", help="write a GGUF file (as llama.cpp writes it) from a preset or HF checkpoint dir")
     v.add_argument("src", help="preset name or HF checkpoint directory (llama / qwen3 so far)")
     v.add_argument("dst", help="the .gguf file to write")
-    v.add_argument("--type", default="F32", type=str.upper, choices=["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K"],
+    v.add_argument("--type", default="F32", type=str.upper, choices=["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
                    help="type of the matrices (1-D tensors stay F32; rows a type does not fit fall back: "
                         "K-quants -> Q8_0 -> F16)")
     v.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")

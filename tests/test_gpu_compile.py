@@ -97,7 +97,7 @@ print(json.dumps(out))
 def test_gguf_table_entries_compile_with_their_loops_reported():
     """``--gguf-tables --sass _qlinear``: each measured GGUF table entry compiles at its own K and reports its
     K loop (the instructions-a-weight figures of docs/design.md come from these), the Q4_K entries twice:
-    reading the header (FMT 1) and the scale plane (FMT 3)."""
+    reading the header (FMT 1) and the scale plane (FMT 3), and Q5_K at their configs both ways (FMT 4 / 5)."""
     from ds4t.kernels import qlinear as Q
 
     p = subprocess.run([sys.executable, TOOL, "--presets", "", "--no-fp8", "--gguf-tables", "--sass", "_qlinear"],
@@ -105,8 +105,8 @@ def test_gguf_table_entries_compile_with_their_loops_reported():
     assert p.returncode == 0 and " 0 failed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     heads = [line for line in p.stdout.splitlines() if line.startswith("qlinear._qlinear_kernel")]
     q4k = sum(1 for _, _, qt, _ in Q._GPU_TABLE if qt == "Q4_K")
-    assert len(heads) == len(Q._GPU_TABLE) + q4k
-    assert sum("'FMT': 3," in h for h in heads) == q4k
+    assert len(heads) == len(Q._GPU_TABLE) + 3 * q4k
+    assert all(sum(f"'FMT': {fmt}," in h for h in heads) == q4k for fmt in (3, 4, 5))
     assert sum(1 for line in p.stdout.splitlines() if line.strip().startswith("loop ")) >= len(heads)
     for k, *_ in Q._GPU_TABLE:
         assert f"'K': {k}," in p.stdout, k

@@ -1,17 +1,17 @@
-"""Decode linear over GGUF blocks (Q8_0, Q4_K, Q6_K), read as stored: what :func:`ds4t.kernels.linear.linear`
+"""Decode linear over GGUF blocks (Q8_0, Q4_K, Q5_K, Q6_K), read as stored: what :func:`ds4t.kernels.linear.linear`
 launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
 
 Shapes and dtypes
     x       [B, K]  fp32 / bf16 / fp16, rounded to the activation dtype A inside the kernel
-    weight  GGUFWeight [N, K]: uint8 [N, row_bytes], the blocks repacked in aligned planes (a Q4_K row may end
-            with its scale plane, read on the fold route instead of the header: FMT 3)
+    weight  GGUFWeight [N, K]: uint8 [N, row_bytes], the blocks repacked in aligned planes (a Q4_K / Q5_K row may
+            end with its scale plane, read on the fold route instead of the header: FMT 3 / 5)
     bias    [N] or None, any float dtype, added in fp32
     returns [B, N]  fp32
 
 Arithmetic (defined in :mod:`ds4t.kernels.quant_blocks`): per row n and sub-block j of SB columns, in K
 order, ``acc = fma(s[n, j], x_j . q_j, acc)``, each dot in fp32 from zero (Q4_K: the mins once per block,
-``- dmin * sum_j m_j sum(x_j)`` from one MMA chain), the block's integers converted exactly to A (packed
-bit tricks on the GPU: :func:`ds4t.backend.int8_to`, ``nibbles_to``, ``six_bit_to``) and the fp32 scales
+``- dmin * sum_j m_j sum(x_j)`` from one MMA chain; Q5_K likewise), the block's integers converted exactly to A
+(packed bit tricks on the GPU: :func:`ds4t.backend.int8_to`, ``nibbles_to``, ``five_bits_to``, ``six_bit_to``) and the fp32 scales
 decoded from the block bytes in registers.
 :func:`qdot` is that loop, shared with the MoE kernels (:mod:`ds4t.kernels.qmoe`). It reads the repacked
 planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-byte vector loads (32 or
@@ -20,8 +20,8 @@ planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-
 Fold route (``QLinearConfig.fold``, bf16 activations only): per loop step the integers, converted the same
 way, become weights ``fma(q, bf16(s), -bf16(mn))`` in one packed bf16 FMA (:func:`ds4t.backend.fma_bf16`),
 the sub-blocks of the step side by side with their scales spread along their columns and the activation
-columns gathered in the same order, and meet ``acc`` in one MMA (Q8_0: G blocks; Q4_K: two of 128 columns,
-low and high nibbles; Q6_K: eight of 32). The weights are :func:`ds4t.kernels.quant_blocks.fold_weights`.
+columns gathered in the same order, and meet ``acc`` in one MMA (Q8_0: G blocks; Q4_K / Q5_K: two of 128
+columns, low and high nibbles; Q6_K: eight of 32). The weights are :func:`ds4t.kernels.quant_blocks.fold_weights`.
 
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
 never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (LAUNCH, cast, fma_bf16, grid_dependency, int8_to, mma, nibbles_to, scaled_add, six_bit_to,
-                          tl_dtype)
+from ds4t.backend import (LAUNCH, cast, five_bits_to, fma_bf16, grid_dependency, int8_to, mma, nibbles_to, scaled_add,
+                          six_bit_to, tl_dtype)
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import GGUFWeight, block_format
 
@@ -69,6 +69,16 @@ def _q4k_scale_min(w1, w2, w3, J: tl.constexpr):
         sc = ((w3 >> (8 * (J - 4))) & 15) | (((w1 >> (8 * (J - 4) + 6)) & 3) << 4)
         m = ((w3 >> (8 * (J - 4) + 4)) & 15) | (((w2 >> (8 * (J - 4) + 6)) & 3) << 4)
     return sc, m
+
+
+@triton.jit
+def _k_header(w_row, at):
+    """A K-quant block header (16 bytes at byte ``at`` of each row: d, dmin fp16, 12 packed 6-bit scales and
+    mins) as (d, dmin) fp32 [BN] and the scale bytes as three little-endian int32 words w1, w2, w3 [BN]
+    (:func:`_q4k_scale_min` decodes them)."""
+    hdr = (w_row + at).to(tl.pointer_type(tl.int32))
+    w0 = tl.load(hdr)
+    return _f16_bits(w0), _f16_bits(w0 >> 16), tl.load(hdr + 1), tl.load(hdr + 2), tl.load(hdr + 3)
 
 
 @triton.jit
@@ -120,22 +130,29 @@ def _q8_0_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.
 
 
 @triton.jit
-def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
+def _k_header_at(KW: tl.constexpr, QH: tl.constexpr):
+    """Byte offset of the header plane in a Q4_K (QH False) or Q5_K (QH True: after its qh plane) row."""
+    return KW // 2 + KW // 8 if QH else KW // 2
+
+
+@triton.jit
+def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, QH: tl.constexpr = False):
     """acc + the Q4_K 256-block at column k. Planes: qs [KW / 2] @0 (32-byte run c of a block: sub-blocks
     2c low nibbles, 2c + 1 high), header [KW / 256, 16] @KW / 2 (d, dmin fp16, 12 packed 6-bit scales
-    and mins)."""
-    hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
-    w0 = tl.load(hdr)
-    w1 = tl.load(hdr + 1)
-    w2 = tl.load(hdr + 2)
-    w3 = tl.load(hdr + 3)
-    d = _f16_bits(w0)
-    dmin = _f16_bits(w0 >> 16)
+    and mins). QH (Q5_K): each sub-block 2c + h takes bit 2c + h of the block's 32 qh bytes (plane [KW / 8]
+    @KW / 2, the header after it) as its values' fifth bit."""
+    d, dmin, w1, w2, w3 = _k_header(w_row, _k_header_at(KW, QH) + (k // 256) * 16)
     # the mins: sum_j m_j * (x_j . 1) as one MMA chain over the block (m_j broadcast along its
     # sub-block; small integers, exact in ADT), scaled by dmin once per block
     acc_m = tl.zeros(acc.shape, dtype=tl.float32)
+    if QH:
+        qh = _raw_bytes(w_row, KW // 2 + (k // 256) * 32, 32)
     for c in tl.static_range(4):
-        lo, hi = nibbles_to(_raw_bytes(w_row, k // 2 + 32 * c, 32), ADT)   # exact in ADT
+        qs = _raw_bytes(w_row, k // 2 + 32 * c, 32)
+        if QH:
+            lo, hi = five_bits_to(qs, qh, 2 * c, ADT)
+        else:
+            lo, hi = nibbles_to(qs, ADT)   # exact in ADT
         for h in tl.static_range(2):
             sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
             xt = _x_tile(x_row, k + 64 * c + 32 * h, 32, ADT)
@@ -221,13 +238,9 @@ def _q8_0_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr):
 def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
     """Fold route, Q4_K: the 256-block at k in two MMAs (low nibbles: sub-blocks 0, 2, 4, 6; high nibbles:
     1, 3, 5, 7; each over its 128 columns)."""
-    hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
-    w0 = tl.load(hdr)
-    w1 = tl.load(hdr + 1)
-    w2 = tl.load(hdr + 2)
-    w3 = tl.load(hdr + 3)
-    d = _f16_bits(w0)[:, None]
-    dmin = _f16_bits(w0 >> 16)[:, None]
+    d, dmin, w1, w2, w3 = _k_header(w_row, KW // 2 + (k // 256) * 16)
+    d = d[:, None]
+    dmin = dmin[:, None]
     s0, m0 = _q4k_scale_min(w1, w2, w3, 0)
     s1, m1 = _q4k_scale_min(w1, w2, w3, 1)
     s2, m2 = _q4k_scale_min(w1, w2, w3, 2)
@@ -268,6 +281,35 @@ def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr):
 
 
 @triton.jit
+def _q5_k_fold(acc, w_row, x_row, k, KW: tl.constexpr, PLANE: tl.constexpr):
+    """Fold route, Q5_K: the 256-block at k in eight MMAs of 32 columns, sub-block 2c + h (h: nibble) of qs run
+    c with fifth bit 2c + h of the block's 32 qh bytes, a bit position fixed in each MMA (two MMAs of 128
+    columns, as Q4_K's, must shift each qh byte by its run: 964 against 749 instructions a step at K = 7168,
+    sm_90 SASS). The scales ``bf16(d sc)`` and ``-bf16(dmin m)`` decoded from the header or (PLANE) loaded from
+    the scale plane (:func:`ds4t.kernels.quant_blocks.make_scale_plane`, after the repacked row): the same
+    values, so the same bits."""
+    hdr_at: tl.constexpr = _k_header_at(KW, True)
+    qh = _raw_bytes(w_row, KW // 2 + (k // 256) * 32, 32)
+    if PLANE:
+        p = (w_row + (hdr_at + KW // 16) + (k // 256) * 32).to(tl.pointer_type(tl.bfloat16))
+    else:
+        d, dmin, w1, w2, w3 = _k_header(w_row, hdr_at + (k // 256) * 16)
+    for c in tl.static_range(4):
+        lo, hi = five_bits_to(_raw_bytes(w_row, k // 2 + 32 * c, 32), qh, 2 * c, tl.bfloat16)
+        for h in tl.static_range(2):
+            q = lo if h == 0 else hi
+            if PLANE:   # PLANE_ORDER: the low nibbles' sub-blocks (run c at c), then the high ones'
+                s16 = tl.load(p + 4 * h + c)
+                nmn16 = tl.load(p + 8 + 4 * h + c)
+            else:
+                sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
+                s16 = cast(sc.to(tl.float32) * d, tl.bfloat16)
+                nmn16 = cast(0.0 - m.to(tl.float32) * dmin, tl.bfloat16)
+            acc = _fold_dot16(acc, q, tl.broadcast_to(s16[:, None], q.shape),
+                              tl.broadcast_to(nmn16[:, None], q.shape), _x_tile(x_row, k + 64 * c + 32 * h, 32, tl.bfloat16))
+    return acc
+
+@triton.jit
 def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
     """Fold route, Q6_K: the 256-block at k in eight MMAs of 32 columns (two 16-column sub-blocks each).
     Half hf, quarter t: ql bytes 64 hf + 32 (t % 2) .. + 32, nibble t // 2; qh bytes 32 hf .. + 32, bit
@@ -291,9 +333,10 @@ def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
 @triton.jit
 def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
             FOLD: tl.constexpr = False):
-    """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K: one
-    256-block; 3 Q4_K read through its scale plane, fold route only), by the exact or (FOLD) the fold
-    route."""
+    """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K, 4 Q5_K: one
+    256-block; 3 Q4_K and 5 Q5_K read through their scale plane, fold route only), by the exact or (FOLD)
+    the fold route."""
+    QH: tl.constexpr = FMT == 4 or FMT == 5
     if FOLD:
         if FMT == 0:
             acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
@@ -301,12 +344,14 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
             acc = _q4_k_fold(acc, w_row, x_row, k, KW)
         elif FMT == 3:
             acc = _q4_k_fold_plane(acc, w_row, x_row, k, KW)
+        elif FMT == 4 or FMT == 5:
+            acc = _q5_k_fold(acc, w_row, x_row, k, KW, FMT == 5)
         else:
             acc = _q6_k_fold(acc, w_row, x_row, k, KW)
     elif FMT == 0:
         acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
-    elif FMT == 1:
-        acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW)
+    elif FMT == 1 or FMT == 4:
+        acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW, QH)
     else:
         acc = _q6_k_step(acc, w_row, x_row, k, ADT, KW)
     return acc
@@ -319,9 +364,10 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
 
     w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
     weight's K (where its planes start); x_row [BM] pointers to each activation row's column 0. FMT: 0
-    Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K (one 256-block per step). Sub-blocks run in K
+    Q8_0 (G blocks of 32 per loop step), 1 Q4_K, 2 Q6_K, 4 Q5_K (one 256-block per step; 3 / 5: Q4_K / Q5_K
+    through the scale plane). Sub-blocks run in K
     order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. The integers become
-    ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``six_bit_to`` (packed bit tricks
+    ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``five_bits_to`` / ``six_bit_to`` (packed bit tricks
     on the GPU, plain conversions in the interpreter: the same exact values). FOLD (ADT bf16 only): the
     fold route, one packed FMA a weight pair and one MMA a step (module docstring)."""
     STEP: tl.constexpr = 32 * G if FMT == 0 else 256
@@ -423,8 +469,8 @@ def _q8_group(K: int, cap: int) -> int:
 
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
     """64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
-    H200 (264) and each split keeps >= 8 loop steps. bf16 activations, Q8_0 / Q4_K: the fold route with
-    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps; Q4_K 1 stage); otherwise the exact route,
+    H200 (264) and each split keeps >= 8 loop steps. bf16 activations, Q8_0 / Q4_K / Q5_K: the fold route with
+    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps; Q4_K 1 stage, Q5_K as Q4_K); otherwise the exact route,
     4 Q8_0 blocks a step, 4 warps, 3 stages."""
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
     group = _q8_group(K, 8 if fold else 4) if qtype == "Q8_0" else 1
@@ -451,16 +497,21 @@ def folds(cfg, act_dtype: torch.dtype) -> bool:
     return cfg.fold and act_dtype == torch.bfloat16
 
 
+PLANE_FORMATS = {"Q4_K": 3, "Q5_K": 5}
+"""The kernels' FMT of a type's rows read through their scale plane (fold route)."""
+
+
 def kernel_format(weight: GGUFWeight, fold: bool) -> int:
-    """The kernels' constexpr FMT for ``weight`` on the fold route or not: its format's code, or 3 for a Q4_K
-    weight with a scale plane on the fold route (the exact route reads the header, whose fp32 scales the
-    plane's bf16 ones cannot give back)."""
-    return 3 if fold and weight.scale_plane else block_format(weight.qtype).code
+    """The kernels' constexpr FMT for ``weight`` on the fold route or not: its format's code, or
+    :data:`PLANE_FORMATS`' for a weight with a scale plane on the fold route (the exact route reads the
+    header, whose fp32 scales the plane's bf16 ones cannot give back)."""
+    return PLANE_FORMATS[weight.qtype] if fold and weight.scale_plane else block_format(weight.qtype).code
 
 
-FOLD_TYPES = ("Q8_0", "Q4_K")
-"""Types whose rule takes the fold route for bf16 activations: faster on the H200 in every swept shape;
-Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-fold.md)."""
+FOLD_TYPES = ("Q8_0", "Q4_K", "Q5_K")
+"""Types whose rule takes the fold route for bf16 activations: faster on the H200 in every swept shape for
+Q8_0 and Q4_K; Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-fold.md).
+Q5_K (untimed) is Q4_K's loop plus one 32-byte plane a block, so it follows Q4_K."""
 
 _GPU_TABLE = {
     # H200 sweeps (bench/results/2026-12-02-h200-gguf-fold.md; Q6_K: 2026-11-30-h200-gguf-round3.md): the
@@ -479,7 +530,7 @@ QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
            "--sweep), 2026-12-04-h200-gguf-int8.md; other shapes: the rule (64-row tiles, split-K to ~264 "
-           "programs, fold for bf16 Q8_0 / Q4_K)")
+           "programs, fold for bf16 Q8_0 / Q4_K, and Q5_K as Q4_K, untimed)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 

@@ -1,5 +1,5 @@
 """Routed MoE experts over GGUF blocks: the grouped gate/up and down kernels of :mod:`ds4t.kernels.moe`
-with weights read as Q8_0 / Q4_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
+with weights read as Q8_0 / Q4_K / Q5_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
 for :class:`~ds4t.kernels.quant_blocks.GGUFWeight` experts).
 
 Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWeight [E, I, D] of one type
@@ -7,7 +7,7 @@ Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWei
 ``ffn_down_exps`` one step above gate/up).
 Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
 activations (h, then silu(g)·u) rounded to the activation dtype A first; with bf16 activations a
-``QMoEConfig.fold`` entry takes qdot's fold route (the table's choice for Q8_0 and Q4_K). Grouping, slot-to-expert
+``QMoEConfig.fold`` entry takes qdot's fold route (the table's choice for Q8_0, Q4_K and Q5_K). Grouping, slot-to-expert
 lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
 invariance there (a pair's value depends on its own row, its expert's blocks and launch constants
 that come from shapes and types only).
@@ -128,6 +128,9 @@ _QMOE_DECODE = {
     ("down", "Q4_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
     ("gate_up", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
     ("down", "Q6_K"): QMoEConfig(tile_n=32, q8_group=4, num_warps=2, num_stages=1),
+    # Q5_K: untimed; Q4_K's loop plus one 32-byte plane a block, so Q4_K's entries until a sweep says otherwise
+    ("gate_up", "Q5_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
+    ("down", "Q5_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
 }
 
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
@@ -140,7 +143,8 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     interp_rule=lambda kernel, qtype, *rows: None if rows else QMoEConfig(tile_n=128, q8_group=8, num_warps=4,
                                                                           num_stages=1, fold=qtype in FOLD_TYPES),
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
-           "--sweep); the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a step, fold for Q8_0 / Q4_K; "
+           "--sweep); Q5_K: Q4_K's entries, untimed; the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a "
+           "step, fold for Q8_0 / Q4_K / Q5_K; "
            "row programs: bench/results/2026-12-04-h200-moe-row-programs.md")
 """Keyed on (kernel "gate_up" | "down", GGUF type), plus (kernel, type, "rows") entries for launches of at
 least ``min_rows`` rows, which may differ from the decode entry in ``row_programs`` alone (:func:`qmoe_config`)."""

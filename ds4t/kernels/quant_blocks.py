@@ -1,7 +1,7 @@
-"""GGUF block-quantized weights kept as llama.cpp stores them: Q8_0, Q4_K and Q6_K.
+"""GGUF block-quantized weights kept as llama.cpp stores them: Q8_0, Q4_K, Q5_K and Q6_K.
 
 A GGUF tensor of logical shape [N, K] is N rows of K / QK blocks, each block ``BPB`` bytes, K
-contiguous (the ggml layout). ggml's blocks are 34, 144 and 210 bytes: the quants inside a row sit at
+contiguous (the ggml layout). ggml's blocks are 34, 144, 176 and 210 bytes: the quants inside a row sit at
 offsets no wider load can assume aligned, so :class:`GGUFWeight` keeps the same bytes **repacked once at
 load** (:func:`repack`; :meth:`GGUFWeight.blocks` gives the ggml bytes back, bit for bit): each row is the
 format's *planes* one after another, a plane being one byte range of every block of the row, concatenated
@@ -17,11 +17,13 @@ type    planes of a row (ggml byte range of each block -> plane; nb = K / QK blo
 ======  ==================================================================================
 Q8_0    q int8 [K] (bytes 2..33)         | d fp16 [nb] (bytes 0..1)
 Q4_K    qs 4-bit [K / 2] (bytes 16..143) | header [nb, 16] (bytes 0..15: d, dmin, 12 packed scales)
+Q5_K    qs 4-bit [K / 2] (bytes 48..175) | qh [K / 8] (bytes 16..47) | header [nb, 16] (bytes 0..15, as Q4_K)
 Q6_K    ql [K / 2] (bytes 0..127) | qh [K / 4] (128..191) | sc int8 [K / 16] (192..207) | d fp16 [nb] (208..209)
 ======  ==================================================================================
 
 Within a plane the bytes keep ggml's order, which already suits 16-byte loads: a Q4_K 32-byte run holds
-two sub-blocks (low and high nibbles), a Q6_K 16-byte ql run two sub-blocks and a 16-byte qh run four.
+two sub-blocks (low and high nibbles), a Q5_K 32-byte qh run the fifth bits of the whole block, a Q6_K
+16-byte ql run two sub-blocks and a 16-byte qh run four.
 
 The formats (ggml-common.h; offsets in bytes within one block):
 
@@ -33,6 +35,9 @@ Q4_K    256   144   32   d fp16 @0, dmin fp16 @2, 8 x (6-bit scale sc_j, 6-bit m
                          12 bytes @4, q 4-bit[256] @16 (byte 16 + 32c + l: low nibble element 64c + l,
                          high nibble element 64c + 32 + l).   w_i = (d * sc_j) * q_i - (dmin * m_j),
                          j = i // 32
+Q5_K    256   176   32   d, dmin, scales as Q4_K @0..15, qh[32] @16, qs 4-bit[256] @48: Q4_K's nibble
+                         (byte 48 + 32c + l) plus 16 * bit (2c + h) of qh[l] for element 64c + 32h + l.
+                         w_i = (d * sc_j) * q_i - (dmin * m_j), q_i in 0..31
 Q6_K    256   210   16   ql 4-bit[256] @0, qh 2-bit[256] @128, sc int8[16] @192, d fp16 @208
                          (element 128h + e: low 4 bits from ql byte 64h + e % 64, nibble e // 64; high
                          2 bits from qh byte 32h + e % 32, bits 2 (e // 32)).  w_i = (d * sc_j) *
@@ -43,11 +48,11 @@ Q6_K    256   210   16   ql 4-bit[256] @0, qh 2-bit[256] @128, sc int8[16] @192,
 sub-blocks j of SB columns in K order,
 
     acc = fma(s[n, j], x_j . q_j, acc)                                   (every sub-block)
-    acc = fma(-dmin[n, b], sum over j in block b of m[n, j] * sum(x_j), acc)   (Q4_K, once per 256-block b)
+    acc = fma(-dmin[n, b], sum over j in block b of m[n, j] * sum(x_j), acc)   (Q4_K / Q5_K, once per 256-block b)
 
 with ``x_j`` the activations of the sub-block rounded to the activation dtype A (``act_dtype``, the
 model dtype; never to an integer format), ``q_j`` the sub-block's integers (exact in A: at most 8 bits),
-``x_j . q_j`` summed in fp32 from zero, ``s = d * sc`` (Q8_0: ``d``) in fp32; Q4_K's mins ``m`` (6-bit
+``x_j . q_j`` summed in fp32 from zero, ``s = d * sc`` (Q8_0: ``d``) in fp32; Q4_K's and Q5_K's mins ``m`` (6-bit
 integers, exact in A) meet the activations in one MMA chain per block (every product ``m * x`` exact,
 the sums in fp32) that is scaled by the block's ``dmin`` once. Every fp32 scale is exact (an 11-bit fp16
 mantissa times an integer of at most 7 bits), and so is each dequantized weight ``s * q - dmin * m`` up
@@ -58,7 +63,7 @@ never depend on the other rows (the sums run along the row's own K in a fixed or
 come from shapes and the format only), so batch and chunk invariance hold as for float weights.
 
 **The fold route** (bf16 activations; a launch constant, ``QLinearConfig.fold`` / ``QMoEConfig.fold``, the
-default for Q8_0 and Q4_K): each weight is dequantized in bf16 arithmetic as ``q * bf16(s) - bf16(mn)``
+default for Q8_0, Q4_K and Q5_K): each weight is dequantized in bf16 arithmetic as ``q * bf16(s) - bf16(mn)``
 rounded once (one packed ``fma.rn.bf16x2`` per two weights), and the dequantized sub-blocks of a loop step
 meet one fp32 accumulator in one MMA. Its weights are :func:`fold_weights` bit for bit -- within ~1.5 bf16
 ulps of gguf-py's value, what any bf16 model holding the dequantized weight multiplies -- and cost a third of
@@ -66,7 +71,7 @@ the exact route's instructions (H200: Q8_0 66-83 % of copy bandwidth against 39-
 bench/results/2026-12-02-h200-gguf-fold.md). Like every launch constant it comes from shapes, type and
 activation dtype, never from the batch; fp32 and fp16 activations always take the exact route.
 
-**The scale plane** (Q4_K, a load-time layout: :data:`GGUF_LAYOUTS`): a row may end with ``K / 8`` more bytes,
+**The scale plane** (Q4_K and Q5_K, a load-time layout: :data:`GGUF_LAYOUTS`): a row may end with ``K / 8`` more bytes,
 16 bf16 a block -- ``bf16(s_j)`` then ``-bf16(mn_j)`` for the sub-blocks in :data:`PLANE_ORDER`
 (:func:`make_scale_plane`) -- which the fold route loads instead of decoding the packed header: the values
 it would have computed, so the same bits, for fewer instructions a weight (the header stays: the exact route
@@ -85,7 +90,7 @@ import torch
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.tensors import TensorLike
 
-QTYPES = ("Q8_0", "Q4_K", "Q6_K")
+QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 """GGUF types the kernels read as blocks."""
 
 
@@ -126,7 +131,12 @@ FORMATS = {
     "Q8_0": BlockFormat("Q8_0", 32, 34, 32, 0, planes=((2, 34), (0, 2))),
     "Q4_K": BlockFormat("Q4_K", 256, 144, 32, 1, planes=((16, 144), (0, 16))),
     "Q6_K": BlockFormat("Q6_K", 256, 210, 16, 2, planes=((0, 128), (128, 192), (192, 208), (208, 210))),
+    # qh before the header: the 32-byte qh runs of a block start 32-byte aligned (KW / 2 = 128 nb)
+    "Q5_K": BlockFormat("Q5_K", 256, 176, 32, 4, planes=((48, 176), (16, 48), (0, 16))),
 }
+K_HEADER = ("Q4_K", "Q5_K")
+"""Types whose blocks open with the 16-byte K-quant header (d, dmin, 8 packed 6-bit scales and mins): the ones
+that may carry a scale plane."""
 for _f in FORMATS.values():   # the planes partition the block; quant planes of a whole block are 16-aligned
     assert sorted(b for p in _f.planes for b in range(*p)) == list(range(_f.bpb)), _f.name
 del _f
@@ -188,7 +198,7 @@ class GGUFWeight(TensorLike):
     """What activations are rounded to before the products (the model dtype, set at load; None: the
     activations' own dtype). The block integers convert exactly to fp32, bf16 or fp16."""
     scale_plane: bool = False
-    """Q4_K only: each row ends with a scale plane (:func:`make_scale_plane`, ``K / 8`` bytes more), which the
+    """Q4_K / Q5_K only: each row ends with a scale plane (:func:`make_scale_plane`, ``K / 8`` bytes more), which the
     fold route reads instead of decoding the packed header (the same values, so the same bits). Set by
     :meth:`with_act_dtype` from :data:`GGUF_LAYOUTS`."""
 
@@ -200,8 +210,8 @@ class GGUFWeight(TensorLike):
             raise ValueError(f"GGUFWeight data must be [..., N, bytes], got {tuple(self.data.shape)}")
         if not (isinstance(self.k, int) and self.k > 0 and self.k % f.qk == 0):
             raise ValueError(f"GGUFWeight {self.qtype}: K={self.k!r} must be a positive multiple of {f.qk}")
-        if self.scale_plane and self.qtype != "Q4_K":
-            raise ValueError(f"GGUFWeight {self.qtype}: only Q4_K rows carry a scale plane")
+        if self.scale_plane and self.qtype not in K_HEADER:
+            raise ValueError(f"GGUFWeight {self.qtype}: only {' / '.join(K_HEADER)} rows carry a scale plane")
         if self.data.shape[-1] != self.row_bytes:
             raise ValueError(f"GGUFWeight {self.qtype}: K={self.k} needs {self.row_bytes} bytes a "
                              f"repacked row{' with its scale plane' if self.scale_plane else ''}, data has "
@@ -223,15 +233,16 @@ class GGUFWeight(TensorLike):
         return unpack(self.data, self.qtype, self.k)
 
     def with_scale_plane(self, on: bool = True) -> "GGUFWeight":
-        """The same weight with (``on``) or without the Q4_K scale plane (a no-op when it already is so)."""
+        """The same weight with (``on``) or without the Q4_K / Q5_K scale plane (a no-op when it already is so)."""
         if on == self.scale_plane:
             return self
         if not on:
             return dataclasses.replace(self, data=self.data[..., :self.format.row_bytes(self.k)].contiguous(),
                                        scale_plane=False)
-        if self.qtype != "Q4_K":
-            raise ValueError(f"GGUFWeight {self.qtype}: only Q4_K rows carry a scale plane")
-        return dataclasses.replace(self, data=torch.cat([self.data, make_scale_plane(self.blocks(), self.k)], -1),
+        if self.qtype not in K_HEADER:
+            raise ValueError(f"GGUFWeight {self.qtype}: only {' / '.join(K_HEADER)} rows carry a scale plane")
+        plane = make_scale_plane(self.blocks(), self.k, self.qtype)
+        return dataclasses.replace(self, data=torch.cat([self.data, plane], -1),
                                    scale_plane=True)
 
     @property
@@ -293,7 +304,7 @@ def dequantize(data: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
 def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The terms of every element of ggml blocks ``data`` uint8 ``[..., N, K / QK * BPB]``: (q, s, mn) fp64
     ``[..., N, K]`` with the dequantized value ``s * q - mn`` (q the integer, s = d * sc and mn = dmin * m
-    its sub-block's fp32-exact scale and min; mn = 0 but for Q4_K). On ``data``'s device."""
+    its sub-block's fp32-exact scale and min; mn = 0 but for Q4_K / Q5_K). On ``data``'s device."""
     f = block_format(qtype)
     lead = data.shape[:-1]
     b = data.reshape(-1, f.bpb)
@@ -306,9 +317,13 @@ def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, t
         q = b[:, 2:].view(torch.int8).double()
         s = f16(0).expand(n, 32)
         mn = torch.zeros_like(q)
-    elif qtype == "Q4_K":
-        qs = b[:, 16:].reshape(n, 4, 1, 32).int()
-        q = torch.cat([qs & 15, qs >> 4], 2).reshape(n, 256).double()
+    elif qtype in K_HEADER:
+        qs = b[:, f.bpb - 128:].reshape(n, 4, 1, 32).int()
+        q = torch.cat([qs & 15, qs >> 4], 2)                        # [n, 4 runs, 2 halves, 32]
+        if qtype == "Q5_K":   # bit 2c + h of qh byte l: the fifth bit of element 64c + 32h + l
+            bit = 2 * torch.arange(4, device=b.device)[:, None] + torch.arange(2, device=b.device)[None, :]
+            q = q | (((b[:, 16:48].int()[:, None, None, :] >> bit[None, :, :, None]) & 1) << 4)
+        q = q.reshape(n, 256).double()
         s, mn = (t.repeat_interleave(32, 1) for t in _q4_k_scales(b))
     else:
         e = torch.arange(128, device=b.device)
@@ -321,8 +336,8 @@ def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, t
 
 
 def _q4_k_scales(b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K blocks ``uint8 [n, 144]`` -> (s, mn) fp64 ``[n, 8]``: each sub-block's scale ``d * sc`` and min
-    ``dmin * m`` (ggml's ``get_scale_min_k4``; both exact in fp32)."""
+    """Q4_K / Q5_K blocks ``uint8 [n, 144 | 176]`` -> (s, mn) fp64 ``[n, 8]``: each sub-block's scale ``d * sc``
+    and min ``dmin * m`` from the block's 16-byte header (ggml's ``get_scale_min_k4``; both exact in fp32)."""
     p = b[:, 4:16].int()
     j = torch.arange(4, device=b.device)
     sc = torch.cat([p[:, j] & 63, (p[:, 8 + j] & 15) | ((p[:, j] >> 6) << 4)], 1)
@@ -337,17 +352,17 @@ then the high nibbles' four: the order of the fold route's two MMAs."""
 
 
 def scale_plane_bytes(K: int) -> int:
-    """Bytes a Q4_K row of K columns adds with a scale plane: 16 bf16 a block."""
+    """Bytes a Q4_K / Q5_K row of K columns adds with a scale plane: 16 bf16 a block."""
     return K // 256 * 32
 
 
-def make_scale_plane(blocks: torch.Tensor, K: int) -> torch.Tensor:
-    """Q4_K blocks ``uint8 [..., N, K / 256 * 144]`` -> the scale plane ``uint8 [..., N, K / 8]``: per block
+def make_scale_plane(blocks: torch.Tensor, K: int, qtype: str = "Q4_K") -> torch.Tensor:
+    """Q4_K / Q5_K blocks ``uint8 [..., N, K / 256 * BPB]`` -> the scale plane ``uint8 [..., N, K / 8]``: per block
     16 bf16, ``bf16(s_j)`` for j in :data:`PLANE_ORDER`, then ``-bf16(mn_j)`` in the same order (s = d sc and
     mn = dmin m exact in fp32, each rounded once to bf16, nearest-even): the values the fold route's
     packed FMA takes, made once at load instead of on every read."""
     lead, nb = blocks.shape[:-1], K // 256
-    s, mn = _q4_k_scales(blocks.reshape(-1, 144))
+    s, mn = _q4_k_scales(blocks.reshape(-1, block_format(qtype).bpb))
     order = torch.tensor(PLANE_ORDER, device=blocks.device)
     plane = torch.cat([s[:, order], -mn[:, order]], 1).float().to(torch.bfloat16)   # fp64 -> fp32 exact
     return plane.reshape(*lead, nb * 16).view(torch.uint8)
@@ -371,7 +386,7 @@ def fold_weights(w: "GGUFWeight") -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Quantizing (the converter, tests, load-time quantization), in torch on the weight's device. Q8_0 is
 # ggml's reference (bit-exact with gguf-py's ``quants.quantize``); gguf-py has no K-quant quantizer, so
-# Q4_K / Q6_K use plain min/max (Q4_K) and absmax (Q6_K) scales per sub-block, not llama.cpp's
+# Q4_K / Q5_K / Q6_K use plain min/max (Q4_K, Q5_K) and absmax (Q6_K) scales per sub-block, not llama.cpp's
 # error-minimising search: valid ggml blocks that every reader decodes the same way, somewhat less
 # accurate than llama-quantize's.
 # ----------------------------------------------------------------------------------------------
@@ -393,23 +408,42 @@ def _quantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([_f16_bytes(d[:, 0]), q], 1)
 
 
-def _quantize_q4_k(b: torch.Tensor) -> torch.Tensor:
-    """float32 [n, 256] -> uint8 [n, 144]."""
-    n = b.shape[0]
+def _quantize_k_header(b: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 [n, 256] -> (header uint8 [n, 16], q uint8 [n, 4, 2, 32] in 0 .. 2^bits - 1, element 64c + 32h + l at
+    [c, h, l]): Q4_K's (bits 4) and Q5_K's (bits 5) shared part, min/max scales per 32-element sub-block."""
+    n, top = b.shape[0], 2 ** bits - 1
     sub = b.reshape(n, 8, 32)
     lo = sub.amin(-1).clamp(max=0.0)                   # min <= 0, as ggml's (w = s q - mn, mn >= 0)
-    scale = (sub.amax(-1) - lo) / 15
+    scale = (sub.amax(-1) - lo) / top
     d = (scale.amax(-1) / 63).half().float()[:, None]
     dmin = ((-lo).amax(-1) / 63).half().float()[:, None]
     sc = torch.where(d > 0, _round_away(scale / d), 0.0).clamp(0, 63)
     m = torch.where(dmin > 0, _round_away(-lo / dmin), 0.0).clamp(0, 63)
     s, mn = (d * sc)[..., None], (dmin * m)[..., None]
-    q = torch.where(s > 0, _round_away((sub + mn) / s), 0.0).clamp(0, 15).to(torch.uint8).reshape(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    q = torch.where(s > 0, _round_away((sub + mn) / s), 0.0).clamp(0, top).to(torch.uint8).reshape(n, 4, 2, 32)
     sc, m = sc.to(torch.uint8), m.to(torch.uint8)
     packed = torch.cat([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
                         (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], 1)
-    return torch.cat([_f16_bytes(d[:, 0]), _f16_bytes(dmin[:, 0]), packed, qs], 1)
+    return torch.cat([_f16_bytes(d[:, 0]), _f16_bytes(dmin[:, 0]), packed], 1), q
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [n, 4, 2, 32] -> the qs bytes [n, 128]: byte 32c + l holds [c, 0, l] low and [c, 1, l] high."""
+    return ((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)).reshape(q.shape[0], 128)
+
+
+def _quantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 256] -> uint8 [n, 144]."""
+    header, q = _quantize_k_header(b, 4)
+    return torch.cat([header, _nibbles(q)], 1)
+
+
+def _quantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 256] -> uint8 [n, 176]: the header, qh (bit 2c + h of byte l: bit 4 of [c, h, l]), qs."""
+    header, q = _quantize_k_header(b, 5)
+    bit = (2 * torch.arange(4, device=b.device)[:, None] + torch.arange(2, device=b.device)[None, :]).to(torch.uint8)
+    qh = ((q >> 4) << bit[None, :, :, None]).sum((1, 2), dtype=torch.uint8)   # distinct bits: the sum is an OR
+    return torch.cat([header, qh, _nibbles(q)], 1)
 
 
 def _quantize_q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -428,7 +462,7 @@ def _quantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), _f16_bytes(d[:, 0])], 1)
 
 
-_QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_K": _quantize_q4_k, "Q6_K": _quantize_q6_k}
+_QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
 _CHUNK = 1 << 24   # blocks' elements quantized at a time (bounds the temporaries of big expert stacks)
 
 
@@ -457,7 +491,7 @@ def quantize(w: torch.Tensor, qtype: str, act_dtype: Optional[torch.dtype] = Non
 
 def fallback_type(qtype: str, K: int) -> Optional[str]:
     """The kernel type a K-column weight can take when ``qtype`` does not fit it (as llama-quantize falls
-    back for rows that are not a multiple of 256): Q4_K / Q6_K -> Q8_0 -> None (keep it float)."""
+    back for rows that are not a multiple of 256): Q4_K / Q5_K / Q6_K -> Q8_0 -> None (keep it float)."""
     for t in (qtype, "Q8_0"):
         if fits(t, K):
             return t
@@ -475,12 +509,12 @@ def same_format(parts: Sequence[GGUFWeight]) -> bool:
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GGUFLayout:
-    scale_plane: bool = False   # Q4_K with bf16 activations: append the bf16 scale plane to every row
+    scale_plane: bool = False   # Q4_K / Q5_K with bf16 activations: append the bf16 scale plane to every row
 
 
 def _layout_interp(qtype: str, act_dtype) -> GGUFLayout:
-    # on wherever the fold route could read it, so every CPU test of a bf16 Q4_K model runs it
-    return GGUFLayout(scale_plane=qtype == "Q4_K" and act_dtype == torch.bfloat16)
+    # on wherever the fold route could read it, so every CPU test of a bf16 Q4_K / Q5_K model runs it
+    return GGUFLayout(scale_plane=qtype in K_HEADER and act_dtype == torch.bfloat16)
 
 
 GGUF_LAYOUTS: ConfigTable[GGUFLayout] = ConfigTable(

@@ -14,10 +14,10 @@ What is read, for the architectures in :data:`ARCHITECTURES` (``llama``, ``qwen3
   permutes the rows of ``attn_q`` and ``attn_k`` of llama models (``LlamaModel.permute``: within each
   head, rotate-half pairs (i, i + hd/2) become interleaved pairs (2i, 2i+1), for its GPT-J style
   RoPE); :func:`unpermute_rows` undoes it, exactly (rows only move). Qwen3 files are not permuted.
-* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_K and Q6_K linear weights (and LM head)
+* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_K, Q5_K and Q6_K linear weights (and LM head)
   **stay as blocks** (:class:`~ds4t.kernels.quant_blocks.GGUFWeight`, the file's bytes; the decode linear
   and MoE kernels read them, :mod:`ds4t.kernels.qlinear`). Every other quantized type gguf-py can
-  dequantize (Q4_0, Q4_1, Q5_*, Q2_K, Q3_K, Q5_K, IQ*), and kernel types in tensors that are not linear
+  dequantize (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ*), and kernel types in tensors that are not linear
   weights (embeddings), is **dequantized at load** with ``gguf.quants.dequantize`` to the model dtype.
   One log line (logger ``ds4t.gguf``) says which types were kept and which dequantized.
 * **Tokenizer** from ``tokenizer.ggml.*``: a GPT-2 style byte-level BPE (``tokenizer.ggml.model``
@@ -519,8 +519,8 @@ class GGUFSource(TensorSource):
                                   f"{kind} blocks ({e})") from None
 
     def blocks(self, name: str, shape=None, device="cpu"):
-        """``name`` as a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` when it is stored as Q8_0, Q4_K or
-        Q6_K (rows may move: llama's q/k, Qwen3-Next's qkvz; blocks run along K), else None."""
+        """``name`` as a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` when it is stored in a kernel type
+        (:data:`~ds4t.kernels.quant_blocks.QTYPES`) (rows may move: llama's q/k, Qwen3-Next's qkvz; blocks run along K), else None."""
         from ds4t.kernels.quant_blocks import QTYPES
 
         if name not in self._recipes:

@@ -71,7 +71,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
          quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
     writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
-    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_K / Q6_K linear weights kept as blocks,
+    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_K / Q5_K / Q6_K linear weights kept as blocks,
     other quantized types dequantized at load,
     tokenizer and chat template from its metadata) or a preset name.
 
@@ -85,7 +85,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe; default: no window).
     quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
     weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``), or
-    "q8_0" / "q4_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
+    "q8_0" / "q4_k" / "q5_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
     A preset whose config carries a quantization_config (``qwen3-next-80b-fp8``) is quantized at load.
     tp: tensor + expert parallel over the ranks of the initialised torch.distributed group ``tp_group``
     (default: the world, which must have ``tp`` ranks): this rank loads its shard (:mod:`ds4t.parallel`;

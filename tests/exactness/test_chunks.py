@@ -132,7 +132,7 @@ def test_chunks_on_the_gpu_attention_launches(preset, monkeypatch):
     assert launches, "no chunk took the runs kernel"
 
 
-@pytest.mark.parametrize("preset,qtype", [("tiny-qwen", "q4_k"), ("tiny-deepseek", "q8_0")])
+@pytest.mark.parametrize("preset,qtype", [("tiny-qwen", "q4_k"), ("tiny-deepseek", "q8_0"), ("tiny-glm", "q5_k")])
 def test_gguf_fold_route_keeps_chunk_invariance(preset, qtype):
     """GGUF blocks with bf16 activations take the fold route (one packed bf16 FMA a weight pair, one MMA a
     loop step: ds4t.kernels.qlinear): whole prompt, chunks and token-by-token decoding give the same bits."""

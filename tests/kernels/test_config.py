@@ -133,9 +133,10 @@ CASES = [
     ("mla", "MLA_CONFIGS", ("block_h", "block_n", "merge_heads", "num_warps", "num_stages", "merge_warps", "fuse_rows"),
      (128, 512, 64, 256), (32, 64, 8, 4, 2, 4, 512), (16, 128, 128, 4, 2, 4, 16)),
     ("mla", "MLA_CONFIGS", ("block_h", "fuse_rows"), (16, 512, 64, 256), (16, None), (16, 16)),
-    # the Q4_K scale plane: untimed on the GPU (off), on in the interpreter for bf16 activations
+    # the Q4_K / Q5_K scale plane: untimed on the GPU (off), on in the interpreter for bf16 activations
     ("quant_blocks", "GGUF_LAYOUTS", ("scale_plane",), ("Q4_K", torch.bfloat16), (False,), (True,)),
     ("quant_blocks", "GGUF_LAYOUTS", ("scale_plane",), ("Q4_K", torch.float32), (False,), (False,)),
+    ("quant_blocks", "GGUF_LAYOUTS", ("scale_plane",), ("Q5_K", torch.bfloat16), (False,), (True,)),
     ("quant_blocks", "GGUF_LAYOUTS", ("scale_plane",), ("Q8_0", torch.bfloat16), (False,), (False,)),
     # interior tiles unmasked on the GPU for d 256 only (2026-12-05-h200-prefill-runs.md)
     ("attention", "ATTENTION_CONFIGS", ("run_fuse_rows", "run_interior", "run_peel"), (64, 256, 256),

@@ -19,8 +19,8 @@ from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
-from ds4t.kernels.quant_blocks import (FORMATS, GGUF_LAYOUTS, PLANE_ORDER, QTYPES, GGUFLayout, GGUFWeight, block_terms,
-                                       dequantize, fold_weights, quantize, quantize_numpy, repack,
+from ds4t.kernels.quant_blocks import (FORMATS, GGUF_LAYOUTS, K_HEADER, PLANE_ORDER, QTYPES, GGUFLayout, GGUFWeight,
+                                       block_terms, dequantize, fold_weights, quantize, quantize_numpy, repack,
                                        scale_plane_bytes, unpack)
 from tests.kernels.invariance import assert_rows_invariant, half_row_tiles, poison_empty, poisoned
 
@@ -48,7 +48,7 @@ def random_blocks(shape, qtype: str, seed: int, exp=(-4, -2)) -> GGUFWeight:
     scales = (rng.uniform(0.5, 2.0, size=(n, 2)) * 10.0 ** rng.uniform(*exp, size=(n, 1))).astype(np.float16)
     if qtype == "Q8_0":
         raw[:, 0:2] = scales[:, :1].view(np.uint8)
-    elif qtype == "Q4_K":
+    elif qtype in K_HEADER:
         raw[:, 0:4] = scales.view(np.uint8).reshape(n, 4)
     else:
         raw[:, 208:210] = scales[:, :1].view(np.uint8)
@@ -76,7 +76,7 @@ def test_quantizer_round_trips_through_gguf_py(qtype):
     w[2, :256] = 0.0                             # an all-zero block
     q = quantize(w, qtype)
     back = q.dequantize()
-    step = {"Q8_0": 1 / 127, "Q4_K": 1 / 15 * 1.3, "Q6_K": 1 / 31 * 1.1}[qtype]
+    step = {"Q8_0": 1 / 127, "Q4_K": 1 / 15 * 1.3, "Q5_K": 1 / 31 * 1.3, "Q6_K": 1 / 31 * 1.1}[qtype]
     blocks = w.reshape(3, -1, FORMATS[qtype].sb)
     span = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True).clamp(max=0)).expand_as(blocks)
     assert ((back - w).abs().reshape_as(blocks) <= span * step + 1e-3).all()
@@ -106,7 +106,7 @@ def test_weight_type_rows_experts_and_errors():
     with pytest.raises(ValueError, match="needs 288 bytes"):
         GGUFWeight(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 512)
     with pytest.raises(ValueError, match="not read as blocks"):
-        GGUFWeight(torch.zeros(4, 144, dtype=torch.uint8), "Q5_K", 256)
+        GGUFWeight(torch.zeros(4, 110, dtype=torch.uint8), "Q3_K", 256)
     with pytest.raises(ValueError, match="multiple of its block"):
         quantize_numpy(np.zeros((2, 48), np.float32), "Q8_0")
     with pytest.raises(TypeError, match="GGUF"):
@@ -115,7 +115,8 @@ def test_weight_type_rows_experts_and_errors():
 
 # ----------------------------------------------------------------------------- the repacked layout
 
-@pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q8_0", 256), ("Q4_K", 512), ("Q6_K", 256), ("Q6_K", 2048)])
+@pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q8_0", 256), ("Q4_K", 512), ("Q5_K", 768), ("Q6_K", 256),
+                                     ("Q6_K", 2048)])
 def test_repack_round_trips_and_aligns(qtype, K):
     """repack then unpack gives the ggml bytes back; planes start on 16 bytes and rows are multiples of 16
     (padding only where the blocks do not fill one); each plane holds its byte range of every block."""
@@ -136,19 +137,20 @@ def test_repack_round_trips_and_aligns(qtype, K):
         w.cols(1, f.qk)
 
 
-# ----------------------------------------------------------------------------- the Q4_K scale plane
+# ----------------------------------------------------------------------------- the Q4_K / Q5_K scale plane
 
-def test_scale_plane_layout_round_trips():
-    """A Q4_K row with its scale plane: the repacked row then K / 8 bytes of bf16 (s, -mn) in PLANE_ORDER,
-    each s = d sc and mn = dmin m of gguf-py's decoding rounded once to bf16; the ggml blocks come back bit
-    for bit; rows, experts, columns and joins keep the plane; other types refuse one."""
+@pytest.mark.parametrize("qtype", K_HEADER)
+def test_scale_plane_layout_round_trips(qtype):
+    """A Q4_K / Q5_K row with its scale plane: the repacked row then K / 8 bytes of bf16 (s, -mn) in
+    PLANE_ORDER, each s = d sc and mn = dmin m of gguf-py's decoding rounded once to bf16; the ggml blocks
+    come back bit for bit; rows, experts, columns and joins keep the plane; other types refuse one."""
     K = 512
-    w = random_blocks((2, 3, K), "Q4_K", seed=5)
+    w = random_blocks((2, 3, K), qtype, seed=5)
     wp = w.with_scale_plane()
-    R = FORMATS["Q4_K"].row_bytes(K)
+    R = FORMATS[qtype].row_bytes(K)
     assert wp.data.shape == (2, 3, R + scale_plane_bytes(K)) and wp.row_bytes == R + K // 8
     assert torch.equal(wp.data[..., :R], w.data) and torch.equal(wp.blocks(), w.blocks())
-    q, s, mn = block_terms(w.blocks(), "Q4_K", K)
+    q, s, mn = block_terms(w.blocks(), qtype, K)
     plane = wp.data[..., R:].contiguous().view(torch.bfloat16).reshape(2, 3, K // 256, 16)
     order = torch.tensor(PLANE_ORDER)
     sub_s = s.reshape(2, 3, K // 256, 8, 32)[..., 0][..., order]
@@ -163,14 +165,15 @@ def test_scale_plane_layout_round_trips():
     with pytest.raises(ValueError, match="only Q4_K"):
         random_blocks((4, 256), "Q8_0", seed=1).with_scale_plane()
     with pytest.raises(ValueError, match="with its scale plane"):
-        GGUFWeight(w.data, "Q4_K", K, scale_plane=True)
+        GGUFWeight(w.data, qtype, K, scale_plane=True)
 
 
 def test_layout_table_decides_the_plane_at_load():
     """with_act_dtype (what load calls) lays a weight out as GGUF_LAYOUTS says for (type, activation dtype):
-    in the interpreter a plane for bf16 Q4_K only; a forced table turns it off (or on) for every weight."""
+    in the interpreter a plane for bf16 Q4_K / Q5_K only; a forced table turns it off (or on) for every weight."""
     w = random_blocks((16, 256), "Q4_K", seed=2)
     assert INTERPRET is False or w.with_act_dtype(torch.bfloat16).scale_plane
+    assert INTERPRET is False or random_blocks((16, 256), "Q5_K", seed=2).with_act_dtype(torch.bfloat16).scale_plane
     assert not w.with_act_dtype(torch.float32).scale_plane
     assert not random_blocks((16, 256), "Q8_0", seed=2).with_act_dtype(torch.bfloat16).scale_plane
     assert quantize(torch.randn(16, 256), "Q4_K", act_dtype=torch.bfloat16).scale_plane == \
@@ -192,12 +195,13 @@ def _corrupt_plane(w: GGUFWeight) -> GGUFWeight:
 @pytest.mark.parametrize("cfg", [QLinearConfig(block_n=16, split=2, fold=True),
                                  QLinearConfig(block_n=32, split=1, fold=True, pair=True),
                                  QLinearConfig(block_n=64, split=3, fold=True)], ids=str)
-def test_scale_plane_changes_no_bit(cfg):
+@pytest.mark.parametrize("qtype", K_HEADER)
+def test_scale_plane_changes_no_bit(qtype, cfg):
     """The fold route through the scale plane gives the header route's bits (same bf16 scales, same
     operations); fp32 activations take the exact route, which reads the header. Control: a plane whose
     values differ from the header's is what the kernel reads on the fold route (and only there)."""
     K, N, B = 768, 50, 5
-    w = random_blocks((N, K), "Q4_K", seed=21)
+    w = random_blocks((N, K), qtype, seed=21)
     wp = w.with_scale_plane()
     x, b = _x(B, K, 22), torch.randn(N).to(DEV)
     for adt in (torch.bfloat16, torch.float32):
@@ -245,7 +249,8 @@ def test_fold_route_decodes_blocks_as_fold_weights(qtype):
 
 
 @pytest.mark.parametrize("adt", ADTS, ids=str)
-@pytest.mark.parametrize("qtype,B,K,N", [("Q8_0", 5, 96, 33), ("Q4_K", 3, 512, 70), ("Q6_K", 17, 256, 21)])
+@pytest.mark.parametrize("qtype,B,K,N", [("Q8_0", 5, 96, 33), ("Q4_K", 3, 512, 70), ("Q5_K", 4, 768, 40),
+                                         ("Q6_K", 17, 256, 21)])
 def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
     w = random_blocks((N, K), qtype, seed=B + N).with_act_dtype(adt)
     x = _x(B, K, seed=B)
@@ -303,6 +308,7 @@ def test_config_never_sees_the_batch():
             cfg = _gpu_rule(4096, 14336, qt, adt)
             assert cfg.k_per_split(4096, qt) % cfg.k_step(qt) == 0
             assert cfg.fold == (adt == torch.bfloat16 and qt != "Q6_K")
+    assert qmoe.QMOE_CONFIGS("gate_up", "Q5_K") == qmoe.QMOE_CONFIGS("gate_up", "Q4_K")   # untimed: Q4_K's
     assert qlinear_config(512, 80, "Q4_K", torch.float32) is qlinear_config(512, 80, "Q4_K", torch.float32)
     with pytest.raises(ValueError, match="does not tile"):
         linear(_x(1, 96, 0), random_blocks((8, 96), "Q8_0", 0), config=QLinearConfig(block_n=16, split=1, group=2))
@@ -313,7 +319,8 @@ _POOLS = {}
 
 
 def _pool(qtype):
-    """(x [POOL, K], weight [24, K], bias) of ``qtype``, or of "Q4_K+plane" (Q4_K rows with their scale plane)."""
+    """(x [POOL, K], weight [24, K], bias) of ``qtype``, or of "Q4_K+plane" / "Q5_K+plane" (rows with their scale
+    plane)."""
     if qtype not in _POOLS:
         base, _, plane = qtype.partition("+")
         K = 128 if base == "Q8_0" else 512   # several sub-blocks per split: a split regroups the sum
@@ -340,7 +347,7 @@ def _check(launch, qtype, batch):
 
 
 @PROPERTY
-@given(batch=batches(), qtype=st.sampled_from([*QTYPES, "Q4_K+plane"]), cfg=st.sampled_from([None, *PATH_CONFIGS]),
+@given(batch=batches(), qtype=st.sampled_from([*QTYPES, "Q4_K+plane", "Q5_K+plane"]), cfg=st.sampled_from([None, *PATH_CONFIGS]),
        adt=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_rows_invariant(batch, qtype, cfg, adt):
     _check(lambda x, w, b: linear(x, w, b, config=cfg, act_dtype=adt), qtype, batch)
@@ -353,7 +360,7 @@ def _split_from_batch(x, w, b, fold=False):
     return linear(x, w, b, config=cfg, act_dtype=torch.bfloat16 if fold else None)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q4_K+plane"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q4_K+plane", "Q5_K+plane"])
 def test_negative_control_is_caught(qtype):
     fold = qtype.endswith("+plane")
 
@@ -381,7 +388,8 @@ def _moe_data(qg, qd, seed, B=5, E=4, k=2, D=256, I=256):
 
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qg,qd,path", [("Q4_K", "Q6_K", "interp"), ("Q8_0", "Q4_K", "gpu"), ("Q6_K", "Q8_0", "host_list")])
+@pytest.mark.parametrize("qg,qd,path", [("Q4_K", "Q6_K", "interp"), ("Q8_0", "Q4_K", "gpu"), ("Q6_K", "Q8_0", "host_list"),
+                                        ("Q5_K", "Q5_K", "gpu")])
 def test_moe_matches_reference_and_rows_alone(qg, qd, path, adt):
     with use_variants({"moe_experts": path if INTERPRET else "gpu"}):
         _moe_case(qg, qd, adt)
@@ -457,11 +465,12 @@ def test_moe_rows_entry_may_change_row_programs_only():
             qmoe.qmoe_config("down", "Q8_0", 8)
 
 
-def test_moe_scale_plane_changes_no_bit():
-    """Q4_K experts (gate/up and down) through their scale planes on the fold route: the header route's
+@pytest.mark.parametrize("qtype", K_HEADER)
+def test_moe_scale_plane_changes_no_bit(qtype):
+    """Q4_K / Q5_K experts (gate/up and down) through their scale planes on the fold route: the header route's
     bits; a gate with a plane and an up without one are refused (one loop reads both). Control: a corrupted
     down plane changes the output."""
-    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q4_K", seed=17)
+    h, ids, wts, wg, wu, wd = _moe_data(qtype, qtype, seed=17)
     E = wg.shape[0]
 
     def run(g, u, d):

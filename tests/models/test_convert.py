@@ -70,7 +70,7 @@ def _file_weights(path, hf_model, arch):
     return out
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen3", "Q6_K")])
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen3", "Q6_K"), ("qwen3", "Q5_K")])
 def test_k_quant_files_match_hf_on_the_weights_they_hold(tmp_path, arch, qtype):
     cls, cfg_cls = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if arch == "llama"
                     else (transformers.Qwen3ForCausalLM, transformers.Qwen3Config))
@@ -96,7 +96,7 @@ def test_convert_errors(tmp_path, capsys):
         with mock.patch.object(deepseek, "preset_config", lambda name: cfg):
             convert("tiny-deepseek", str(tmp_path / "x.gguf"))
     with pytest.raises(ValueError, match="--type"):
-        convert("tiny-llama", str(tmp_path / "x.gguf"), "Q5_K")
+        convert("tiny-llama", str(tmp_path / "x.gguf"), "Q3_K")
     assert cli(["convert", "tiny-llama", str(tmp_path / "x.bin")]) == 2
     assert cli(["convert", str(tmp_path / "nope"), str(tmp_path / "x.gguf")]) == 2
     assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err

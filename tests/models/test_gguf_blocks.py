@@ -1,5 +1,5 @@
 """GGUF blocks in models: Q8_0 / Q4_K / Q6_K weights of a GGUF file stay blocks (the quantized kernels read
-them), ``load(quantize="q8_0" | "q4_k" | "q6_k")`` makes them from float weights; HF transformers on the
+them), ``load(quantize="q8_0" | "q4_k" | "q5_k" | "q6_k")`` makes them from float weights; HF transformers on the
 dequantized weights is the oracle, and native == ordered bitwise (with the negative control)."""
 import dataclasses
 import logging
@@ -62,4 +62,4 @@ def test_k_quants_fall_back_where_k_does_not_fit():
     model = ds4t.load("tiny-llama", quantize="q4_k")
     assert {q for _, q in _block_weights(model)} == {"Q8_0"}
     with pytest.raises(ValueError, match="quantize must be"):
-        ds4t.load("tiny-llama", quantize="q5_k")
+        ds4t.load("tiny-llama", quantize="q3_k")
