@@ -131,7 +131,7 @@ def record_fp8() -> None:
 
 
 def record_gguf() -> None:
-    """Launches with GGUF block weights (Q8_0, Q4_K, Q5_K, Q6_K), which the presets do not load: linear with the
+    """Launches with GGUF block weights (every kernel type), which the presets do not load: linear with the
     interpreter's config, the GPU rule's and split-K; moe_experts with the interpreter's and the GPU's tiles
     (gate/up and down of different types); fp32 and bf16 activations. Call inside the GPU-variant selection."""
     import torch
@@ -156,7 +156,7 @@ def record_gguf() -> None:
                 if qt in K_HEADER:   # rows with a scale plane (read on the fold route only)
                     L.linear(x, w.with_scale_plane(), b, config=cfg, act_dtype=adt)
         E, I, D = 4, 256, 256
-        for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K")):
+        for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K"), ("Q4_1", "Q4_0")):
             wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, qg) for _ in range(2))
             wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, qd)
             ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
@@ -172,8 +172,9 @@ def record_gguf() -> None:
 def record_gguf_tables() -> None:
     """The GGUF decode linear's measured GPU table entries (``qlinear._GPU_TABLE``) at their own K, one N
     tile (or pair) of 16 rows: their loops are the H200's, for ``--sass _qlinear`` (instructions a weight);
-    Q4_K also with its scale plane, Q5_K at the Q4_K entries' configs (the rule gives it Q4_K's), and the grouped
-    MoE's Q4_K and Q5_K kernels at real expert dims (``--sass _qmoe``). Call inside the GPU-variant selection."""
+    Q4_K also with its scale plane, Q5_K at the Q4_K entries' configs and Q4_0 / Q4_1 at the Q8_0 entries' (the
+    rule gives them those), and the grouped MoE's Q4_K and Q5_K kernels at real expert dims (``--sass _qmoe``).
+    Call inside the GPU-variant selection."""
     import torch
 
     from ds4t.kernels import linear as L
@@ -189,6 +190,10 @@ def record_gguf_tables() -> None:
             w5 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, "Q5_K")
             for plane in (False, True):
                 L.linear(torch.randn(16, K, generator=g), w5.with_scale_plane(plane), None, config=cfg, act_dtype=adt)
+        if qt == "Q8_0":   # Q4_0 and Q4_1 (FMT 6 / 7) at the same config
+            for q4 in ("Q4_0", "Q4_1"):
+                w4 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, q4)
+                L.linear(torch.randn(16, K, generator=g), w4, None, config=cfg, act_dtype=adt)
     # the grouped MoE at Qwen3-Next-80B's expert dims (D 2048, I 512; 3 experts stand for 512) with the GPU
     # rule's tiles, bf16 Q4_K experts with and without their scale planes
     from ds4t.kernels import moe as M

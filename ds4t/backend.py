@@ -375,28 +375,37 @@ def five_bits_to(qs, qh, BIT: tl.constexpr, dtype: tl.constexpr):
 # Nibbles: two bytes a call (pack=2) -- in the wgmma operand layout a thread's byte pairs come from
 # separate 16-bit shared-memory loads, and merging two of them into one register cost ~6 PRMTs per four
 # bytes (sm_90 SASS).
-_NIBBLES_BF16_ASM = tl.constexpr("""{
-.reg .b32 t, m;
+def _nibbles_asm(offset: int) -> str:
+    # 0x4300 | nibble is the bf16 128 + nibble; minus the bf16 128 + offset (exact) gives nibble - offset.
+    c = "m" if offset == 0 else "c"
+    bias = "" if offset == 0 else f"mov.b32 c, {(0x4300 + offset) * 0x00010001:#010x};"
+    return f"""{{
+.reg .b32 t, m, c;
 mov.b32 m, 0x43004300;
-mov.b32 t, {$2, 0};
+{bias}
+mov.b32 t, {{$2, 0}};
 prmt.b32 t, t, 0, 0x4140;
 lop3.b32 $0, t, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $0, $0, m;
+sub.rn.bf16x2 $0, $0, {c};
 shr.u32 t, t, 4;
 lop3.b32 $1, t, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $1, $1, m;
-}""")
+sub.rn.bf16x2 $1, $1, {c};
+}}"""
+
+
+_NIBBLES_BF16_ASMS = tl.constexpr((_nibbles_asm(0), _nibbles_asm(8)))
 
 
 @triton.jit
-def nibbles_to(b, dtype: tl.constexpr):
-    """(low, high) nibbles of uint8 tile ``b`` as ``dtype`` values 0..15 (exact): two tiles of b's shape."""
+def nibbles_to(b, dtype: tl.constexpr, SIGNED: tl.constexpr = False):
+    """(low, high) nibbles of uint8 tile ``b`` as ``dtype`` values 0..15, or (SIGNED, Q4_0's) -8..7 = nibble - 8
+    (exact): two tiles of b's shape."""
     if _INTERPRET_C or dtype != tl.bfloat16:
         w = b.to(tl.int32)
-        lo = cast((w & 15).to(tl.float32), dtype)
-        hi = cast((w >> 4).to(tl.float32), dtype)
+        lo = cast(((w & 15) - 8 * SIGNED).to(tl.float32), dtype)
+        hi = cast(((w >> 4) - 8 * SIGNED).to(tl.float32), dtype)
     else:
-        lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASM, "=r,=r,h", [b],
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASMS[1 if SIGNED else 0], "=r,=r,h", [b],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     return lo, hi
 

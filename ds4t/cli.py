@@ -155,7 +155,7 @@ def _load(args):
     tp = getattr(args, "tp", 1)
     try:
         return ds4t.load(args.model, device=args.device, dtype=args.dtype, **dict(args.opt),
-                         **({"tp": tp} if tp > 1 else {}))
+                         **({"tp": tp} if tp > 1 else {}), **({"dequantize": True} if args.dequantize else {}))
     except (ds4t.CheckpointError, TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -613,6 +613,9 @@ def main(argv=None) -> int:
                         help="cast the weights to fp32, bf16 or fp16 (otherwise the checkpoint's dtype)")
         sp.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="model load option, e.g. native_path=ds4 (DeepSeek) or native_window=20 (GLM)")
+        sp.add_argument("--dequantize", action="store_true",
+                        help="GGUF: dequantize every quantized tensor at load, so the float kernels run the "
+                             "file's weights (several times faster in the CPU interpreter; more memory)")
         progress_arg(sp)
 
     def tp_arg(sp):
@@ -663,7 +666,9 @@ def main(argv=None) -> int:
     v = sub.add_parser("convert", help="write a GGUF file (as llama.cpp writes it) from a preset or HF checkpoint dir")
     v.add_argument("src", help="preset name or HF checkpoint directory (llama / qwen3 so far)")
     v.add_argument("dst", help="the .gguf file to write")
-    v.add_argument("--type", default="F32", type=str.upper, choices=["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
+    from ds4t.models.convert import TYPES as convert_types
+
+    v.add_argument("--type", default="F32", type=str.upper, choices=convert_types,
                    help="type of the matrices (1-D tensors stay F32; rows a type does not fit fall back: "
                         "K-quants -> Q8_0 -> F16)")
     v.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")

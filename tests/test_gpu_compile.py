@@ -97,7 +97,8 @@ print(json.dumps(out))
 def test_gguf_table_entries_compile_with_their_loops_reported():
     """``--gguf-tables --sass _qlinear``: each measured GGUF table entry compiles at its own K and reports its
     K loop (the instructions-a-weight figures of docs/design.md come from these), the Q4_K entries twice:
-    reading the header (FMT 1) and the scale plane (FMT 3), and Q5_K at their configs both ways (FMT 4 / 5)."""
+    reading the header (FMT 1) and the scale plane (FMT 3), and Q5_K at their configs both ways (FMT 4 / 5);
+    Q4_0 and Q4_1 at the Q8_0 entries' configs (FMT 6 / 7)."""
     from ds4t.kernels import qlinear as Q
 
     p = subprocess.run([sys.executable, TOOL, "--presets", "", "--no-fp8", "--gguf-tables", "--sass", "_qlinear"],
@@ -105,8 +106,10 @@ def test_gguf_table_entries_compile_with_their_loops_reported():
     assert p.returncode == 0 and " 0 failed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     heads = [line for line in p.stdout.splitlines() if line.startswith("qlinear._qlinear_kernel")]
     q4k = sum(1 for _, _, qt, _ in Q._GPU_TABLE if qt == "Q4_K")
-    assert len(heads) == len(Q._GPU_TABLE) + 3 * q4k
+    q80 = sum(1 for _, _, qt, _ in Q._GPU_TABLE if qt == "Q8_0")
+    assert len(heads) == len(Q._GPU_TABLE) + 3 * q4k + 2 * q80
     assert all(sum(f"'FMT': {fmt}," in h for h in heads) == q4k for fmt in (3, 4, 5))
+    assert all(sum(f"'FMT': {fmt}," in h for h in heads) == q80 for fmt in (6, 7))
     assert sum(1 for line in p.stdout.splitlines() if line.strip().startswith("loop ")) >= len(heads)
     for k, *_ in Q._GPU_TABLE:
         assert f"'K': {k}," in p.stdout, k

@@ -836,7 +836,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
       A = ``act_dtype`` or x's own dtype (x is never rounded to fp8), and per K block j of
       ``weight.block_k`` columns ``y += scale[n, j] * dot(x[:, block j], fp8[n, block j])`` with the
       fp8 values converted exactly to A and the block's dot summed in fp32 from zero; or
-    * a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` [N, K] (Q8_0 / Q4_K / Q5_K / Q6_K blocks as stored):
+    * a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` [N, K] (Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks as stored):
       A as for FP8, and per sub-block j ``y += s[n, j] * dot(x_j, q_j) - mn[n, j] * sum(x_j)``
       (:mod:`ds4t.kernels.qlinear`; ``config`` then a :class:`~ds4t.kernels.qlinear.QLinearConfig`).
 

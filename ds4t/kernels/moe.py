@@ -900,7 +900,7 @@ def moe_experts(
     silu(g)·u are rounded to A = ``act_dtype`` or h's dtype (never to fp8), each fp8 tile is
     converted exactly to A, and per K block j: ``acc += scale[e, n, j] * dot_j`` (the block's dot
     in fp32 from zero), as :func:`ds4t.kernels.linear.linear` does. Or three
-    :class:`~ds4t.kernels.quant_blocks.GGUFWeight` (Q8_0 / Q4_K / Q5_K / Q6_K blocks; gate and up of one type):
+    :class:`~ds4t.kernels.quant_blocks.GGUFWeight` (Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks; gate and up of one type):
     A as for FP8, products per sub-block as :func:`ds4t.kernels.qlinear.qdot` defines them
     (:mod:`ds4t.kernels.qmoe`; every variant runs the grouped kernels).
     """

@@ -1,4 +1,4 @@
-"""Decode linear over GGUF blocks (Q8_0, Q4_K, Q5_K, Q6_K), read as stored: what :func:`ds4t.kernels.linear.linear`
+"""Decode linear over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), read as stored: what :func:`ds4t.kernels.linear.linear`
 launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
 
 Shapes and dtypes
@@ -41,7 +41,7 @@ import triton.language as tl
 from ds4t.backend import (LAUNCH, cast, five_bits_to, fma_bf16, grid_dependency, int8_to, mma, nibbles_to, scaled_add,
                           six_bit_to, tl_dtype)
 from ds4t.kernels.config import ConfigTable, launch_kwargs
-from ds4t.kernels.quant_blocks import GGUFWeight, block_format
+from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight, block_format
 
 BLOCK_M = 16
 """Rows per tile: fixed (tl.dot needs M >= 16 on the GPU)."""
@@ -163,6 +163,30 @@ def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, QH: tl
 
 
 @triton.jit
+def _q4_x_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr, MIN: tl.constexpr):
+    """acc + the G Q4_0 (MIN False) or Q4_1 (MIN True) blocks of columns k .. k + 32 G, in K order. Planes: qs
+    [KW / 2] @0 (byte l of a block: element l low nibble, l + 16 high), then d fp16 [KW / 32] (Q4_0) or
+    (d, m) fp16 pairs [KW / 32, 2] (Q4_1) @KW / 2. Q4_0's integers are nibble - 8; Q4_1 adds m * sum(x_j),
+    the sum an MMA of the block's activations against ones."""
+    for g in tl.static_range(G):
+        kg = k + 32 * g
+        lo, hi = nibbles_to(_raw_bytes(w_row, kg // 2, 16), ADT, not MIN)
+        xl = _x_tile(x_row, kg, 16, ADT)
+        xh = _x_tile(x_row, kg + 16, 16, ADT)
+        p = mma(hi, xh, mma(lo, xl, tl.zeros(acc.shape, dtype=tl.float32)))
+        if MIN:
+            dm = tl.load((w_row + KW // 2 + 4 * (kg // 32)).to(tl.pointer_type(tl.int32)))
+            acc = scaled_add(acc, p, _f16_bits(dm)[:, None])
+            one = tl.full(lo.shape, 1.0, ADT)
+            sx = mma(one, xh, mma(one, xl, tl.zeros(acc.shape, dtype=tl.float32)))
+            acc = scaled_add(acc, sx, _f16_bits(dm >> 16)[:, None])
+        else:
+            d = tl.load((w_row + KW // 2 + 2 * (kg // 32)).to(tl.pointer_type(tl.float16))).to(tl.float32)
+            acc = scaled_add(acc, p, d[:, None])
+    return acc
+
+
+@triton.jit
 def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
     """acc + the Q6_K 256-block at column k. Planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8
     [KW / 16] @3 KW / 4, d fp16 [KW / 256] after. Element e of half hf of a block: low 4 bits in ql byte
@@ -232,6 +256,27 @@ def _q8_0_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr):
     d = _spread(tl.load(dp[:, None] + tl.arange(0, G)[None, :]).to(tl.float32), 32)
     q = int8_to(_raw_bytes(w_row, k, 32 * G), tl.bfloat16)
     return _fold_dot(acc, q, d, tl.zeros_like(d), _x_tile(x_row, k, 32 * G, tl.bfloat16))
+
+
+@triton.jit
+def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.constexpr):
+    """Fold route, Q4_0 / Q4_1 (MIN): the G blocks of columns k .. k + 32 G in two MMAs, the low nibbles (column
+    32 g + l of block g) and the high ones (32 g + 16 + l); weights ``q * bf16(d)`` (Q4_0, q = nibble - 8) or
+    ``q * bf16(d) + bf16(m)`` (Q4_1), each scale spread along its 16 columns of a tile."""
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 16 * G), tl.bfloat16, not MIN)
+    j = tl.arange(0, 16 * G)
+    cols = k + (j // 16) * 32 + j % 16
+    blk = k // 32 + tl.arange(0, G)
+    if MIN:
+        dm = tl.load((w_row + KW // 2).to(tl.pointer_type(tl.int32))[:, None] + blk[None, :])
+        d = _spread(_f16_bits(dm), 16)
+        mn = 0.0 - _spread(_f16_bits(dm >> 16), 16)
+    else:
+        d = _spread(tl.load((w_row + KW // 2).to(tl.pointer_type(tl.float16))[:, None] + blk[None, :]).to(tl.float32),
+                    16)
+        mn = tl.zeros_like(d)
+    acc = _fold_dot(acc, lo, d, mn, _x_cols(x_row, cols, tl.bfloat16))
+    return _fold_dot(acc, hi, d, mn, _x_cols(x_row, cols + 16, tl.bfloat16))
 
 
 @triton.jit
@@ -333,13 +378,15 @@ def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
 @triton.jit
 def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
             FOLD: tl.constexpr = False):
-    """One K-loop step of :func:`qdot` for format FMT (0 Q8_0: G blocks of 32; 1 Q4_K, 2 Q6_K, 4 Q5_K: one
-    256-block; 3 Q4_K and 5 Q5_K read through their scale plane, fold route only), by the exact or (FOLD)
-    the fold route."""
+    """One K-loop step of :func:`qdot` for format FMT (0 Q8_0, 6 Q4_0, 7 Q4_1: G blocks of 32; 1 Q4_K, 2 Q6_K,
+    4 Q5_K: one 256-block; 3 Q4_K and 5 Q5_K read through their scale plane, fold route only), by the exact or
+    (FOLD) the fold route."""
     QH: tl.constexpr = FMT == 4 or FMT == 5
     if FOLD:
         if FMT == 0:
             acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
+        elif FMT == 6 or FMT == 7:
+            acc = _q4_x_fold(acc, w_row, x_row, k, G, KW, FMT == 7)
         elif FMT == 1:
             acc = _q4_k_fold(acc, w_row, x_row, k, KW)
         elif FMT == 3:
@@ -350,6 +397,8 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
             acc = _q6_k_fold(acc, w_row, x_row, k, KW)
     elif FMT == 0:
         acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
+    elif FMT == 6 or FMT == 7:
+        acc = _q4_x_step(acc, w_row, x_row, k, ADT, G, KW, FMT == 7)
     elif FMT == 1 or FMT == 4:
         acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW, QH)
     else:
@@ -370,7 +419,7 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``five_bits_to`` / ``six_bit_to`` (packed bit tricks
     on the GPU, plain conversions in the interpreter: the same exact values). FOLD (ADT bf16 only): the
     fold route, one packed FMA a weight pair and one MMA a step (module docstring)."""
-    STEP: tl.constexpr = 32 * G if FMT == 0 else 256
+    STEP: tl.constexpr = 32 * G if FMT == 0 or FMT == 6 or FMT == 7 else 256
     for k in range(k_lo, k_hi, STEP):
         acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
     return acc
@@ -383,7 +432,7 @@ def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, AD
     of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
     order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
     kernel computes)."""
-    STEP: tl.constexpr = 32 * G if FMT == 0 else 256
+    STEP: tl.constexpr = 32 * G if FMT == 0 or FMT == 6 or FMT == 7 else 256
     for k in range(k_lo, k_hi, STEP):
         acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
         acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
@@ -445,14 +494,14 @@ def _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N: tl
 class QLinearConfig:
     block_n: int
     split: int          # K splits (1: none); splits fall on loop-step boundaries
-    group: int = 1      # Q8_0 blocks per K-loop step (must divide K / 32); 1 for the K-quants
+    group: int = 1      # 32-element blocks (Q8_0, Q4_0, Q4_1) per K-loop step (must divide K / 32); 1 for the K-quants
     num_warps: int = 4
     num_stages: int = 3
     pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits)
     fold: bool = False  # bf16 activations: the fold route (module docstring); other dtypes: exact
 
     def k_step(self, qtype: str) -> int:
-        return 32 * self.group if qtype == "Q8_0" else 256
+        return 32 * self.group if qtype in BLOCKS_32 else 256
 
     def k_per_split(self, K: int, qtype: str) -> int:
         step = self.k_step(qtype)
@@ -460,7 +509,7 @@ class QLinearConfig:
 
 
 def _q8_group(K: int, cap: int) -> int:
-    """Q8_0 blocks per loop step: the largest power of two <= cap dividing K / 32."""
+    """32-element blocks per loop step: the largest power of two <= cap dividing K / 32."""
     g = cap
     while g > 1 and (K // 32) % g:
         g //= 2
@@ -469,24 +518,24 @@ def _q8_group(K: int, cap: int) -> int:
 
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
     """64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
-    H200 (264) and each split keeps >= 8 loop steps. bf16 activations, Q8_0 / Q4_K / Q5_K: the fold route with
-    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps; Q4_K 1 stage, Q5_K as Q4_K); otherwise the exact route,
-    4 Q8_0 blocks a step, 4 warps, 3 stages."""
+    H200 (264) and each split keeps >= 8 loop steps. bf16 activations, every type but Q6_K: the fold route with
+    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps; Q4_K 1 stage; untimed: Q4_0 / Q4_1 as Q8_0, Q5_K as
+    Q4_K); otherwise the exact route, 4 blocks of 32 a step, 4 warps, 3 stages."""
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
-    group = _q8_group(K, 8 if fold else 4) if qtype == "Q8_0" else 1
-    step = 32 * group if qtype == "Q8_0" else 256
+    group = _q8_group(K, 8 if fold else 4) if qtype in BLOCKS_32 else 1
+    step = 32 * group if qtype in BLOCKS_32 else 256
     block_n = max(16, min(64, triton.next_power_of_2(N)))
     split = 1
     while triton.cdiv(N, block_n) * split < 264 and K // step >= 16 * split:
         split *= 2
-    warps, stages = ((2, 3) if qtype == "Q8_0" else (4, 1)) if fold else (4, 3)
+    warps, stages = ((2, 3) if qtype in BLOCKS_32 else (4, 1)) if fold else (4, 3)
     return QLinearConfig(block_n=block_n, split=split, group=group, num_warps=warps, num_stages=stages, fold=fold)
 
 
 def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
     # few, big programs (the interpreter pays per program and per op); mma materialises [BN, SB, 16];
     # the GPU's route, so a bf16 model computes the same arithmetic on either backend
-    group = _q8_group(K, 8) if qtype == "Q8_0" else 1
+    group = _q8_group(K, 8) if qtype in BLOCKS_32 else 1
     return QLinearConfig(block_n=max(16, min(256, triton.next_power_of_2(N))), split=1, group=group,
                          num_warps=4, num_stages=1, fold=act_dtype == torch.bfloat16 and qtype in FOLD_TYPES)
 
@@ -508,10 +557,11 @@ def kernel_format(weight: GGUFWeight, fold: bool) -> int:
     return PLANE_FORMATS[weight.qtype] if fold and weight.scale_plane else block_format(weight.qtype).code
 
 
-FOLD_TYPES = ("Q8_0", "Q4_K", "Q5_K")
+FOLD_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
 """Types whose rule takes the fold route for bf16 activations: faster on the H200 in every swept shape for
 Q8_0 and Q4_K; Q6_K's fold was slower than its exact route (bench/results/2026-12-02-h200-gguf-fold.md).
-Q5_K (untimed) is Q4_K's loop plus one 32-byte plane a block, so it follows Q4_K."""
+Untimed: Q5_K (Q4_K's loop plus one 32-byte plane a block) follows Q4_K, Q4_0 / Q4_1 (Q8_0's blocks with
+half the quant bytes) follow Q8_0."""
 
 _GPU_TABLE = {
     # H200 sweeps (bench/results/2026-12-02-h200-gguf-fold.md; Q6_K: 2026-11-30-h200-gguf-round3.md): the
@@ -561,7 +611,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
         w = w.contiguous()
     cfg = config or qlinear_config(K, N, weight.qtype, act_dtype)
     kps = cfg.k_per_split(K, weight.qtype)
-    if kps % cfg.k_step(weight.qtype) or (weight.qtype == "Q8_0" and (K // 32) % cfg.group):
+    if kps % cfg.k_step(weight.qtype) or (weight.qtype in BLOCKS_32 and (K // 32) % cfg.group):
         raise ValueError(f"qlinear: config {cfg} does not tile K={K} of {weight.qtype}")
     split = triton.cdiv(K, kps)
     if B == 0:

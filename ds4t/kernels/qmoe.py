@@ -1,5 +1,5 @@
 """Routed MoE experts over GGUF blocks: the grouped gate/up and down kernels of :mod:`ds4t.kernels.moe`
-with weights read as Q8_0 / Q4_K / Q5_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
+with weights read as Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks (what :func:`ds4t.kernels.moe.moe_experts` launches
 for :class:`~ds4t.kernels.quant_blocks.GGUFWeight` experts).
 
 Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWeight [E, I, D] of one type
@@ -7,7 +7,7 @@ Weights (repacked rows, :mod:`ds4t.kernels.quant_blocks`): w_gate / w_up GGUFWei
 ``ffn_down_exps`` one step above gate/up).
 Each product is :func:`ds4t.kernels.qlinear.qdot`: per sub-block ``s * (x . q) - mn * sum(x)`` in fp32,
 activations (h, then silu(g)·u) rounded to the activation dtype A first; with bf16 activations a
-``QMoEConfig.fold`` entry takes qdot's fold route (the table's choice for Q8_0, Q4_K and Q5_K). Grouping, slot-to-expert
+``QMoEConfig.fold`` entry takes qdot's fold route (the table's choice for every type but Q6_K). Grouping, slot-to-expert
 lookup and the rank-ordered combine are moe.py's kernels, unchanged; so is every argument of batch
 invariance there (a pair's value depends on its own row, its expert's blocks and launch constants
 that come from shapes and types only).
@@ -26,7 +26,7 @@ from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
                               down_finder, row_program_count)                 # inside its launcher
 from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair
-from ds4t.kernels.quant_blocks import GGUFWeight
+from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def _qmoe_down_kernel(
 @dataclasses.dataclass(frozen=True)
 class QMoEConfig:
     """Launch constants of a grouped GGUF kernel: the N tile cap (tile = max(16, min(cap, next_pow2(N)))),
-    Q8_0 blocks per K step (cap), warps and stages (None: Triton's default)."""
+    blocks of 32 (Q8_0, Q4_0, Q4_1) per K step (cap), warps and stages (None: Triton's default)."""
     tile_n: int
     q8_group: int = 4
     num_warps: int = 4
@@ -115,7 +115,7 @@ class QMoEConfig:
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
-        g = _q8_group(K, self.q8_group) if qtype == "Q8_0" else 1
+        g = _q8_group(K, self.q8_group) if qtype in BLOCKS_32 else 1
         return max(16, min(self.tile_n, triton.next_power_of_2(N))), g
 
 
@@ -131,6 +131,10 @@ _QMOE_DECODE = {
     # Q5_K: untimed; Q4_K's loop plus one 32-byte plane a block, so Q4_K's entries until a sweep says otherwise
     ("gate_up", "Q5_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
     ("down", "Q5_K"): QMoEConfig(tile_n=64, q8_group=4, num_warps=4, num_stages=1, fold=True),
+    # Q4_0 / Q4_1: untimed; Q8_0's blocks of 32 with half the quant bytes, so Q8_0's entries
+    **{(kernel, qt): cfg for qt in ("Q4_0", "Q4_1") for kernel, cfg in
+       (("gate_up", QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True)),
+        ("down", QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True)))},
 }
 
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
@@ -143,7 +147,7 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     interp_rule=lambda kernel, qtype, *rows: None if rows else QMoEConfig(tile_n=128, q8_group=8, num_warps=4,
                                                                           num_stages=1, fold=qtype in FOLD_TYPES),
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
-           "--sweep); Q5_K: Q4_K's entries, untimed; the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a "
+           "--sweep); Q5_K: Q4_K's entries, Q4_0 / Q4_1: Q8_0's, untimed; the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a "
            "step, fold for Q8_0 / Q4_K / Q5_K; "
            "row programs: bench/results/2026-12-04-h200-moe-row-programs.md")
 """Keyed on (kernel "gate_up" | "down", GGUF type), plus (kernel, type, "rows") entries for launches of at

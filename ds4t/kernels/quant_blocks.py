@@ -1,13 +1,13 @@
-"""GGUF block-quantized weights kept as llama.cpp stores them: Q8_0, Q4_K, Q5_K and Q6_K.
+"""GGUF block-quantized weights kept as llama.cpp stores them: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K.
 
 A GGUF tensor of logical shape [N, K] is N rows of K / QK blocks, each block ``BPB`` bytes, K
-contiguous (the ggml layout). ggml's blocks are 34, 144, 176 and 210 bytes: the quants inside a row sit at
+contiguous (the ggml layout). ggml's blocks are 34, 18, 20, 144, 176 and 210 bytes: the quants inside a row sit at
 offsets no wider load can assume aligned, so :class:`GGUFWeight` keeps the same bytes **repacked once at
 load** (:func:`repack`; :meth:`GGUFWeight.blocks` gives the ggml bytes back, bit for bit): each row is the
 format's *planes* one after another, a plane being one byte range of every block of the row, concatenated
 in K order (leading dims: stacked MoE experts). Every plane starts 16-byte aligned and a row is padded to
-a multiple of 16 bytes (zeros; only Q6_K rows with K / 256 not a multiple of 8 and Q8_0 rows with K / 32 not
-a multiple of 8 need any), so a kernel (:mod:`ds4t.kernels.qlinear`, :mod:`ds4t.kernels.qmoe`) reads the
+a multiple of 16 bytes (zeros; only Q6_K rows with K / 256 not a multiple of 8 and rows of 32-element blocks
+with K / 32 not a multiple of 8 -- Q4_1: of 4 -- need any), so a kernel (:mod:`ds4t.kernels.qlinear`, :mod:`ds4t.kernels.qmoe`) reads the
 quants of a sub-block with 16-byte vector loads and its scales with aligned 2- or 4-byte loads, and
 decodes them in registers. Nothing is decoded at load: the planes hold ggml's own bytes (so the
 dequantized values cannot change), only moved.
@@ -16,6 +16,8 @@ dequantized values cannot change), only moved.
 type    planes of a row (ggml byte range of each block -> plane; nb = K / QK blocks)
 ======  ==================================================================================
 Q8_0    q int8 [K] (bytes 2..33)         | d fp16 [nb] (bytes 0..1)
+Q4_0    qs 4-bit [K / 2] (bytes 2..17)    | d fp16 [nb] (bytes 0..1)
+Q4_1    qs 4-bit [K / 2] (bytes 4..19)    | (d, m) fp16 [nb, 2] (bytes 0..3)
 Q4_K    qs 4-bit [K / 2] (bytes 16..143) | header [nb, 16] (bytes 0..15: d, dmin, 12 packed scales)
 Q5_K    qs 4-bit [K / 2] (bytes 48..175) | qh [K / 8] (bytes 16..47) | header [nb, 16] (bytes 0..15, as Q4_K)
 Q6_K    ql [K / 2] (bytes 0..127) | qh [K / 4] (128..191) | sc int8 [K / 16] (192..207) | d fp16 [nb] (208..209)
@@ -31,6 +33,9 @@ The formats (ggml-common.h; offsets in bytes within one block):
 type     QK   BPB   SB   block layout and value of element i
 ======  ====  ====  ===  ===========================================================================
 Q8_0     32    34   32   d fp16 @0, q int8[32] @2.             w_i = d * q_i
+Q4_0     32    18   32   d fp16 @0, q 4-bit[32] @2 (byte 2 + l: low nibble element l, high nibble l + 16).
+                         w_i = d * (q_i - 8)
+Q4_1     32    20   32   d fp16 @0, m fp16 @2, q 4-bit[32] @4 (as Q4_0).   w_i = d * q_i + m
 Q4_K    256   144   32   d fp16 @0, dmin fp16 @2, 8 x (6-bit scale sc_j, 6-bit min m_j) packed in
                          12 bytes @4, q 4-bit[256] @16 (byte 16 + 32c + l: low nibble element 64c + l,
                          high nibble element 64c + 32 + l).   w_i = (d * sc_j) * q_i - (dmin * m_j),
@@ -49,10 +54,12 @@ sub-blocks j of SB columns in K order,
 
     acc = fma(s[n, j], x_j . q_j, acc)                                   (every sub-block)
     acc = fma(-dmin[n, b], sum over j in block b of m[n, j] * sum(x_j), acc)   (Q4_K / Q5_K, once per 256-block b)
+    acc = fma(m[n, j], sum(x_j), acc)                                    (Q4_1, every block)
 
 with ``x_j`` the activations of the sub-block rounded to the activation dtype A (``act_dtype``, the
 model dtype; never to an integer format), ``q_j`` the sub-block's integers (exact in A: at most 8 bits),
-``x_j . q_j`` summed in fp32 from zero, ``s = d * sc`` (Q8_0: ``d``) in fp32; Q4_K's and Q5_K's mins ``m`` (6-bit
+``x_j . q_j`` summed in fp32 from zero (Q4_0's integers are ``q - 8``), ``s = d * sc`` (Q8_0, Q4_0, Q4_1:
+``d``) in fp32; Q4_1's min ``m`` (fp16) meets the block's ``sum(x_j)`` (an fp32 MMA against ones); Q4_K's and Q5_K's mins ``m`` (6-bit
 integers, exact in A) meet the activations in one MMA chain per block (every product ``m * x`` exact,
 the sums in fp32) that is scaled by the block's ``dmin`` once. Every fp32 scale is exact (an 11-bit fp16
 mantissa times an integer of at most 7 bits), and so is each dequantized weight ``s * q - dmin * m`` up
@@ -90,7 +97,7 @@ import torch
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.tensors import TensorLike
 
-QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 """GGUF types the kernels read as blocks."""
 
 
@@ -133,7 +140,11 @@ FORMATS = {
     "Q6_K": BlockFormat("Q6_K", 256, 210, 16, 2, planes=((0, 128), (128, 192), (192, 208), (208, 210))),
     # qh before the header: the 32-byte qh runs of a block start 32-byte aligned (KW / 2 = 128 nb)
     "Q5_K": BlockFormat("Q5_K", 256, 176, 32, 4, planes=((48, 176), (16, 48), (0, 16))),
+    "Q4_0": BlockFormat("Q4_0", 32, 18, 32, 6, planes=((2, 18), (0, 2))),
+    "Q4_1": BlockFormat("Q4_1", 32, 20, 32, 7, planes=((4, 20), (0, 4))),
 }
+BLOCKS_32 = ("Q8_0", "Q4_0", "Q4_1")
+"""Types of 32-element blocks, one scale each: a kernel's loop step takes G of them (the config's ``group``)."""
 K_HEADER = ("Q4_K", "Q5_K")
 """Types whose blocks open with the 16-byte K-quant header (d, dmin, 8 packed 6-bit scales and mins): the ones
 that may carry a scale plane."""
@@ -317,6 +328,14 @@ def block_terms(data: torch.Tensor, qtype: str, K: int) -> Tuple[torch.Tensor, t
         q = b[:, 2:].view(torch.int8).double()
         s = f16(0).expand(n, 32)
         mn = torch.zeros_like(q)
+    elif qtype in ("Q4_0", "Q4_1"):
+        qs = b[:, f.bpb - 16:].int()
+        q = torch.cat([qs & 15, qs >> 4], 1).double()
+        s = f16(0).expand(n, 32)
+        if qtype == "Q4_0":
+            q, mn = q - 8, torch.zeros_like(q)
+        else:
+            mn = -f16(2).expand(n, 32)   # w = d q + m
     elif qtype in K_HEADER:
         qs = b[:, f.bpb - 128:].reshape(n, 4, 1, 32).int()
         q = torch.cat([qs & 15, qs >> 4], 2)                        # [n, 4 runs, 2 halves, 32]
@@ -385,7 +404,8 @@ def fold_weights(w: "GGUFWeight") -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # Quantizing (the converter, tests, load-time quantization), in torch on the weight's device. Q8_0 is
-# ggml's reference (bit-exact with gguf-py's ``quants.quantize``); gguf-py has no K-quant quantizer, so
+# ggml's reference, as are Q4_0 and Q4_1 (bit-exact with gguf-py's ``quants.quantize``); gguf-py has no K-quant
+# quantizer, so
 # Q4_K / Q5_K / Q6_K use plain min/max (Q4_K, Q5_K) and absmax (Q6_K) scales per sub-block, not llama.cpp's
 # error-minimising search: valid ggml blocks that every reader decodes the same way, somewhat less
 # accurate than llama-quantize's.
@@ -406,6 +426,29 @@ def _quantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = _round_away(b * inv).to(torch.int8).view(torch.uint8)
     return torch.cat([_f16_bytes(d[:, 0]), q], 1)
+
+
+def _nibble_pairs(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 32] values 0..15 -> [n, 16]: byte l holds element l (low nibble) and l + 16 (high)."""
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _quantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 32] -> uint8 [n, 18] (ggml's quantize_row_q4_0_ref: bit-exact with gguf-py's)."""
+    top = torch.gather(b, -1, b.abs().argmax(-1, keepdim=True))   # the value of largest magnitude, first
+    d = top / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(b * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_f16_bytes(d[:, 0]), _nibble_pairs(q)], 1)
+
+
+def _quantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    """float32 [n, 32] -> uint8 [n, 20] (ggml's quantize_row_q4_1_ref: bit-exact with gguf-py's)."""
+    hi, lo = b.amax(-1, keepdim=True), b.amin(-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((b - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_f16_bytes(d[:, 0]), _f16_bytes(lo[:, 0]), _nibble_pairs(q)], 1)
 
 
 def _quantize_k_header(b: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -462,7 +505,8 @@ def _quantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), _f16_bytes(d[:, 0])], 1)
 
 
-_QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
+_QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q4_K": _quantize_q4_k,
+               "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
 _CHUNK = 1 << 24   # blocks' elements quantized at a time (bounds the temporaries of big expert stacks)
 
 

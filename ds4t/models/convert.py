@@ -12,9 +12,9 @@ What is written (checked against the converter's ``LlamaModel`` / ``Qwen3Model``
   frequency divisors;
 * tensors under gguf-py's names (``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``, ``output``; no
   ``output`` when embeddings are tied), llama's q/k rows permuted as ``LlamaModel.permute`` does;
-* types: 1-D tensors F32; matrices in ``--type`` (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K). A matrix whose
+* types: 1-D tensors F32; matrices in ``--type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K). A matrix whose
   row length the type does not fit falls back as llama.cpp does (K-quants -> Q8_0 -> F16). Q8_0 is
-  gguf-py's (bit-exact with ggml); Q4_K / Q5_K / Q6_K are ds4t's quantizers (:mod:`ds4t.kernels.quant_blocks`);
+  as are Q4_0 / Q4_1 (bit-exact with ggml); Q4_K / Q5_K / Q6_K are ds4t's quantizers (:mod:`ds4t.kernels.quant_blocks`);
 * a tokenizer: a preset's byte-level one as ``tokenizer.ggml.model`` "gpt2" (one token per byte).
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ from ds4t.models.checkpoint import CheckpointError
 
 log = logging.getLogger("ds4t.convert")
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # llama_ftype (MOSTLY_*): the K-quants as their _M mixes name them (Q4_K_M 15, Q5_K_M 17)
-_FILE_TYPE = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "BF16": 32}
+_FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "BF16": 32}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",

@@ -14,10 +14,10 @@ What is read, for the architectures in :data:`ARCHITECTURES` (``llama``, ``qwen3
   permutes the rows of ``attn_q`` and ``attn_k`` of llama models (``LlamaModel.permute``: within each
   head, rotate-half pairs (i, i + hd/2) become interleaved pairs (2i, 2i+1), for its GPT-J style
   RoPE); :func:`unpermute_rows` undoes it, exactly (rows only move). Qwen3 files are not permuted.
-* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_K, Q5_K and Q6_K linear weights (and LM head)
+* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K linear weights (and LM head)
   **stay as blocks** (:class:`~ds4t.kernels.quant_blocks.GGUFWeight`, the file's bytes; the decode linear
   and MoE kernels read them, :mod:`ds4t.kernels.qlinear`). Every other quantized type gguf-py can
-  dequantize (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ*), and kernel types in tensors that are not linear
+  dequantize (Q5_0, Q5_1, Q2_K, Q3_K, IQ*), and kernel types in tensors that are not linear
   weights (embeddings), is **dequantized at load** with ``gguf.quants.dequantize`` to the model dtype.
   One log line (logger ``ds4t.gguf``) says which types were kept and which dequantized.
 * **Tokenizer** from ``tokenizer.ggml.*``: a GPT-2 style byte-level BPE (``tokenizer.ggml.model``
@@ -283,6 +283,8 @@ class GGUFSource(TensorSource):
         self._heads: Dict[str, int] = {}
         self.dequantized: Dict[str, int] = collections.Counter()
         self.kept: Dict[str, int] = collections.Counter()
+        self.dequantize = False
+        """``load(..., dequantize=True)``: every quantized tensor dequantized at load, none kept as blocks."""
         self._tensors_by_gname: Dict[str, object] = {}
         self._recipes: Dict[str, _Recipe] = {}
         self._cache: Tuple[Optional[str], object] = (None, None)
@@ -523,7 +525,7 @@ class GGUFSource(TensorSource):
         (:data:`~ds4t.kernels.quant_blocks.QTYPES`) (rows may move: llama's q/k, Qwen3-Next's qkvz; blocks run along K), else None."""
         from ds4t.kernels.quant_blocks import QTYPES
 
-        if name not in self._recipes:
+        if name not in self._recipes or self.dequantize:
             return None
         r = self._complete(name)
         kinds = {self._t(g).tensor_type.name for g in r.gnames}
@@ -563,7 +565,7 @@ class GGUFSource(TensorSource):
             return None
         for n, s in zip(names, shapes):
             self._check_shape(n, s)
-        if self._t(g).tensor_type.name in QTYPES and keeps_blocks(names[0]):
+        if self._t(g).tensor_type.name in QTYPES and keeps_blocks(names[0]) and not self.dequantize:
             w = self._blocks_of(g)
             self.kept[w.qtype] += 1
             return w[lo:hi].to(device).contiguous().with_act_dtype(dtype)
@@ -589,8 +591,8 @@ class GGUFSource(TensorSource):
         if self.kept:
             parts.append(f"kept {kinds(self.kept)} as blocks (quantized kernels)")
         if self.dequantized:
-            parts.append(f"dequantized {kinds(self.dequantized)} to {str(dtype).replace('torch.', '')} at load "
-                         f"(no kernel reads those blocks)")
+            why = "dequantize=True" if self.dequantize else "no kernel reads those blocks"
+            parts.append(f"dequantized {kinds(self.dequantized)} to {str(dtype).replace('torch.', '')} at load ({why})")
         if parts:
             log.warning("%s: %s", os.path.basename(self.origin), "; ".join(parts))
 

@@ -79,7 +79,7 @@ def parse_quantization(cfg: dict) -> Optional[FP8Config]:
 
 @dataclasses.dataclass(frozen=True)
 class BlockQuantConfig:
-    """``load(quantize="q8_0" | "q4_k" | "q5_k" | "q6_k")``: the decoder's linear weights (and an untied LM head)
+    """``load(quantize="q8_0" | "q4_0" | "q4_1" | "q4_k" | "q5_k" | "q6_k")``: the decoder's linear weights (and an untied LM head)
     quantized to GGUF blocks as they are read (:mod:`ds4t.kernels.quant_blocks`), weight-only; a weight
     whose K the type does not fit falls back as llama-quantize does (K-quants -> Q8_0 -> float)."""
     qtype: str
@@ -88,17 +88,18 @@ class BlockQuantConfig:
         return False
 
 
-BLOCK_TYPES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+BLOCK_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 
 
 def quantize_option(quantize, cfg: dict):
     """``load(quantize=...)``: None (as stored), "fp8" (float weights quantized at load, in the
-    checkpoint's blocks if it names them, else 128 x 128) or a GGUF block type "q8_0" / "q4_k" /
-    "q5_k" / "q6_k" (:class:`BlockQuantConfig`)."""
+    checkpoint's blocks if it names them, else 128 x 128) or a GGUF block type "q8_0" / "q4_0" / "q4_1" /
+    "q4_k" / "q5_k" / "q6_k" (:class:`BlockQuantConfig`)."""
     if quantize is None:
         return None
     if isinstance(quantize, str) and quantize.lower() in BLOCK_TYPES:
         return BlockQuantConfig(BLOCK_TYPES[quantize.lower()])
     if quantize != "fp8":
-        raise ValueError(f"quantize must be None, 'fp8', 'q8_0', 'q4_k', 'q5_k' or 'q6_k', got {quantize!r}")
+        raise ValueError(f"quantize must be None, 'fp8' or a GGUF block type ({', '.join(map(repr, BLOCK_TYPES))}), "
+                         f"got {quantize!r}")
     return parse_quantization(cfg) or FP8Config()

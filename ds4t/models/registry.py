@@ -68,10 +68,11 @@ def _device(device) -> torch.device:
 
 
 def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] = None, seed: int = 0,
-         quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, **options):
+         quantize: Optional[str] = None, tp: Optional[int] = None, tp_group=None, dequantize: bool = False,
+         **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
     writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
-    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_K / Q5_K / Q6_K linear weights kept as blocks,
+    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K linear weights kept as blocks,
     other quantized types dequantized at load,
     tokenizer and chat template from its metadata) or a preset name.
 
@@ -85,8 +86,11 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe; default: no window).
     quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
     weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``), or
-    "q8_0" / "q4_k" / "q5_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
+    "q8_0" / "q4_0" / "q4_1" / "q4_k" / "q5_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
     A preset whose config carries a quantization_config (``qwen3-next-80b-fp8``) is quantized at load.
+    dequantize: GGUF files only: every quantized tensor dequantized at load to ``dtype``, so the float kernels
+    run the file's weights (in the Triton interpreter several times faster than the block kernels; more
+    memory).
     tp: tensor + expert parallel over the ranks of the initialised torch.distributed group ``tp_group``
     (default: the world, which must have ``tp`` ranks): this rank loads its shard (:mod:`ds4t.parallel`;
     ``device`` "cuda" is this rank's current CUDA device). Every rank must then run the same calls.
@@ -101,6 +105,10 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         tp_runtime = TensorParallel.create(tp, tp_group, device)
         device = tp_runtime.device
     dtype = parse_dtype(dtype)
+    if dequantize not in (True, False):
+        raise ValueError(f"load: dequantize must be True or False, got {dequantize!r}")
+    if dequantize and not is_gguf(path_or_preset):
+        raise ValueError(f"load: dequantize=True applies to GGUF files, not {path_or_preset!r}")
     text_meta = None   # GGUF: chat template and special tokens from its metadata (ds4t.text reads them)
     origin = None      # GGUF: the metadata key each config field came from (check_fields' messages)
     families = _families()
@@ -146,6 +154,7 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
         name = os.path.abspath(path)
         if dtype is None:
             dtype = source.default_dtype()
+        source.dequantize = bool(dequantize)
     else:
         raise CheckpointError(
             f"{path_or_preset!r} is neither a checkpoint directory, a .gguf file nor a preset (presets: {presets()})")

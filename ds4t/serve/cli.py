@@ -91,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="weights and activations (default: the checkpoint's)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="GGUF: dequantize every quantized tensor at load (the float kernels run its weights)")
     p.add_argument("--batched-session", type=pos, default=1, metavar="N",
                    help="resident sessions allocated at start; requests beyond N wait (FIFO)")
     p.add_argument("--max-ctx", type=pos, default=None, metavar="C",
@@ -146,7 +148,7 @@ def build(args, model=None):
 
     if model is None:
         try:
-            model = ds4t.load(args.model, device=args.device, dtype=args.dtype)
+            model = ds4t.load(args.model, device=args.device, dtype=args.dtype, dequantize=args.dequantize)
         except (ds4t.CheckpointError, ValueError, KeyError, OSError) as e:
             raise SystemExit(f"ds4t serve: cannot load {args.model!r}: {e}") from None
     max_ctx = args.max_ctx if args.max_ctx is not None else min(4096, model.max_position)
@@ -196,7 +198,7 @@ def serve_rank(args) -> int:
     from ds4t.parallel.mirror import Leader, follow
 
     try:
-        model = ds4t.load(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+        model = ds4t.load(args.model, device=args.device, dtype=args.dtype, tp=args.tp, dequantize=args.dequantize)
     except (ds4t.CheckpointError, ValueError, KeyError, OSError) as e:
         raise SystemExit(f"ds4t serve: cannot load {args.model!r} with --tp {args.tp}: {e}") from None
     if args.plan_only:

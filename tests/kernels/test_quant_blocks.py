@@ -19,9 +19,9 @@ from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
-from ds4t.kernels.quant_blocks import (FORMATS, GGUF_LAYOUTS, K_HEADER, PLANE_ORDER, QTYPES, GGUFLayout, GGUFWeight,
-                                       block_terms, dequantize, fold_weights, quantize, quantize_numpy, repack,
-                                       scale_plane_bytes, unpack)
+from ds4t.kernels.quant_blocks import (BLOCKS_32, FORMATS, GGUF_LAYOUTS, K_HEADER, PLANE_ORDER, QTYPES, GGUFLayout,
+                                       GGUFWeight, block_terms, dequantize, fold_weights, quantize, quantize_numpy,
+                                       repack, scale_plane_bytes, unpack)
 from tests.kernels.invariance import assert_rows_invariant, half_row_tiles, poison_empty, poisoned
 
 DEV = torch.device("cpu" if INTERPRET else "cuda")
@@ -46,8 +46,11 @@ def random_blocks(shape, qtype: str, seed: int, exp=(-4, -2)) -> GGUFWeight:
     n = int(np.prod(lead)) * (K // f.qk)
     raw = rng.integers(0, 256, size=(n, f.bpb), dtype=np.uint8)
     scales = (rng.uniform(0.5, 2.0, size=(n, 2)) * 10.0 ** rng.uniform(*exp, size=(n, 1))).astype(np.float16)
-    if qtype == "Q8_0":
+    if qtype in ("Q8_0", "Q4_0"):
         raw[:, 0:2] = scales[:, :1].view(np.uint8)
+    elif qtype == "Q4_1":   # d and a min of either sign
+        raw[:, 0:4] = (scales * np.where(rng.integers(0, 2, size=(n, 2)) == 1, 1, -1).astype(np.float16)
+                       * np.array([1, -1], np.float16)).view(np.uint8).reshape(n, 4)
     elif qtype in K_HEADER:
         raw[:, 0:4] = scales.view(np.uint8).reshape(n, 4)
     else:
@@ -76,15 +79,16 @@ def test_quantizer_round_trips_through_gguf_py(qtype):
     w[2, :256] = 0.0                             # an all-zero block
     q = quantize(w, qtype)
     back = q.dequantize()
-    step = {"Q8_0": 1 / 127, "Q4_K": 1 / 15 * 1.3, "Q5_K": 1 / 31 * 1.3, "Q6_K": 1 / 31 * 1.1}[qtype]
+    step = {"Q8_0": 1 / 127, "Q4_0": 1 / 8 * 1.01, "Q4_1": 1 / 15, "Q4_K": 1 / 15 * 1.3, "Q5_K": 1 / 31 * 1.3,
+            "Q6_K": 1 / 31 * 1.1}[qtype]
     blocks = w.reshape(3, -1, FORMATS[qtype].sb)
     span = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True).clamp(max=0)).expand_as(blocks)
     assert ((back - w).abs().reshape_as(blocks) <= span * step + 1e-3).all()
     assert torch.equal(back[2, :256], torch.zeros(256))
-    if qtype == "Q8_0":
+    if qtype in BLOCKS_32:   # ggml's reference quantizers, as gguf-py has them
         import gguf
 
-        assert np.array_equal(q.blocks().numpy(), gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+        assert np.array_equal(q.blocks().numpy(), gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype]))
 
 
 def test_weight_type_rows_experts_and_errors():
@@ -115,8 +119,8 @@ def test_weight_type_rows_experts_and_errors():
 
 # ----------------------------------------------------------------------------- the repacked layout
 
-@pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q8_0", 256), ("Q4_K", 512), ("Q5_K", 768), ("Q6_K", 256),
-                                     ("Q6_K", 2048)])
+@pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q8_0", 256), ("Q4_0", 96), ("Q4_1", 160), ("Q4_K", 512),
+                                     ("Q5_K", 768), ("Q6_K", 256), ("Q6_K", 2048)])
 def test_repack_round_trips_and_aligns(qtype, K):
     """repack then unpack gives the ggml bytes back; planes start on 16 bytes and rows are multiples of 16
     (padding only where the blocks do not fill one); each plane holds its byte range of every block."""
@@ -239,7 +243,7 @@ def test_fold_route_decodes_blocks_as_fold_weights(qtype):
     q, s, mn = block_terms(w.blocks(), qtype, K)
     deq = dequantize(w.blocks().cpu(), qtype, K)
     assert torch.equal((q * s - mn).float().cpu(), deq)
-    cfg = QLinearConfig(block_n=16, split=2, group=4 if qtype == "Q8_0" else 1, fold=True)
+    cfg = QLinearConfig(block_n=16, split=2, group=4 if qtype in BLOCKS_32 else 1, fold=True)
     y = linear(torch.eye(K, device=DEV), w, config=cfg, out=poisoned((K, 24), device=DEV))
     folded = fold_weights(w)
     assert folded.dtype == torch.bfloat16 and torch.equal(y.t().cpu(), folded.float().cpu())
@@ -249,7 +253,8 @@ def test_fold_route_decodes_blocks_as_fold_weights(qtype):
 
 
 @pytest.mark.parametrize("adt", ADTS, ids=str)
-@pytest.mark.parametrize("qtype,B,K,N", [("Q8_0", 5, 96, 33), ("Q4_K", 3, 512, 70), ("Q5_K", 4, 768, 40),
+@pytest.mark.parametrize("qtype,B,K,N", [("Q8_0", 5, 96, 33), ("Q4_0", 2, 64, 17), ("Q4_1", 6, 160, 45),
+                                         ("Q4_K", 3, 512, 70), ("Q5_K", 4, 768, 40),
                                          ("Q6_K", 17, 256, 21)])
 def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
     w = random_blocks((N, K), qtype, seed=B + N).with_act_dtype(adt)
@@ -279,7 +284,7 @@ PATH_CONFIGS = [QLinearConfig(block_n=16, split=3, group=2), QLinearConfig(block
 @pytest.mark.parametrize("cfg", PATH_CONFIGS, ids=str)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_gpu_paths_match_reference(qtype, cfg, adt):
-    K = 768 if qtype != "Q8_0" else 256
+    K = 256 if qtype in BLOCKS_32 else 768
     w = random_blocks((50, K), qtype, seed=11)
     x = _x(4, K, seed=2)
     b = torch.randn(50).to(DEV)
@@ -296,7 +301,7 @@ def test_linear_pair_changes_no_bit(qtype):
     w = random_blocks((N, K), qtype, 41)
     x = _x(B, K, 42, torch.bfloat16)
     bias = _x(1, N, 43)[0]
-    base = QLinearConfig(block_n=32, split=2, group=4 if qtype == "Q8_0" else 1)
+    base = QLinearConfig(block_n=32, split=2, group=4 if qtype in BLOCKS_32 else 1)
     outs = [linear(x, w, bias, config=dataclasses.replace(base, pair=pr), out=poisoned((B, N), device=DEV))
             for pr in (False, True)]
     assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])
@@ -323,7 +328,7 @@ def _pool(qtype):
     plane)."""
     if qtype not in _POOLS:
         base, _, plane = qtype.partition("+")
-        K = 128 if base == "Q8_0" else 512   # several sub-blocks per split: a split regroups the sum
+        K = 128 if base in BLOCKS_32 else 512   # several sub-blocks per split: a split regroups the sum
         w = random_blocks((24, K), base, seed=5).with_scale_plane(bool(plane))
         _POOLS[qtype] = (_x(POOL, K, seed=9), w, torch.randn(24).to(DEV))
     return _POOLS[qtype]
@@ -360,7 +365,7 @@ def _split_from_batch(x, w, b, fold=False):
     return linear(x, w, b, config=cfg, act_dtype=torch.bfloat16 if fold else None)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q4_K+plane", "Q5_K+plane"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q4_K+plane", "Q5_K+plane"])
 def test_negative_control_is_caught(qtype):
     fold = qtype.endswith("+plane")
 
@@ -389,7 +394,7 @@ def _moe_data(qg, qd, seed, B=5, E=4, k=2, D=256, I=256):
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qg,qd,path", [("Q4_K", "Q6_K", "interp"), ("Q8_0", "Q4_K", "gpu"), ("Q6_K", "Q8_0", "host_list"),
-                                        ("Q5_K", "Q5_K", "gpu")])
+                                        ("Q5_K", "Q5_K", "gpu"), ("Q4_1", "Q4_0", "gpu")])
 def test_moe_matches_reference_and_rows_alone(qg, qd, path, adt):
     with use_variants({"moe_experts": path if INTERPRET else "gpu"}):
         _moe_case(qg, qd, adt)
@@ -524,7 +529,7 @@ def test_qdot_pair_is_two_qdots_bitwise(qtype, adt):
     K, BN = 512, 32
     w, w2 = (random_blocks((BN, K), qtype, seed, exp=(-3, -2)) for seed in (31, 32))
     x = _x(16, K, 33)
-    code, G = FORMATS[qtype].code, (4 if qtype == "Q8_0" else 1)
+    code, G = FORMATS[qtype].code, (4 if qtype in BLOCKS_32 else 1)
 
     def run(a, b, pair):
         out = poisoned((2, BN, 16), device=DEV)

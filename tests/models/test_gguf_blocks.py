@@ -1,5 +1,6 @@
-"""GGUF blocks in models: Q8_0 / Q4_K / Q6_K weights of a GGUF file stay blocks (the quantized kernels read
-them), ``load(quantize="q8_0" | "q4_k" | "q5_k" | "q6_k")`` makes them from float weights; HF transformers on the
+"""GGUF blocks in models: kernel-type weights of a GGUF file stay blocks (the quantized kernels read them;
+``load(..., dequantize=True)`` makes them float), ``load(quantize="q8_0" | "q4_k" | ...)`` makes them from float
+weights; HF transformers on the
 dequantized weights is the oracle, and native == ordered bitwise (with the negative control)."""
 import dataclasses
 import logging
@@ -46,6 +47,34 @@ def test_llama_gguf_keeps_q8_0_blocks(tmp_path, caplog):
     # q/k rows un-permuted as blocks: HF on the dequantized, un-permuted weights agrees
     check_against_hf(model, oracle(hf, held), [3, 1, 4, 1, 5, 9], 4, 1e-4)
     assert_native_exact(model, sessions=3, steps=2)
+
+
+def test_dequantize_option_runs_the_files_weights_in_float(tmp_path, caplog):
+    """``dequantize=True``: no block is kept, the one log line says why, and the logits are the kept blocks'
+    up to summation order (the same dequantized values); the option is refused where it means nothing."""
+    import torch
+
+    from tests.models.test_gguf import tiny_llama
+
+    write_gguf(tiny_llama(num_key_value_heads=2), tmp_path / "m.gguf", types={"matrix": "Q4_0", "embed": "F32"})
+    kept = ds4t.load(str(tmp_path / "m.gguf"))
+    assert {q for _, q in _block_weights(kept)} == {"Q4_0"}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ds4t.gguf"):
+        flat = ds4t.load(str(tmp_path / "m.gguf"), dequantize=True)
+    assert _block_weights(flat) == []
+    line = [r.getMessage() for r in caplog.records if r.name == "ds4t.gguf"]
+    assert len(line) == 1 and "dequantized Q4_0" in line[0] and "dequantize=True" in line[0], line
+    logits = []
+    for m in (kept, flat):
+        s = m.new_session(16)
+        logits.append(s.prefill([3, 1, 4, 1, 5]))
+    assert not torch.equal(logits[0], logits[1])
+    assert ((logits[0] - logits[1]).abs().max() / logits[1].abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="GGUF files"):
+        ds4t.load("tiny-llama", dequantize=True)
+    with pytest.raises(ValueError, match="True or False"):
+        ds4t.load(str(tmp_path / "m.gguf"), dequantize="no")
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen", "tiny-deepseek", "tiny-glm"])

@@ -8,7 +8,10 @@ sessions (2 in the interpreter) decode greedily in native batches, bit-for-bit e
 fallback over the first steps; every session's greedy tokens equal transformers' and its logits are
 within 1e-4 of the logit scale. In the Triton interpreter a step of this 30-layer model costs ~5 s, so
 the test keeps to few sessions: the shared system prompt is prefilled once and copied into the sessions
-(state_dict), which chunk invariance makes bitwise the same as prefilling each whole prompt.
+(state_dict), which chunk invariance makes bitwise the same as prefilling each whole prompt. There the
+model loads with ``dequantize=True`` (the block kernels cost ~10x the float ones in the interpreter), and
+the file's own Q4_1 / Q8_0 blocks go through the block kernels in a test of their own; on a GPU the model
+keeps its blocks.
 """
 import importlib.util
 import os
@@ -47,7 +50,7 @@ GREEDY_TOKENS = int(os.environ.get("DS4T_REAL_GGUF_TOKENS", 32))
 
 @pytest.fixture(scope="module")
 def smol():
-    return ds4t.load(PATH)
+    return ds4t.load(PATH, dequantize=ds4t.backend.INTERPRET)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,32 @@ def hf():
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     return tok, model
+
+
+def test_the_files_blocks_through_the_block_kernels():
+    """Every matrix of the first layer as the file stores it (Q4_1 / Q8_0 blocks, kept): the linear kernel
+    against x . gguf-py's dequantized weight (fp32), rows alone == in a batch, bitwise; fp32 (exact route) and
+    bf16 activations (fold route)."""
+    from ds4t.kernels.linear import linear
+    from ds4t.kernels.quant_blocks import GGUFWeight, fold_weights
+    from ds4t.models.gguf import open_gguf
+
+    _, source, _, _ = open_gguf(PATH)
+    names = [n for n in source.keys() if n.startswith("model.layers.0.")
+             and n.endswith("proj.weight")]
+    kinds = set()
+    for name in names:
+        w = source.blocks(name)
+        assert isinstance(w, GGUFWeight), name
+        kinds.add(w.qtype)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(len(name)))
+        for adt in (torch.float32, torch.bfloat16):
+            wa = w.with_act_dtype(adt)
+            y = linear(x, wa)
+            ref = x.to(adt).double() @ (fold_weights(wa) if adt == torch.bfloat16 else wa.dequantize()).double().t()
+            assert rel_err(y.double(), ref) <= 1e-5, (name, adt)
+            assert torch.equal(linear(x[1:2], wa)[0], y[1]), (name, adt)
+    assert "Q4_1" in kinds, kinds
 
 
 def test_metadata_config_and_tokenizer_match_transformers(smol, hf):
