@@ -133,7 +133,10 @@ def record_fp8() -> None:
 def record_gguf() -> None:
     """Launches with GGUF block weights (every kernel type), which the presets do not load: linear with the
     interpreter's config, the GPU rule's and split-K; moe_experts with the interpreter's and the GPU's tiles
-    (gate/up and down of different types); fp32 and bf16 activations. Call inside the GPU-variant selection."""
+    (gate/up and down of different types); fp32 and bf16 activations. Types beyond Q8_0 / Q4_K / Q6_K take the
+    same config paths (split, pair, tiles) through their own block steps, so they compile at the GPU rule's
+    configs only, their MoE with bf16 activations (the suite's compile time; their exact routes and scale
+    planes compile in the linear). Call inside the GPU-variant selection."""
     import torch
 
     from ds4t.kernels import linear as L
@@ -149,24 +152,29 @@ def record_gguf() -> None:
             x = torch.randn(3, K, generator=g)
             w = quantize(torch.randn(N, K, generator=g) / K ** 0.5, qt)
             b = torch.randn(N, generator=g)
-            for cfg in (None, Q._gpu_rule(K, N, qt, adt), Q.QLinearConfig(block_n=32, split=2, group=2),
-                        Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
-                        Q.QLinearConfig(block_n=32, split=2, group=2, fold=True)):   # fold: bf16 only
+            paths = (None, Q.QLinearConfig(block_n=32, split=2, group=2),
+                     Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
+                     Q.QLinearConfig(block_n=32, split=2, group=2, fold=True))   # fold: bf16 only
+            for cfg in (Q._gpu_rule(K, N, qt, adt), *(paths if qt in ("Q8_0", "Q4_K", "Q6_K") else ())):
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
                 if qt in K_HEADER:   # rows with a scale plane (read on the fold route only)
                     L.linear(x, w.with_scale_plane(), b, config=cfg, act_dtype=adt)
         E, I, D = 4, 256, 256
         for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K"), ("Q4_1", "Q4_0")):
+            full = qg in ("Q8_0", "Q4_K", "Q6_K")
+            if not full and adt != torch.bfloat16:   # their exact routes: the linear's launches above
+                continue
             wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, qg) for _ in range(2))
             wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, qd)
             ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
             wts = torch.rand(3, 2, generator=g)
             with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
-                if qg in K_HEADER:   # gate / up rows with a scale plane
+                if qg in K_HEADER and full:   # gate / up rows with a scale plane
                     M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg.with_scale_plane(),
                                   wu.with_scale_plane(), wd, shared_expert=E - 1, act_dtype=adt)
-            M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
+            if full:
+                M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
 
 
 def record_gguf_tables() -> None:

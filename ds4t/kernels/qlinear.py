@@ -1,5 +1,5 @@
-"""Decode linear over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), read as stored: what :func:`ds4t.kernels.linear.linear`
-launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
+"""Decode linear over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), read as stored: what
+:func:`ds4t.kernels.linear.linear` launches for a :class:`~ds4t.kernels.quant_blocks.GGUFWeight`.
 
 Shapes and dtypes
     x       [B, K]  fp32 / bf16 / fp16, rounded to the activation dtype A inside the kernel
@@ -10,9 +10,9 @@ Shapes and dtypes
 
 Arithmetic (defined in :mod:`ds4t.kernels.quant_blocks`): per row n and sub-block j of SB columns, in K
 order, ``acc = fma(s[n, j], x_j . q_j, acc)``, each dot in fp32 from zero (Q4_K: the mins once per block,
-``- dmin * sum_j m_j sum(x_j)`` from one MMA chain; Q5_K likewise), the block's integers converted exactly to A
-(packed bit tricks on the GPU: :func:`ds4t.backend.int8_to`, ``nibbles_to``, ``five_bits_to``, ``six_bit_to``) and the fp32 scales
-decoded from the block bytes in registers.
+``- dmin * sum_j m_j sum(x_j)`` from one MMA chain; Q5_K likewise; Q4_1: ``+ m * sum(x_j)`` a block), the
+block's integers converted exactly to A (packed bit tricks on the GPU: :func:`ds4t.backend.int8_to`,
+``nibbles_to``, ``five_bits_to``, ``six_bit_to``) and the fp32 scales decoded from the block bytes in registers.
 :func:`qdot` is that loop, shared with the MoE kernels (:mod:`ds4t.kernels.qmoe`). It reads the repacked
 planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-byte vector loads (32 or
 16 contiguous, aligned bytes a row), its scales with aligned 2- or 4-byte loads.
@@ -20,8 +20,8 @@ planes (:func:`ds4t.kernels.quant_blocks.repack`): a sub-block's quants with 16-
 Fold route (``QLinearConfig.fold``, bf16 activations only): per loop step the integers, converted the same
 way, become weights ``fma(q, bf16(s), -bf16(mn))`` in one packed bf16 FMA (:func:`ds4t.backend.fma_bf16`),
 the sub-blocks of the step side by side with their scales spread along their columns and the activation
-columns gathered in the same order, and meet ``acc`` in one MMA (Q8_0: G blocks; Q4_K / Q5_K: two of 128
-columns, low and high nibbles; Q6_K: eight of 32). The weights are :func:`ds4t.kernels.quant_blocks.fold_weights`.
+columns gathered in the same order, and meet ``acc`` in one MMA (Q8_0: G blocks; Q4_0 / Q4_1: two of 16 G
+columns, low and high nibbles; Q4_K: two of 128, low and high nibbles; Q5_K and Q6_K: eight of 32). The weights are :func:`ds4t.kernels.quant_blocks.fold_weights`.
 
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
 never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
@@ -269,14 +269,14 @@ def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.
     blk = k // 32 + tl.arange(0, G)
     if MIN:
         dm = tl.load((w_row + KW // 2).to(tl.pointer_type(tl.int32))[:, None] + blk[None, :])
-        d = _spread(_f16_bits(dm), 16)
-        mn = 0.0 - _spread(_f16_bits(dm >> 16), 16)
+        d16 = _spread(cast(_f16_bits(dm), tl.bfloat16), 16)
+        m16 = _spread(cast(_f16_bits(dm >> 16), tl.bfloat16), 16)
     else:
-        d = _spread(tl.load((w_row + KW // 2).to(tl.pointer_type(tl.float16))[:, None] + blk[None, :]).to(tl.float32),
-                    16)
-        mn = tl.zeros_like(d)
-    acc = _fold_dot(acc, lo, d, mn, _x_cols(x_row, cols, tl.bfloat16))
-    return _fold_dot(acc, hi, d, mn, _x_cols(x_row, cols + 16, tl.bfloat16))
+        d = tl.load((w_row + KW // 2).to(tl.pointer_type(tl.float16))[:, None] + blk[None, :]).to(tl.float32)
+        d16 = _spread(cast(d, tl.bfloat16), 16)
+        m16 = tl.zeros_like(d16)
+    acc = _fold_dot16(acc, lo, d16, m16, _x_cols(x_row, cols, tl.bfloat16))
+    return _fold_dot16(acc, hi, d16, m16, _x_cols(x_row, cols + 16, tl.bfloat16))
 
 
 @triton.jit
@@ -329,8 +329,8 @@ def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr):
 def _q5_k_fold(acc, w_row, x_row, k, KW: tl.constexpr, PLANE: tl.constexpr):
     """Fold route, Q5_K: the 256-block at k in eight MMAs of 32 columns, sub-block 2c + h (h: nibble) of qs run
     c with fifth bit 2c + h of the block's 32 qh bytes, a bit position fixed in each MMA (two MMAs of 128
-    columns, as Q4_K's, must shift each qh byte by its run: 964 against 749 instructions a step at K = 7168,
-    sm_90 SASS). The scales ``bf16(d sc)`` and ``-bf16(dmin m)`` decoded from the header or (PLANE) loaded from
+    columns, as Q4_K's, must shift each qh byte by its run: 964 against 742 instructions a step with the scale
+    plane at K = 7168, sm_90 SASS). The scales ``bf16(d sc)`` and ``-bf16(dmin m)`` decoded from the header or (PLANE) loaded from
     the scale plane (:func:`ds4t.kernels.quant_blocks.make_scale_plane`, after the repacked row): the same
     values, so the same bits."""
     hdr_at: tl.constexpr = _k_header_at(KW, True)
@@ -350,9 +350,10 @@ def _q5_k_fold(acc, w_row, x_row, k, KW: tl.constexpr, PLANE: tl.constexpr):
                 sc, m = _q4k_scale_min(w1, w2, w3, 2 * c + h)
                 s16 = cast(sc.to(tl.float32) * d, tl.bfloat16)
                 nmn16 = cast(0.0 - m.to(tl.float32) * dmin, tl.bfloat16)
-            acc = _fold_dot16(acc, q, tl.broadcast_to(s16[:, None], q.shape),
-                              tl.broadcast_to(nmn16[:, None], q.shape), _x_tile(x_row, k + 64 * c + 32 * h, 32, tl.bfloat16))
+            acc = _fold_dot16(acc, q, tl.broadcast_to(s16[:, None], q.shape), tl.broadcast_to(nmn16[:, None], q.shape),
+                              _x_tile(x_row, k + 64 * c + 32 * h, 32, tl.bfloat16))
     return acc
+
 
 @triton.jit
 def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):

@@ -7,7 +7,8 @@ load** (:func:`repack`; :meth:`GGUFWeight.blocks` gives the ggml bytes back, bit
 format's *planes* one after another, a plane being one byte range of every block of the row, concatenated
 in K order (leading dims: stacked MoE experts). Every plane starts 16-byte aligned and a row is padded to
 a multiple of 16 bytes (zeros; only Q6_K rows with K / 256 not a multiple of 8 and rows of 32-element blocks
-with K / 32 not a multiple of 8 -- Q4_1: of 4 -- need any), so a kernel (:mod:`ds4t.kernels.qlinear`, :mod:`ds4t.kernels.qmoe`) reads the
+with K / 32 not a multiple of 8 -- Q4_1: of 4 -- need any), so a kernel (:mod:`ds4t.kernels.qlinear`,
+:mod:`ds4t.kernels.qmoe`) reads the
 quants of a sub-block with 16-byte vector loads and its scales with aligned 2- or 4-byte loads, and
 decodes them in registers. Nothing is decoded at load: the planes hold ggml's own bytes (so the
 dequantized values cannot change), only moved.
@@ -59,8 +60,8 @@ sub-blocks j of SB columns in K order,
 with ``x_j`` the activations of the sub-block rounded to the activation dtype A (``act_dtype``, the
 model dtype; never to an integer format), ``q_j`` the sub-block's integers (exact in A: at most 8 bits),
 ``x_j . q_j`` summed in fp32 from zero (Q4_0's integers are ``q - 8``), ``s = d * sc`` (Q8_0, Q4_0, Q4_1:
-``d``) in fp32; Q4_1's min ``m`` (fp16) meets the block's ``sum(x_j)`` (an fp32 MMA against ones); Q4_K's and Q5_K's mins ``m`` (6-bit
-integers, exact in A) meet the activations in one MMA chain per block (every product ``m * x`` exact,
+``d``) in fp32; Q4_1's min ``m`` (fp16) meets the block's ``sum(x_j)`` (an fp32 MMA against ones); Q4_K's
+and Q5_K's mins ``m`` (6-bit integers, exact in A) meet the activations in one MMA chain per block (every product ``m * x`` exact,
 the sums in fp32) that is scaled by the block's ``dmin`` once. Every fp32 scale is exact (an 11-bit fp16
 mantissa times an integer of at most 7 bits), and so is each dequantized weight ``s * q - dmin * m`` up
 to its one final rounding: the weights the kernels use are bitwise the values ``gguf.quants.dequantize``

@@ -14,9 +14,9 @@ What is read, for the architectures in :data:`ARCHITECTURES` (``llama``, ``qwen3
   permutes the rows of ``attn_q`` and ``attn_k`` of llama models (``LlamaModel.permute``: within each
   head, rotate-half pairs (i, i + hd/2) become interleaved pairs (2i, 2i+1), for its GPT-J style
   RoPE); :func:`unpermute_rows` undoes it, exactly (rows only move). Qwen3 files are not permuted.
-* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K linear weights (and LM head)
-  **stay as blocks** (:class:`~ds4t.kernels.quant_blocks.GGUFWeight`, the file's bytes; the decode linear
-  and MoE kernels read them, :mod:`ds4t.kernels.qlinear`). Every other quantized type gguf-py can
+* **Types**: F32, F16 and BF16 are read as stored. Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K linear weights (and
+  LM head) **stay as blocks** (:class:`~ds4t.kernels.quant_blocks.GGUFWeight`, the file's bytes; the decode
+  linear and MoE kernels read them, :mod:`ds4t.kernels.qlinear`) unless ``load(..., dequantize=True)``. Every other quantized type gguf-py can
   dequantize (Q5_0, Q5_1, Q2_K, Q3_K, IQ*), and kernel types in tensors that are not linear
   weights (embeddings), is **dequantized at load** with ``gguf.quants.dequantize`` to the model dtype.
   One log line (logger ``ds4t.gguf``) says which types were kept and which dequantized.
@@ -522,7 +522,8 @@ class GGUFSource(TensorSource):
 
     def blocks(self, name: str, shape=None, device="cpu"):
         """``name`` as a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` when it is stored in a kernel type
-        (:data:`~ds4t.kernels.quant_blocks.QTYPES`) (rows may move: llama's q/k, Qwen3-Next's qkvz; blocks run along K), else None."""
+        (:data:`~ds4t.kernels.quant_blocks.QTYPES`) and ``dequantize`` is off (rows may move: llama's q/k,
+        Qwen3-Next's qkvz; blocks run along K), else None."""
         from ds4t.kernels.quant_blocks import QTYPES
 
         if name not in self._recipes or self.dequantize:

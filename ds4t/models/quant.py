@@ -79,7 +79,8 @@ def parse_quantization(cfg: dict) -> Optional[FP8Config]:
 
 @dataclasses.dataclass(frozen=True)
 class BlockQuantConfig:
-    """``load(quantize="q8_0" | "q4_0" | "q4_1" | "q4_k" | "q5_k" | "q6_k")``: the decoder's linear weights (and an untied LM head)
+    """``load(quantize="q8_0" | "q4_0" | "q4_1" | "q4_k" | "q5_k" | "q6_k")``: the decoder's linear weights (and
+    an untied LM head)
     quantized to GGUF blocks as they are read (:mod:`ds4t.kernels.quant_blocks`), weight-only; a weight
     whose K the type does not fit falls back as llama-quantize does (K-quants -> Q8_0 -> float)."""
     qtype: str

@@ -72,7 +72,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
          **options):
     """Load a model: an HF checkpoint directory (config.json + safetensors), a GGUF file as llama.cpp
     writes it (``model.gguf`` or the first part ``model-00001-of-0000N.gguf`` of a split one;
-    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K linear weights kept as blocks,
+    :mod:`ds4t.models.gguf`: architectures llama, qwen3, qwen3next, deepseek2, glm4moe; Q8_0 / Q4_0 / Q4_1 /
+    Q4_K / Q5_K / Q6_K linear weights kept as blocks,
     other quantized types dequantized at load,
     tokenizer and chat template from its metadata) or a preset name.
 
@@ -86,7 +87,8 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     ``native_path="ds4"`` (deepseek_v3) or ``native_window=2051`` (glm4_moe; default: no window).
     quantize: None (weights as stored; block-FP8 checkpoints stay FP8) or "fp8": the decoder's linear
     weights quantized to block-FP8 as they are read (weight-only; activations stay in ``dtype``), or
-    "q8_0" / "q4_0" / "q4_1" / "q4_k" / "q5_k" / "q6_k": the same weights and an untied LM head quantized to GGUF blocks.
+    "q8_0" / "q4_0" / "q4_1" / "q4_k" / "q5_k" / "q6_k": the same weights and an untied LM head quantized to
+    GGUF blocks.
     A preset whose config carries a quantization_config (``qwen3-next-80b-fp8``) is quantized at load.
     dequantize: GGUF files only: every quantized tensor dequantized at load to ``dtype``, so the float kernels
     run the file's weights (in the Triton interpreter several times faster than the block kernels; more

@@ -393,8 +393,8 @@ def _moe_data(qg, qd, seed, B=5, E=4, k=2, D=256, I=256):
 
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qg,qd,path", [("Q4_K", "Q6_K", "interp"), ("Q8_0", "Q4_K", "gpu"), ("Q6_K", "Q8_0", "host_list"),
-                                        ("Q5_K", "Q5_K", "gpu"), ("Q4_1", "Q4_0", "gpu")])
+@pytest.mark.parametrize("qg,qd,path", [("Q4_K", "Q6_K", "interp"), ("Q8_0", "Q4_K", "gpu"),
+                                        ("Q6_K", "Q8_0", "host_list"), ("Q5_K", "Q5_K", "gpu"), ("Q4_1", "Q4_0", "gpu")])
 def test_moe_matches_reference_and_rows_alone(qg, qd, path, adt):
     with use_variants({"moe_experts": path if INTERPRET else "gpu"}):
         _moe_case(qg, qd, adt)
