@@ -581,7 +581,7 @@ QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
            "--sweep), 2026-12-04-h200-gguf-int8.md; other shapes: the rule (64-row tiles, split-K to ~264 "
-           "programs, fold for bf16 Q8_0 / Q4_K, and Q5_K as Q4_K, untimed)")
+           "programs, fold for bf16 but Q6_K; untimed: Q5_K as Q4_K, Q4_0 / Q4_1 as Q8_0)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 

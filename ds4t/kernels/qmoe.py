@@ -148,7 +148,7 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
                                                                           num_stages=1, fold=qtype in FOLD_TYPES),
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
            "--sweep); Q5_K: Q4_K's entries, Q4_0 / Q4_1: Q8_0's, untimed; the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a "
-           "step, fold for Q8_0 / Q4_K / Q5_K; "
+           "step, fold for every type but Q6_K; "
            "row programs: bench/results/2026-12-04-h200-moe-row-programs.md")
 """Keyed on (kernel "gate_up" | "down", GGUF type), plus (kernel, type, "rows") entries for launches of at
 least ``min_rows`` rows, which may differ from the decode entry in ``row_programs`` alone (:func:`qmoe_config`)."""

@@ -71,7 +71,7 @@ never depend on the other rows (the sums run along the row's own K in a fixed or
 come from shapes and the format only), so batch and chunk invariance hold as for float weights.
 
 **The fold route** (bf16 activations; a launch constant, ``QLinearConfig.fold`` / ``QMoEConfig.fold``, the
-default for Q8_0, Q4_K and Q5_K): each weight is dequantized in bf16 arithmetic as ``q * bf16(s) - bf16(mn)``
+default for every type but Q6_K): each weight is dequantized in bf16 arithmetic as ``q * bf16(s) - bf16(mn)``
 rounded once (one packed ``fma.rn.bf16x2`` per two weights), and the dequantized sub-blocks of a loop step
 meet one fp32 accumulator in one MMA. Its weights are :func:`fold_weights` bit for bit -- within ~1.5 bf16
 ulps of gguf-py's value, what any bf16 model holding the dequantized weight multiplies -- and cost a third of
