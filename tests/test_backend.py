@@ -371,3 +371,47 @@ def test_gathered_loads_equal_tritons_own(dtype):
             a, w = new(b, ptrs, mask, None, None, False), old(b, ptrs, mask, None, None, False)
             assert a.data.strides == w.data.strides
             assert np.array_equal(a.data.view(np.uint8), w.data.view(np.uint8))
+
+
+def test_packed_asm_gives_the_interpreters_values():
+    """The GPU's packed bit tricks (PTX strings the interpreter never runs), emulated instruction by
+    instruction: each gives the value the interpreter's formula gives, for every byte in every lane (int8,
+    nibbles and signed nibbles exhaustively; Q5_K's five bits and Q6_K's six bits on random byte pairs at
+    every bit position). Control: an asm with a wrong shift is caught."""
+    import numpy as np
+
+    from ds4t import backend as B
+    from tests.ptx_emulator import lanes, run
+
+    for b0 in range(256):   # int8_to: four bytes -> four values
+        word = b0 | (((b0 * 7) & 255) << 8) | (((b0 * 13) & 255) << 16) | (((b0 * 29) & 255) << 24)
+        out = run(B._INT8_BF16_ASM.value, {2: word})
+        got = [*lanes(out["$0"]), *lanes(out["$1"])]
+        assert got == [((word >> (8 * i)) & 255 ^ 128) - 128 for i in range(4)], hex(word)
+    for off in (0, 8):      # nibbles_to (Q4_K) and its signed form (Q4_0)
+        asm = B._nibbles_asm(off)
+        for b0 in range(256):
+            b1 = b0 ^ 0x5A
+            out = run(asm, {2: b0 | (b1 << 8)})
+            assert list(lanes(out["$0"])) == [(b0 & 15) - off, (b1 & 15) - off]
+            assert list(lanes(out["$1"])) == [(b0 >> 4) - off, (b1 >> 4) - off]
+    rng = np.random.default_rng(0)
+
+    def five_bits_ok(asm, bit, n=200):
+        for q0, q1, h0, h1 in rng.integers(0, 256, (n, 4)).tolist():
+            out = run(asm, {2: q0 | (q1 << 8), 3: h0 | (h1 << 8)})
+            want_lo = [(q & 15) | (((h >> bit) & 1) << 4) for q, h in ((q0, h0), (q1, h1))]
+            want_hi = [(q >> 4) | (((h >> (bit + 1)) & 1) << 4) for q, h in ((q0, h0), (q1, h1))]
+            if list(lanes(out["$0"])) != want_lo or list(lanes(out["$1"])) != want_hi:
+                return False
+        return True
+
+    for bit in range(7):
+        assert five_bits_ok(B._FIVE_BITS_ASMS.value[bit], bit), bit
+    assert not five_bits_ok(B._five_bits_asm(3), 2)   # control: the asm of another bit position
+    for nib in range(2):
+        for pair in range(4):
+            for q0, q1, h0, h1 in rng.integers(0, 256, (100, 4)).tolist():
+                out = run(B._SIX_BIT_ASMS.value[4 * nib + pair], {1: q0 | (q1 << 8), 2: h0 | (h1 << 8)})
+                assert list(lanes(out["$0"])) == [(((q >> (4 * nib)) & 15) | (((h >> (2 * pair)) & 3) << 4)) - 32
+                                                  for q, h in ((q0, h0), (q1, h1))]
