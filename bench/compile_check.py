@@ -146,6 +146,7 @@ def record_gguf() -> None:
     from ds4t.kernels.quant_blocks import K_HEADER, QTYPES, quantize
 
     g = torch.Generator().manual_seed(0)
+    full_types = ("Q8_0", "Q4_K", "Q6_K")   # every config path; the others at their GPU rule's
     for adt in (torch.float32, torch.bfloat16):
         for qt in QTYPES:
             K, N = 512, 80
@@ -155,13 +156,13 @@ def record_gguf() -> None:
             paths = (None, Q.QLinearConfig(block_n=32, split=2, group=2),
                      Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
                      Q.QLinearConfig(block_n=32, split=2, group=2, fold=True))   # fold: bf16 only
-            for cfg in (Q._gpu_rule(K, N, qt, adt), *(paths if qt in ("Q8_0", "Q4_K", "Q6_K") else ())):
+            for cfg in (Q._gpu_rule(K, N, qt, adt), *(paths if qt in full_types else ())):
                 L.linear(x, w, b, config=cfg, act_dtype=adt)
                 if qt in K_HEADER:   # rows with a scale plane (read on the fold route only)
                     L.linear(x, w.with_scale_plane(), b, config=cfg, act_dtype=adt)
         E, I, D = 4, 256, 256
         for qg, qd in (("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q5_K", "Q5_K"), ("Q4_1", "Q4_0")):
-            full = qg in ("Q8_0", "Q4_K", "Q6_K")
+            full = qg in full_types
             if not full and adt != torch.bfloat16:   # their exact routes: the linear's launches above
                 continue
             wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, qg) for _ in range(2))

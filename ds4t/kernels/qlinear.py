@@ -408,6 +408,12 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
 
 
 @triton.jit
+def _loop_step(FMT: tl.constexpr, G: tl.constexpr):
+    """Columns a K-loop step covers: G blocks of 32 (FMT 0 Q8_0, 6 Q4_0, 7 Q4_1), else one 256-block."""
+    return 32 * G if FMT == 0 or FMT == 6 or FMT == 7 else 256
+
+
+@triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
          KW: tl.constexpr, FOLD: tl.constexpr = False):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step).
@@ -420,7 +426,7 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``five_bits_to`` / ``six_bit_to`` (packed bit tricks
     on the GPU, plain conversions in the interpreter: the same exact values). FOLD (ADT bf16 only): the
     fold route, one packed FMA a weight pair and one MMA a step (module docstring)."""
-    STEP: tl.constexpr = 32 * G if FMT == 0 or FMT == 6 or FMT == 7 else 256
+    STEP: tl.constexpr = _loop_step(FMT, G)
     for k in range(k_lo, k_hi, STEP):
         acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
     return acc
@@ -433,7 +439,7 @@ def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, AD
     of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
     order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
     kernel computes)."""
-    STEP: tl.constexpr = 32 * G if FMT == 0 or FMT == 6 or FMT == 7 else 256
+    STEP: tl.constexpr = _loop_step(FMT, G)
     for k in range(k_lo, k_hi, STEP):
         acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
         acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
