@@ -91,10 +91,18 @@ def run_spmd(fn: Callable[..., int], size: int, *args) -> int:
         init_rank(0, size, port)
         code = int(fn(*args) or 0)
     finally:
-        _finish()
-        for p in procs:
-            p.join(timeout=60 if code == 0 else 5)
-            if p.is_alive():       # rank 0 failed and left it waiting in a collective
-                p.terminate()
-                p.join()
+        if backend() == "nccl":    # NCCL's teardown is collective (ncclCommFinalize): all ranks at once
+            _finish()
+            _join(procs, code)
+        else:                      # gloo's is local, and rank 0 hosts the store: a child whose store vanished
+            _join(procs, code)     # mid-teardown could abort at exit ("terminate called ..."), so it goes first
+            _finish()
     return max([code] + [1 if p.exitcode is None else abs(p.exitcode) for p in procs])
+
+
+def _join(procs, code: int) -> None:
+    for p in procs:
+        p.join(timeout=60 if code == 0 else 5)
+        if p.is_alive():       # rank 0 failed and left it waiting in a collective
+            p.terminate()
+            p.join()
