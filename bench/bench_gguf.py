@@ -210,7 +210,18 @@ def linear_grid(K: int, N: int, qt: str, routes=("exact", "fold")):
                 for bn, sp in ((32, 2), (32, 4), (64, 1), (64, 2), (128, 2))
                 for w, st in ((2, 3), (4, 1), (4, 3), (8, 3)) for g in groups]
     base = QLINEAR_CONFIGS(K, N, qt, torch.bfloat16)   # the table's (or rule's) current choice
-    return list(dict.fromkeys(out + [base]))
+    return list(dict.fromkeys(out + [base] + _prefetch_variants(base, qt, routes)))
+
+
+def _prefetch_variants(base, qt: str, routes):
+    """Route ``prefetch``: the table's config asking L2 for the quant bytes one or two steps ahead, and (fold
+    route, Q4_K) loading each step's bytes a step early into registers (``prefetch``)."""
+    if "prefetch" not in routes:
+        return []
+    out = [dataclasses.replace(base, prefetch_l2=a) for a in (1, 2)]
+    if base.fold and qt == "Q4_K":
+        out += [dataclasses.replace(base, prefetch=True), dataclasses.replace(base, prefetch=True, prefetch_l2=2)]
+    return out
 
 
 def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
@@ -224,7 +235,7 @@ def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
         out += [QMoEConfig(tile_n=bn, q8_group=4, num_warps=w, num_stages=st, fold=True)
                 for bn in (32, 64) for w, st in ((2, 3), (4, 1), (4, 3))]
     base = QMOE_CONFIGS(kernel, qt)
-    return list(dict.fromkeys(out + [base]))
+    return list(dict.fromkeys(out + [base] + _prefetch_variants(base, qt, routes)))
 
 
 def _moe_rule(kernel: str, cfg: QMoEConfig):
@@ -472,7 +483,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
-    ap.add_argument("--sweep-routes", default="exact,fold", help="exact and/or fold: the routes whose configs the sweep tries")
+    ap.add_argument("--sweep-routes", default="exact,fold",
+                    help="exact, fold and/or prefetch (the table's config with L2 / register prefetch): what the sweep tries")
     ap.add_argument("--workers", type=int, default=15, help="compile processes for --sweep")
     ap.add_argument("--models", default="", help="comma list of presets")
     ap.add_argument("--formats", default="bf16,q4_k,q8_0", help="bf16 and/or load(quantize=) types")

@@ -98,6 +98,16 @@ def grid_dependency():
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(p):
+    """Ask the memory system to bring the 128-byte line of each pointer of tile ``p`` into L2 (PTX
+    ``prefetch.global.L2``: a hint, no value, no fault), so that a later load of it waits for L2, not DRAM.
+    Nothing in the interpreter. Never changes a value."""
+    if not _INTERPRET_C:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 def default_device() -> torch.device:
     """``cuda`` when kernels compile for a GPU, else ``cpu`` (interpreter)."""
     return torch.device("cpu" if INTERPRET else "cuda")

@@ -93,6 +93,55 @@ def run(x):
     assert any("defined in no checked file" in v for v in contract_violations({"good.py": good, "run.py": orphan}))
 
 
+def _decorated(fn: ast.FunctionDef, what: str) -> bool:
+    """Is ``fn`` decorated with ``triton.<what>`` (or ``<what>``), called or not?"""
+    for d in fn.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(d, ast.Attribute) and d.attr == what) or (isinstance(d, ast.Name) and d.id == what):
+            return True
+    return False
+
+
+def constexpr_violations(sources: dict) -> list:
+    """``NAME: tl.constexpr = f(...)`` with ``f`` a ``@triton.jit`` function of a checked file: the
+    interpreter and newer Triton accept it, but Triton 3.6 (what the H200 runs) makes a jit function's result a
+    runtime value, and a loop step or a constexpr built from it fails to compile there. Such helpers must be
+    ``@triton.constexpr_function``."""
+    trees = {name: ast.parse(src) for name, src in sources.items()}
+    jit = {fn.name for t in trees.values() for fn in ast.walk(t)
+           if isinstance(fn, ast.FunctionDef) and _decorated(fn, "jit")}
+    out = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.annotation, ast.Attribute)
+                    and node.annotation.attr == "constexpr" and node.value is not None):
+                continue
+            for call in ast.walk(node.value):
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in jit:
+                    out.append(f"{name}:{node.lineno}: constexpr from jit function {call.func.id}()")
+    return out
+
+
+def test_no_constexpr_comes_from_a_jit_function():
+    sources = {str(p.relative_to(PACKAGE)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+    assert constexpr_violations(sources) == []
+    bad = '''
+@triton.jit
+def _step(G: tl.constexpr):
+    return 32 * G
+
+@triton.constexpr_function
+def _fine(G):
+    return 32 * G
+
+@triton.jit
+def k(G: tl.constexpr):
+    A: tl.constexpr = _fine(G)
+    STEP: tl.constexpr = _step(G) // 2
+'''
+    assert constexpr_violations({"bad.py": bad}) == ["bad.py:13: constexpr from jit function _step()"]
+
+
 _STEPS = r'''
 import json, random, sys
 import torch, ds4t
