@@ -24,8 +24,12 @@ address computations a K step costs, read without a GPU (the tables of
 bench/results/2026-12-01-h200-fp8-options.md). To look at a table's GPU config, record under
 ``ConfigTable.forced`` (the records keep block sizes, warps and stages as launched).
 
+``--triton DIR``: compile with another Triton (the GPU machine's version): each Triton release rejects code
+others accept (3.6, the H200's, refuses a loop step or constexpr computed by a ``@triton.jit`` helper, which 3.9
+and the interpreter accept), so a change meant for the GPU is checked with its Triton before it goes there.
+
 Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama] [--checks] [--no-fp8]
-                                     [--gguf-tables]
+                                     [--gguf-tables] [--triton /tmp/triton-3.6]
                                      [--sass _moe_down_kernel]
 (FP8-weight launches of linear, linear_heads and moe_experts, and GGUF-block (Q8_0 / Q4_K / Q6_K) launches of
 linear and moe_experts, are recorded unless --no-fp8.)
@@ -439,6 +443,10 @@ def main():
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sass", default="", help="print the SASS instruction mix of kernels whose name contains this")
+    ap.add_argument("--triton", default="",
+                    help="compile with the Triton package in this folder (e.g. the GPU machine's version, unpacked "
+                         "from its wheel: `pip download --no-deps triton==3.6.0`, then unzip); the interpreter "
+                         "that records stays this environment's")
     ap.add_argument("--compile", dest="records_file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.records_file:   # child: compile and print JSON results
@@ -451,6 +459,8 @@ def main():
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(records, f)
     env = dict(os.environ, TRITON_INTERPRET="0")
+    if args.triton:   # ahead of everything on the path: its triton shadows the installed one
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.triton), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch), "--sass", args.sass],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     os.unlink(f.name)
@@ -465,7 +475,9 @@ def main():
         else:
             print(f"{'ok  ' if ok else 'FAIL'} {label:40s} {secs:5.1f} s {err}")
     kernels = len({r[0] for r in results})
-    print(f"{len(results)} launches of {kernels} kernels compiled for sm_{args.arch}: {len(bad)} failed")
+    ver = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], capture_output=True,
+                         text=True, env=env).stdout.strip()
+    print(f"{len(results)} launches of {kernels} kernels compiled for sm_{args.arch} (Triton {ver}): {len(bad)} failed")
     return 1 if bad else 0
 
 
