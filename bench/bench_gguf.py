@@ -214,14 +214,10 @@ def linear_grid(K: int, N: int, qt: str, routes=("exact", "fold")):
 
 
 def _prefetch_variants(base, qt: str, routes):
-    """Route ``prefetch``: the table's config asking L2 for the quant bytes one or two steps ahead, and (fold
-    route, Q4_K) loading each step's bytes a step early into registers (``prefetch``)."""
+    """Route ``prefetch``: the table's config asking L2 for the quant bytes one or two steps ahead."""
     if "prefetch" not in routes:
         return []
-    out = [dataclasses.replace(base, prefetch_l2=a) for a in (1, 2)]
-    if base.fold and qt == "Q4_K":
-        out += [dataclasses.replace(base, prefetch=True), dataclasses.replace(base, prefetch=True, prefetch_l2=2)]
-    return out
+    return [dataclasses.replace(base, prefetch_l2=a) for a in (1, 2)]
 
 
 def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
@@ -484,7 +480,7 @@ def main() -> int:
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
     ap.add_argument("--sweep-routes", default="exact,fold",
-                    help="exact, fold and/or prefetch (the table's config with L2 / register prefetch): what the sweep tries")
+                    help="exact, fold and/or prefetch (the table's config with an L2 prefetch): what the sweep tries")
     ap.add_argument("--workers", type=int, default=15, help="compile processes for --sweep")
     ap.add_argument("--models", default="", help="comma list of presets")
     ap.add_argument("--formats", default="bf16,q4_k,q8_0", help="bf16 and/or load(quantize=) types")

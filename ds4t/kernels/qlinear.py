@@ -281,54 +281,49 @@ def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.
 
 
 @triton.jit
-def _q4_k_load(w_row, k, KW: tl.constexpr, PLANE: tl.constexpr):
-    """The bytes of the Q4_K 256-block at k the fold route reads, as loaded: (qs uint8 [BN, 128], a, b, c, d)
-    with a..d the header's four int32 words [BN] (d | dmin, then the packed scale bytes) or (PLANE) the
-    scale plane's quarters bf16 [BN, 4] (:func:`_plane4` 0..3). Split from the arithmetic
-    (:func:`_q4_k_fold_from`) so that :func:`qdot` can issue a step's loads one step early."""
-    qs = _raw_bytes(w_row, k // 2, 128)
-    if PLANE:
-        p = (w_row + (KW // 2 + KW // 16) + (k // 256) * 32).to(tl.pointer_type(tl.bfloat16))
-        a, b, c, d = _plane4(p, 0), _plane4(p, 1), _plane4(p, 2), _plane4(p, 3)
-    else:
-        hdr = (w_row + KW // 2 + (k // 256) * 16).to(tl.pointer_type(tl.int32))
-        a, b, c, d = tl.load(hdr), tl.load(hdr + 1), tl.load(hdr + 2), tl.load(hdr + 3)
-    return qs, a, b, c, d
-
-
-@triton.jit
-def _q4_k_fold_from(acc, qs, a, b, c, d, x_row, k, PLANE: tl.constexpr):
-    """Fold route, Q4_K: the 256-block at k (its bytes from :func:`_q4_k_load`) in two MMAs (low nibbles:
-    sub-blocks 0, 2, 4, 6; high nibbles: 1, 3, 5, 7; each over its 128 columns). With PLANE the bf16 scales
-    and negated mins are loaded instead of decoded from the header: the same values, so the same bits."""
-    lo, hi = nibbles_to(qs, tl.bfloat16)
+def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
+    """Fold route, Q4_K: the 256-block at k in two MMAs (low nibbles: sub-blocks 0, 2, 4, 6; high nibbles:
+    1, 3, 5, 7; each over its 128 columns)."""
+    d, dmin, w1, w2, w3 = _k_header(w_row, KW // 2 + (k // 256) * 16)
+    d = d[:, None]
+    dmin = dmin[:, None]
+    s0, m0 = _q4k_scale_min(w1, w2, w3, 0)
+    s1, m1 = _q4k_scale_min(w1, w2, w3, 1)
+    s2, m2 = _q4k_scale_min(w1, w2, w3, 2)
+    s3, m3 = _q4k_scale_min(w1, w2, w3, 3)
+    s4, m4 = _q4k_scale_min(w1, w2, w3, 4)
+    s5, m5 = _q4k_scale_min(w1, w2, w3, 5)
+    s6, m6 = _q4k_scale_min(w1, w2, w3, 6)
+    s7, m7 = _q4k_scale_min(w1, w2, w3, 7)
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
     j = tl.arange(0, 128)
     cols = k + (j // 32) * 64 + j % 32      # byte 32 c + l: low nibble column 64 c + l, high 64 c + 32 + l
-    if PLANE:
-        s_lo, nmn_lo, s_hi, nmn_hi = a, c, b, d
-    else:
-        dd = _f16_bits(a)[:, None]
-        dmin = _f16_bits(a >> 16)[:, None]
-        s0, m0 = _q4k_scale_min(b, c, d, 0)
-        s1, m1 = _q4k_scale_min(b, c, d, 1)
-        s2, m2 = _q4k_scale_min(b, c, d, 2)
-        s3, m3 = _q4k_scale_min(b, c, d, 3)
-        s4, m4 = _q4k_scale_min(b, c, d, 4)
-        s5, m5 = _q4k_scale_min(b, c, d, 5)
-        s6, m6 = _q4k_scale_min(b, c, d, 6)
-        s7, m7 = _q4k_scale_min(b, c, d, 7)
-        s_lo = cast(_columns4(s0, s2, s4, s6).to(tl.float32) * dd, tl.bfloat16)
-        nmn_lo = cast(0.0 - _columns4(m0, m2, m4, m6).to(tl.float32) * dmin, tl.bfloat16)
-        s_hi = cast(_columns4(s1, s3, s5, s7).to(tl.float32) * dd, tl.bfloat16)
-        nmn_hi = cast(0.0 - _columns4(m1, m3, m5, m7).to(tl.float32) * dmin, tl.bfloat16)
-    acc = _fold_dot16(acc, lo, _spread(s_lo, 32), _spread(nmn_lo, 32), _x_cols(x_row, cols, tl.bfloat16))
-    return _fold_dot16(acc, hi, _spread(s_hi, 32), _spread(nmn_hi, 32), _x_cols(x_row, cols + 32, tl.bfloat16))
+    acc = _fold_dot(acc, lo, _spread(_columns4(s0, s2, s4, s6).to(tl.float32) * d, 32),
+                    _spread(_columns4(m0, m2, m4, m6).to(tl.float32) * dmin, 32), _x_cols(x_row, cols, tl.bfloat16))
+    return _fold_dot(acc, hi, _spread(_columns4(s1, s3, s5, s7).to(tl.float32) * d, 32),
+                     _spread(_columns4(m1, m3, m5, m7).to(tl.float32) * dmin, 32),
+                     _x_cols(x_row, cols + 32, tl.bfloat16))
 
 
 @triton.jit
 def _plane4(p, i: tl.constexpr):
     """bf16 [BN, 4]: entries 4 i .. 4 i + 3 of each row's 16 (p [BN] bf16 pointers; one 8-byte load a row)."""
     return tl.load(p[:, None] + (4 * i + tl.arange(0, 4))[None, :])
+
+
+@triton.jit
+def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr):
+    """Fold route, Q4_K rows with a scale plane (:func:`ds4t.kernels.quant_blocks.make_scale_plane`, after
+    the repacked row at byte KW / 2 + KW / 16, 32 bytes a block): :func:`_q4_k_fold`'s two MMAs on the same
+    bf16 scales and negated mins, loaded instead of decoded from the header (the same bits)."""
+    p = (w_row + (KW // 2 + KW // 16) + (k // 256) * 32).to(tl.pointer_type(tl.bfloat16))
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
+    j = tl.arange(0, 128)
+    cols = k + (j // 32) * 64 + j % 32      # byte 32 c + l: low nibble column 64 c + l, high 64 c + 32 + l
+    acc = _fold_dot16(acc, lo, _spread(_plane4(p, 0), 32), _spread(_plane4(p, 2), 32),
+                      _x_cols(x_row, cols, tl.bfloat16))
+    return _fold_dot16(acc, hi, _spread(_plane4(p, 1), 32), _spread(_plane4(p, 3), 32),
+                       _x_cols(x_row, cols + 32, tl.bfloat16))
 
 
 @triton.jit
@@ -394,9 +389,10 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
             acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
         elif FMT == 6 or FMT == 7:
             acc = _q4_x_fold(acc, w_row, x_row, k, G, KW, FMT == 7)
-        elif FMT == 1 or FMT == 3:
-            qs, a, b, c, d = _q4_k_load(w_row, k, KW, FMT == 3)
-            acc = _q4_k_fold_from(acc, qs, a, b, c, d, x_row, k, FMT == 3)
+        elif FMT == 1:
+            acc = _q4_k_fold(acc, w_row, x_row, k, KW)
+        elif FMT == 3:
+            acc = _q4_k_fold_plane(acc, w_row, x_row, k, KW)
         elif FMT == 4 or FMT == 5:
             acc = _q5_k_fold(acc, w_row, x_row, k, KW, FMT == 5)
         else:
@@ -432,8 +428,7 @@ def _prefetch_step(w_row, k, FMT: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
-         KW: tl.constexpr, FOLD: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-         AHEAD: tl.constexpr = 0):
+         KW: tl.constexpr, FOLD: tl.constexpr = False, AHEAD: tl.constexpr = 0):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step, k_hi > k_lo).
 
     w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
@@ -443,56 +438,32 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     order; see :mod:`ds4t.kernels.quant_blocks` for the arithmetic and the planes. The integers become
     ADT values through :func:`ds4t.backend.int8_to` / ``nibbles_to`` / ``five_bits_to`` / ``six_bit_to`` (packed bit tricks
     on the GPU, plain conversions in the interpreter: the same exact values). FOLD (ADT bf16 only): the
-    fold route, one packed FMA a weight pair and one MMA a step (module docstring). PREFETCH (fold route,
-    Q4_K: FMT 1 / 3): each step's weight bytes are loaded during the step before, in registers (with one
-    stage nothing else overlaps a step's loads with arithmetic); the same operations on the same values.
-    AHEAD > 0 (any format, either route): each step first asks L2 for the quant bytes of the step AHEAD steps
-    later (:func:`_prefetch_step`; a hint: no register, no value changes)."""
+    fold route, one packed FMA a weight pair and one MMA a step (module docstring). AHEAD > 0: each step first
+    asks L2 for the quant bytes of the step AHEAD steps later (:func:`_prefetch_step`; a hint: no register,
+    no value changes)."""
     STEP: tl.constexpr = _loop_step(FMT, G)
-    if PREFETCH and FOLD and (FMT == 1 or FMT == 3):
-        qs, a, b, c, d = _q4_k_load(w_row, k_lo, KW, FMT == 3)
-        for k in range(k_lo, k_hi, STEP):
-            # the last step loads itself again rather than past k_hi (in bounds, unused)
-            qs2, a2, b2, c2, d2 = _q4_k_load(w_row, tl.minimum(k + STEP, k_hi - STEP), KW, FMT == 3)
-            acc = _q4_k_fold_from(acc, qs, a, b, c, d, x_row, k, FMT == 3)
-            qs, a, b, c, d = qs2, a2, b2, c2, d2
-    else:
-        for k in range(k_lo, k_hi, STEP):
-            if AHEAD > 0:
-                _prefetch_step(w_row, tl.minimum(k + AHEAD * STEP, k_hi - STEP), FMT, G)
-            acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
+    for k in range(k_lo, k_hi, STEP):
+        if AHEAD > 0:
+            _prefetch_step(w_row, tl.minimum(k + AHEAD * STEP, k_hi - STEP), FMT, G)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
     return acc
 
 
 @triton.jit
 def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr,
-              G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-              AHEAD: tl.constexpr = 0):
+              G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr = False, AHEAD: tl.constexpr = 0):
     """(:func:`qdot` of w_row, :func:`qdot` of w2_row) in one loop: each K step of the one weight, then
     of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
     order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
-    kernel computes). PREFETCH as in :func:`qdot`, for both weights."""
+    kernel computes). AHEAD as in :func:`qdot`, for both weights."""
     STEP: tl.constexpr = _loop_step(FMT, G)
-    if PREFETCH and FOLD and (FMT == 1 or FMT == 3):
-        PL: tl.constexpr = FMT == 3
-        qs, a, b, c, d = _q4_k_load(w_row, k_lo, KW, PL)
-        qt, e, f, g, h = _q4_k_load(w2_row, k_lo, KW, PL)
-        for k in range(k_lo, k_hi, STEP):
-            kn = tl.minimum(k + STEP, k_hi - STEP)
-            qs2, a2, b2, c2, d2 = _q4_k_load(w_row, kn, KW, PL)
-            qt2, e2, f2, g2, h2 = _q4_k_load(w2_row, kn, KW, PL)
-            acc = _q4_k_fold_from(acc, qs, a, b, c, d, x_row, k, PL)
-            acc2 = _q4_k_fold_from(acc2, qt, e, f, g, h, x_row, k, PL)
-            qs, a, b, c, d = qs2, a2, b2, c2, d2
-            qt, e, f, g, h = qt2, e2, f2, g2, h2
-    else:
-        for k in range(k_lo, k_hi, STEP):
-            if AHEAD > 0:
-                kp = tl.minimum(k + AHEAD * STEP, k_hi - STEP)
-                _prefetch_step(w_row, kp, FMT, G)
-                _prefetch_step(w2_row, kp, FMT, G)
-            acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
-            acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
+    for k in range(k_lo, k_hi, STEP):
+        if AHEAD > 0:
+            kp = tl.minimum(k + AHEAD * STEP, k_hi - STEP)
+            _prefetch_step(w_row, kp, FMT, G)
+            _prefetch_step(w2_row, kp, FMT, G)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
+        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
     return acc, acc2
 
 
@@ -503,7 +474,7 @@ def _qlinear_kernel(
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False, FOLD: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 0,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N * (1 + PAIR)), SPLIT).
     Rows past B and weight rows past N load in-bounds rows (clamped) and are never stored. PAIR: the
@@ -522,12 +493,11 @@ def _qlinear_kernel(
         rn = 2 * pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn2 = rn + BLOCK_N
         acc, acc2 = qdot_pair(zero, zero, _w_rows(w_ptr, rn, N, stride_wn), _w_rows(w_ptr, rn2, N, stride_wn),
-                              x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, PREFETCH, AHEAD)
+                              x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, AHEAD)
         _store_tile(acc2, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn2, B, N, HAS_BIAS)
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, PREFETCH,
-                   AHEAD)
+        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, AHEAD)
     _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N, HAS_BIAS)
 
 
@@ -558,7 +528,6 @@ class QLinearConfig:
     num_stages: int = 3
     pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits)
     fold: bool = False  # bf16 activations: the fold route (module docstring); other dtypes: exact
-    prefetch: bool = False  # fold route, Q4_K: a step's bytes loaded during the step before (qdot; same bits)
     prefetch_l2: int = 0    # each step asks L2 for the quant bytes this many steps ahead (0: never; same bits)
 
     def k_step(self, qtype: str) -> int:
@@ -681,8 +650,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     has_bias = bias is not None
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=kernel_format(weight, fold), ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=fold, PREFETCH=cfg.prefetch,
-                  AHEAD=cfg.prefetch_l2,
+                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=fold, AHEAD=cfg.prefetch_l2,
                   **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:

@@ -37,7 +37,7 @@ def _qmoe_gate_up_kernel(
     I, KTOP, E, D: tl.constexpr,
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
-    FOLD: tl.constexpr = False, slots_ptr=None, ROW_PROGRAMS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    FOLD: tl.constexpr = False, slots_ptr=None, ROW_PROGRAMS: tl.constexpr = False,
     AHEAD: tl.constexpr = 0,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
@@ -65,10 +65,10 @@ def _qmoe_gate_up_kernel(
         zero = tl.zeros((BN, BM), dtype=tl.float32)
         if INTERLEAVE:
             acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD,
-                                     PREFETCH, AHEAD)
+                                     AHEAD)
         else:
-            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, PREFETCH, AHEAD)
-            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, PREFETCH, AHEAD)
+            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, AHEAD)
+            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, AHEAD)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -82,7 +82,7 @@ def _qmoe_down_kernel(
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, FOLD: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 0,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     GGUFWeight.row_bytes]); ``experts`` lists each slot's expert (-1: none), the gate/up kernel's ``slots`` or the
@@ -99,8 +99,7 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, FOLD,
-                   PREFETCH, AHEAD)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, FOLD, AHEAD)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
@@ -114,7 +113,6 @@ class QMoEConfig:
     num_stages: int = 3
     interleave: bool = True   # gate_up: gate and up step through K together (same bits; ~1 % faster on the H200)
     fold: bool = False   # bf16 activations: qlinear's fold route; other dtypes: exact
-    prefetch: bool = False       # fold route, Q4_K: a K step's bytes loaded during the step before (same bits)
     prefetch_l2: int = 0         # each K step asks L2 for the quant bytes this many steps ahead (0: never)
     row_programs: bool = False   # one program per row tile (ds4t.kernels.moe.MoEConfig.row_programs)
     min_rows: int = 0            # a ("rows",) entry applies to launches of at least this many rows
@@ -206,12 +204,12 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
-        slots_ptr=slots, ROW_PROGRAMS=gu_rows, PREFETCH=cfg.prefetch, AHEAD=cfg.prefetch_l2, **launch_kwargs(cfg),
+        slots_ptr=slots, ROW_PROGRAMS=gu_rows, AHEAD=cfg.prefetch_l2, **launch_kwargs(cfg),
         **LAUNCH)
     cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(row_program_count(E, P, 16) if dn_rows else n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
         y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
-        FOLD=folds(cfg, adt), PREFETCH=cfg.prefetch, AHEAD=cfg.prefetch_l2, **down_finder(gu_rows, dn_rows, BE),
+        FOLD=folds(cfg, adt), AHEAD=cfg.prefetch_l2, **down_finder(gu_rows, dn_rows, BE),
         **launch_kwargs(cfg), **LAUNCH)

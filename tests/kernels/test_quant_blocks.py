@@ -278,7 +278,7 @@ def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
 PATH_CONFIGS = [QLinearConfig(block_n=16, split=3, group=2), QLinearConfig(block_n=64, split=2, group=1),
                 QLinearConfig(block_n=32, split=1, group=4), QLinearConfig(block_n=16, split=3, group=2, fold=True),
                 QLinearConfig(block_n=64, split=2, group=1, fold=True),
-                QLinearConfig(block_n=16, split=3, group=2, fold=True, prefetch=True, prefetch_l2=1)]
+                QLinearConfig(block_n=16, split=3, group=2, fold=True, prefetch_l2=1)]
 
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
@@ -311,10 +311,8 @@ def test_linear_pair_changes_no_bit(qtype):
 @pytest.mark.parametrize("plane", [False, True])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_prefetch_changes_no_bit(qtype, plane):
-    """QLinearConfig.prefetch (fold route, Q4_K: each K step's bytes loaded during the step before, into
-    registers) and prefetch_l2 (an L2 hint for the bytes one or two steps on): the unprefetched launch's bits, on
-    a ragged split K, in pairs, through the scale plane. (A loop that used another step's bytes is caught by
-    test_gpu_paths_match_reference, which runs both prefetches against the reference.)"""
+    """QLinearConfig.prefetch_l2 (an L2 hint for the quant bytes one or two steps on: no value is loaded): the
+    unprefetched launch's bits, on a ragged split K, in pairs, through the scale plane, on both routes."""
     if plane and qtype not in K_HEADER:
         pytest.skip("scale planes are Q4_K / Q5_K only")
     K, N, B = 1024 if qtype not in BLOCKS_32 else 320, 40, 3
@@ -322,22 +320,22 @@ def test_prefetch_changes_no_bit(qtype, plane):
     w = w.with_scale_plane() if plane else w
     x = _x(B, K, 52)
     for base in (QLinearConfig(block_n=16, split=3, group=2 if qtype in BLOCKS_32 else 1, fold=True),
+                 QLinearConfig(block_n=16, split=3, group=2 if qtype in BLOCKS_32 else 1, fold=False),
                  QLinearConfig(block_n=16, split=1, group=1, fold=True, pair=True)):
         want = linear(x, w, None, config=base, act_dtype=torch.bfloat16)
-        for fields in (dict(prefetch=True), dict(prefetch_l2=1), dict(prefetch=True, prefetch_l2=2)):
+        for fields in (dict(prefetch_l2=1), dict(prefetch_l2=2)):
             got = linear(x, w, None, config=dataclasses.replace(base, **fields), act_dtype=torch.bfloat16,
                          out=poisoned((B, N), device=DEV))
             assert not torch.isnan(got).any() and torch.equal(got, want), fields
 
 
 def test_moe_prefetch_changes_no_bit():
-    """QMoEConfig.prefetch / prefetch_l2 in both grouped kernels (gate and up interleaved or not): the bits of
-    the unprefetched launch."""
+    """QMoEConfig.prefetch_l2 in both grouped kernels (gate and up interleaved or not): the bits of the
+    unprefetched launch."""
     h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q4_K", seed=17, D=768, I=512)   # 3 and 2 K steps
     E = wg.shape[0]
     outs = []
-    for fields in (dict(), dict(prefetch=True, prefetch_l2=1), dict(prefetch=True, interleave=False),
-                   dict(prefetch_l2=2, interleave=False)):
+    for fields in (dict(), dict(prefetch_l2=1), dict(prefetch_l2=2, interleave=False)):
         cfg = qmoe.QMoEConfig(tile_n=32, q8_group=4, fold=True, **fields)
         with use_variants({"moe_experts": "gpu"}), \
                 qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: None if rows else cfg):
