@@ -277,8 +277,7 @@ def test_linear_matches_gguf_py_reference(qtype, B, K, N, adt):
 # tiles, Q8_0 blocks per step.
 PATH_CONFIGS = [QLinearConfig(block_n=16, split=3, group=2), QLinearConfig(block_n=64, split=2, group=1),
                 QLinearConfig(block_n=32, split=1, group=4), QLinearConfig(block_n=16, split=3, group=2, fold=True),
-                QLinearConfig(block_n=64, split=2, group=1, fold=True),
-                QLinearConfig(block_n=16, split=3, group=2, fold=True, prefetch_l2=1)]
+                QLinearConfig(block_n=64, split=2, group=1, fold=True)]
 
 
 @pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
@@ -315,6 +314,8 @@ def test_prefetch_changes_no_bit(qtype, plane):
     unprefetched launch's bits, on a ragged split K, in pairs, through the scale plane, on both routes."""
     if plane and qtype not in K_HEADER:
         pytest.skip("scale planes are Q4_K / Q5_K only")
+    if INTERPRET and qtype not in ("Q8_0", "Q4_K"):
+        pytest.skip("the hint is nothing in the interpreter: two types (both byte spans) run its code here")
     K, N, B = 1024 if qtype not in BLOCKS_32 else 320, 40, 3
     w = random_blocks((N, K), qtype, seed=51)
     w = w.with_scale_plane() if plane else w
@@ -332,7 +333,7 @@ def test_prefetch_changes_no_bit(qtype, plane):
 def test_moe_prefetch_changes_no_bit():
     """QMoEConfig.prefetch_l2 in both grouped kernels (gate and up interleaved or not): the bits of the
     unprefetched launch."""
-    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q4_K", seed=17, D=768, I=512)   # 3 and 2 K steps
+    h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q4_K", seed=17, B=3, D=512, I=512)   # 2 K steps each
     E = wg.shape[0]
     outs = []
     for fields in (dict(), dict(prefetch_l2=1), dict(prefetch_l2=2, interleave=False)):
