@@ -564,8 +564,8 @@ def _layout_interp(qtype: str, act_dtype) -> GGUFLayout:
 
 GGUF_LAYOUTS: ConfigTable[GGUFLayout] = ConfigTable(
     "gguf_layout", gpu={}, gpu_rule=lambda qtype, act_dtype: GGUFLayout(), interp_rule=_layout_interp,
-    source="the scale plane is untimed on the GPU (off there): 22 % more bytes held and 11 % more read a Q4_K "
-           "block against ~26 % fewer instructions a fold step offline (docs/design.md; the kernel rows "
-           "of bench/results/2026-12-04-h200-gguf-int8.md are the base to beat)")
+    source="off on the GPU: timed slower there (H100, bench/results/2026-12-05-h100-gguf-types.md: Q4_K linear "
+           "42 / 53 % of copy bandwidth with the plane against 49 / 56 % without at B = 1; Q5_K 30 / 34 against "
+           "34 / 43 %) although ~26 % fewer instructions a fold step offline: 11 % more bytes read a Q4_K block")
 """Keyed on (GGUF type, activation dtype); read when a weight is given its activation dtype at load, so an
 override (``ds4t.kernels.config.overridden``) must be in force while the model loads."""
