@@ -411,7 +411,7 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
 @triton.constexpr_function
 def _loop_step(FMT, G):
     """Columns a K-loop step covers: G blocks of 32 (FMT 0 Q8_0, 6 Q4_0, 7 Q4_1), else one 256-block. A
-    constexpr function: a jit function's result is a runtime value to Triton 3.6 (the H200's), which refuses
+    constexpr function: a jit function's result is a runtime value to Triton 3.6 (the GPU machines'), which refuses
     it as a loop step."""
     return 32 * G if FMT in (0, 6, 7) else 256
 
