@@ -210,10 +210,10 @@ def linear_grid(K: int, N: int, qt: str, routes=("exact", "fold")):
                 for bn, sp in ((32, 2), (32, 4), (64, 1), (64, 2), (128, 2))
                 for w, st in ((2, 3), (4, 1), (4, 3), (8, 3)) for g in groups]
     base = QLINEAR_CONFIGS(K, N, qt, torch.bfloat16)   # the table's (or rule's) current choice
-    return list(dict.fromkeys(out + [base] + _prefetch_variants(base, qt, routes)))
+    return list(dict.fromkeys(out + [base] + _prefetch_variants(base, routes)))
 
 
-def _prefetch_variants(base, qt: str, routes):
+def _prefetch_variants(base, routes):
     """Route ``prefetch``: the table's config asking L2 for the quant bytes one or two steps ahead."""
     if "prefetch" not in routes:
         return []
@@ -231,7 +231,7 @@ def moe_grid(kernel: str, qt: str, routes=("exact", "fold")):
         out += [QMoEConfig(tile_n=bn, q8_group=4, num_warps=w, num_stages=st, fold=True)
                 for bn in (32, 64) for w, st in ((2, 3), (4, 1), (4, 3))]
     base = QMOE_CONFIGS(kernel, qt)
-    return list(dict.fromkeys(out + [base] + _prefetch_variants(base, qt, routes)))
+    return list(dict.fromkeys(out + [base] + _prefetch_variants(base, routes)))
 
 
 def _moe_rule(kernel: str, cfg: QMoEConfig):
