@@ -183,6 +183,36 @@ def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
     return rows
 
 
+ROWS_B = (1, 2, 4, 8, 15, 16, 17, 32)
+
+
+def padding_rows(bw: float, dev, log, types=QTYPES, shape=SHAPES[0]) -> bool:
+    """``--rows``: the quantized linear at shape (K, N) for B = ROWS_B rows, timed alone and with the rows padded
+    by zero rows to a multiple of 16 (the launch then sees only full 16-row tiles); the real rows' bits must be
+    equal. A tile's padding rows must cost nothing: B = 1 should take no longer than B = 16."""
+    K, N = shape
+    g = torch.Generator(device=dev).manual_seed(3)
+    w = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5
+    log(f"| type | B | ms | ms padded to 16-row tiles | % of copy BW | bits equal |")
+    log("|---|---|---|---|---|---|")
+    ok = True
+    for qt in types:
+        q = [_as_type(w, qt) for _ in range(2)]
+        nb = _block_bytes(q[0])
+        for B in ROWS_B:
+            x = [torch.randn(B, K, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2)]
+            xp = [torch.cat([t, t.new_zeros(-B % 16, K)]) for t in x]
+            y = [L.linear(x[i], q[i]) for i in range(2)]
+            yp = [L.linear(xp[i], q[i]) for i in range(2)]
+            same = all(torch.equal(yp[i][:B], y[i]) for i in range(2))
+            ok &= same
+            ms = _timed([lambda i=i: L.linear(x[i], q[i], out=y[i]) for i in range(2)], dev)
+            msp = _timed([lambda i=i: L.linear(xp[i], q[i], out=yp[i]) for i in range(2)], dev)
+            log(f"| {qt} | {B} | {ms:.4f} | {msp:.4f} | {100 * nb / ms / 1e-3 / bw:.0f}% | {same} |")
+        del q
+    return ok
+
+
 # ----------------------------------------------------------------------------------------------
 # --sweep: launch configs of the quantized linear and the grouped MoE kernels
 # ----------------------------------------------------------------------------------------------
@@ -476,6 +506,9 @@ def main() -> int:
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--scale-plane", action="store_true",
                     help="--kernels: Q4_K and Q5_K with their scale planes too; --formats may then name q4_k+plane, q5_k+plane")
+    ap.add_argument("--rows", action="store_true",
+                    help="the linear at B = 1 .. 32 rows, alone and padded with zero rows to 16-row tiles (bits equal; "
+                         "padding rows must cost nothing)")
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (GPU; section 4 above)")
     ap.add_argument("--sweep-types", default=",".join(QTYPES), help="GGUF types the sweep tries")
     ap.add_argument("--sweep-what", default="linear,moe", help="linear and/or moe")
@@ -512,6 +545,9 @@ def main() -> int:
         else:
             krows = kernel_rows(bw, args.device, log, shapes=((512, 96),), moe=dict(E=8, I=256, D=256, k=2),
                                 types=types)
+    if args.rows:
+        log("\n## Padding rows (bf16 activations)\n")
+        ok &= padding_rows(bw, args.device, log, shape=SHAPES[0] if cuda else (512, 96))
     if args.sweep:
         log("\n## Sweep (bf16 activations)\n")
         types, what = [t for t in args.sweep_types.split(",") if t], [w for w in args.sweep_what.split(",") if w]

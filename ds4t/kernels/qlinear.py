@@ -216,9 +216,30 @@ def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def x_rows(x_ptr, rows, ok, stride):
+    """Row pointers [BM] of x for a tile's ``rows`` (int [BM]); a row that is not ``ok`` gets the null pointer,
+    which :func:`_x_cols` reads as zeros without a memory access. Rows must start 16-byte aligned
+    (:func:`rows_aligned`: the null pointer hides the launcher's alignment facts, so the tile states them). A tile's padding rows read nothing: pointed
+    at one real row instead (B - 1), 16 rows of every program asked L2 for the same bytes, and the Q4_0 /
+    Q4_1 linear ran 3-5x slower at B = 1 than at B = 16 (bench/results/2026-12-05-h100-gguf-padding-rows.md)."""
+    null = tl.zeros_like(rows).to(tl.int64).to(x_ptr.dtype)
+    return tl.multiple_of(tl.where(ok, x_ptr + rows.to(tl.int64) * stride, null), 16)
+
+
+def rows_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, K] (unit K stride), copied if its rows do not all start 16-byte aligned: what :func:`x_rows`
+    promises the compiler (the 16-byte vector loads of an activation tile)."""
+    if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+@triton.jit
 def _x_cols(x_row, cols, ADT: tl.constexpr):
-    """Activations [len(cols), BM] of columns ``cols`` (any order), rounded to ADT."""
-    return cast(tl.load(x_row[None, :] + cols[:, None]).to(tl.float32), ADT)
+    """Activations [len(cols), BM] of columns ``cols`` (any order), rounded to ADT; zeros for a null row
+    (:func:`x_rows`)."""
+    ok = x_row.to(tl.int64) != 0
+    return cast(tl.load(x_row[None, :] + cols[:, None], mask=ok[None, :], other=0.0).to(tl.float32), ADT)
 
 
 @triton.jit
@@ -477,7 +498,8 @@ def _qlinear_kernel(
     AHEAD: tl.constexpr = 0,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N * (1 + PAIR)), SPLIT).
-    Rows past B and weight rows past N load in-bounds rows (clamped) and are never stored. PAIR: the
+    Rows past B read zeros (no memory: :func:`x_rows`), weight rows past N load in-bounds rows (clamped); neither
+    is stored. PAIR: the
     program owns two adjacent N tiles and steps through K on both at once (:func:`qdot_pair`: two
     independent MMA / scale chains on the same activation tiles; each tile's bits as alone)."""
     grid_dependency()
@@ -485,7 +507,7 @@ def _qlinear_kernel(
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    x_row = x_ptr + tl.minimum(rm, B - 1).to(tl.int64) * stride_xm
+    x_row = x_rows(x_ptr, rm, rm < B, stride_xm)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     zero = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -634,6 +656,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     :class:`ds4t.kernels.tensors.SplitPartials` instead of adding them."""
     from ds4t.kernels.linear import finish_splits
 
+    x = rows_aligned(x)
     B, K = x.shape
     N = weight.shape[0]
     w = weight.data

@@ -25,7 +25,8 @@ from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
                               down_finder, row_program_count)                 # inside its launcher
-from ds4t.kernels.qlinear import FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair
+from ds4t.kernels.qlinear import (FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair, rows_aligned,
+                                  x_rows)
 from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight
 
 
@@ -61,7 +62,7 @@ def _qmoe_gate_up_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        x_row = h_ptr + (p // KTOP) * sh_b
+        x_row = x_rows(h_ptr, p // KTOP, qm, sh_b)
         zero = tl.zeros((BN, BM), dtype=tl.float32)
         if INTERLEAVE:
             acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD,
@@ -99,7 +100,8 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, act_ptr + p * sa_p, 0, I, FMT, ADT, G, I, FOLD, AHEAD)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, x_rows(act_ptr, p, qm, sa_p), 0, I, FMT, ADT, G, I, FOLD,
+                   AHEAD)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
@@ -193,6 +195,7 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
         wg, wu = wg.contiguous(), wu.contiguous()
     BE = triton.next_power_of_2(E)
     ADT = tl_dtype(adt)
+    h = rows_aligned(h)
     B, P = h.shape[0], h.shape[0] * KT
     gu_cfg, dn_cfg = qmoe_config("gate_up", w_gate.qtype, B), qmoe_config("down", w_down.qtype, B)
     gu_rows, dn_rows = device_list and gu_cfg.row_programs, device_list and dn_cfg.row_programs

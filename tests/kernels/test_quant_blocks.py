@@ -18,7 +18,8 @@ from ds4t.kernels import qmoe, weights
 from ds4t.kernels.linear import linear, linear_heads, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
-from ds4t.kernels.qlinear import QLinearConfig, _gpu_rule, folds, qdot, qdot_pair, qlinear_config
+from ds4t.kernels.qlinear import (QLinearConfig, _gpu_rule, _x_cols, folds, qdot, qdot_pair, qlinear_config,
+                                  rows_aligned, x_rows)
 from ds4t.kernels.quant_blocks import (BLOCKS_32, FORMATS, GGUF_LAYOUTS, K_HEADER, PLANE_ORDER, QTYPES, GGUFLayout,
                                        GGUFWeight, block_terms, dequantize, fold_weights, quantize, quantize_numpy,
                                        repack, scale_plane_bytes, unpack)
@@ -217,6 +218,43 @@ def test_scale_plane_changes_no_bit(qtype, cfg):
 
 
 # ----------------------------------------------------------------------------- linear
+
+@triton.jit
+def _read_tile_kernel(x_ptr, y_ptr, B, stride, BM: tl.constexpr, C: tl.constexpr, NULL_PADDING: tl.constexpr):
+    rm = tl.arange(0, BM)
+    if NULL_PADDING:
+        x_row = x_rows(x_ptr, rm, rm < B, stride)
+    else:   # padding rows pointed at the last real row
+        x_row = x_ptr + tl.minimum(rm, B - 1).to(tl.int64) * stride
+    tile = _x_cols(x_row, tl.arange(0, C), tl.float32)   # [C, BM]
+    tl.store(y_ptr + rm[None, :] * C + tl.arange(0, C)[:, None], tile)
+
+
+def test_padding_rows_of_a_tile_read_zeros():
+    """The activation tile of B = 3 rows in a 16-row tile: rows < B read their own row, the padding rows are
+    null pointers read as zeros (no memory traffic; their outputs are never stored). Control: pointing the
+    padding rows at the last real row, as the kernels did before, reads that row."""
+    x = torch.randn(3, 64, device=DEV)
+    got = {null: torch.full((16, 64), float("nan"), device=DEV) for null in (True, False)}
+    for null, y in got.items():
+        _read_tile_kernel[(1,)](x, y, 3, x.stride(0), BM=16, C=64, NULL_PADDING=null)
+    assert torch.equal(got[True][:3], x) and not got[True][3:].any()
+    assert torch.equal(got[False][:3], x) and torch.equal(got[False][3:], x[2].expand(13, 64))
+
+
+def test_misaligned_activation_rows_are_copied_and_keep_the_bits():
+    """x_rows promises 16-byte aligned rows: an activation view starting 2 bytes into its storage is copied by
+    the launcher (rows_aligned) and gives the bits of its aligned copy; an aligned x is passed as is."""
+    base = torch.randn(5, 257, device=DEV).to(torch.bfloat16)
+    view = base[:, 1:]                      # unit stride, data 2 bytes past an aligned address
+    assert view.data_ptr() % 16 and rows_aligned(view).data_ptr() % 16 == 0
+    assert torch.equal(rows_aligned(view), view)
+    aligned = view.contiguous()
+    assert rows_aligned(aligned) is aligned
+    w = random_blocks((40, 256), "Q4_0", seed=31)
+    assert torch.equal(linear(view, w, act_dtype=torch.bfloat16), linear(aligned, w, act_dtype=torch.bfloat16))
+
+
 
 @pytest.mark.parametrize("adt", ADTS, ids=str)
 @pytest.mark.parametrize("qtype", QTYPES)
