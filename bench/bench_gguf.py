@@ -193,7 +193,7 @@ def padding_rows(bw: float, dev, log, types=QTYPES, shape=SHAPES[0]) -> bool:
     K, N = shape
     g = torch.Generator(device=dev).manual_seed(3)
     w = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5
-    log(f"| type | B | ms | ms padded to 16-row tiles | % of copy BW | bits equal |")
+    log("| type | B | ms | ms padded to 16-row tiles | % of copy BW | bits equal |")
     log("|---|---|---|---|---|---|")
     ok = True
     for qt in types:
