@@ -336,7 +336,8 @@ def _plane4(p, i: tl.constexpr):
 def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr):
     """Fold route, Q4_K rows with a scale plane (:func:`ds4t.kernels.quant_blocks.make_scale_plane`, after
     the repacked row at byte KW / 2 + KW / 16, 32 bytes a block): :func:`_q4_k_fold`'s two MMAs on the same
-    bf16 scales and negated mins, loaded instead of decoded from the header (the same bits)."""
+    bf16 scales and negated mins, loaded instead of decoded from the header (the same weights; the same bits
+    but at mma.sync tiles, :mod:`ds4t.kernels.quant_blocks`)."""
     p = (w_row + (KW // 2 + KW // 16) + (k // 256) * 32).to(tl.pointer_type(tl.bfloat16))
     lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
     j = tl.arange(0, 128)

@@ -82,8 +82,11 @@ activation dtype, never from the batch; fp32 and fp16 activations always take th
 **The scale plane** (Q4_K and Q5_K, a load-time layout: :data:`GGUF_LAYOUTS`): a row may end with ``K / 8`` more bytes,
 16 bf16 a block -- ``bf16(s_j)`` then ``-bf16(mn_j)`` for the sub-blocks in :data:`PLANE_ORDER`
 (:func:`make_scale_plane`) -- which the fold route loads instead of decoding the packed header: the values
-it would have computed, so the same bits, for fewer instructions a weight (the header stays: the exact route
-and :meth:`GGUFWeight.blocks` read it).
+it would have computed, so the same weights, for fewer instructions a weight (the header stays: the exact route
+and :meth:`GGUFWeight.blocks` read it). The same bits too, in the interpreter and at the GPU's wgmma tiles (64
+weight rows); at smaller tiles (mma.sync) Triton 3.6 gives the two routes' weight operands different layouts
+(kWidth 8 for values made from 8-bit loads, 4 from 16-bit ones), which orders the K sums differently, so they
+agree only to fp32 summation order there -- each fixed per launch config, never per batch.
 
 Other GGUF types are dequantized at load (:mod:`ds4t.models.gguf`).
 """

@@ -204,7 +204,13 @@ def _corrupt_plane(w: GGUFWeight) -> GGUFWeight:
 def test_scale_plane_changes_no_bit(qtype, cfg):
     """The fold route through the scale plane gives the header route's bits (same bf16 scales, same
     operations); fp32 activations take the exact route, which reads the header. Control: a plane whose
-    values differ from the header's is what the kernel reads on the fold route (and only there)."""
+    values differ from the header's is what the kernel reads on the fold route (and only there).
+
+    Except on the GPU at tiles of fewer than 64 weight rows (mma.sync, not wgmma, on sm_90): there Triton 3.6
+    lays the header route's weight operand out with kWidth 8 (its values come from 8-bit loads) and the
+    plane route's with kWidth 4, which assigns the K columns to the m16n8k16 instructions in another order,
+    so the fp32 sums round differently (measured on an H100: up to 2.3e-5 on outputs up to ~50; both
+    fixed per launch config, never per batch). There the two must agree to fp32 summation-order tolerance."""
     K, N, B = 768, 50, 5
     w = random_blocks((N, K), qtype, seed=21)
     wp = w.with_scale_plane()
@@ -212,7 +218,11 @@ def test_scale_plane_changes_no_bit(qtype, cfg):
     for adt in (torch.bfloat16, torch.float32):
         base = linear(x, w, b, config=cfg, act_dtype=adt, out=poisoned((B, N), device=DEV))
         plane = linear(x, wp, b, config=cfg, act_dtype=adt, out=poisoned((B, N), device=DEV))
-        assert not torch.isnan(plane).any() and torch.equal(base, plane)
+        assert not torch.isnan(plane).any()
+        if INTERPRET or adt == torch.float32 or cfg.block_n >= 64:
+            assert torch.equal(base, plane)
+        else:
+            assert (plane - base).abs().max() <= 4e-6 * base.abs().max()
         bad = linear(x, _corrupt_plane(wp), b, config=cfg, act_dtype=adt)
         assert torch.equal(bad, base) is (adt == torch.float32)
 
