@@ -452,7 +452,11 @@ def main():
     if args.records_file:   # child: compile and print JSON results
         with open(args.records_file) as f:
             records = json.load(f)
-        print(json.dumps(compile_all(records, args.arch, args.sass)))
+        results = compile_all(records, args.arch, args.sass)
+        import triton
+
+        print(f"triton {triton.__version__}")   # the release that compiled (--triton may put another first)
+        print(json.dumps(results))
         return 0
     records = record([p for p in args.presets.split(",") if p], args.checks, fp8=not args.no_fp8,
                      gguf_tables=args.gguf_tables)
@@ -467,7 +471,8 @@ def main():
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         return 2
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    *_, ver_line, last = proc.stdout.strip().splitlines()
+    results = json.loads(last)
     bad = [r for r in results if not r[1]]
     for label, ok, secs, err in results:
         if ok and err:   # a --sass report
@@ -475,8 +480,7 @@ def main():
         else:
             print(f"{'ok  ' if ok else 'FAIL'} {label:40s} {secs:5.1f} s {err}")
     kernels = len({r[0] for r in results})
-    ver = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], capture_output=True,
-                         text=True, env=env).stdout.strip()
+    ver = ver_line.removeprefix("triton ")
     print(f"{len(results)} launches of {kernels} kernels compiled for sm_{args.arch} (Triton {ver}): {len(bad)} failed")
     return 1 if bad else 0
 
