@@ -217,11 +217,12 @@ def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
 
 @triton.jit
 def x_rows(x_ptr, rows, ok, stride):
-    """Row pointers [BM] of x for a tile's ``rows`` (int [BM]); a row that is not ``ok`` gets the null pointer,
-    which :func:`_x_cols` reads as zeros without a memory access. Rows must start 16-byte aligned
-    (:func:`rows_aligned`: the null pointer hides the launcher's alignment facts, so the tile states them). A tile's padding rows read nothing: pointed
-    at one real row instead (B - 1), 16 rows of every program asked L2 for the same bytes, and the Q4_0 /
-    Q4_1 linear ran 3-5x slower at B = 1 than at B = 16 (bench/results/2026-12-05-h100-gguf-padding-rows.md)."""
+    """Row pointers [BM] of x for a tile's ``rows`` (int [BM]); a row that is not ``ok`` (a tile's padding) gets
+    the null pointer, which :func:`_x_cols` reads as zeros without a memory access. Why: padding rows pointed
+    at a real row are loaded like real ones -- 16 rows of every program asking L2 for the same bytes made the
+    Q4_0 / Q4_1 linear 3-5x slower at B = 1 than at B = 16 (bench/results/2026-12-05-h100-gguf-padding-rows.md).
+    Rows must start 16-byte aligned (:func:`rows_aligned`): the null pointer hides the alignment the launcher's
+    specialization proved, so the tile states it (else the activation loads go scalar)."""
     null = tl.zeros_like(rows).to(tl.int64).to(x_ptr.dtype)
     return tl.multiple_of(tl.where(ok, x_ptr + rows.to(tl.int64) * stride, null), 16)
 

@@ -100,8 +100,8 @@ def _qmoe_down_kernel(
         q = m0 + tl.arange(0, BM)
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, x_rows(act_ptr, p, qm, sa_p), 0, I, FMT, ADT, G, I, FOLD,
-                   AHEAD)
+        x_row = x_rows(act_ptr, p, qm, sa_p)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, x_row, 0, I, FMT, ADT, G, I, FOLD, AHEAD)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
@@ -196,6 +196,8 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     BE = triton.next_power_of_2(E)
     ADT = tl_dtype(adt)
     h = rows_aligned(h)
+    if act.data_ptr() % 16 or (act.stride(0) * act.element_size()) % 16:   # down reads its rows as x_rows promises
+        raise ValueError("qmoe.launch: act rows must start 16-byte aligned")
     B, P = h.shape[0], h.shape[0] * KT
     gu_cfg, dn_cfg = qmoe_config("gate_up", w_gate.qtype, B), qmoe_config("down", w_down.qtype, B)
     gu_rows, dn_rows = device_list and gu_cfg.row_programs, device_list and dn_cfg.row_programs
