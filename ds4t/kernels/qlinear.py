@@ -227,12 +227,15 @@ def x_rows(x_ptr, rows, ok, stride):
     return tl.multiple_of(tl.where(ok, x_ptr + rows.to(tl.int64) * stride, null), 16)
 
 
+def rows_16b_aligned(x: torch.Tensor) -> bool:
+    """Does every row of ``x`` [B, K] start 16-byte aligned (what :func:`x_rows` promises the compiler)?"""
+    return x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+
+
 def rows_aligned(x: torch.Tensor) -> torch.Tensor:
     """``x`` [B, K] (unit K stride), copied if its rows do not all start 16-byte aligned: what :func:`x_rows`
     promises the compiler (the 16-byte vector loads of an activation tile)."""
-    if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
-        return x.clone(memory_format=torch.contiguous_format)
-    return x
+    return x if rows_16b_aligned(x) else x.clone(memory_format=torch.contiguous_format)
 
 
 @triton.jit

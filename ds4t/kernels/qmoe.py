@@ -25,8 +25,8 @@ from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
                               down_finder, row_program_count)                 # inside its launcher
-from ds4t.kernels.qlinear import (FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair, rows_aligned,
-                                  x_rows)
+from ds4t.kernels.qlinear import (FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair, rows_16b_aligned,
+                                  rows_aligned, x_rows)
 from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight
 
 
@@ -196,7 +196,7 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     BE = triton.next_power_of_2(E)
     ADT = tl_dtype(adt)
     h = rows_aligned(h)
-    if act.data_ptr() % 16 or (act.stride(0) * act.element_size()) % 16:   # down reads its rows as x_rows promises
+    if not rows_16b_aligned(act):   # down reads its rows as x_rows promises
         raise ValueError("qmoe.launch: act rows must start 16-byte aligned")
     B, P = h.shape[0], h.shape[0] * KT
     gu_cfg, dn_cfg = qmoe_config("gate_up", w_gate.qtype, B), qmoe_config("down", w_down.qtype, B)
