@@ -196,17 +196,20 @@ def record_gguf_tables() -> None:
 
     g = torch.Generator().manual_seed(0)
     for (K, N, qt, adt), cfg in Q._GPU_TABLE.items():
+        def x():   # in the activation dtype, as the models' norms and swiglu hand it over
+            return torch.randn(16, K, generator=g).to(adt)
+
         w = quantize(torch.randn(cfg.block_n * (2 if cfg.pair else 1), K, generator=g) / K ** 0.5, qt)
-        L.linear(torch.randn(16, K, generator=g), w, None, config=cfg, act_dtype=adt)
+        L.linear(x(), w, None, config=cfg, act_dtype=adt)
         if qt == "Q4_K":   # the same entry reading the scale plane (FMT 3), and Q5_K with and without (FMT 4 / 5)
-            L.linear(torch.randn(16, K, generator=g), w.with_scale_plane(), None, config=cfg, act_dtype=adt)
+            L.linear(x(), w.with_scale_plane(), None, config=cfg, act_dtype=adt)
             w5 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, "Q5_K")
             for plane in (False, True):
-                L.linear(torch.randn(16, K, generator=g), w5.with_scale_plane(plane), None, config=cfg, act_dtype=adt)
+                L.linear(x(), w5.with_scale_plane(plane), None, config=cfg, act_dtype=adt)
         if qt == "Q8_0":   # Q4_0 and Q4_1 (FMT 6 / 7) at the same config
             for q4 in ("Q4_0", "Q4_1"):
                 w4 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, q4)
-                L.linear(torch.randn(16, K, generator=g), w4, None, config=cfg, act_dtype=adt)
+                L.linear(x(), w4, None, config=cfg, act_dtype=adt)
     # the grouped MoE at Qwen3-Next-80B's expert dims (D 2048, I 512; 3 experts stand for 512) with the GPU
     # rule's tiles, bf16 Q4_K experts with and without their scale planes
     from ds4t.kernels import moe as M

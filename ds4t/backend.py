@@ -382,41 +382,53 @@ def five_bits_to(qs, qh, BIT: tl.constexpr, dtype: tl.constexpr):
     return lo, hi
 
 
-# Nibbles: two bytes a call (pack=2) -- in the wgmma operand layout a thread's byte pairs come from
-# separate 16-bit shared-memory loads, and merging two of them into one register cost ~6 PRMTs per four
-# bytes (sm_90 SASS).
-def _nibbles_asm(offset: int) -> str:
+# Nibbles, two or four bytes a call (PACK): which is cheaper depends on how the MMA operand layout hands a
+# thread its bytes (sm_90 SASS at the table configs, bench/compile_check.py --sass _qlinear). In the wgmma
+# layout (Q4_K's 64-row, 4-warp tiles) a thread's byte pairs come from separate 16-bit shared-memory loads:
+# two bytes a call; merging two pairs into one register cost ~6 PRMTs per four bytes (Q4_K's loop 430 -> 510
+# instructions with four). In the mma.sync layout (Q4_0 / Q4_1 at Q8_0's 2-warp tiles) a thread holds four
+# consecutive bytes in one register: four a call, and the loop drops 1208 -> 888 instructions (Q4_0; Q4_1
+# 1279 -> 953), the unpacking of each 32-bit word into 16-bit halves gone (PRMT 256 -> 64).
+def _nibbles_asm(offset: int, pack: int) -> str:
     # 0x4300 | nibble is the bf16 128 + nibble; minus the bf16 128 + offset (exact) gives nibble - offset.
+    # Outputs: low nibbles then high ones, two values a register; input: `pack` bytes.
     c = "m" if offset == 0 else "c"
     bias = "" if offset == 0 else f"mov.b32 c, {(0x4300 + offset) * 0x00010001:#010x};"
-    return f"""{{
-.reg .b32 t, m, c;
-mov.b32 m, 0x43004300;
-{bias}
-mov.b32 t, {{$2, 0}};
-prmt.b32 t, t, 0, 0x4140;
-lop3.b32 $0, t, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $0, $0, {c};
-shr.u32 t, t, 4;
-lop3.b32 $1, t, 0x000F000F, m, 0xEA;
-sub.rn.bf16x2 $1, $1, {c};
-}}"""
+    words = pack // 2                      # registers of each output
+    src = f"${2 * words}"
+    lines = [".reg .b32 m, c, " + ", ".join(f"t{i}" for i in range(words)) + ";", "mov.b32 m, 0x43004300;", bias]
+    if pack == 2:
+        lines += [f"mov.b32 t0, {{{src}, 0}};", "prmt.b32 t0, t0, 0, 0x4140;"]
+    else:
+        lines += [f"prmt.b32 t0, {src}, 0, 0x4140;", f"prmt.b32 t1, {src}, 0, 0x4342;"]
+    for half in range(2):                  # low nibbles, then (shifted) high nibbles
+        if half:
+            lines += [f"shr.u32 t{i}, t{i}, 4;" for i in range(words)]
+        for i in range(words):
+            out = f"${half * words + i}"
+            lines += [f"lop3.b32 {out}, t{i}, 0x000F000F, m, 0xEA;", f"sub.rn.bf16x2 {out}, {out}, {c};"]
+    return "{\n" + "\n".join(line for line in lines if line) + "\n}"
 
 
-_NIBBLES_BF16_ASMS = tl.constexpr((_nibbles_asm(0), _nibbles_asm(8)))
+_NIBBLES_BF16_ASMS = tl.constexpr(tuple(_nibbles_asm(off, pack) for pack in (2, 4) for off in (0, 8)))
+"""Indexed [2 * (PACK == 4) + SIGNED]."""
+_NIBBLES_CONSTRAINTS = tl.constexpr(("=r,=r,h", "=r,=r,=r,=r,r"))
 
 
 @triton.jit
-def nibbles_to(b, dtype: tl.constexpr, SIGNED: tl.constexpr = False):
+def nibbles_to(b, dtype: tl.constexpr, SIGNED: tl.constexpr = False, PACK: tl.constexpr = 2):
     """(low, high) nibbles of uint8 tile ``b`` as ``dtype`` values 0..15, or (SIGNED, Q4_0's) -8..7 = nibble - 8
-    (exact): two tiles of b's shape."""
+    (exact): two tiles of b's shape. PACK (2 or 4): bytes a bf16 bit trick takes at once on the GPU -- the
+    same values either way; 4 where the MMA operand layout gives a thread four consecutive bytes (mma.sync
+    tiles), 2 in the wgmma layout (see _nibbles_asm)."""
     if _INTERPRET_C or dtype != tl.bfloat16:
         w = b.to(tl.int32)
         lo = cast(((w & 15) - 8 * SIGNED).to(tl.float32), dtype)
         hi = cast(((w >> 4) - 8 * SIGNED).to(tl.float32), dtype)
     else:
-        lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASMS[1 if SIGNED else 0], "=r,=r,h", [b],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        four: tl.constexpr = PACK == 4
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_BF16_ASMS[2 * four + SIGNED], _NIBBLES_CONSTRAINTS[four], [b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=PACK)
     return lo, hi
 
 

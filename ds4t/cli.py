@@ -578,6 +578,10 @@ def cmd_convert(args) -> int:
     if not os.path.isdir(folder):
         raise UsageError(f"{args.dst!r}: the folder {folder!r} does not exist")
     try:
+        convert.check_tensor_types(args.type, convert.tensor_type_rules(args.tensor_type))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
         return convert.main(args)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
@@ -671,6 +675,9 @@ def main(argv=None) -> int:
     v.add_argument("--type", default="F32", type=str.upper, choices=convert_types,
                    help="type of the matrices (1-D tensors stay F32; rows a type does not fit fall back: "
                         "K-quants -> Q8_0 -> F16)")
+    v.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
+                   help="write the matrices whose GGUF name matches the regex PATTERN in TYPE (llama-quantize's "
+                        "option; repeatable, the first match wins), e.g. attn_v=Q6_K for a Q4_K_M-like mix")
     v.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     from ds4t.serve import cli as serve_cli
 

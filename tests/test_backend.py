@@ -388,13 +388,16 @@ def test_packed_asm_gives_the_interpreters_values():
         out = run(B._INT8_BF16_ASM.value, {2: word})
         got = [*lanes(out["$0"]), *lanes(out["$1"])]
         assert got == [((word >> (8 * i)) & 255 ^ 128) - 128 for i in range(4)], hex(word)
-    for off in (0, 8):      # nibbles_to (Q4_K) and its signed form (Q4_0)
-        asm = B._nibbles_asm(off)
+    for off in (0, 8):      # nibbles_to (Q4_K) and its signed form (Q4_0), two and four bytes a call
+        two, four = B._nibbles_asm(off, 2), B._nibbles_asm(off, 4)
         for b0 in range(256):
-            b1 = b0 ^ 0x5A
-            out = run(asm, {2: b0 | (b1 << 8)})
-            assert list(lanes(out["$0"])) == [(b0 & 15) - off, (b1 & 15) - off]
-            assert list(lanes(out["$1"])) == [(b0 >> 4) - off, (b1 >> 4) - off]
+            bs = [b0, b0 ^ 0x5A, (b0 * 7) & 255, (b0 * 29 + 3) & 255]
+            out = run(two, {2: bs[0] | (bs[1] << 8)})
+            assert list(lanes(out["$0"])) == [(b & 15) - off for b in bs[:2]]
+            assert list(lanes(out["$1"])) == [(b >> 4) - off for b in bs[:2]]
+            out = run(four, {4: sum(b << (8 * i) for i, b in enumerate(bs))})
+            assert [*lanes(out["$0"]), *lanes(out["$1"])] == [(b & 15) - off for b in bs]
+            assert [*lanes(out["$2"]), *lanes(out["$3"])] == [(b >> 4) - off for b in bs]
     rng = np.random.default_rng(0)
 
     def five_bits_ok(asm, bit, n=200):

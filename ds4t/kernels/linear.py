@@ -51,7 +51,7 @@ from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, regi
 from ds4t.kernels import qlinear
 from ds4t.kernels.quant_blocks import GGUFWeight
 from ds4t.kernels.tensors import SplitPartials
-from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, Weight, activation_dtype, as_float, quantize
+from ds4t.kernels.weights import FP8_DTYPE, FP8Weight, RowParts, Weight, activation_dtype, as_float, quantize
 
 __all__ = ["linear", "linear_ref", "linear_heads", "linear_heads_ref", "linear_config", "LinearConfig", "BLOCK_M"]
 
@@ -861,6 +861,8 @@ def _linear(x, weight, bias, out, config, act_dtype, defer_sum: bool):
     adt = activation_dtype("linear", x, weight, act_dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if isinstance(weight, RowParts):
+        return _row_parts(x, weight, bias, out, config, adt)
     if isinstance(weight, GGUFWeight):
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
@@ -884,6 +886,18 @@ def _linear(x, weight, bias, out, config, act_dtype, defer_sum: bool):
     if config is not None:
         return _launch(x, weight, bias, out, config, adt, defer_sum=defer_sum)
     return _launch(x, weight, bias, out, linear_config(*key), adt, linear_row_tiles(*key), defer_sum=defer_sum)
+
+
+def _row_parts(x, weight: RowParts, bias, out, config, adt):
+    """A :class:`RowParts` weight: each part a lone linear into its columns of ``out`` (fp32 [B, N]), its
+    split-K sum finished there (so a deferred sum has nothing left: one partial, the result)."""
+    if config is not None:
+        raise ValueError("linear: a RowParts weight takes each part's own config (no override)")
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    for part, (a, b) in zip(weight.parts, weight.row_ranges()):
+        _linear(x, part, None if bias is None else bias[a:b], out[:, a:b], None, adt, False)
+    return out
 
 
 def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None, *,

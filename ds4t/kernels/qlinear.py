@@ -171,7 +171,7 @@ def _q4_x_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.
     the sum an MMA of the block's activations against ones."""
     for g in tl.static_range(G):
         kg = k + 32 * g
-        lo, hi = nibbles_to(_raw_bytes(w_row, kg // 2, 16), ADT, not MIN)
+        lo, hi = nibbles_to(_raw_bytes(w_row, kg // 2, 16), ADT, not MIN, 4)   # 4: mma.sync tiles
         xl = _x_tile(x_row, kg, 16, ADT)
         xh = _x_tile(x_row, kg + 16, 16, ADT)
         p = mma(hi, xh, mma(lo, xl, tl.zeros(acc.shape, dtype=tl.float32)))
@@ -289,7 +289,7 @@ def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.
     """Fold route, Q4_0 / Q4_1 (MIN): the G blocks of columns k .. k + 32 G in two MMAs, the low nibbles (column
     32 g + l of block g) and the high ones (32 g + 16 + l); weights ``q * bf16(d)`` (Q4_0, q = nibble - 8) or
     ``q * bf16(d) + bf16(m)`` (Q4_1), each scale spread along its 16 columns of a tile."""
-    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 16 * G), tl.bfloat16, not MIN)
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 16 * G), tl.bfloat16, not MIN, 4)   # 4: mma.sync tiles
     j = tl.arange(0, 16 * G)
     cols = k + (j // 16) * 32 + j % 16
     blk = k // 32 + tl.arange(0, G)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -87,9 +87,104 @@ class FP8Weight(TensorLike):
         return (self.data.float() * s).to(dtype)
 
 
-Weight = Union[torch.Tensor, FP8Weight, GGUFWeight]
-"""A float tensor, block-FP8 (above) or GGUF blocks (:mod:`ds4t.kernels.quant_blocks`)."""
-QuantWeight = (FP8Weight, GGUFWeight)
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowParts:
+    """A matrix ``[N, K]`` held as row blocks of different GGUF types, in row order: what :func:`cat` makes
+    of a fusion whose parts differ in type (llama.cpp's Q4_K_M keeps some layers' ``attn_v`` in Q6_K beside
+    Q4_K q / k), so that every part stays in its own blocks instead of the fusion being dequantized.
+    :func:`ds4t.kernels.linear.linear` runs one launch a part into that part's output columns: each column
+    block has the bits of a lone linear with its part (batch and chunk invariant as that one is). Parts
+    share K and ``act_dtype``; two adjacent parts never share a format (:func:`cat` merges those)."""
+    parts: Tuple[GGUFWeight, ...]
+
+    def __post_init__(self):
+        ps = self.parts
+        if len(ps) < 2 or not all(isinstance(p, GGUFWeight) and p.dim() == 2 for p in ps):
+            raise ValueError("RowParts: two or more 2-D GGUF weights")
+        if len({(p.k, p.act_dtype, p.device) for p in ps}) != 1:
+            raise ValueError(f"RowParts: parts differ in K, act_dtype or device "
+                             f"{[(p.k, p.act_dtype, str(p.device)) for p in ps]}")
+        if any(same_format([a, b]) for a, b in zip(ps, ps[1:])):
+            raise ValueError("RowParts: adjacent parts of one format must be joined (weights.cat)")
+
+    # -- what the code around a weight asks of it -------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].k))
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def act_dtype(self) -> Optional[torch.dtype]:
+        return self.parts[0].act_dtype
+
+    @property
+    def qtype(self) -> str:
+        """The parts' types in row order, e.g. ``"Q4_K+Q6_K"`` (for messages)."""
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def row_ranges(self) -> List[Tuple[int, int]]:
+        """[start, end) of each part's rows."""
+        out, n = [], 0
+        for p in self.parts:
+            out.append((n, n + p.shape[0]))
+            n += p.shape[0]
+        return out
+
+    def contiguous(self) -> "RowParts":
+        return RowParts(tuple(p.contiguous() for p in self.parts))
+
+    def to(self, device) -> "RowParts":
+        return RowParts(tuple(p.to(device) for p in self.parts))
+
+    def with_act_dtype(self, dtype: Optional[torch.dtype]) -> "RowParts":
+        return RowParts(tuple(p.with_act_dtype(dtype) for p in self.parts))
+
+    def __getitem__(self, idx) -> Weight:
+        """Rows selected by ``idx`` (a slice, an integer index tensor or list, or ``(..., rows, :)``), as
+        one weight when they fall in one part, else a RowParts; the K axis is never indexed."""
+        if isinstance(idx, tuple):
+            if len(idx) == 3 and idx[0] is Ellipsis and idx[2] == slice(None):
+                idx = idx[1]
+            elif len(idx) == 2 and idx[1] == slice(None):
+                idx = idx[0]
+            else:
+                raise IndexError("RowParts: index rows only (blocks run along K)")
+        if isinstance(idx, torch.Tensor):
+            idx = idx.cpu()
+        rows = torch.arange(self.shape[0])[idx]
+        if rows.dim() != 1:
+            raise IndexError("RowParts: index rows with a slice or a 1-D index")
+        starts = torch.tensor([a for a, _ in self.row_ranges()])
+        which = torch.searchsorted(starts, rows, right=True) - 1
+        pieces, i = [], 0
+        while i < len(rows):   # runs of consecutive rows from one part
+            j = i + 1
+            while j < len(rows) and which[j] == which[i]:
+                j += 1
+            part = self.parts[int(which[i])]
+            pieces.append(part[rows[i:j] - starts[which[i]]])
+            i = j
+        return cat(pieces) if pieces else self.parts[0][:0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The rows of every part dequantized, in order: ``float [N, K]``."""
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
+Weight = Union[torch.Tensor, FP8Weight, GGUFWeight, RowParts]
+"""A float tensor, block-FP8 (above), GGUF blocks (:mod:`ds4t.kernels.quant_blocks`) or GGUF row blocks of
+different types (:class:`RowParts`)."""
+QuantWeight = (FP8Weight, GGUFWeight, RowParts)
 """The weight types whose activations round to ``act_dtype`` (not to the weight's own dtype)."""
 
 
@@ -150,17 +245,31 @@ def _same(what: str, parts: Sequence[FP8Weight]) -> None:
 def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     """Concatenate weights along ``dim`` (rows of [N, K], or experts of [E, N, K]; never K): plain
     tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k), GGUF
-    weights of one type as blocks; GGUF parts of mixed types (or with float parts) are dequantized and
-    joined in float (check :func:`joinable` first where that would cost too much memory)."""
+    weights of one type as blocks. Matrices of GGUF blocks of different types (one K and act_dtype) join
+    as a :class:`RowParts` (adjacent parts of one type merged), each part kept in its blocks. Other mixes
+    (float and GGUF parts, expert stacks of different types) are dequantized and joined in float (check
+    :func:`joinable` first where that would cost too much memory)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts), dim=dim).contiguous()
+    if any(isinstance(p, RowParts) for p in parts):   # flatten: a RowParts is its parts in row order
+        parts = [q for p in parts for q in (p.parts if isinstance(p, RowParts) else (p,))]
     if any(isinstance(p, GGUFWeight) for p in parts):
         if dim % parts[0].dim() == parts[0].dim() - 1:
             raise ValueError("cat: GGUF weights cannot be joined along K (their blocks run along K)")
         if all(isinstance(p, GGUFWeight) for p in parts) and same_format(parts):
             return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous())
-        # GGUF files mix types inside a layer (Q4_K_M: attn_v / ffn_down one step up): a kernel reads one
-        # type per matrix, so a fusion of mixed parts runs in float (the parts' activation dtype).
+        if all(isinstance(p, GGUFWeight) and p.dim() == 2 for p in parts) \
+                and len({(p.k, p.act_dtype, p.device) for p in parts}) == 1:
+            runs = [[parts[0]]]
+            for p in parts[1:]:
+                if same_format([runs[-1][-1], p]):
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            joined = [cat(r) if len(r) > 1 else r[0].contiguous() for r in runs]
+            return joined[0] if len(joined) == 1 else RowParts(tuple(joined))
+        # Float parts beside blocks, or stacks of experts of different types: a kernel reads one format per
+        # launch, so these run in float (the parts' activation dtype).
         dt = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), None)
         dt = dt or next((p.act_dtype for p in parts if p.act_dtype is not None), torch.float32)
         return torch.cat([as_float(p, dt) for p in parts], dim=dim).contiguous()

@@ -15,6 +15,10 @@ What is written (checked against the converter's ``LlamaModel`` / ``Qwen3Model``
 * types: 1-D tensors F32; matrices in ``--type`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K). A matrix whose
   row length the type does not fit falls back as llama.cpp does (K-quants -> Q8_0 -> F16). Q8_0 is
   as are Q4_0 / Q4_1 (bit-exact with ggml); Q4_K / Q5_K / Q6_K are ds4t's quantizers (:mod:`ds4t.kernels.quant_blocks`);
+* ``--tensor-type PATTERN=TYPE`` (llama.cpp's ``llama-quantize`` option of that name, repeatable): matrices whose
+  GGUF name matches the regular expression PATTERN (``re.search``; the first matching option wins) are written in
+  TYPE instead, e.g. ``--type Q4_K --tensor-type attn_v=Q6_K --tensor-type ffn_down=Q6_K`` for the mix of types
+  within a layer that llama.cpp's Q4_K_M files hold;
 * a tokenizer: a preset's byte-level one as ``tokenizer.ggml.model`` "gpt2" (one token per byte).
 """
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Dict, Optional
+import re
+from typing import Dict, Mapping, Optional
 
 import numpy as np
 import torch
@@ -112,8 +117,40 @@ def _source(src: str, seed: int):
     return cfg, source, expected(parse(cfg)), parse(cfg), name
 
 
-def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional[bool] = None) -> Dict[str, str]:
-    """Write ``src`` (preset or HF directory) as the GGUF file ``dst`` with matrices in ``qtype``.
+def tensor_type_rules(specs) -> Dict[str, str]:
+    """``--tensor-type`` values ``"PATTERN=TYPE"`` as {pattern: TYPE}, checked (ValueError naming the bad one)."""
+    rules: Dict[str, str] = {}
+    for spec in specs or ():
+        pattern, eq, t = spec.rpartition("=")
+        if not eq or not pattern:
+            raise ValueError(f"convert: --tensor-type {spec!r} is not PATTERN=TYPE")
+        rules[pattern] = t
+    return rules
+
+
+def _typer(qtype: str, tensor_types: Optional[Mapping[str, str]]):
+    """gguf name -> the type its matrix is written in: the first ``tensor_types`` pattern it matches, else qtype."""
+    rules = []
+    for pattern, t in (tensor_types or {}).items():
+        if t.upper() not in TYPES:
+            raise ValueError(f"convert: --tensor-type {pattern}={t}: {t!r} is not one of {list(TYPES)}")
+        try:
+            rules.append((re.compile(pattern), t.upper()))
+        except re.error as e:
+            raise ValueError(f"convert: --tensor-type {pattern}={t}: bad pattern ({e})") from None
+    return lambda gname: next((t for r, t in rules if r.search(gname)), qtype)
+
+
+def check_tensor_types(qtype: str, tensor_types: Optional[Mapping[str, str]]) -> None:
+    """ValueError naming the first bad ``tensor_types`` entry (unknown type, bad pattern); what
+    :func:`convert` checks before it writes anything."""
+    _typer(qtype, tensor_types)
+
+
+def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional[bool] = None,
+            tensor_types: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Write ``src`` (preset or HF directory) as the GGUF file ``dst`` with matrices in ``qtype``, those whose
+    GGUF name matches a ``tensor_types`` pattern (``{regex: type}``) in that type.
     ``mtp``: write the MTP layers as nextn blocks (default: as llama.cpp does, GLM only; True also for
     DeepSeek-V3 / Qwen3-Next in the naming of newer converters). Returns {gguf tensor name: its type}."""
     import gguf
@@ -121,6 +158,7 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional
     qtype = qtype.upper()
     if qtype not in TYPES:
         raise ValueError(f"convert: --type {qtype!r} is not one of {list(TYPES)}")
+    type_of = _typer(qtype, tensor_types)
     cfg, source, expected, c, name = _source(src, seed)
     arch = cfg["model_type"]
     written: Dict[str, str] = {}
@@ -129,7 +167,7 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional
         w.add_name(name)
         w.add_file_type(_FILE_TYPE[qtype])
         try:
-            _convert_moe(w, arch, cfg, c, source, expected, qtype, written, mtp)
+            _convert_moe(w, arch, cfg, c, source, expected, type_of, written, mtp)
             if src in _preset_names():
                 _byte_tokenizer(w, c.vocab_size)
             _finish(w)
@@ -176,11 +214,11 @@ def convert(src: str, dst: str, qtype: str = "F32", seed: int = 0, mtp: Optional
         if a.ndim == 1:
             data, raw = a.astype(np.float32), None
         else:
-            data, raw = _matrix(a, qtype)
+            data, raw = _matrix(a, type_of(gname))
         w.add_tensor(gname, data, raw_dtype=raw)
         written[gname] = raw.name if raw is not None else {np.float32: "F32", np.float16: "F16"}[data.dtype.type]
     _finish(w)
-    fell = sorted({t for n, t in written.items() if t != qtype and not n.endswith("norm.weight")
+    fell = sorted({t for n, t in written.items() if t != type_of(n) and not n.endswith("norm.weight")
                    and n != "rope_freqs.weight"})
     if fell and qtype not in ("F32",):
         log.warning("%s: some matrices do not fit %s rows and were written as %s", dst, qtype, ", ".join(fell))
@@ -216,7 +254,7 @@ def _byte_tokenizer(w, vocab: int) -> None:
 
 def main(args) -> Optional[int]:
     """The ``ds4t convert`` command (argparse namespace: src, dst, type, seed)."""
-    written = convert(args.src, args.dst, args.type, seed=args.seed)
+    written = convert(args.src, args.dst, args.type, seed=args.seed, tensor_types=tensor_type_rules(args.tensor_type))
     types = sorted(set(written.values()))
     size = os.path.getsize(args.dst)
     print(f"wrote {args.dst}: {len(written)} tensors ({', '.join(types)}), {size / 1e6:.1f} MB")
@@ -430,7 +468,8 @@ def _moe_tensors(mt: str, c, source, expected: Dict[str, tuple], block_count: in
         raise CheckpointError(f"convert: incomplete experts {sorted(experts)}")
 
 
-def _convert_moe(w, mt, cfg, c, source, expected, qtype, written, mtp=None) -> None:
+def _convert_moe(w, mt, cfg, c, source, expected, type_of, written, mtp=None) -> None:
+    """The MoE families' tensors; ``type_of``: gguf name -> the type a matrix is written in."""
     _moe_check(mt, cfg, c)
     mtp = (_mtp_default(mt) if mtp is None else mtp) and bool(c.mtp_layers)
     block_count = c.num_layers + (1 if mtp else 0)
@@ -442,6 +481,6 @@ def _convert_moe(w, mt, cfg, c, source, expected, qtype, written, mtp=None) -> N
                 or gname.endswith(_F32_TENSORS):
             data, raw = a.astype(np.float32), None
         else:
-            data, raw = _matrix(a, qtype)
+            data, raw = _matrix(a, type_of(gname))
         w.add_tensor(gname, data, raw_dtype=raw)
         written[gname] = raw.name if raw is not None else {np.float32: "F32", np.float16: "F16"}[data.dtype.type]

@@ -247,9 +247,13 @@ class DecoderModel(Model):
 
 def named_tensors(obj, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
     """(dotted name, tensor) for every tensor in ``obj``, a tensor or a dataclass of them (nested
-    to any depth), in field order; fields that hold no tensor (None, flags, indices) are skipped."""
+    to any depth, through tuples too: a :class:`~ds4t.kernels.weights.RowParts` weight's parts), in field
+    order; fields that hold no tensor (None, flags, indices) are skipped."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
+    elif isinstance(obj, tuple):
+        for i, v in enumerate(obj):
+            yield from named_tensors(v, f"{prefix}.{i}")
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from named_tensors(getattr(obj, f.name), f"{prefix}.{f.name}")

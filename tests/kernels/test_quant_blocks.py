@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ds4t.backend import INTERPRET
 from ds4t.kernels import qmoe, weights
-from ds4t.kernels.linear import linear, linear_heads, linear_ref
+from ds4t.kernels.linear import linear, linear_heads, linear_parts, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
 from ds4t.kernels.qlinear import (QLinearConfig, _gpu_rule, _x_cols, folds, qdot, qdot_pair, qlinear_config,
@@ -23,6 +23,7 @@ from ds4t.kernels.qlinear import (QLinearConfig, _gpu_rule, _x_cols, folds, qdot
 from ds4t.kernels.quant_blocks import (BLOCKS_32, FORMATS, GGUF_LAYOUTS, K_HEADER, PLANE_ORDER, QTYPES, GGUFLayout,
                                        GGUFWeight, block_terms, dequantize, fold_weights, quantize, quantize_numpy,
                                        repack, scale_plane_bytes, unpack)
+from ds4t.kernels.weights import RowParts
 from tests.kernels.invariance import assert_rows_invariant, half_row_tiles, poison_empty, poisoned
 
 DEV = torch.device("cpu" if INTERPRET else "cuda")
@@ -102,8 +103,9 @@ def test_weight_type_rows_experts_and_errors():
     assert torch.equal(weights.stack([w[1], w[0]]).dequantize(), w.dequantize().flip(0))
     assert weights.joinable([w[0], w[1]]) and not weights.joinable([w[0], quantize(torch.randn(6, 256), "Q6_K")])
     q6 = quantize(torch.randn(6, 256), "Q6_K", act_dtype=torch.bfloat16)
-    mixed = weights.cat([w[0].with_act_dtype(torch.bfloat16), q6])   # mixed types: joined in float
-    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, torch.cat([w.dequantize()[0], q6.dequantize()]).bfloat16())
+    f = torch.randn(6, 256).bfloat16()
+    floats = weights.cat([q6, f])   # blocks beside a float part: joined in float
+    assert floats.dtype == torch.bfloat16 and torch.equal(floats, torch.cat([q6.dequantize(), f.float()]).bfloat16())
     with pytest.raises(ValueError, match="along K"):
         weights.cat([w[0], w[1]], dim=1)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -119,6 +121,54 @@ def test_weight_type_rows_experts_and_errors():
 
 
 # ----------------------------------------------------------------------------- the repacked layout
+
+def _mixed_parts(K=256, act=torch.bfloat16):
+    """Rows of three GGUF matrices of K columns as a Q4_K_M file mixes them: q and k Q4_K, v Q6_K."""
+    g = torch.Generator().manual_seed(3)
+    return [quantize(torch.randn(n, K, generator=g) / 16, t, act_dtype=act).to(DEV)
+            for n, t in ((48, "Q4_K"), (16, "Q4_K"), (32, "Q6_K"))]
+
+
+def test_mixed_types_join_as_row_parts_that_keep_their_blocks():
+    q, k, v = _mixed_parts()
+    w = weights.cat([q, k, v])   # q and k merge (one type); v stays a part of its own
+    assert isinstance(w, RowParts) and w.qtype == "Q4_K+Q6_K" and w.shape == (96, 256)
+    assert [p.shape[0] for p in w.parts] == [64, 32] and w.nbytes == q.nbytes + k.nbytes + v.nbytes
+    full = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    assert torch.equal(w.dequantize(), full) and not weights.joinable([q, v])
+    # rows as tensor parallelism and the loaders cut them: slices across parts, a permutation, a re-join
+    assert torch.equal(w[..., 40:70, :].dequantize(), full[40:70]) and isinstance(w[:10], GGUFWeight)
+    perm = torch.cat([torch.arange(64, 96), torch.arange(0, 64)])
+    assert torch.equal(w[perm].dequantize(), full[perm]) and w[perm].qtype == "Q6_K+Q4_K"
+    halves = weights.cat([w[..., 0:30, :], w[..., 30:96, :]], dim=-2)
+    assert isinstance(halves, RowParts) and len(halves.parts) == 2 and torch.equal(halves.dequantize(), full)
+    with pytest.raises(ValueError, match="K, act_dtype"):
+        RowParts((q, quantize(torch.randn(8, 512), "Q6_K", act_dtype=torch.bfloat16).to(DEV)))
+    with pytest.raises(ValueError, match="adjacent parts of one format"):
+        RowParts((q, k))
+    with pytest.raises(IndexError, match="rows only"):
+        w[:, :128]
+
+
+@pytest.mark.parametrize("adt", ADTS, ids=str)
+def test_row_parts_linear_is_each_part_alone(adt):
+    """A RowParts linear: each part's columns are bit for bit that part's lone linear (whatever the batch, so
+    rows alone == in a batch), the bias cut with them; the split-K-deferring entry returns the finished result.
+    Control: the same rows joined in float (how mixed fusions ran before) give other bits."""
+    q, k, v = (p.with_act_dtype(adt) for p in _mixed_parts())
+    w = weights.cat([q, k, v])
+    B = 6
+    x, b = _x(B, 256, 1), torch.randn(96, device=DEV)
+    y = linear(x, w, b, out=poisoned((B, 96), device=DEV))
+    assert torch.equal(y[:, :64], linear(x, weights.cat([q, k]), b[:64]))
+    assert torch.equal(y[:, 64:], linear(x, v, b[64:]))
+    assert all(torch.equal(linear(x[i:i + 1], w, b)[0], y[i]) for i in (0, 3, B - 1))
+    assert torch.equal(linear_parts(x, w, b).part[0], y)
+    ref = linear_ref(x, w, b)
+    assert _rel(y, ref) < (1e-2 if adt == torch.bfloat16 else 1e-5)   # bf16: the fold route's rounded weights
+    floats = linear(x, w.dequantize(adt), b)
+    assert not torch.equal(floats, y)
+
 
 @pytest.mark.parametrize("qtype,K", [("Q8_0", 96), ("Q8_0", 256), ("Q4_0", 96), ("Q4_1", 160), ("Q4_K", 512),
                                      ("Q5_K", 768), ("Q6_K", 256), ("Q6_K", 2048)])

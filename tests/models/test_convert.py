@@ -70,18 +70,26 @@ def _file_weights(path, hf_model, arch):
     return out
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen3", "Q6_K"), ("qwen3", "Q5_K")])
-def test_k_quant_files_match_hf_on_the_weights_they_hold(tmp_path, arch, qtype):
+@pytest.mark.parametrize("arch,qtype,mix", [("llama", "Q4_K", None), ("qwen3", "Q6_K", None), ("qwen3", "Q5_K", None),
+                                            ("llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"})])
+def test_k_quant_files_match_hf_on_the_weights_they_hold(tmp_path, arch, qtype, mix):
+    """mix: a Q4_K_M-like file (``--tensor-type``): q / k / v fused as a RowParts of Q4_K and Q6_K blocks."""
     cls, cfg_cls = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if arch == "llama"
                     else (transformers.Qwen3ForCausalLM, transformers.Qwen3Config))
     cfg = cfg_cls(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.05,
                   tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     hf = save_tiny(cls, cfg, tmp_path / "hf", seed=4)
-    convert(str(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype)
+    written = convert(str(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype, tensor_types=mix)
     model = ds4t.load(str(tmp_path / "m.gguf"))
     assert model.family == arch
     assert isinstance(model.layers[0].ffn.gate_up, GGUFWeight) and model.layers[0].ffn.gate_up.qtype == qtype
+    if mix:
+        from ds4t.kernels.weights import RowParts
+
+        assert written["blk.0.attn_v.weight"] == written["blk.0.ffn_down.weight"] == "Q6_K"
+        assert written["blk.0.attn_q.weight"] == "Q4_K" and model.layers[0].ffn.down.qtype == "Q6_K"
+        assert isinstance(model.layers[0].mixer.w_qkv, RowParts) and model.layers[0].mixer.w_qkv.qtype == "Q4_K+Q6_K"
     assert isinstance(model.lm_head, GGUFWeight)
     hf.load_state_dict(_file_weights(tmp_path / "m.gguf", hf, arch), strict=False)
     check_against_hf(model, hf, PROMPT, 3, 1e-4)
@@ -98,5 +106,8 @@ def test_convert_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="--type"):
         convert("tiny-llama", str(tmp_path / "x.gguf"), "Q3_K")
     assert cli(["convert", "tiny-llama", str(tmp_path / "x.bin")]) == 2
+    for bad, why in (("attn_v=Q3_K", "is not one of"), ("attn_v", "PATTERN=TYPE"), ("(=Q8_0", "bad pattern")):
+        assert cli(["convert", "tiny-llama", str(tmp_path / "x.gguf"), "--tensor-type", bad]) == 2
+        assert why in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()
     assert cli(["convert", str(tmp_path / "nope"), str(tmp_path / "x.gguf")]) == 2
     assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err

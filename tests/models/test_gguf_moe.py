@@ -126,6 +126,30 @@ def test_q8_0_keeps_stacked_expert_blocks_and_runs_exact(tmp_path, preset):
     ds4t.testing.assert_native_exact(model, sessions=2, steps=2, negative_control=True)
 
 
+MIXED = {"tiny-qwen": {"attn_v": "Q4_0", "ssm_ba": "Q4_0"}, "tiny-deepseek": {"attn_kv_a_mqa": "Q4_0"},
+         "tiny-glm": {"attn_v": "Q4_0"}}
+"""A type mix inside the fused matrices of each family, as llama.cpp's Q4_K_M mixes them (``--tensor-type``)."""
+
+
+@pytest.mark.parametrize("preset", list(ARCH))
+def test_fusions_of_mixed_types_keep_each_part_in_its_blocks(tmp_path, preset):
+    """q / k / v (GLM, Qwen3-Next), GDN's qkvz + ba (Qwen3-Next), DeepSeek's q_a + kv_a written in two types:
+    each fusion is a RowParts of blocks (not a float matrix), the logits those of the same file dequantized at
+    load (fp32 activations: within 1e-5), and native == ordered bitwise with the negative control."""
+    from ds4t.kernels.weights import RowParts
+
+    path = tmp_path / "mixed.gguf"
+    written = convert(preset, str(path), "Q8_0", tensor_types=MIXED[preset])
+    assert {written[n] for n in written if any(k + ".weight" in n for k in MIXED[preset])} == {"Q4_0"}
+    model = ds4t.load(str(path))
+    fused = [w for layer in model.layers for w in vars(layer.mixer).values() if isinstance(w, RowParts)]
+    assert fused and all(w.qtype == "Q8_0+Q4_0" for w in fused)
+    floats = ds4t.load(str(path), dequantize=True)
+    got, want = _logits(model), _logits(floats)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    ds4t.testing.assert_native_exact(model, sessions=2, steps=2, negative_control=True)
+
+
 def test_errors_name_the_problem(tmp_path):
     convert("tiny-glm", str(tmp_path / "glm.gguf"))
     _rewrite(tmp_path / "glm.gguf", tmp_path / "a.gguf", meta_drop=("glm4moe.expert_feed_forward_length",))
