@@ -185,8 +185,8 @@ def record_gguf() -> None:
 def record_gguf_tables() -> None:
     """The GGUF decode linear's measured GPU table entries (``qlinear._GPU_TABLE``) at their own K, one N
     tile (or pair) of 16 rows: their loops are the H200's, for ``--sass _qlinear`` (instructions a weight);
-    Q4_K also with its scale plane, Q5_K at the Q4_K entries' configs and Q4_0 / Q4_1 at the Q8_0 entries' (the
-    rule gives them those), and the grouped MoE's Q4_K and Q5_K kernels at real expert dims (``--sass _qmoe``).
+    Q4_K also with its scale plane, Q5_K at the rule's config for the Q4_K entries' shapes and Q4_0 / Q4_1 at the
+    Q8_0 entries' (what the rule gives each), and the grouped MoE's Q4_K and Q5_K kernels at real expert dims (``--sass _qmoe``).
     Call inside the GPU-variant selection."""
     import torch
 
@@ -205,7 +205,7 @@ def record_gguf_tables() -> None:
             L.linear(x(), w.with_scale_plane(), None, config=cfg, act_dtype=adt)
             w5 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, "Q5_K")
             for plane in (False, True):
-                L.linear(x(), w5.with_scale_plane(plane), None, config=cfg, act_dtype=adt)
+                L.linear(x(), w5.with_scale_plane(plane), None, config=Q._gpu_rule(K, N, "Q5_K", adt), act_dtype=adt)
         if qt == "Q8_0":   # Q4_0 and Q4_1 (FMT 6 / 7) at the same config
             for q4 in ("Q4_0", "Q4_1"):
                 w4 = quantize(torch.randn(w.shape[0], K, generator=g) / K ** 0.5, q4)

@@ -164,14 +164,15 @@ def _q4_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, QH: tl
 
 
 @triton.jit
-def _q4_x_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr, MIN: tl.constexpr):
+def _q4_x_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr, MIN: tl.constexpr,
+               NP: tl.constexpr):
     """acc + the G Q4_0 (MIN False) or Q4_1 (MIN True) blocks of columns k .. k + 32 G, in K order. Planes: qs
     [KW / 2] @0 (byte l of a block: element l low nibble, l + 16 high), then d fp16 [KW / 32] (Q4_0) or
     (d, m) fp16 pairs [KW / 32, 2] (Q4_1) @KW / 2. Q4_0's integers are nibble - 8; Q4_1 adds m * sum(x_j),
     the sum an MMA of the block's activations against ones."""
     for g in tl.static_range(G):
         kg = k + 32 * g
-        lo, hi = nibbles_to(_raw_bytes(w_row, kg // 2, 16), ADT, not MIN, 4)   # 4: mma.sync tiles
+        lo, hi = nibbles_to(_raw_bytes(w_row, kg // 2, 16), ADT, not MIN, NP)
         xl = _x_tile(x_row, kg, 16, ADT)
         xh = _x_tile(x_row, kg + 16, 16, ADT)
         p = mma(hi, xh, mma(lo, xl, tl.zeros(acc.shape, dtype=tl.float32)))
@@ -285,11 +286,11 @@ def _q8_0_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.constexpr):
+def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.constexpr, NP: tl.constexpr):
     """Fold route, Q4_0 / Q4_1 (MIN): the G blocks of columns k .. k + 32 G in two MMAs, the low nibbles (column
     32 g + l of block g) and the high ones (32 g + 16 + l); weights ``q * bf16(d)`` (Q4_0, q = nibble - 8) or
     ``q * bf16(d) + bf16(m)`` (Q4_1), each scale spread along its 16 columns of a tile."""
-    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 16 * G), tl.bfloat16, not MIN, 4)   # 4: mma.sync tiles
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 16 * G), tl.bfloat16, not MIN, NP)
     j = tl.arange(0, 16 * G)
     cols = k + (j // 16) * 32 + j % 16
     blk = k // 32 + tl.arange(0, G)
@@ -306,7 +307,7 @@ def _q4_x_fold(acc, w_row, x_row, k, G: tl.constexpr, KW: tl.constexpr, MIN: tl.
 
 
 @triton.jit
-def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
+def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr, NP: tl.constexpr):
     """Fold route, Q4_K: the 256-block at k in two MMAs (low nibbles: sub-blocks 0, 2, 4, 6; high nibbles:
     1, 3, 5, 7; each over its 128 columns)."""
     d, dmin, w1, w2, w3 = _k_header(w_row, KW // 2 + (k // 256) * 16)
@@ -320,7 +321,7 @@ def _q4_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
     s5, m5 = _q4k_scale_min(w1, w2, w3, 5)
     s6, m6 = _q4k_scale_min(w1, w2, w3, 6)
     s7, m7 = _q4k_scale_min(w1, w2, w3, 7)
-    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16, False, NP)
     j = tl.arange(0, 128)
     cols = k + (j // 32) * 64 + j % 32      # byte 32 c + l: low nibble column 64 c + l, high 64 c + 32 + l
     acc = _fold_dot(acc, lo, _spread(_columns4(s0, s2, s4, s6).to(tl.float32) * d, 32),
@@ -337,13 +338,13 @@ def _plane4(p, i: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr):
+def _q4_k_fold_plane(acc, w_row, x_row, k, KW: tl.constexpr, NP: tl.constexpr):
     """Fold route, Q4_K rows with a scale plane (:func:`ds4t.kernels.quant_blocks.make_scale_plane`, after
     the repacked row at byte KW / 2 + KW / 16, 32 bytes a block): :func:`_q4_k_fold`'s two MMAs on the same
     bf16 scales and negated mins, loaded instead of decoded from the header (the same weights; the same bits
     but at mma.sync tiles, :mod:`ds4t.kernels.quant_blocks`)."""
     p = (w_row + (KW // 2 + KW // 16) + (k // 256) * 32).to(tl.pointer_type(tl.bfloat16))
-    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16)
+    lo, hi = nibbles_to(_raw_bytes(w_row, k // 2, 128), tl.bfloat16, False, NP)
     j = tl.arange(0, 128)
     cols = k + (j // 32) * 64 + j % 32      # byte 32 c + l: low nibble column 64 c + l, high 64 c + 32 + l
     acc = _fold_dot16(acc, lo, _spread(_plane4(p, 0), 32), _spread(_plane4(p, 2), 32),
@@ -405,7 +406,7 @@ def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
 
 @triton.jit
 def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, KW: tl.constexpr,
-            FOLD: tl.constexpr = False):
+            FOLD: tl.constexpr = False, NP: tl.constexpr = 2):
     """One K-loop step of :func:`qdot` for format FMT (0 Q8_0, 6 Q4_0, 7 Q4_1: G blocks of 32; 1 Q4_K, 2 Q6_K,
     4 Q5_K: one 256-block; 3 Q4_K and 5 Q5_K read through their scale plane, fold route only), by the exact or
     (FOLD) the fold route."""
@@ -414,11 +415,11 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
         if FMT == 0:
             acc = _q8_0_fold(acc, w_row, x_row, k, G, KW)
         elif FMT == 6 or FMT == 7:
-            acc = _q4_x_fold(acc, w_row, x_row, k, G, KW, FMT == 7)
+            acc = _q4_x_fold(acc, w_row, x_row, k, G, KW, FMT == 7, NP)
         elif FMT == 1:
-            acc = _q4_k_fold(acc, w_row, x_row, k, KW)
+            acc = _q4_k_fold(acc, w_row, x_row, k, KW, NP)
         elif FMT == 3:
-            acc = _q4_k_fold_plane(acc, w_row, x_row, k, KW)
+            acc = _q4_k_fold_plane(acc, w_row, x_row, k, KW, NP)
         elif FMT == 4 or FMT == 5:
             acc = _q5_k_fold(acc, w_row, x_row, k, KW, FMT == 5)
         else:
@@ -426,7 +427,7 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
     elif FMT == 0:
         acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
     elif FMT == 6 or FMT == 7:
-        acc = _q4_x_step(acc, w_row, x_row, k, ADT, G, KW, FMT == 7)
+        acc = _q4_x_step(acc, w_row, x_row, k, ADT, G, KW, FMT == 7, NP)
     elif FMT == 1 or FMT == 4:
         acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW, QH)
     else:
@@ -454,7 +455,7 @@ def _prefetch_step(w_row, k, FMT: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr,
-         KW: tl.constexpr, FOLD: tl.constexpr = False, AHEAD: tl.constexpr = 0):
+         KW: tl.constexpr, FOLD: tl.constexpr = False, AHEAD: tl.constexpr = 0, NP: tl.constexpr = 2):
     """acc [BN, BM] fp32 + (x . w) over columns k_lo .. k_hi (multiples of the format's step, k_hi > k_lo).
 
     w_row [BN] uint8 pointers to each weight row's repacked row (rows in bounds, 16-byte aligned); KW the
@@ -466,18 +467,20 @@ def qdot(acc, w_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr, G:
     on the GPU, plain conversions in the interpreter: the same exact values). FOLD (ADT bf16 only): the
     fold route, one packed FMA a weight pair and one MMA a step (module docstring). AHEAD > 0: each step first
     asks L2 for the quant bytes of the step AHEAD steps later (:func:`_prefetch_step`; a hint: no register,
-    no value changes)."""
+    no value changes). NP: quant bytes a nibble bit trick takes at once (:func:`nibble_pack`; the same
+    values either way)."""
     STEP: tl.constexpr = _loop_step(FMT, G)
     for k in range(k_lo, k_hi, STEP):
         if AHEAD > 0:
             _prefetch_step(w_row, tl.minimum(k + AHEAD * STEP, k_hi - STEP), FMT, G)
-        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD, NP)
     return acc
 
 
 @triton.jit
 def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, ADT: tl.constexpr,
-              G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr = False, AHEAD: tl.constexpr = 0):
+              G: tl.constexpr, KW: tl.constexpr, FOLD: tl.constexpr = False, AHEAD: tl.constexpr = 0,
+              NP: tl.constexpr = 2):
     """(:func:`qdot` of w_row, :func:`qdot` of w2_row) in one loop: each K step of the one weight, then
     of the other, on the same activation tiles. Each accumulator sees exactly qdot's operations in qdot's
     order (the same bits); the two independent MMA / scale chains interleave (what the MoE gate / up
@@ -488,8 +491,8 @@ def qdot_pair(acc, acc2, w_row, w2_row, x_row, k_lo, k_hi, FMT: tl.constexpr, AD
             kp = tl.minimum(k + AHEAD * STEP, k_hi - STEP)
             _prefetch_step(w_row, kp, FMT, G)
             _prefetch_step(w2_row, kp, FMT, G)
-        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD)
-        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD)
+        acc = _q_step(acc, w_row, x_row, k, FMT, ADT, G, KW, FOLD, NP)
+        acc2 = _q_step(acc2, w2_row, x_row, k, FMT, ADT, G, KW, FOLD, NP)
     return acc, acc2
 
 
@@ -500,7 +503,7 @@ def _qlinear_kernel(
     N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     FMT: tl.constexpr, ADT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr = False, FOLD: tl.constexpr = False,
-    AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 0, NP: tl.constexpr = 2,
 ):
     """One (row tile, N tile, K split) of y. Grid (cdiv(B, BLOCK_M), cdiv(N, BLOCK_N * (1 + PAIR)), SPLIT).
     Rows past B read zeros (no memory: :func:`x_rows`), weight rows past N load in-bounds rows (clamped); neither
@@ -520,11 +523,11 @@ def _qlinear_kernel(
         rn = 2 * pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn2 = rn + BLOCK_N
         acc, acc2 = qdot_pair(zero, zero, _w_rows(w_ptr, rn, N, stride_wn), _w_rows(w_ptr, rn2, N, stride_wn),
-                              x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, AHEAD)
+                              x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, AHEAD, NP)
         _store_tile(acc2, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn2, B, N, HAS_BIAS)
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, AHEAD)
+        acc = qdot(zero, _w_rows(w_ptr, rn, N, stride_wn), x_row, k_lo, k_hi, FMT, ADT, G, K, FOLD, AHEAD, NP)
     _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N, HAS_BIAS)
 
 
@@ -541,6 +544,15 @@ def _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N: tl
         acc = acc + tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[:, None]
     y = y_ptr + pid_s * stride_ys + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
     tl.store(y, acc, mask=(rm < B)[None, :] & (rn < N)[:, None])
+
+
+def nibble_pack(num_warps: int, rows: int) -> int:
+    """Quant bytes a nibble bit trick takes at once (:func:`ds4t.backend.nibbles_to`'s PACK) in a program of
+    ``num_warps`` warps over ``rows`` weight rows: 2 at the tiles Triton gives Hopper's wgmma (warpgroups of 4
+    warps, 64 rows each), whose operand layout hands a thread its bytes in pairs; else 4 (mma.sync tiles: four
+    consecutive bytes in one register). A launch constant like the tile itself (never from B), and the same
+    values either way (bits equal in the H200 / H100 A/Bs, bench/results/2026-12-05-h200-q4-nibbles.md)."""
+    return 2 if num_warps % 4 == 0 and rows >= 16 * num_warps else 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,8 +588,9 @@ def _q8_group(K: int, cap: int) -> int:
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
     """64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
     H200 (264) and each split keeps >= 8 loop steps. bf16 activations, every type but Q6_K: the fold route with
-    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps; Q4_K 1 stage; untimed: Q4_0 / Q4_1 as Q8_0, Q5_K as
-    Q4_K); otherwise the exact route, 4 blocks of 32 a step, 4 warps, 3 stages."""
+    the swept shapes' winners (8 Q8_0 blocks a step, 2 warps, 3 stages; Q4_K the same warps and stages, its
+    nibbles four bytes a trick at those mma.sync tiles; untimed: Q4_0 / Q4_1 as Q8_0, Q5_K 4 warps, 1 stage, as
+    Q4_K had before); otherwise the exact route, 4 blocks of 32 a step, 4 warps, 3 stages."""
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
     group = _q8_group(K, 8 if fold else 4) if qtype in BLOCKS_32 else 1
     step = 32 * group if qtype in BLOCKS_32 else 256
@@ -585,7 +598,7 @@ def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
     split = 1
     while triton.cdiv(N, block_n) * split < 264 and K // step >= 16 * split:
         split *= 2
-    warps, stages = ((2, 3) if qtype in BLOCKS_32 else (4, 1)) if fold else (4, 3)
+    warps, stages = ((4, 1) if qtype == "Q5_K" else (2, 3)) if fold else (4, 3)
     return QLinearConfig(block_n=block_n, split=split, group=group, num_warps=warps, num_stages=stages, fold=fold)
 
 
@@ -626,18 +639,21 @@ _GPU_TABLE = {
     # int8 conversion (2026-12-04-h200-gguf-int8.md: paired 32-row tiles, 4 stages, 6 % less; the same bits)
     (7168, 36864, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=32, split=2, group=8, num_warps=2, num_stages=4,
                                                          pair=True, fold=True),
-    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=1, fold=True),
+    # Q4_K: 2-warp mma.sync tiles, nibbles four bytes a trick (2026-12-05-h200-q4-nibbles.md: 22 % / 10 % less
+    # summed time than the 4-warp wgmma tiles before, 4-warp 1-stage 64-row tiles)
+    (7168, 36864, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=32, split=2, group=1, num_warps=2, num_stages=3, fold=True),
     (7168, 36864, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=2, group=1, num_warps=4, num_stages=3),
     (2048, 151936, 'Q8_0', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=8, num_warps=2, num_stages=3, fold=True),
-    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=1, fold=True),
+    (2048, 151936, 'Q4_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=2, num_stages=3, fold=True),
     (2048, 151936, 'Q6_K', torch.bfloat16): QLinearConfig(block_n=64, split=1, group=1, num_warps=4, num_stages=3),
 }
 
 QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     "qlinear", gpu=_GPU_TABLE, gpu_rule=_gpu_rule, interp_rule=_interp_rule,
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
-           "--sweep), 2026-12-04-h200-gguf-int8.md; other shapes: the rule (64-row tiles, split-K to ~264 "
-           "programs, fold for bf16 but Q6_K; untimed: Q5_K as Q4_K, Q4_0 / Q4_1 as Q8_0)")
+           "--sweep), 2026-12-04-h200-gguf-int8.md, 2026-12-05-h200-q4-nibbles.md; other shapes: the rule (64-row "
+           "tiles, split-K to ~264 programs, fold for bf16 but Q6_K; untimed: Q5_K at Q4_K's former 4 warps, Q4_0 / "
+           "Q4_1 as Q8_0)")
 """Keyed on (K, N, GGUF type, activation dtype)."""
 
 
@@ -679,7 +695,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=kernel_format(weight, fold), ADT=tl_dtype(act_dtype), G=cfg.group,
                   BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=fold, AHEAD=cfg.prefetch_l2,
-                  **launch_kwargs(cfg))
+                  NP=nibble_pack(cfg.num_warps, cfg.block_n), **launch_kwargs(cfg))
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:
         _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),

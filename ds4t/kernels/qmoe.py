@@ -25,8 +25,8 @@ from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
                               down_finder, row_program_count)                 # inside its launcher
-from ds4t.kernels.qlinear import (FOLD_TYPES, _q8_group, folds, kernel_format, qdot, qdot_pair, rows_16b_aligned,
-                                  rows_aligned, x_rows)
+from ds4t.kernels.qlinear import (FOLD_TYPES, _q8_group, folds, kernel_format, nibble_pack, qdot, qdot_pair,
+                                  rows_16b_aligned, rows_aligned, x_rows)
 from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight
 
 
@@ -39,7 +39,7 @@ def _qmoe_gate_up_kernel(
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, DEVICE_LIST: tl.constexpr, BE: tl.constexpr, INTERLEAVE: tl.constexpr = True,
     FOLD: tl.constexpr = False, slots_ptr=None, ROW_PROGRAMS: tl.constexpr = False,
-    AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 0, NP: tl.constexpr = 2,
 ):
     """Program (slot, N tile): its expert's pairs in BM-row tiles; act[p, n] = silu(g) * u for I columns.
     INTERLEAVE: gate and up step through K together (:func:`ds4t.kernels.qlinear.qdot_pair`), else one
@@ -66,10 +66,10 @@ def _qmoe_gate_up_kernel(
         zero = tl.zeros((BN, BM), dtype=tl.float32)
         if INTERLEAVE:
             acc_g, acc_u = qdot_pair(zero, zero, wg_ptr + w_off, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD,
-                                     AHEAD)
+                                     AHEAD, NP)
         else:
-            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, AHEAD)
-            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, AHEAD)
+            acc_g = qdot(zero, wg_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, AHEAD, NP)
+            acc_u = qdot(zero, wu_ptr + w_off, x_row, 0, D, FMT, ADT, G, D, FOLD, AHEAD, NP)
         act = _silu(acc_g) * acc_u                                        # [BN, BM]
         tl.store(act_ptr + p[None, :] * sa_p + n[:, None], act, mask=qm[None, :] & nm[:, None])
 
@@ -83,7 +83,7 @@ def _qmoe_down_kernel(
     FMT: tl.constexpr, G: tl.constexpr, ADT: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, FOLD: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
-    AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 0, NP: tl.constexpr = 2,
 ):
     """As :func:`_qmoe_gate_up_kernel` over I: y[p, n] = act[p] . w_down[e, n] (w_down uint8 [E, D,
     GGUFWeight.row_bytes]); ``experts`` lists each slot's expert (-1: none), the gate/up kernel's ``slots`` or the
@@ -101,7 +101,7 @@ def _qmoe_down_kernel(
         qm = q < end
         p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
         x_row = x_rows(act_ptr, p, qm, sa_p)
-        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, x_row, 0, I, FMT, ADT, G, I, FOLD, AHEAD)
+        acc = qdot(tl.zeros((BN, BM), dtype=tl.float32), w_row, x_row, 0, I, FMT, ADT, G, I, FOLD, AHEAD, NP)
         tl.store(y_ptr + p[None, :] * sy_p + n[:, None], acc, mask=qm[None, :] & nm[:, None])
 
 
@@ -209,12 +209,14 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
         DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
-        slots_ptr=slots, ROW_PROGRAMS=gu_rows, AHEAD=cfg.prefetch_l2, **launch_kwargs(cfg),
+        slots_ptr=slots, ROW_PROGRAMS=gu_rows, AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
+        **launch_kwargs(cfg),
         **LAUNCH)
     cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
     _qmoe_down_kernel[(row_program_count(E, P, 16) if dn_rows else n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
         y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
-        FOLD=folds(cfg, adt), AHEAD=cfg.prefetch_l2, **down_finder(gu_rows, dn_rows, BE),
+        FOLD=folds(cfg, adt), AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
+        **down_finder(gu_rows, dn_rows, BE),
         **launch_kwargs(cfg), **LAUNCH)
