@@ -838,7 +838,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None,
       fp8 values converted exactly to A and the block's dot summed in fp32 from zero; or
     * a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` [N, K] (Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks as stored):
       A as for FP8, and per sub-block j ``y += s[n, j] * dot(x_j, q_j) - mn[n, j] * sum(x_j)``
-      (:mod:`ds4t.kernels.qlinear`; ``config`` then a :class:`~ds4t.kernels.qlinear.QLinearConfig`).
+      (:mod:`ds4t.kernels.qlinear`; ``config`` then a :class:`~ds4t.kernels.qlinear.QLinearConfig`); or
+    * a :class:`~ds4t.kernels.weights.RowParts` [N, K] (GGUF row blocks of different types): each part's
+      columns are that part's lone linear, one launch a part (no ``config``).
 
     Batch invariant: row i's bits do not depend on B or on the other rows. ``config`` overrides
     :func:`linear_config` (benchmarks only; the override must itself not depend on B; for FP8 its

@@ -43,6 +43,13 @@ def test_preset_round_trip_f32_and_q8_0(tmp_path):
     assert torch.equal(down.blocks().cpu(), want.blocks().cpu())          # the file's blocks are gguf-py's Q8_0, kept as stored
     assert rel_err(_logits(q8), _logits(src)) <= 5e-2  # quantization error only
 
+    # --tensor-type: the matrices whose names match in another type (the first matching option wins)
+    assert cli(["convert", "tiny-llama", str(tmp_path / "mix.gguf"), "--type", "q8_0",
+                "--tensor-type", r"blk\.0\.attn_v=Q4_0", "--tensor-type", "attn_v=Q4_1"]) == 0
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "mix.gguf")).tensors}
+    assert (types["blk.0.attn_v.weight"], types["blk.1.attn_v.weight"], types["blk.0.attn_q.weight"]) == \
+        ("Q4_0", "Q4_1", "Q8_0")
+
 
 def _file_weights(path, hf_model, arch):
     """{HF name: fp32 weight} the GGUF at ``path`` holds: gguf-py's dequantize, llama's q/k un-permuted
