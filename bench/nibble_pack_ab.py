@@ -47,45 +47,26 @@ def forced_pack(pack):
 
 
 def timer(dev):
-    """ms per call of the callables ``fns`` (a CUDA graph of ``reps`` rounds on the GPU; wall time on the CPU)."""
-    if dev == "cpu":
-        def cpu(fns, reps=1, iters=1):
-            t = time.perf_counter()
-            for f in fns:
-                f()
-            return (time.perf_counter() - t) * 1e3 / len(fns)
-        return cpu
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    """ms per call of the callables ``fns``: bench_kernels' CUDA-graph timer on the GPU, wall time on the CPU."""
+    if dev != "cpu":
+        from bench.bench_kernels import time_calls
 
-    def gpu(fns, reps=5, iters=10):
+        return lambda fns: time_calls(fns)[0]
+
+    def cpu(fns):
+        t = time.perf_counter()
         for f in fns:
             f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                for f in fns:
-                    f()
-        g.replay()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(iters):
-            ev[0].record()
-            g.replay()
-            ev[1].record()
-            torch.cuda.synchronize()
-            out.append(ev[0].elapsed_time(ev[1]) / (reps * len(fns)))
-        return statistics.median(out)
-    return gpu
+        return (time.perf_counter() - t) * 1e3 / len(fns)
+    return cpu
 
 
 def copy_bandwidth(dev) -> float:
     if dev == "cpu":
         return float("nan")
-    a = torch.empty(1 << 28, device=dev)
-    b = torch.empty_like(a)
-    ms = timer(dev)([lambda: b.copy_(a)])
-    return 2 * a.numel() * 4 / (ms * 1e-3)
+    from bench.bench_kernels import copy_bandwidth as measured
+
+    return measured()[0]
 
 
 def main() -> int:
