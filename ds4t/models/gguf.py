@@ -523,14 +523,17 @@ class GGUFSource(TensorSource):
     def blocks(self, name: str, shape=None, device="cpu"):
         """``name`` as a :class:`~ds4t.kernels.quant_blocks.GGUFWeight` when it is stored in a kernel type
         (:data:`~ds4t.kernels.quant_blocks.QTYPES`) and ``dequantize`` is off (rows may move: llama's q/k,
-        Qwen3-Next's qkvz; blocks run along K), else None."""
+        Qwen3-Next's qkvz; blocks run along K), else None. A qkvz whose attn_qkv and attn_gate differ in
+        type is a :class:`~ds4t.kernels.weights.RowParts` of both (rows interleaved per key-head group)."""
         from ds4t.kernels.quant_blocks import QTYPES
 
         if name not in self._recipes or self.dequantize:
             return None
         r = self._complete(name)
         kinds = {self._t(g).tensor_type.name for g in r.gnames}
-        if len(kinds) != 1 or next(iter(kinds)) not in QTYPES or r.kind == "kv_b" \
+        # qkvz of two types (llama.cpp's Q4_K_M writes attn_qkv in Q5_K beside a Q4_K attn_gate) stays two
+        # row blocks: interleaved here per key-head group, which the model's own row order undoes again
+        if not kinds <= set(QTYPES) or (len(kinds) != 1 and r.kind != "qkvz") or r.kind == "kv_b" \
                 or r.transform in ("norm1", "a_log", "conv"):
             return None
         logical = self._check_shape(name, shape)
@@ -541,12 +544,14 @@ class GGUFSource(TensorSource):
 
             a, b = self._blocks_of(r.gnames[0]), self._blocks_of(r.gnames[1])
             w = weights.cat([a, b])[self._qkvz_rows(a.shape[0], b.shape[0])]
+            kinds = [a.qtype, b.qtype] if a.qtype != b.qtype else [a.qtype]
         else:
             w = self._blocks_of(r.gnames[0])
             if r.transform == "permute":
                 rows = torch.arange(logical[0])[:, None]
                 w = w[unpermute_rows(rows, self._heads[name])[:, 0]]
-        self.kept[w.qtype] += 1
+        for kind in (kinds if r.kind == "qkvz" else [w.qtype]):
+            self.kept[kind] += 1
         return w.to(device).contiguous()
 
     def stacked(self, names, shapes, device, dtype):

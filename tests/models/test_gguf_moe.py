@@ -126,16 +126,17 @@ def test_q8_0_keeps_stacked_expert_blocks_and_runs_exact(tmp_path, preset):
     ds4t.testing.assert_native_exact(model, sessions=2, steps=2, negative_control=True)
 
 
-MIXED = {"tiny-qwen": {"attn_v": "Q4_0", "ssm_ba": "Q4_0"}, "tiny-deepseek": {"attn_kv_a_mqa": "Q4_0"},
+MIXED = {"tiny-qwen": {"attn_v": "Q4_0", "attn_gate": "Q4_0", "ssm_ba": "Q4_0"}, "tiny-deepseek": {"attn_kv_a_mqa": "Q4_0"},
          "tiny-glm": {"attn_v": "Q4_0"}}
 """A type mix inside the fused matrices of each family, as llama.cpp's Q4_K_M mixes them (``--tensor-type``)."""
 
 
 @pytest.mark.parametrize("preset", list(ARCH))
 def test_fusions_of_mixed_types_keep_each_part_in_its_blocks(tmp_path, preset):
-    """q / k / v (GLM, Qwen3-Next), GDN's qkvz + ba (Qwen3-Next), DeepSeek's q_a + kv_a written in two types:
-    each fusion is a RowParts of blocks (not a float matrix), the logits those of the same file dequantized at
-    load (fp32 activations: within 1e-5), and native == ordered bitwise with the negative control."""
+    """q / k / v (GLM, Qwen3-Next), GDN's qkvz + ba (Qwen3-Next: attn_qkv in one type, attn_gate and ssm_ba in
+    another, as Q4_K_M writes them), DeepSeek's q_a + kv_a written in two types: each fusion is a RowParts of
+    blocks (not a float matrix), the logits those of the same file dequantized at load (fp32 activations:
+    within 1e-5), and native == ordered bitwise with the negative control."""
     from ds4t.kernels.weights import RowParts
 
     path = tmp_path / "mixed.gguf"
@@ -144,6 +145,11 @@ def test_fusions_of_mixed_types_keep_each_part_in_its_blocks(tmp_path, preset):
     model = ds4t.load(str(path))
     fused = [w for layer in model.layers for w in vars(layer.mixer).values() if isinstance(w, RowParts)]
     assert fused and all(w.qtype == "Q8_0+Q4_0" for w in fused)
+    if preset == "tiny-qwen":   # every GDN layer's qkvz + ba: [q | k | v] in Q8_0, then [z | b | a] in Q4_0
+        c = model.cfg
+        gdn = [layer.mixer.w_in for layer in model.layers if hasattr(layer.mixer, "w_in")]
+        qkv = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
+        assert gdn and all(isinstance(w, RowParts) and w.row_ranges()[0] == (0, qkv) for w in gdn)
     floats = ds4t.load(str(path), dequantize=True)
     got, want = _logits(model), _logits(floats)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
