@@ -50,7 +50,15 @@ def _child(fn, rank: int, size: int, port: int, args) -> None:
         code = fn(*args)
     finally:
         _finish()
-    sys.exit(int(code or 0))
+    # Leave without the interpreter's teardown: a C++ thread of the destroyed group could still be joinable
+    # when static destructors run and abort the rank ("terminate called without an active exception") after
+    # its work was done. multiprocessing's own exit handlers (finalizers: semaphores, queues) still run.
+    from multiprocessing import util
+
+    util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
 
 
 def _finish() -> None:
