@@ -432,11 +432,18 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
         assert not torch.equal(_run(q, kc, vc, slots, lengths, 0.2, split_size=32, same_slot_runs=True), got)
 
 
-@pytest.mark.parametrize("interior,peel", [(False, False), (True, False), (True, True)],
-                         ids=["masked", "interior", "interior-peel"])   # GPU d 128, GPU d 256, interpreter
-@pytest.mark.parametrize("products", ["split", "cache"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
-def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interior, peel, monkeypatch):
+_TILE_PATHS = {"masked": (False, False), "interior": (True, False), "interior-peel": (True, True)}
+"""run_interior / run_peel as the tables set them: GPU d 128, GPU d 256, the interpreter."""
+_FUSED_CASES = [(dt, products, path) for dt in ("float32", "bfloat16") for products in ("split", "cache")
+                for path in _TILE_PATHS]
+if INTERPRET:   # every pair of the three factors once (6 of the 12 cases; ~8-18 s each in the interpreter)
+    _FUSED_CASES = [("float32", "split", "masked"), ("bfloat16", "cache", "masked"),
+                    ("float32", "cache", "interior"), ("bfloat16", "split", "interior"),
+                    ("bfloat16", "cache", "interior-peel"), ("float32", "split", "interior-peel")]
+
+
+@pytest.mark.parametrize("dtype_name,products,path", _FUSED_CASES)
+def test_fused_runs_give_the_split_kernels_bits(device, dtype_name, products, path, monkeypatch):
     """``run_fuse_rows``: when the launch's shortest run (``same_slot_runs=n``) has at least that many rows, a
     full one-slot program's split-0 program folds every split and merges them with the merge kernel's step, no
     partials; programs of several slots, and a lone last row, keep the split programs and the merge. Every row
@@ -449,6 +456,8 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype, products, interio
     differs."""
     import dataclasses
 
+    dtype = getattr(torch, dtype_name)
+    interior, peel = _TILE_PATHS[path]
     HQ, HKV, D, DV = 6, 2, 48, 40
     g = _gen(37)
     S, L = 4, 320
