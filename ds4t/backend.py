@@ -303,39 +303,48 @@ def int8_to(b, dtype: tl.constexpr):
     return out
 
 
-def _six_bit_asm(nib: int, pair: int) -> str:
-    # u = nibble `nib` of the ql byte | bit pair `pair` of the qh byte << 4, in [0, 64); 0x4300 | u is the
-    # bf16 128 + u, minus 160 (0x4320) gives u - 32. Two bytes of each input ($1, $2) a call.
-    qh_shift = f"shl.b32 b, b, {4 - 2 * pair};" if 2 * pair <= 4 else f"shr.u32 b, b, {2 * pair - 4};"
-    return f"""{{
-.reg .b32 a, b, u, t, m, c;
-mov.b32 a, {{$1, 0}};
-mov.b32 b, {{$2, 0}};
-shr.u32 a, a, {4 * nib};
-{qh_shift}
-and.b32 b, b, 0x30303030;
-lop3.b32 u, a, 0x0F0F0F0F, b, 0xEA;
-prmt.b32 t, u, 0, 0x4140;
-mov.b32 m, 0x43004300;
-mov.b32 c, 0x43204320;
-or.b32 t, t, m;
-sub.rn.bf16x2 $0, t, c;
-}}"""
+def _six_bit_asm(nib: int, pair: int, pack: int) -> str:
+    # u = nibble `nib` of each ql byte | bit pair `pair` of its qh byte << 4, in [0, 64), byte by byte (one lop3
+    # for `pack` bytes); each u byte under a 0x43 byte is the bf16 128 + u; minus 160 (0x4320) gives u - 32.
+    # Inputs: `pack` bytes of ql and of qh; outputs: pack / 2 registers of two values.
+    words = pack // 2
+    a, b = ("a", "b") if pack == 2 else ("$2", "$3")
+    lines = [".reg .b32 a, b, u, m, c, " + ", ".join(f"t{i}" for i in range(words)) + ";"]
+    if pack == 2:
+        lines += ["mov.b32 a, {$1, 0};", "mov.b32 b, {$2, 0};"]
+    if nib:
+        lines.append(f"shr.u32 a, {a}, 4;")
+        a = "a"
+    if pair != 2:
+        lines.append(f"shl.b32 b, {b}, {4 - 2 * pair};" if pair < 2 else f"shr.u32 b, {b}, {2 * pair - 4};")
+        b = "b"
+    lines += [f"and.b32 b, {b}, 0x30303030;", f"lop3.b32 u, {a}, 0x0F0F0F0F, b, 0xEA;", "mov.b32 c, 0x43204320;"]
+    if pack == 2:   # the 0x43 bytes by an or, which takes them as an immediate (a prmt needs them in a register)
+        lines += ["prmt.b32 t0, u, 0, 0x4140;", "or.b32 t0, t0, 0x43004300;", "sub.rn.bf16x2 $0, t0, c;"]
+    else:           # one register of 0x43 bytes serves both prmts
+        lines.append("mov.b32 m, 0x43434343;")
+        for i in range(words):
+            lines += [f"prmt.b32 t{i}, u, m, {0x4140 + 0x202 * i:#06x};", f"sub.rn.bf16x2 ${i}, t{i}, c;"]
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
-_SIX_BIT_ASMS = tl.constexpr(tuple(_six_bit_asm(n, p) for n in range(2) for p in range(4)))
+_SIX_BIT_ASMS = tl.constexpr(tuple(_six_bit_asm(n, p, pack) for pack in (2, 4) for n in range(2) for p in range(4)))
+"""Indexed [8 * (PACK == 4) + 4 * NIB + PAIR]."""
+_SIX_BIT_CONSTRAINTS = tl.constexpr(("=r,h,h", "=r,=r,r,r"))
 
 
 @triton.jit
-def six_bit_to(ql, qh, NIB: tl.constexpr, PAIR: tl.constexpr, dtype: tl.constexpr):
+def six_bit_to(ql, qh, NIB: tl.constexpr, PAIR: tl.constexpr, dtype: tl.constexpr, PACK: tl.constexpr = 2):
     """Q6_K's signed 6-bit values ``(nibble NIB of ql) | (bit pair PAIR of qh) << 4) - 32`` as ``dtype``
-    (exact); ql, qh uint8 tiles of one shape."""
+    (exact); ql, qh uint8 tiles of one shape. PACK (2 or 4): bytes of each a bf16 bit trick takes at once on
+    the GPU, as :func:`nibbles_to`'s (the same values either way)."""
     if _INTERPRET_C or dtype != tl.bfloat16:
         u = ((ql.to(tl.int32) >> (4 * NIB)) & 15) | (((qh.to(tl.int32) >> (2 * PAIR)) & 3) << 4)
         out = cast((u - 32).to(tl.float32), dtype)
     else:
-        out = tl.inline_asm_elementwise(_SIX_BIT_ASMS[4 * NIB + PAIR], "=r,h,h", [ql, qh], dtype=tl.bfloat16,
-                                        is_pure=True, pack=2)
+        four: tl.constexpr = PACK == 4
+        out = tl.inline_asm_elementwise(_SIX_BIT_ASMS[8 * four + 4 * NIB + PAIR], _SIX_BIT_CONSTRAINTS[four],
+                                        [ql, qh], dtype=tl.bfloat16, is_pure=True, pack=PACK)
     return out
 
 

@@ -376,8 +376,8 @@ def test_gathered_loads_equal_tritons_own(dtype):
 def test_packed_asm_gives_the_interpreters_values():
     """The GPU's packed bit tricks (PTX strings the interpreter never runs), emulated instruction by
     instruction: each gives the value the interpreter's formula gives, for every byte in every lane (int8,
-    nibbles and signed nibbles exhaustively; Q5_K's five bits and Q6_K's six bits on random byte pairs at
-    every bit position). Control: an asm with a wrong shift is caught."""
+    nibbles and signed nibbles exhaustively; Q5_K's five bits and Q6_K's six bits (two and four bytes a call) on
+    random bytes at every bit position). Controls: asms with a wrong shift are caught."""
     import numpy as np
 
     from ds4t import backend as B
@@ -412,9 +412,18 @@ def test_packed_asm_gives_the_interpreters_values():
     for bit in range(7):
         assert five_bits_ok(B._FIVE_BITS_ASMS.value[bit], bit), bit
     assert not five_bits_ok(B._five_bits_asm(3), 2)   # control: the asm of another bit position
-    for nib in range(2):
-        for pair in range(4):
-            for q0, q1, h0, h1 in rng.integers(0, 256, (100, 4)).tolist():
-                out = run(B._SIX_BIT_ASMS.value[4 * nib + pair], {1: q0 | (q1 << 8), 2: h0 | (h1 << 8)})
-                assert list(lanes(out["$0"])) == [(((q >> (4 * nib)) & 15) | (((h >> (2 * pair)) & 3) << 4)) - 32
-                                                  for q, h in ((q0, h0), (q1, h1))]
+    def six_bits_ok(asm, nib, pair, pack, n=100):
+        for row in rng.integers(0, 256, (n, 2 * pack)).tolist():
+            qs, hs = row[:pack], row[pack:]
+            word = lambda bs: sum(b << (8 * i) for i, b in enumerate(bs))   # noqa: E731
+            out = run(asm, {1: word(qs), 2: word(hs)} if pack == 2 else {2: word(qs), 3: word(hs)})
+            got = [v for i in range(pack // 2) for v in lanes(out[f"${i}"])]
+            if got != [(((q >> (4 * nib)) & 15) | (((h >> (2 * pair)) & 3) << 4)) - 32 for q, h in zip(qs, hs)]:
+                return False
+        return True
+
+    for pack in (2, 4):   # six_bit_to (Q6_K), two and four bytes of each input a call
+        for nib in range(2):
+            for pair in range(4):
+                assert six_bits_ok(B._SIX_BIT_ASMS.value[8 * (pack == 4) + 4 * nib + pair], nib, pair, pack)
+        assert not six_bits_ok(B._six_bit_asm(0, 1, pack), 0, 0, pack)   # control: another bit pair

@@ -189,7 +189,7 @@ def _q4_x_step(acc, w_row, x_row, k, ADT: tl.constexpr, G: tl.constexpr, KW: tl.
 
 
 @triton.jit
-def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
+def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr, NP: tl.constexpr = 2):
     """acc + the Q6_K 256-block at column k. Planes: ql [KW / 2] @0, qh [KW / 4] @KW / 2, sc int8
     [KW / 16] @3 KW / 4, d fp16 [KW / 256] after. Element e of half hf of a block: low 4 bits in ql byte
     64 hf + e % 64 (nibble e // 64), high 2 in qh byte 32 hf + e % 32 (bits 2 (e // 32)): sub-block
@@ -211,7 +211,7 @@ def _q6_k_step(acc, w_row, x_row, k, ADT: tl.constexpr, KW: tl.constexpr):
             hi = _pick(i % 2, qh0, qh1, qh0, qh1)
             sw = _pick(i // 4, sw0, sw1, sw0, sw1)
             sc = ((((sw >> (8 * (i % 4))) & 255) ^ 128) - 128).to(tl.float32)   # the int8 scale
-            acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT),
+            acc = _scaled_dot(acc, six_bit_to(lo, hi, i // 4, i // 2, ADT, NP),
                               _x_tile(x_row, k + 128 * hf + 16 * i, 16, ADT), d * sc)
     return acc
 
@@ -384,7 +384,7 @@ def _q5_k_fold(acc, w_row, x_row, k, KW: tl.constexpr, PLANE: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
+def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr, NP: tl.constexpr = 2):
     """Fold route, Q6_K: the 256-block at k in eight MMAs of 32 columns (two 16-column sub-blocks each).
     Half hf, quarter t: ql bytes 64 hf + 32 (t % 2) .. + 32, nibble t // 2; qh bytes 32 hf .. + 32, bit
     pair t; columns 128 hf + 32 t .. + 32; sub-blocks 8 hf + 2 t, + 1."""
@@ -399,7 +399,7 @@ def _q6_k_fold(acc, w_row, x_row, k, KW: tl.constexpr):
             ql = qa if t % 2 == 0 else qb
             sc = tl.load(scp[:, None] + (8 * hf + 2 * t + tl.arange(0, 2))[None, :]).to(tl.float32)
             s = _spread(sc * d[:, None], 16)
-            acc = _fold_dot(acc, six_bit_to(ql, qh, t // 2, t, tl.bfloat16), s, tl.zeros_like(s),
+            acc = _fold_dot(acc, six_bit_to(ql, qh, t // 2, t, tl.bfloat16, NP), s, tl.zeros_like(s),
                             _x_tile(x_row, k + 128 * hf + 32 * t, 32, tl.bfloat16))
     return acc
 
@@ -423,7 +423,7 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
         elif FMT == 4 or FMT == 5:
             acc = _q5_k_fold(acc, w_row, x_row, k, KW, FMT == 5)
         else:
-            acc = _q6_k_fold(acc, w_row, x_row, k, KW)
+            acc = _q6_k_fold(acc, w_row, x_row, k, KW, NP)
     elif FMT == 0:
         acc = _q8_0_step(acc, w_row, x_row, k, ADT, G, KW)
     elif FMT == 6 or FMT == 7:
@@ -431,7 +431,7 @@ def _q_step(acc, w_row, x_row, k, FMT: tl.constexpr, ADT: tl.constexpr, G: tl.co
     elif FMT == 1 or FMT == 4:
         acc = _q4_k_step(acc, w_row, x_row, k, ADT, KW, QH)
     else:
-        acc = _q6_k_step(acc, w_row, x_row, k, ADT, KW)
+        acc = _q6_k_step(acc, w_row, x_row, k, ADT, KW, NP)
     return acc
 
 
@@ -547,7 +547,8 @@ def _store_tile(acc, b_ptr, y_ptr, pid_s, stride_ys, stride_ym, rm, rn, B, N: tl
 
 
 def nibble_pack(num_warps: int, rows: int) -> int:
-    """Quant bytes a nibble bit trick takes at once (:func:`ds4t.backend.nibbles_to`'s PACK) in a program of
+    """Quant bytes a nibble or six-bit trick takes at once (:func:`ds4t.backend.nibbles_to`'s and ``six_bit_to``'s
+    PACK) in a program of
     ``num_warps`` warps over ``rows`` weight rows: 2 at the tiles Triton gives Hopper's wgmma (warpgroups of 4
     warps, 64 rows each), whose operand layout hands a thread its bytes in pairs; else 4 (mma.sync tiles: four
     consecutive bytes in one register). A launch constant like the tile itself (never from B), and the same
