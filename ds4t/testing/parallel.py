@@ -136,11 +136,13 @@ def tp_config_logits(cfg: dict, prompt: Sequence[int], steps: int, dtype=None) -
 
 
 def tp_native_exact(preset: str, sessions: int = 3, steps: int = 3, seed: int = 0, mode: str = "native",
-                    **options) -> Dict[str, object]:
-    """:func:`ds4t.testing.assert_native_exact` (with its negative controls) on this rank's shard."""
+                    negative_control: bool = True, **options) -> Dict[str, object]:
+    """:func:`ds4t.testing.assert_native_exact` (with its negative controls unless told not to: they rerun the
+    scenario twice) on this rank's shard."""
     from ds4t.testing import assert_native_exact
 
-    rep = assert_native_exact(tp_model(preset, **options), mode=mode, sessions=sessions, steps=steps, seed=seed)
+    rep = assert_native_exact(tp_model(preset, **options), mode=mode, sessions=sessions, steps=steps, seed=seed,
+                              negative_control=negative_control)
     return {"rows": rep.rows, "states": rep.states, "paths": dict(rep.paths), "native_batches": rep.native_batches}
 
 
