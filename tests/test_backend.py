@@ -383,6 +383,9 @@ def test_packed_asm_gives_the_interpreters_values():
     from ds4t import backend as B
     from tests.ptx_emulator import lanes, run
 
+    def packed(bs):   # bytes, lowest first, as one register
+        return sum(b << (8 * i) for i, b in enumerate(bs))
+
     for b0 in range(256):   # int8_to: four bytes -> four values
         word = b0 | (((b0 * 7) & 255) << 8) | (((b0 * 13) & 255) << 16) | (((b0 * 29) & 255) << 24)
         out = run(B._INT8_BF16_ASM.value, {2: word})
@@ -395,7 +398,7 @@ def test_packed_asm_gives_the_interpreters_values():
             out = run(two, {2: bs[0] | (bs[1] << 8)})
             assert list(lanes(out["$0"])) == [(b & 15) - off for b in bs[:2]]
             assert list(lanes(out["$1"])) == [(b >> 4) - off for b in bs[:2]]
-            out = run(four, {4: sum(b << (8 * i) for i, b in enumerate(bs))})
+            out = run(four, {4: packed(bs)})
             assert [*lanes(out["$0"]), *lanes(out["$1"])] == [(b & 15) - off for b in bs]
             assert [*lanes(out["$2"]), *lanes(out["$3"])] == [(b >> 4) - off for b in bs]
     rng = np.random.default_rng(0)
@@ -415,8 +418,7 @@ def test_packed_asm_gives_the_interpreters_values():
     def six_bits_ok(asm, nib, pair, pack, n=100):
         for row in rng.integers(0, 256, (n, 2 * pack)).tolist():
             qs, hs = row[:pack], row[pack:]
-            word = lambda bs: sum(b << (8 * i) for i, b in enumerate(bs))   # noqa: E731
-            out = run(asm, {1: word(qs), 2: word(hs)} if pack == 2 else {2: word(qs), 3: word(hs)})
+            out = run(asm, {1: packed(qs), 2: packed(hs)} if pack == 2 else {2: packed(qs), 3: packed(hs)})
             got = [v for i in range(pack // 2) for v in lanes(out[f"${i}"])]
             if got != [(((q >> (4 * nib)) & 15) | (((h >> (2 * pair)) & 3) << 4)) - 32 for q, h in zip(qs, hs)]:
                 return False

@@ -544,13 +544,12 @@ class GGUFSource(TensorSource):
 
             a, b = self._blocks_of(r.gnames[0]), self._blocks_of(r.gnames[1])
             w = weights.cat([a, b])[self._qkvz_rows(a.shape[0], b.shape[0])]
-            kinds = [a.qtype, b.qtype] if a.qtype != b.qtype else [a.qtype]
         else:
             w = self._blocks_of(r.gnames[0])
             if r.transform == "permute":
                 rows = torch.arange(logical[0])[:, None]
                 w = w[unpermute_rows(rows, self._heads[name])[:, 0]]
-        for kind in (kinds if r.kind == "qkvz" else [w.qtype]):
+        for kind in kinds:   # the file types it holds (a qkvz of two types counts under each)
             self.kept[kind] += 1
         return w.to(device).contiguous()
 
