@@ -4,7 +4,10 @@ The Triton interpreter (the CPU path) runs kernels as Python and accepts code th
 rejects. This tool closes that gap without a GPU:
   1. record: run the workload in the interpreter with the GPU's launcher paths (the
      interpreter-only fast paths switched off) and note every launch: kernel, argument dtypes,
-     constexpr values, warps and stages;
+     constexpr values, warps and stages. The launches are noted, not run (``--execute`` runs them):
+     on the GPU's launcher paths no launch depends on a kernel's output -- the host never reads the
+     device mid-step (tests/batch/test_no_host_sync.py) -- so the host code makes the same launches
+     over unwritten outputs. Measured: the same 365 records in the same order, 1.8 s instead of 73 s;
   2. compile: in a child process with ``TRITON_INTERPRET=0`` (the kernels then take their GPU
      branches, e.g. ``tl.dot``), compile each distinct launch to a cubin for an sm_90 (H100 /
      H200) target with Triton's own compiler and ptxas.
@@ -225,11 +228,11 @@ def record_gguf_tables() -> None:
                               act_dtype=torch.bfloat16)
 
 
-def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False) -> list:
+def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False, execute: bool = False) -> list:
     """Distinct launches of a decode step, mixed prefill + decode steps (short runs, and long runs that fold their
     attention splits), (``fp8``) the FP8-weight
     launches of :func:`record_fp8` and (``checks``) every registered kernel self-check, with the
-    GPU's launcher paths."""
+    GPU's launcher paths. ``execute``: run each kernel (the self-checks need it; see the module docstring)."""
     import ds4t
 
     if not ds4t.backend.INTERPRET:
@@ -251,7 +254,8 @@ def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False) -
         if key not in seen:
             seen.add(key)
             out.append(rec)
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interp.InterpretedFunction.run = run
     try:
@@ -444,6 +448,8 @@ def main():
     ap.add_argument("--gguf-tables", action="store_true",
                     help="also the GGUF decode linear's GPU table entries at their own K (for --sass _qlinear)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
+    ap.add_argument("--execute", action="store_true",
+                    help="run each kernel while recording (the default notes launches without running them)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sass", default="", help="print the SASS instruction mix of kernels whose name contains this")
     ap.add_argument("--triton", default="",
@@ -462,6 +468,7 @@ def main():
         print(json.dumps(results))
         return 0
     records = record([p for p in args.presets.split(",") if p], args.checks, fp8=not args.no_fp8,
+                     execute=args.execute or args.checks,
                      gguf_tables=args.gguf_tables)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(records, f)

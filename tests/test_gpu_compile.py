@@ -36,6 +36,22 @@ def test_model_kernels_compile_for_the_gpu():
     assert launches > 50, p.stdout[-500:]
 
 
+@pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="records launches in the interpreter")
+def test_launches_noted_without_running_are_the_launches_a_run_makes():
+    """compile_check notes launches without running them (the GPU's launcher paths never read a kernel's output
+    on the host): a MoE family's decode and mixed steps, run and not run, give the same records in the same order."""
+    code = """
+import json, sys
+sys.path.insert(0, "bench")
+import compile_check as cc
+print(json.dumps([cc.record(["tiny-qwen"], False, fp8=False, execute=ex) for ex in (False, True)]))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    dry, run = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(dry) > 30 and dry == run
+
+
 def test_a_kernel_only_the_interpreter_accepts_is_caught(tmp_path):
     from tests.gpu_compile_bad import _loop_with_break_kernel
 

@@ -207,6 +207,9 @@ def quantize(w: torch.Tensor, block: Tuple[int, int] = (128, 128)) -> FP8Weight:
     bn, bk = block
     N, K = w.shape[-2:]
     nb, kb = math.ceil(N / bn), math.ceil(K / bk)
+    if w.device.type == "meta":   # shapes only (memory plans of full-depth models): nothing to compute
+        return FP8Weight(torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"),
+                         torch.empty(*w.shape[:-1], kb, dtype=torch.float32, device="meta"), bk)
     wf = w.float()
     pad = torch.zeros(*w.shape[:-2], nb * bn, kb * bk, dtype=torch.float32, device=w.device)
     pad[..., :N, :K] = wf

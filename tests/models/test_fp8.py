@@ -1,6 +1,5 @@
 """Block-FP8 checkpoints in the published layout: loaded as FP8 (never dequantized, never silently wrong),
 HF transformers on the dequantized weights as the oracle, native == ordered and prefill-chunk invariance."""
-import os
 
 import pytest
 import torch
@@ -115,6 +114,16 @@ def test_quantize_at_load_matches_the_published_layout(qwen_float, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
     with pytest.raises(ValueError, match="quantize must be None, 'fp8'"):
         ds4t.load("tiny-qwen", quantize="int4")
+
+
+def test_quantize_at_load_on_meta_has_the_cpus_shapes():
+    """On 'meta' (memory plans) quantize computes nothing but gives every weight the shapes, dtypes and block the
+    CPU's quantization gives it (dims that 128 does not divide included)."""
+    shapes = lambda m: {k: (tuple(v.shape), v.dtype) for k, v in m.parameters().items()}  # noqa: E731
+    cpu, meta = (ds4t.load("tiny-deepseek", quantize="fp8", device=d) for d in ("cpu", "meta"))
+    assert shapes(meta) == shapes(cpu)
+    fp8 = [w for w in vars(cpu.layers[1].ffn).values() if isinstance(w, FP8Weight)]
+    assert fp8 and all(w.block_k == 128 for w in fp8)
 
 
 # -- running: the HF oracle on the dequantized weights, exactness ------------------------------------
