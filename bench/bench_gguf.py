@@ -104,12 +104,19 @@ def correctness(dev, log) -> bool:
         if qt in K_HEADER:   # the scale plane: the header route's bits (bf16 activations, fold route)
             bf = torch.bfloat16
             x = torch.randn(16, K, generator=g).to(dev)
-            same = torch.equal(L.linear(x, w.with_scale_plane(), act_dtype=bf), L.linear(x, w, act_dtype=bf))
+            base, plane = (L.linear(x, t, act_dtype=bf) for t in (w, w.with_scale_plane()))
+            # bitwise, but where the linear's tile has fewer than 64 weight rows on a GPU (mma.sync): there the
+            # two routes' operands differ in kWidth and the fp32 sums round in another K order, each fixed per
+            # config (tests/kernels/test_quant_blocks.py::test_scale_plane_changes_no_bit, the same bound)
+            mma_sync = torch.device(dev).type == "cuda" and qlinear_config(K, N, qt, bf).block_n < 64
+            same = bool((plane - base).abs().max() <= 4e-6 * base.abs().max()) if mma_sync \
+                else torch.equal(plane, base)
             o = M.moe_experts(h, ids, wts, *ws, shared_expert=E - 1, act_dtype=bf)
             op = M.moe_experts(h, ids, wts, *(t.with_scale_plane() for t in ws), shared_expert=E - 1, act_dtype=bf)
             same_moe = torch.equal(o, op)
             ok &= same and same_moe
-            log(f"| scale plane == header, linear / moe | {qt} | bfloat16 | - | {same} / {same_moe} | "
+            how = "linear within 4e-6 (mma.sync tile)" if mma_sync else "linear bitwise"
+            log(f"| scale plane == header ({how}) / moe bitwise | {qt} | bfloat16 | - | {same} / {same_moe} | "
                 f"{same and same_moe} |")
     return ok
 

@@ -83,11 +83,13 @@ def test_the_files_blocks_through_the_block_kernels():
     names = [n for n in source.keys() if n.startswith("model.layers.0.")
              and n.endswith("proj.weight")]
     kinds = set()
+    dev = ds4t.backend.default_device()
     for name in names:
         w = source.blocks(name)
         assert isinstance(w, GGUFWeight), name
         kinds.add(w.qtype)
-        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(len(name)))
+        w = w.to(dev)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(len(name))).to(dev)
         for adt in (torch.float32, torch.bfloat16):
             wa = w.with_act_dtype(adt)
             y = linear(x, wa)
