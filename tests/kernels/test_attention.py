@@ -452,6 +452,13 @@ if INTERPRET:   # every pair of the three factors once (6 of the 12 cases; ~8-18
                     ("bfloat16", "cache", "interior-peel"), ("float32", "split", "interior-peel")]
 
 
+_SHORTEST = (True, 8) if not INTERPRET else (8,)
+"""same_slot_runs hints: True (runs of unknown length: no run fuses, the runs kernel's split programs) and the
+shortest run's 8 rows (the long runs fuse). In the interpreter the fused launches only: the unfused runs kernel's
+bits are test_same_slot_runs_give_the_split_kernels_bits's (interior tiles, the interpreter's table) and
+test_fused_runs_are_chosen_run_by_run_with_the_runs_table's control."""
+
+
 @pytest.mark.parametrize("dtype_name,products,path", _FUSED_CASES)
 def test_fused_runs_give_the_split_kernels_bits(device, dtype_name, products, path, monkeypatch):
     """``run_fuse_rows``: when the launch's shortest run (``same_slot_runs=n``) has at least that many rows, a
@@ -460,7 +467,7 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype_name, products, pa
     keeps the split kernel's bits -- runs crossing split-size thresholds (16 -> 32 -> 64), up to 5 splits a
     row, rows of length 0 and rows of one split inside fused runs, decode rows of other slots beside them,
     gated too -- and the merge kernel leaves the fused rows alone (NaN outputs would show otherwise). A launch
-    whose shortest run is below the threshold (``True``: 1) does not fuse. ``run_interior``: the tiles inside
+    whose shortest run is below the threshold (``True``: 1) does not fuse (on a GPU; see ``_SHORTEST``). ``run_interior``: the tiles inside
     every row's range of a group folded without masks, the same bits; ``run_peel``: a fused program's split 0
     run before its split loop, the same bits. Control: the same fused launch under another split schedule
     differs."""
@@ -492,13 +499,13 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype_name, products, pa
         # the shortest run of more than one row has 8 rows; True: runs of unknown length
         cfg = dataclasses.replace(base, run_rows=4, run_fuse_rows=8, run_interior=interior, run_peel=peel)
         with A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
-            for shortest in (True, 8):
+            for shortest in _SHORTEST:
                 kw = dict(split_size=sched, same_slot_runs=shortest, products=products)
                 got[shortest] = (_run(q, kc, vc, slots, lengths, 0.2, **kw),
                                  decode_attention(q, kc, vc, slots, lengths, 0.2, gate=gate, **kw))
             other = _run(q, kc, vc, slots, lengths, 0.2, **{**kw, "split_size": 32})
     assert [(k["FUSE"], k["INTERIOR"], k["PEEL"]) for k in spy.kwargs] == \
-        [(False, interior, False)] * 2 + [(True, interior, peel)] * 3
+        [(False, interior, False)] * 2 * (True in _SHORTEST) + [(True, interior, peel)] * 3
     for fuse in got:
         assert not torch.isnan(got[fuse][0]).any()
         assert torch.equal(got[fuse][0], split) and torch.equal(got[fuse][1], split_gated), fuse
