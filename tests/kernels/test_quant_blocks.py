@@ -256,8 +256,8 @@ def test_scale_plane_changes_no_bit(qtype, cfg):
     operations); fp32 activations take the exact route, which reads the header. Control: a plane whose
     values differ from the header's is what the kernel reads on the fold route (and only there).
 
-    Except on the GPU at tiles of fewer than 64 weight rows (mma.sync, not wgmma, on sm_90): there Triton 3.6
-    lays the header route's weight operand out with kWidth 8 (its values come from 8-bit loads) and the
+    Except on the GPU at mma.sync tiles (fewer than 64 weight rows, or not whole warpgroups; wgmma needs both on
+    sm_90): there Triton 3.6 lays the header route's weight operand out with kWidth 8 (its values come from 8-bit loads) and the
     plane route's with kWidth 4, which assigns the K columns to the m16n8k16 instructions in another order,
     so the fp32 sums round differently (measured on an H100: up to 2.3e-5 on outputs up to ~50; both
     fixed per launch config, never per batch). There the two must agree to fp32 summation-order tolerance."""
@@ -269,7 +269,7 @@ def test_scale_plane_changes_no_bit(qtype, cfg):
         base = linear(x, w, b, config=cfg, act_dtype=adt, out=poisoned((B, N), device=DEV))
         plane = linear(x, wp, b, config=cfg, act_dtype=adt, out=poisoned((B, N), device=DEV))
         assert not torch.isnan(plane).any()
-        if INTERPRET or adt == torch.float32 or cfg.block_n >= 64:
+        if INTERPRET or adt == torch.float32 or (cfg.block_n >= 64 and cfg.num_warps % 4 == 0):   # wgmma tiles
             assert torch.equal(base, plane)
         else:
             assert (plane - base).abs().max() <= 4e-6 * base.abs().max()
