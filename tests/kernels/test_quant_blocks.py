@@ -257,9 +257,9 @@ def test_scale_plane_changes_no_bit(qtype, cfg):
     values differ from the header's is what the kernel reads on the fold route (and only there).
 
     Except on the GPU at mma.sync tiles (fewer than 64 weight rows, or not whole warpgroups; wgmma needs both on
-    sm_90): there Triton 3.6 lays the header route's weight operand out with kWidth 8 (its values come from 8-bit loads) and the
-    plane route's with kWidth 4, which assigns the K columns to the m16n8k16 instructions in another order,
-    so the fp32 sums round differently (measured on an H100: up to 2.3e-5 on outputs up to ~50; both
+    sm_90): there Triton 3.6 lays the header route's weight operand out with kWidth 8 (its values come from
+    8-bit loads) and the plane route's with kWidth 4, which assigns the K columns to the m16n8k16 instructions in
+    another order, so the fp32 sums round differently (measured on an H100: up to 2.3e-5 on outputs up to ~50; both
     fixed per launch config, never per batch). There the two must agree to fp32 summation-order tolerance."""
     K, N, B = 768, 50, 5
     w = random_blocks((N, K), qtype, seed=21)
