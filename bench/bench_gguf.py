@@ -50,7 +50,8 @@ from bench.bench_decode import copy_bandwidth  # noqa: E402
 from bench.report import Report  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
-from ds4t.kernels.qlinear import QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, qlinear_config  # noqa: E402
+from ds4t.kernels.qlinear import (QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, nibble_pack,  # noqa: E402
+                                   qlinear_config)
 from ds4t.kernels.config import overridden  # noqa: E402
 from ds4t.kernels.qmoe import QMOE_CONFIGS, QMoEConfig  # noqa: E402
 from ds4t.kernels.quant_blocks import K_HEADER, QTYPES, GGUFWeight, block_format, fold_weights, quantize  # noqa: E402
@@ -108,8 +109,8 @@ def correctness(dev, log) -> bool:
             # bitwise, but where the linear's tile has fewer than 64 weight rows on a GPU (mma.sync): there the
             # two routes' operands differ in kWidth and the fp32 sums round in another K order, each fixed per
             # config (tests/kernels/test_quant_blocks.py::test_scale_plane_changes_no_bit, the same bound)
-            cfg = qlinear_config(K, N, qt, bf)   # wgmma: >= 64 rows on whole warpgroups; else mma.sync
-            mma_sync = torch.device(dev).type == "cuda" and not (cfg.block_n >= 64 and cfg.num_warps % 4 == 0)
+            cfg = qlinear_config(K, N, qt, bf)   # nibble_pack: 2 at wgmma tiles, 4 at mma.sync ones
+            mma_sync = torch.device(dev).type == "cuda" and nibble_pack(cfg.num_warps, cfg.block_n) == 4
             same = bool((plane - base).abs().max() <= 4e-6 * base.abs().max()) if mma_sync \
                 else torch.equal(plane, base)
             o = M.moe_experts(h, ids, wts, *ws, shared_expert=E - 1, act_dtype=bf)

@@ -467,10 +467,10 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype_name, products, pa
     keeps the split kernel's bits -- runs crossing split-size thresholds (16 -> 32 -> 64), up to 5 splits a
     row, rows of length 0 and rows of one split inside fused runs, decode rows of other slots beside them,
     gated too -- and the merge kernel leaves the fused rows alone (NaN outputs would show otherwise). A launch
-    whose shortest run is below the threshold (``True``: 1) does not fuse (on a GPU; see ``_SHORTEST``). ``run_interior``: the tiles inside
-    every row's range of a group folded without masks, the same bits; ``run_peel``: a fused program's split 0
-    run before its split loop, the same bits. Control: the same fused launch under another split schedule
-    differs."""
+    whose shortest run is below the threshold (``True``: 1) does not fuse (on a GPU; see ``_SHORTEST``).
+    ``run_interior``: the tiles inside every row's range of a group folded without masks, the same bits;
+    ``run_peel``: a fused program's split 0 run before its split loop, the same bits. Control: the same fused
+    launch under another split schedule differs."""
     import dataclasses
 
     dtype = getattr(torch, dtype_name)

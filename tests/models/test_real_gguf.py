@@ -190,13 +190,13 @@ def test_real_text_native_equals_ordered_and_matches_transformers(smol, hf):
     from ds4t.batch.engine import run_segments
 
     gens = [_hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
-    chunks = [[]] * len(prompts)
+    chunks = [res.logits[:0]] * len(prompts)    # GREEDY_TOKENS == 1: the first logits are all there is
     if GREEDY_TOKENS > 1:
         rows = run_segments(smol, [(s, g[:-1]) for s, g in zip(sessions(states), gens)], all_logits=True)
         chunks = rows.split([len(g) - 1 for g in gens])
     texts = []
     for i, (p, gen) in enumerate(zip(prompts, gens)):
-        got = torch.cat([res.logits[i:i + 1], *chunks[i:i + 1]])          # [GREEDY_TOKENS, vocab]
+        got = torch.cat([res.logits[i:i + 1], chunks[i]])          # [GREEDY_TOKENS, vocab]
         assert got.argmax(dim=1).tolist() == gen, f"session {i}: greedy tokens differ from transformers"
         for step in range(min(DECODE_STEPS, len(gen) - 1)):
             assert torch.equal(got[step + 1], native_rows[step][i]), f"session {i}: chunk row {step} != decode step"
