@@ -521,6 +521,8 @@ def quantize_blocks(w: torch.Tensor, qtype: str) -> torch.Tensor:
     K = w.shape[-1]
     if not fits(qtype, K):
         raise ValueError(f"{qtype}: K={K} is not a multiple of its block ({f.qk})")
+    if w.device.type == "meta":   # shapes only (memory plans of full-depth models): nothing to compute
+        return torch.empty(*w.shape[:-1], K // f.qk * f.bpb, dtype=torch.uint8, device="meta")
     blocks = w.detach().reshape(-1, f.qk)
     step = max(1, _CHUNK // f.qk)
     out = torch.cat([_QUANTIZERS[qtype](blocks[i:i + step].float()) for i in range(0, blocks.shape[0], step)])

@@ -120,6 +120,17 @@ def test_weight_type_rows_experts_and_errors():
         linear_heads(torch.randn(2, 2, 256), weights.stack([w[0][:3], w[0][3:]]))
 
 
+@pytest.mark.parametrize("act", [None, torch.bfloat16])
+def test_quantize_on_meta_has_the_cpus_layout(act):
+    """On 'meta' (memory plans of full-depth models) quantize computes nothing but gives each type the data shape
+    and layout (scale plane included) the CPU's quantization gives."""
+    for qtype in QTYPES:
+        cpu = quantize(torch.randn(3, 5, 512), qtype, act_dtype=act)
+        meta = quantize(torch.empty(3, 5, 512, device="meta"), qtype, act_dtype=act)
+        assert meta.data.is_meta and meta.data.dtype == cpu.data.dtype == torch.uint8
+        assert (meta.shape, meta.data.shape, meta.scale_plane) == (cpu.shape, cpu.data.shape, cpu.scale_plane)
+
+
 # ----------------------------------------------------------------------------- the repacked layout
 
 def _mixed_parts(K=256, act=torch.bfloat16):
