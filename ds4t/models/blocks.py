@@ -233,13 +233,37 @@ def local_expert_ids(ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return torch.where((ids >= lo) & (ids < hi), ids - lo, torch.full_like(ids, -1))
 
 
-def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down_proj")):
+def stack_experts(get, prefix: str, n: int, names=("gate_proj", "up_proj", "down_proj"), tails=None):
     """Stack per-expert HF weights ``{prefix}.{i}.{name}.weight`` into [E, ...] tensors: all n experts, or
     under tensor parallel only this rank's ``get.expert_range(n)`` (the others are never read; the
-    MoEWeights built from them carries that range as its ``expert_range``)."""
+    MoEWeights built from them carries that range as its ``expert_range``). ``tails``: a tensor per name
+    that the reader may stack after the experts (``WeightReader.stack``'s ``tail``)."""
     lo, hi = get.expert_range(n) or (0, n)
     get.skip((n - (hi - lo)) * len(names))
-    return [get.stack([f"{prefix}.{i}.{nm}.weight" for i in range(lo, hi)]) for nm in names]
+    return [get.stack([f"{prefix}.{i}.{nm}.weight" for i in range(lo, hi)], tail=t)
+            for nm, t in zip(names, tails or (None,) * len(names))]
+
+
+def moe_weights(get, prefix: str, n: int, shared_gate_up: Optional[Weight] = None,
+                shared_down: Optional[Weight] = None, **fields) -> MoEWeights:
+    """The :class:`MoEWeights` of the ``n`` routed experts ``{prefix}.{i}.{gate,up,down}_proj.weight`` (this
+    rank's range under expert parallel) with ``fields`` (router, ...) and a shared expert (gate | up
+    [2 Is, D], down [D, Is]; None: none), fused in as expert E wherever :func:`fuse_shared_expert` fuses it.
+    Float experts take the shared one into their stacks as they are read: loading a layer needs no second
+    copy of its experts (the reader fills each stack in place)."""
+    tails = None
+    if isinstance(shared_gate_up, torch.Tensor) and isinstance(shared_down, torch.Tensor):
+        i = shared_gate_up.shape[0] // 2
+        tails = (shared_gate_up[:i], shared_gate_up[i:], shared_down)
+    stacks = dict(zip(("w_gate", "w_up", "w_down"), stack_experts(get, prefix, n, tails=tails)))
+    rng = get.expert_range(n)
+    e = (rng[1] - rng[0]) if rng else n
+    held = {k: v.shape[0] == e + 1 for k, v in stacks.items()}
+    if all(held.values()):
+        return MoEWeights(**stacks, shared_index=e, expert_range=rng, **fields)
+    stacks = {k: v[:e] if held[k] else v for k, v in stacks.items()}   # all or none: fuse_shared_expert decides
+    return fuse_shared_expert(MoEWeights(**stacks, shared_gate_up=shared_gate_up, shared_down=shared_down,
+                                         expert_range=rng, **fields))
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -542,15 +566,14 @@ class SigmoidMoEConfig:
         if not self.is_moe(layer):
             return DenseMLP(weights.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]),
                             get(prefix + "down_proj.weight"))
-        wg, wu, wd = stack_experts(get, prefix + "experts", self.num_experts)
-        w = MoEWeights(router=get(prefix + "gate.weight", torch.float32), w_gate=wg, w_up=wu, w_down=wd,
-                       correction_bias=get(prefix + "gate.e_score_correction_bias", torch.float32),
-                       expert_range=get.expert_range(self.num_experts))
-        if self.n_shared_experts:
-            w.shared_gate_up = weights.cat([get(prefix + "shared_experts.gate_proj.weight"),
-                                            get(prefix + "shared_experts.up_proj.weight")])
-            w.shared_down = get(prefix + "shared_experts.down_proj.weight")
-        return fuse_shared_expert(w)
+        shared = {}
+        if self.n_shared_experts:   # read first, so float experts can stack it in place (moe_weights)
+            shared = dict(shared_gate_up=weights.cat([get(prefix + "shared_experts.gate_proj.weight"),
+                                                      get(prefix + "shared_experts.up_proj.weight")]),
+                          shared_down=get(prefix + "shared_experts.down_proj.weight"))
+        return moe_weights(get, prefix + "experts", self.num_experts, **shared,
+                           router=get(prefix + "gate.weight", torch.float32),
+                           correction_bias=get(prefix + "gate.e_score_correction_bias", torch.float32))
 
 
 def ffn(w: FFN, x: torch.Tensor, rc: Optional[RouterConfig]) -> Output:

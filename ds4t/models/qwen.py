@@ -18,9 +18,8 @@ from ds4t.kernels import gdn, ops, weights
 from ds4t.kernels.weights import Weight
 from ds4t.kernels.rope import default_inv_freq
 from ds4t.models.base import CTX, StateSpec, StepBatch
-from ds4t.models.blocks import (AttentionProducts, DenseMLP, Layer, MoEWeights, Output, Projection, RouterConfig,
-                               ffn, fuse_shared_expert, fused_linear, narrow_store,
-                               products_kwargs, runs_hint, stack_experts)
+from ds4t.models.blocks import (AttentionProducts, DenseMLP, Layer, Output, Projection, RouterConfig,
+                               ffn, fused_linear, moe_weights, narrow_store, products_kwargs, runs_hint)
 from ds4t.models.checkpoint import ConfigError, attention_heads, require, rope_params
 from ds4t.models.decoder import DecoderModel, decoder_tensors
 from ds4t.models.mtp import MTPNames, mtp_layers
@@ -252,17 +251,14 @@ class QwenModel(DecoderModel):
                 w_o=get(a + "o_proj.weight"), b_o=b_o)
         m = p + "mlp."
         if c.sparse(i):
-            wg, wu, wd = stack_experts(get, m + "experts", c.num_experts)
             router_w = get(m + "gate.weight")
-            moe_w = MoEWeights(router=router_w, w_gate=wg, w_up=wu, w_down=wd,
-                               expert_range=get.expert_range(c.num_experts))
-            if c.shared_intermediate_size:
-                moe_w.router = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
-                moe_w.shared_gate_up = weights.cat(
-                    [get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight")])
-                moe_w.shared_down = get(m + "shared_expert.down_proj.weight")
-                moe_w.shared_gated = True
-            mlp = fuse_shared_expert(moe_w)
+            shared = {}
+            if c.shared_intermediate_size:   # read first, so float experts can stack it in place (moe_weights)
+                router_w = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
+                shared = dict(shared_gate_up=weights.cat([get(m + "shared_expert.gate_proj.weight"),
+                                                          get(m + "shared_expert.up_proj.weight")]),
+                              shared_down=get(m + "shared_expert.down_proj.weight"), shared_gated=True)
+            mlp = moe_weights(get, m + "experts", c.num_experts, router=router_w, **shared)
         else:
             mlp = DenseMLP(weights.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
                            get(m + "down_proj.weight"))

@@ -249,12 +249,12 @@ def tp_expert_reads(path_or_preset: str, **options) -> Dict[str, object]:
     asked: Dict[str, set] = {}
     real = WeightReader.stack
 
-    def stack(self, names):
+    def stack(self, names, **kw):
         for n in names:
             m = re.match(r"(.*)\.experts\.(\d+)\.", n)
             if m:
                 asked.setdefault(m.group(1), set()).add(int(m.group(2)))
-        return real(self, names)
+        return real(self, names, **kw)
 
     with mock.patch.object(WeightReader, "stack", stack):
         model = ds4t.load(path_or_preset, tp=dist.get_world_size(), **options)
