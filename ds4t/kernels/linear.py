@@ -180,7 +180,7 @@ def _linear_kernel(
     CLAMP_ROWS: tl.constexpr = False,
     HEADS: tl.constexpr = False, SX_H: tl.constexpr = 0, SW_H: tl.constexpr = 0, SY_H: tl.constexpr = 0,
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
-    FP8_ROUTE: tl.constexpr = 0,
+    FP8_ROUTE: tl.constexpr = 0, SCALE_BLOCKS: tl.constexpr = 1,
     FUSED_SUM: tl.constexpr = False, out_ptr=None, stride_om=0, cnt_ptr=None,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
@@ -203,7 +203,9 @@ def _linear_kernel(
     runs over scale blocks of KSTEP = min(SCALE_BK, K rounded up to BLOCK_K) columns; each block's
     dot starts from zero, sums its BLOCK_K sub-tiles in K order in fp32, and is then added to the
     accumulator times that block's per-row scale: ``acc += scale[n, j] * dot_j``. Split-K splits
-    on scale-block boundaries (K_PER_SPLIT is a multiple of KSTEP).
+    on scale-block boundaries (K_PER_SPLIT is a multiple of KSTEP). SCALE_BLOCKS > 1: a loop step takes that
+    many scale blocks, one after the other with the one-block step's operations (so the bits of one-block
+    steps over the same splits); the pipeline then keeps more bytes of each weight row in flight.
 
     FUSED_SUM (split-K only; ``LinearConfig.fused_sum``): y holds the fp32 partials; the program that
     finishes a tile's last split (a ticket from an atomic counter per tile, ``cnt_ptr``) adds the
@@ -271,62 +273,64 @@ def _linear_kernel(
             s_ptr += hid * SS_H
         s_rows = s_ptr + rn_ld * KB                                        # [BN] row starts
         FOLD: tl.constexpr = FP8_ROUTE == 3
-        for kb in range(0, K_PER_SPLIT, KSTEP):
-            j = (k0 + kb) // SCALE_BK
-            if not EVEN_K:
-                j = tl.minimum(j, KB - 1)   # a ragged last split may run past K: its products are 0
-            sc = tl.load(s_rows + j)
-            if SWAP:
-                sc2 = sc[:, None]
-            else:
-                sc2 = sc[None, :]
-            if FOLD:   # the scaled weight meets the accumulator directly: one MMA chain over K
-                p0 = acc0
-                p1 = acc1
-                p2 = acc2
-                p3 = acc3
-            else:
-                p0 = tl.zeros(acc0.shape, dtype=tl.float32)
-                p1 = p0
-                p2 = p0
-                p3 = p0
-            for ks in tl.static_range(0, KSTEP, BLOCK_K):
-                if EVEN_K:
-                    k_ok = None
-                    wt = _load_w(w_ptrs, EVICT)
+        for kb0 in range(0, K_PER_SPLIT, KSTEP * SCALE_BLOCKS):
+            for sb in tl.static_range(SCALE_BLOCKS):
+                kb = kb0 + sb * KSTEP
+                j = (k0 + kb) // SCALE_BK
+                if not EVEN_K:
+                    j = tl.minimum(j, KB - 1)   # a ragged last split may run past K: its products are 0
+                sc = tl.load(s_rows + j)
+                if SWAP:
+                    sc2 = sc[:, None]
                 else:
-                    k_ok = (k0 + kb + ks + rk) < K
-                    if SWAP:
-                        wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
+                    sc2 = sc[None, :]
+                if FOLD:   # the scaled weight meets the accumulator directly: one MMA chain over K
+                    p0 = acc0
+                    p1 = acc1
+                    p2 = acc2
+                    p3 = acc3
+                else:
+                    p0 = tl.zeros(acc0.shape, dtype=tl.float32)
+                    p1 = p0
+                    p2 = p0
+                    p3 = p0
+                for ks in tl.static_range(0, KSTEP, BLOCK_K):
+                    if EVEN_K:
+                        k_ok = None
+                        wt = _load_w(w_ptrs, EVICT)
                     else:
-                        wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-                wt = fp8_operand(wt, sc2, W_DTYPE, FP8_ROUTE)   # exact but for "fold" (backend.FP8_ROUTES)
-                if CLAMP_ROWS:
-                    p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, FP8_ROUTE)
+                        k_ok = (k0 + kb + ks + rk) < K
+                        if SWAP:
+                            wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
+                        else:
+                            wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
+                    wt = fp8_operand(wt, sc2, W_DTYPE, FP8_ROUTE)   # exact but for "fold" (backend.FP8_ROUTES)
+                    if CLAMP_ROWS:
+                        p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, FP8_ROUTE)
+                    else:
+                        p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True, FP8_ROUTE)
+                    if M_SUB >= 2:
+                        p1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, p1, W_DTYPE, SWAP, EVEN_K, True,
+                                           FP8_ROUTE)
+                    if M_SUB >= 4:
+                        p2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, p2, W_DTYPE, SWAP, EVEN_K, True,
+                                           FP8_ROUTE)
+                        p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True,
+                                           FP8_ROUTE)
+                    x_ptrs += BLOCK_K
+                    w_ptrs += BLOCK_K
+                if FOLD:
+                    acc0 = p0
+                    acc1 = p1
+                    acc2 = p2
+                    acc3 = p3
                 else:
-                    p0 = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, True, FP8_ROUTE)
-                if M_SUB >= 2:
-                    p1 = _sub_tile_dot(x_ptrs + x_step, rm1 < B, k_ok, wt, p1, W_DTYPE, SWAP, EVEN_K, True,
-                                       FP8_ROUTE)
-                if M_SUB >= 4:
-                    p2 = _sub_tile_dot(x_ptrs + 2 * x_step, rm2 < B, k_ok, wt, p2, W_DTYPE, SWAP, EVEN_K, True,
-                                       FP8_ROUTE)
-                    p3 = _sub_tile_dot(x_ptrs + 3 * x_step, rm3 < B, k_ok, wt, p3, W_DTYPE, SWAP, EVEN_K, True,
-                                       FP8_ROUTE)
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            if FOLD:
-                acc0 = p0
-                acc1 = p1
-                acc2 = p2
-                acc3 = p3
-            else:
-                acc0 = scaled_add(acc0, p0, sc2)
-                if M_SUB >= 2:
-                    acc1 = scaled_add(acc1, p1, sc2)
-                if M_SUB >= 4:
-                    acc2 = scaled_add(acc2, p2, sc2)
-                    acc3 = scaled_add(acc3, p3, sc2)
+                    acc0 = scaled_add(acc0, p0, sc2)
+                    if M_SUB >= 2:
+                        acc1 = scaled_add(acc1, p1, sc2)
+                    if M_SUB >= 4:
+                        acc2 = scaled_add(acc2, p2, sc2)
+                        acc3 = scaled_add(acc3, p3, sc2)
     else:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
@@ -421,6 +425,7 @@ class LinearConfig:
     evict: int = 1      # weight-load cache hint: 0 none, 1 evict_first, 2 evict_last (values unaffected)
     fused_sum: bool = False  # split-K: the tile's last split sums the partials (same bits; 2-25 % slower on the H200)
     fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
+    scale_blocks: int = 1   # FP8: scale blocks a K-loop step takes in turn (the one-block steps' operations)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
         """Columns per K-loop step: BLOCK_K, or for FP8 one scale block (min(scale_bk, K rounded up
@@ -433,8 +438,11 @@ class LinearConfig:
         return min(scale_bk, triton.cdiv(K, self.block_k) * self.block_k)
 
     def k_per_split(self, K: int, scale_bk: int = 0) -> int:
-        """K columns per split: a multiple of :meth:`k_step` (FP8: splits on scale-block boundaries)."""
-        step = self.k_step(K, scale_bk)
+        """K columns per split: a multiple of :meth:`k_step` (FP8: splits on scale-block boundaries, whole
+        loop steps of ``scale_blocks`` blocks)."""
+        if scale_bk and (not isinstance(self.scale_blocks, int) or self.scale_blocks < 1):
+            raise ValueError(f"linear: scale_blocks must be a positive int, got {self.scale_blocks!r}")
+        step = self.k_step(K, scale_bk) * (self.scale_blocks if scale_bk else 1)
         return triton.cdiv(triton.cdiv(K, self.split), step) * step
 
     def programs_per_m_tile(self, K: int, N: int, scale_bk: int = 0) -> int:
@@ -731,7 +739,8 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
     has_bias = bias is not None
     b_arg = bias if has_bias else w  # unused pointer when HAS_BIAS is False
     w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
-    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, FP8_ROUTE=_fp8_route(cfg, act_dtype))
+    fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, FP8_ROUTE=_fp8_route(cfg, act_dtype),
+                                        SCALE_BLOCKS=cfg.scale_blocks)
     tiles = dict(SWAP=t.swap, EVEN_K=even_k, M_SUB=t.m_sub, EVICT=cfg.evict, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
     if B == 0:
@@ -967,7 +976,7 @@ def linear_heads(x: torch.Tensor, weight: Weight, *, out: Optional[torch.Tensor]
     if B == 0 or G == 0:
         return out
     extra = {} if not fp8 else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=cfg.k_step(K, sbk), SS_H=scale.stride(0),
-                                     FP8_ROUTE=_fp8_route(cfg, adt))
+                                     FP8_ROUTE=_fp8_route(cfg, adt), SCALE_BLOCKS=cfg.scale_blocks)
     grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n), G)
     _linear_kernel[grid](
         x, w, w, out, B, x.stride(0), w.stride(1), 0, out.stride(0),

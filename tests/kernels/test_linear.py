@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ds4t.backend import INTERPRET
 from ds4t.kernels import linear as L
+from ds4t.kernels import weights
 from ds4t.kernels.linear import LinearConfig, linear, linear_config, linear_ref
 from ds4t.kernels.registry import GPU, use_variants
 from tests.kernels.invariance import assert_rows_invariant, poisoned
@@ -414,6 +417,32 @@ def test_fp8_gpu_paths_match_reference(device, cfg, adt):
             y = linear(x, w, b, config=cfg)
         assert _rel_err(y, linear_ref(x, w, b)) <= FP8_TOL[adt]
 
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("K, split, blocks", [(1024, 2, 2), (1024, 1, 4), (640, 1, 2), (640, 2, 3)],
+                         ids=["even", "one-split", "ragged", "past-K"])
+def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(device, adt, K, split, blocks):
+    """LinearConfig.scale_blocks: a K-loop step of several 128-column scale blocks runs the one-block step's
+    operations on each in turn -- the bits of one block a step over the same splits (640 = 5 blocks: the
+    last step of a split may lie partly or wholly past K; linear_heads too). Control: another split differs."""
+    x, w, b = _fp8_data(5, K, 96, adt, device=device, seed=7)
+    one = LinearConfig(block_n=32, block_k=64, split=split, num_warps=2, num_stages=3, swap=True)
+    many = dataclasses.replace(one, scale_blocks=blocks)
+    if one.k_per_split(K, 128) != many.k_per_split(K, 128):
+        one = dataclasses.replace(one, split=triton.cdiv(K, many.k_per_split(K, 128)))   # the same splits
+    with use_variants({"linear": GPU, "linear_heads": GPU}):
+        base = linear(x, w, b, config=one, act_dtype=adt)
+        assert torch.equal(linear(x, w, b, config=many, act_dtype=adt), base)
+        assert not torch.equal(linear(x, w, b, config=dataclasses.replace(one, split=4), act_dtype=adt), base)
+        wh = weights.stack([w[:48], w[48:]])
+        xh = x[:, None].expand(5, 2, K).contiguous()
+        with L.LINEAR_CONFIGS.forced(lambda *key: many):
+            heads = L.linear_heads(xh, wh, act_dtype=adt)
+        with L.LINEAR_CONFIGS.forced(lambda *key: one):
+            assert torch.equal(heads, L.linear_heads(xh, wh, act_dtype=adt))
+    with pytest.raises(ValueError, match="scale_blocks"):
+        linear(x, w, config=dataclasses.replace(one, scale_blocks=0))
 
 def test_fp8_block_k_must_divide_the_scale_block(device):
     x, w, _ = _fp8_data(2, 200, 40, device=device, block=(128, 64), bias=False)
