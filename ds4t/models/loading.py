@@ -142,7 +142,7 @@ class WeightReader:
 
         Float parts are copied into the stack as they are read, so a layer's experts need the stack's memory
         and one expert's, not two stacks' (a list of parts, then their stack, then the shared expert appended
-        took 1.3-1.7x the weights at peak: DeepSeek-V3-4l, 74 GB, ran out of an 80 GB H100 while loading).
+        took 1.3-1.7x the weights at peak, measured on the CPU).
         ``tail`` (a shared expert's tensor): stacked after the parts when they are float tensors of its
         shape, dtype and device -- appended without a second copy of the stack. The result holds it iff
         its leading dim is ``len(names) + 1``."""

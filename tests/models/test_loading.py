@@ -385,8 +385,8 @@ def _load_peak(family: str) -> float:
 @pytest.mark.parametrize("family", ["tiny-deepseek", "tiny-qwen"])
 def test_experts_load_without_a_second_copy(family, monkeypatch):
     """A MoE layer's experts (and its shared expert, fused in as expert E) load into their stacks as they are
-    read: the allocator's peak ~ the weights (DeepSeek-V3-4l, 74 GB, had run out of an 80 GB H100 while
-    loading). Control: stacking a list of the experts, then appending the shared expert, peaks at 1.3-1.5x."""
+    read: the allocator's peak ~ the weights. Control: stacking a list of the experts, then appending the shared
+    expert, peaks at 1.3-1.5x."""
     from ds4t.kernels.weights import stack
     from ds4t.models.loading import WeightReader
 
