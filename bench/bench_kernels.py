@@ -214,9 +214,11 @@ FP8_ROUTES_SWEPT = ["f32"]
 is measured on request."""
 
 
-FP8_GRID = {"block_n": (32, 64, 128), "num_stages": (2, 3), "num_warps": (1, 2), "scale_blocks": (1,)}
+FP8_GRID = {"block_n": (32, 64, 128), "num_stages": (2, 3), "num_warps": (1, 2), "scale_blocks": (1, 2)}
 """The FP8 sweep's tile rows, pipeline stages, warps and scale blocks a K step (``--fp8-grid``, e.g.
-``"scale_blocks=1,2"``; routes: :data:`FP8_ROUTES_SWEPT`)."""
+``"scale_blocks=1"``; routes: :data:`FP8_ROUTES_SWEPT`). Two scale blocks a step in 2 stages keep the bytes in
+flight of one block in 4, with half the waits: on an H100 the best cell of each big shape at the table's own
+splits (bench/results/2026-12-06-h100-fp8-waves.md)."""
 
 
 def fp8_candidates(K, N):
@@ -262,7 +264,7 @@ def cfg_str(c):
 # timed again. The weight loads' cache hint (evict 0 / 2) and the fused split-K sum were timed on
 # 2026-12-01 (bench/results/2026-12-01-h200-fp8-options.md): no gain / 5-25 % slower.
 VARIANTS = {"ds4t-m2": dict(m_sub=2), "ds4t-m4": dict(m_sub=4), "ds4t-fused": dict(fused_sum=True),
-            "ds4t-sb2": dict(scale_blocks=2)}
+            "ds4t-sb2": dict(scale_blocks=2), "ds4t-sb2st2": dict(scale_blocks=2, num_stages=2)}
 
 
 def _inv_word(inv) -> str:
