@@ -378,7 +378,7 @@ def _moe_gate_up_kernel(
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
-    ROW_PROGRAMS: tl.constexpr = False,
+    ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -393,8 +393,10 @@ def _moe_gate_up_kernel(
     FP8 weights (SBK > 0): wg/wu hold float8_e4m3fn, sg/su their fp32 scales [E, I, cdiv(D, SBK)]
     (strides ss_e, ss_n, 1) and WDT is the activation dtype. D runs in scale blocks of KSTEP
     columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
-    accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SWAP: the tiles
-    are computed transposed (:func:`_pair_dot`); a pair's K order is the same.
+    accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SB (> 1: each split a
+    whole number of SB-block steps, :func:`blocks_a_step`): a loop step takes SB blocks in turn, each with
+    the one-block step's operations. SWAP: the tiles are computed transposed (:func:`_pair_dot`); a pair's
+    K order is the same.
 
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
@@ -440,45 +442,47 @@ def _moe_gate_up_kernel(
                     a = _h_tile(h_ptr, sh_b, b, qm, kk, kk < D, EVEN_K)
                     amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
                 a_scale, a_inv = pow2_scale(amax, 14)
-            for kb in range(k_lo, k_hi, KSTEP):
-                j = kb // SBK
-                sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
-                su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
-                if FP8_ROUTE == 3:   # "fold": one accumulator over D
-                    pg = acc_g
-                    pu = acc_u
-                else:
-                    pg = tl.zeros(acc_g.shape, dtype=tl.float32)
-                    pu = pg
-                for ks in tl.static_range(0, KSTEP, BK):
-                    kk = kb + ks + tl.arange(0, BK)
-                    km = kk < D
-                    a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
-                    wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
-                                     FP8_ROUTE)
-                    wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
-                                     FP8_ROUTE)
-                    if TF32:
-                        a = round_in_f32(a.to(tl.float32), WDT)
+            for kb0 in range(k_lo, k_hi, KSTEP * SB):
+                for sbi in tl.static_range(SB):
+                    kb = kb0 + sbi * KSTEP
+                    j = kb // SBK
+                    sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
+                    su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
+                    if FP8_ROUTE == 3:   # "fold": one accumulator over D
+                        pg = acc_g
+                        pu = acc_u
                     else:
-                        a = cast(a.to(tl.float32), WDT)
-                    if FP8_ROUTE == 4:   # "x2": the pieces of a meet the fp8 tiles as they are
-                        x1, x2, inv = fp8_pieces(a)
-                        pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
-                        pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
-                    elif FP8_ROUTE == 5:   # "f16": fp16 tiles and the pairs' scaled rows, sums in scaled units
-                        a16 = f16_scaled(a, a_scale)
-                        pg = _pair_dot(a16, wg, pg, SWAP, False)
-                        pu = _pair_dot(a16, wu, pu, SWAP, False)
+                        pg = tl.zeros(acc_g.shape, dtype=tl.float32)
+                        pu = pg
+                    for ks in tl.static_range(0, KSTEP, BK):
+                        kk = kb + ks + tl.arange(0, BK)
+                        km = kk < D
+                        a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
+                        wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
+                                         FP8_ROUTE)
+                        wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
+                                         FP8_ROUTE)
+                        if TF32:
+                            a = round_in_f32(a.to(tl.float32), WDT)
+                        else:
+                            a = cast(a.to(tl.float32), WDT)
+                        if FP8_ROUTE == 4:   # "x2": the pieces of a meet the fp8 tiles as they are
+                            x1, x2, inv = fp8_pieces(a)
+                            pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
+                            pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
+                        elif FP8_ROUTE == 5:   # "f16": fp16 tiles, the pairs' scaled rows, sums in scaled units
+                            a16 = f16_scaled(a, a_scale)
+                            pg = _pair_dot(a16, wg, pg, SWAP, False)
+                            pu = _pair_dot(a16, wu, pu, SWAP, False)
+                        else:
+                            pg = _pair_dot(a, wg, pg, SWAP, TF32)
+                            pu = _pair_dot(a, wu, pu, SWAP, TF32)
+                    if FP8_ROUTE == 3:
+                        acc_g = pg
+                        acc_u = pu
                     else:
-                        pg = _pair_dot(a, wg, pg, SWAP, TF32)
-                        pu = _pair_dot(a, wu, pu, SWAP, TF32)
-                if FP8_ROUTE == 3:
-                    acc_g = pg
-                    acc_u = pu
-                else:
-                    acc_g = scaled_add(acc_g, pg, sg)
-                    acc_u = scaled_add(acc_u, pu, su)
+                        acc_g = scaled_add(acc_g, pg, sg)
+                        acc_u = scaled_add(acc_u, pu, su)
             if FP8_ROUTE == 5:
                 acc_g = acc_g * _pair_vec(a_inv, SWAP)
                 acc_u = acc_u * _pair_vec(a_inv, SWAP)
@@ -516,8 +520,10 @@ def _moe_down_kernel(
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
+    SB: tl.constexpr = 1,
 ):
-    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)]; EVEN_K /
+    """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)], SB blocks a
+    loop step as there; EVEN_K /
     EVEN_N as there (I a whole number of loop steps, D of N tiles). SELF as there.
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
@@ -558,32 +564,35 @@ def _moe_down_kernel(
                     a = _act_tile(act_ptr, sa_p, p, qm, kk, kk < I, EVEN_K)
                     amax = _f16_scale(amax, cast(a, WDT))
                 a_scale, a_inv = pow2_scale(amax, 14)
-            for kb in range(k_lo, k_hi, KSTEP):
-                sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
-                if FP8_ROUTE == 3:   # "fold": one accumulator over I
-                    pd = acc
-                else:
-                    pd = tl.zeros(acc.shape, dtype=tl.float32)
-                for ks in tl.static_range(0, KSTEP, BK):
-                    kk = kb + ks + tl.arange(0, BK)
-                    km = kk < I
-                    a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
-                    w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT, FP8_ROUTE)
-                    if TF32:
-                        a = round_in_f32(a, WDT)
+            for kb0 in range(k_lo, k_hi, KSTEP * SB):
+                for sbi in tl.static_range(SB):
+                    kb = kb0 + sbi * KSTEP
+                    sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
+                    if FP8_ROUTE == 3:   # "fold": one accumulator over I
+                        pd = acc
                     else:
-                        a = cast(a, WDT)
-                    if FP8_ROUTE == 4:   # "x2"
-                        x1, x2, inv = fp8_pieces(a)
-                        pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
-                    elif FP8_ROUTE == 5:   # "f16"
-                        pd = _pair_dot(f16_scaled(a, a_scale), w, pd, SWAP, False)
+                        pd = tl.zeros(acc.shape, dtype=tl.float32)
+                    for ks in tl.static_range(0, KSTEP, BK):
+                        kk = kb + ks + tl.arange(0, BK)
+                        km = kk < I
+                        a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
+                        w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT,
+                                        FP8_ROUTE)
+                        if TF32:
+                            a = round_in_f32(a, WDT)
+                        else:
+                            a = cast(a, WDT)
+                        if FP8_ROUTE == 4:   # "x2"
+                            x1, x2, inv = fp8_pieces(a)
+                            pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
+                        elif FP8_ROUTE == 5:   # "f16"
+                            pd = _pair_dot(f16_scaled(a, a_scale), w, pd, SWAP, False)
+                        else:
+                            pd = _pair_dot(a, w, pd, SWAP, TF32)
+                    if FP8_ROUTE == 3:
+                        acc = pd
                     else:
-                        pd = _pair_dot(a, w, pd, SWAP, TF32)
-                if FP8_ROUTE == 3:
-                    acc = pd
-                else:
-                    acc = scaled_add(acc, pd, sd)
+                        acc = scaled_add(acc, pd, sd)
             if FP8_ROUTE == 5:
                 acc = acc * _pair_vec(a_inv, SWAP)
         else:
@@ -711,6 +720,8 @@ class MoEConfig:
     swap: bool = False          # compute the tiles as w @ h^T: the weight rows fill the MMA's M side
     split: int = 1              # K splits (whole loop steps), their partials summed in split order after it
     row_programs: bool = False  # one program per (expert, row tile) instead of per expert (_program_tile)
+    scale_blocks: int = 1       # FP8: scale blocks a K-loop step, each with the one-block step's operations (same
+                                # bits); a launch whose splits are not whole steps of them takes one (blocks_a_step)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -728,13 +739,25 @@ def k_step(K: int, BK: int, scale_bk: int) -> int:
     return min(scale_bk, triton.cdiv(K, BK) * BK)
 
 
-FEW_ROWS_FREE = {"fp8": ("num_stages",), "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k")}
+FEW_ROWS_FREE = {"fp8": ("num_stages", "scale_blocks"), "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k")}
 """The fields a few-rows entry may change from the decode entry, per weight format (:func:`_config`).
 16-bit weights: the fields a row tile may change as well -- on an H200 every bf16 tile shape, K tile and
 warp count gives the decode tile's bits (bench/mma_shapes.py; bench/moe_tiles.py ``same-bits`` at one row).
 FP8 weights: the pipeline depth only -- an 8-bit operand's layout follows the tile and the MMA it feeds,
-and 4-warp tiles of the same sweep changed bits (bench/results/2026-12-02-h200-few-rows.md). In the
+and 4-warp tiles of the same sweep changed bits (bench/results/2026-12-02-h200-few-rows.md) -- and the scale
+blocks a loop step (the same operations in the same order). In the
 interpreter a K tile changes bits (its MMA sums each K tile before adding it); it has no few-rows entries."""
+
+
+def blocks_a_step(cfg: MoEConfig, K: int, step: int, kps: int) -> int:
+    """Scale blocks a K-loop step of an FP8 grouped launch: ``cfg.scale_blocks`` when K and each split's
+    ``kps`` columns are whole steps of that many ``step``-column blocks, else 1. Either way a block's
+    operations and their order are the same (the bits do not depend on it): what changes is how many
+    weight bytes a loop step asks for, so the pipeline keeps more of them in flight."""
+    if not isinstance(cfg.scale_blocks, int) or cfg.scale_blocks < 1:
+        raise ValueError(f"moe_experts: scale_blocks must be a positive int, got {cfg.scale_blocks!r}")
+    whole = step * cfg.scale_blocks
+    return cfg.scale_blocks if K % whole == 0 and kps % whole == 0 else 1
 
 
 def k_per_split(K: int, split: int, step: int) -> int:
@@ -1016,8 +1039,11 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         step = k_step(D, BK, sbk)
         kw.update(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0), ss_n=w_gate.scale.stride(1),
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
+    kps = k_per_split(D, split, step) if split > 1 else D
     if split > 1:
-        kw.update(SPLIT=split, K_PER_SPLIT=k_per_split(D, split, step), sa_s=part.stride(0))
+        kw.update(SPLIT=split, K_PER_SPLIT=kps, sa_s=part.stride(0))
+    if fp8:
+        kw.update(SB=blocks_a_step(cfg, D, step, kps))
     kw.update(evenness(D, step, I, BN))
     if gu_rows:
         kw.update(ROW_PROGRAMS=True)
@@ -1044,8 +1070,11 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         step = k_step(I, BK, sbk)
         kw.update(sd_ptr=w_down.scale, ss_e=w_down.scale.stride(0), ss_n=w_down.scale.stride(1),
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
+    kps = k_per_split(I, dn_split, step) if dn_split > 1 else I
     if dn_split > 1:
-        kw.update(SPLIT=dn_split, K_PER_SPLIT=k_per_split(I, dn_split, step), sy_s=y.stride(0))
+        kw.update(SPLIT=dn_split, K_PER_SPLIT=kps, sy_s=y.stride(0))
+    if fp8:
+        kw.update(SB=blocks_a_step(cfg, I, step, kps))
     kw.update(evenness(I, step, D, BN))
     kw.update(down_finder(gu_rows, dn_rows, BE))
     _moe_down_kernel[(row_program_count(E, P, cfg.block_m) if dn_rows else n_slots, triton.cdiv(D, BN), dn_split)](

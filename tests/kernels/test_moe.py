@@ -704,6 +704,26 @@ def test_split_k(fmt, route, adt, split, swap, where):
     assert ((y - run(gu=base, dn=base)).abs().max() / ref.abs().max()).item() <= tol
 
 
+@pytest.mark.parametrize("blocks,split,swap", [(3, 2, True)], ids=str)
+def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(blocks, split, swap):
+    """``MoEConfig.scale_blocks``: FP8 loop steps of several 128-column scale blocks, each with the one-block
+    step's operations in K order, give the one-block bits (D = 768: 6 blocks, I = 384: 3). A launch whose
+    splits are not whole steps of them takes one block a step (:func:`blocks_a_step`; the same bits either
+    way): here the kernel that cannot take ``blocks`` falls back, the other takes them. Control: another
+    split of the same config differs (the comparison sees a change of summation order)."""
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=swap, split=split)
+    many = dataclasses.replace(base, scale_blocks=blocks)
+    kps = {K: M.k_per_split(K, split, 128) if split > 1 else K for K in (768, 384)}
+    taken = {K: M.blocks_a_step(many, K, 128, kps[K]) for K in (768, 384)}
+    assert sorted(taken.values()) == [1, blocks], taken   # one kernel takes them, the other falls back
+    y, run, ref, tol = _config_case("fp8", torch.bfloat16, 768, 384, 91, many, many)
+    assert torch.equal(y, run(gu=base, dn=base))
+    other = dataclasses.replace(base, split=split + 1)
+    assert not torch.equal(y, run(gu=other, dn=other))
+    with pytest.raises(ValueError, match="scale_blocks"):
+        M.blocks_a_step(dataclasses.replace(base, scale_blocks=0), 768, 128, 768)
+
+
 def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
     with pytest.raises(ValueError, match="empty"):
         M.k_per_split(256, 3, 128)
