@@ -477,14 +477,18 @@ _GPU_TABLE: dict = {
 #                    in that run, chosen with fp32 x)
 #   1536 x 24576     2.62      2.74       3.48 / 3.56
 #   2048 x 12288     2.06      2.16       3.27 / 3.19
+#   The three big entries then take two scale blocks a K step in two stages (the same splits and bits: the
+#   one-block step's operations on each block), each shape's best same-bits cell on an H100 in two calls,
+#   B = 1 / 16: 7168 x 18432 88.9 / 81.0 -> 90.7 / 85.9 %, 18432 x 7168 89.1 / 85.2 -> 88.9 / 86.4 %,
+#   16384 x 7168 89.3 / 84.8 -> 88.9 / 85.5 % (bench/results/2026-12-06-h100-fp8-waves.md; not yet timed on an H200).
 _FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)
 _GPU_TABLE.update({
-    (7168, 18432, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=2, num_warps=2, num_stages=3, swap=True,
-                                            fp8_route="f32"),
-    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
-                                            fp8_route="f32"),
-    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
-                                            fp8_route="f32"),
+    (7168, 18432, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=2, num_warps=2, num_stages=2, swap=True,
+                                            fp8_route="f32", scale_blocks=2),
+    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=2, swap=True,
+                                            fp8_route="f32", scale_blocks=2),
+    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=2, swap=True,
+                                            fp8_route="f32", scale_blocks=2),
     (1536, 24576, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32"),
     (2048, 12288, *_FP8_BF16): LinearConfig(block_n=64, block_k=64, split=2, num_warps=2, num_stages=3, swap=True,
@@ -571,7 +575,8 @@ LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
     source="bench/results/2026-11-29-h200-kernels.md (float weights), "
            "bench/results/2026-11-30-h200-fp8-round2.md (FP8 weights), "
            "bench/results/2026-12-01-h200-fp8-options.md (FP8 18432 x 7168 with bf16 x), "
-           "bench/results/2026-12-01-h200-fp8-x2-32k.md (FP8 16384 x 7168 with bf16 x)")
+           "bench/results/2026-12-01-h200-fp8-x2-32k.md (FP8 16384 x 7168 with bf16 x), "
+           "bench/results/2026-12-06-h100-fp8-waves.md (two scale blocks a step, same bits; H100)")
 """Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
 block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 
