@@ -843,13 +843,18 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                             min_rows=128, row_programs=True),
                 ("gate_up", "fp8", "rows"): dataclasses.replace(_FP8_GATE_UP, row_programs=True, min_rows=64),
+                # one- and two-row launches over GLM-4.5's experts (K = 5120): two scale blocks a loop step in
+                # two stages, the same bits (an H100, bench/results/2026-12-06-h100-n1-anatomy.md)
+                ("gate_up", "fp8", "few", 5120): dataclasses.replace(_FP8_GATE_UP, num_stages=2, scale_blocks=2,
+                                                                     max_rows=2),
                 ("down", "fp8", "rows"): dataclasses.replace(_FP8_DOWN, row_programs=True, min_rows=64)},
     gpu_rule=lambda kernel, *fmt: _few_default(kernel, fmt) if "few" in fmt else
     None if "rows" in fmt else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: None if "few" in fmt else _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
            "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights), "
-           "bench/results/2026-12-04-h200-moe-row-programs.md (row programs)")
+           "bench/results/2026-12-04-h200-moe-row-programs.md (row programs), "
+           "bench/results/2026-12-06-h100-n1-anatomy.md (the few-rows entry)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
 weights, plus a row-tile entry (key + ("rows",)) for launches of many rows; the tiles follow from the
 weight shape (:meth:`MoEConfig.tiles`). Chosen by
@@ -867,7 +872,12 @@ the base's bits): a 4096-token prompt in chunks of 1024 7-15 % faster in bf16 (G
 28 % in FP8 (Qwen3-Next-4l 55.0 -> 39.8 ms); decode at N = 64 3-5 % faster in both, N = 16 the same in bf16
 and 1.8 % slower in FP8 -- so the bf16 decode entries take them and FP8 takes them from 64 rows (a
 ("rows",) entry that is the decode entry with ``row_programs``). Few-rows entries (key + ("few", K),
-``max_rows``; the fields of :data:`FEW_ROWS_FREE` may differ, :func:`_config`): none. Measured on an H200:
+``max_rows``; the fields of :data:`FEW_ROWS_FREE` may differ, :func:`_config`): one, FP8 gate/up over
+GLM-4.5's experts (K = 5120) at one and two rows, two scale blocks a step in two stages: on an H100 the MoE
+call 108 -> 95 us at one row and the whole glm-4.5-4l:fp8 step 3.2 % faster at N = 1 and 2 in a same-process
+A/B (``bench/step_ab.py``), every step's bits the base's; the same entry for Qwen3-Next's experts (K = 2048)
+took 20 % off the call alone and nothing off the step, and DeepSeek-V3's (K = 7168) call was fastest with
+the decode entry (bench/results/2026-12-06-h100-n1-anatomy.md; not timed on an H200). Measured on an H200 before:
 the best one- and two-row configs made the MoE call alone 10-25 % faster (FP8 GLM-4.5 gate/up with 4 stages 96.6 -> 78.4 us, bf16
 DeepSeek-V3 32 x 64 tiles 226.5 -> 200.7 us) and moved no whole step by more than 3 % either way, timed in
 one process with ``bench/step_ab.py`` (full-depth Qwen3-Next-80B FP8, the 4-layer presets; every variant

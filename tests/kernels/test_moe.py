@@ -802,6 +802,32 @@ def test_fp8_row_entries_are_the_decode_tiles_in_row_programs():
             assert dataclasses.replace(rows, row_programs=decode.row_programs, min_rows=decode.min_rows) == decode
 
 
+def _few_entries_outside_free_fields(table: dict) -> list:
+    """The few-rows entries (key + ("few", K)) of a GPU table that differ from their decode entry in a field
+    outside :data:`~ds4t.kernels.moe.FEW_ROWS_FREE` (``max_rows`` aside): entries that would change bits."""
+    bad = []
+    for key, few in table.items():
+        if isinstance(key, tuple) and "few" in key:
+            decode = table[key[:key.index("few")] if len(key[:key.index("few")]) > 1 else key[0]]
+            free = M.FEW_ROWS_FREE["fp8" if "fp8" in key else "16-bit"]
+            if dataclasses.replace(few, max_rows=decode.max_rows, **{f: getattr(decode, f) for f in free}) != decode:
+                bad.append(key)
+    return bad
+
+
+def test_gpu_few_rows_entries_change_only_free_fields():
+    """Every few-rows entry of the GPU table differs from its decode entry only in the fields that keep a
+    pair's bits (stages and scale blocks for FP8) and applies to some launch (max_rows >= 1) -- checked here
+    on the CPU, where the interpreter never reads the GPU table; control: the same entry with a K split is
+    caught."""
+    table = dict(M.MOE_CONFIGS.gpu)
+    few = {k: v for k, v in table.items() if isinstance(k, tuple) and "few" in k}
+    assert few and all(v.max_rows >= 1 for v in few.values())
+    assert _few_entries_outside_free_fields(table) == []
+    key = next(iter(few))
+    assert _few_entries_outside_free_fields({**table, key: dataclasses.replace(few[key], split=2)}) == [key]
+
+
 def _row_programs_run(gu_rows, dn_rows, device, skipped=False):
     """moe_experts over 40 rows (3 hot routed experts of 7 with unchosen ones between, a shared expert
     holding every row: 2-7 row tiles of 16 pairs an expert) with the row entries' ``row_programs`` set
