@@ -127,14 +127,46 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def kernel_increments(events, steps: int):
+    """Per-launch figures of ``steps`` consecutive decode steps from their GPU kernel events (dicts with
+    ``name``, ``ts`` and ``dur`` in us, as torch.profiler's chrome trace writes them, every step launching
+    the same kernels in the same order). A kernel's *increment* runs from the end of the kernels before it
+    (the latest end so far in its step) to its own end, 0 when it ends earlier: under programmatic dependent
+    launch a kernel starts while its predecessor drains and waits, so its own duration overstates it.
+
+    Returns ``(rows, span, sequence)``: rows ``[(kernel, increment us, calls, duration us)]`` per step
+    summed by kernel name, largest increment first; span the median us from a step's first kernel's start
+    to its last kernel's end; sequence ``[(kernel, increment us, duration us)]`` one step in launch order,
+    each the median over the steps. ``([], 0.0, [])`` when there are fewer events than steps."""
+    events = sorted(events, key=lambda e: e["ts"])
+    per = len(events) // steps if steps else 0
+    if not per:   # no GPU kernels (a CPU smoke run)
+        return [], 0.0, []
+    agg, spans = {}, []
+    incs = [[0.0] * steps for _ in range(per)]
+    durs = [[0.0] * steps for _ in range(per)]
+    for k in range(steps):
+        step = events[k * per:(k + 1) * per]
+        prev_end = step[0]["ts"]
+        for i, e in enumerate(step):
+            end = e["ts"] + e["dur"]
+            inc = max(end, prev_end) - prev_end
+            a = agg.setdefault(e["name"], [0.0, 0, 0.0])
+            a[0] += inc
+            a[1] += 1
+            a[2] += e["dur"]
+            incs[i][k], durs[i][k] = inc, e["dur"]
+            prev_end = max(end, prev_end)
+        spans.append(prev_end - step[0]["ts"])
+    rows = sorted(((k, v[0] / steps, v[1] / steps, v[2] / steps) for k, v in agg.items()), key=lambda r: -r[1])
+    sequence = [(events[i]["name"], statistics.median(incs[i]), statistics.median(durs[i])) for i in range(per)]
+    return rows, statistics.median(spans), sequence
+
+
 def profile_step(model, n: int, ctx: int, steps: int = 5):
     """Where a graph-replayed native step's GPU time goes (torch.profiler; CUPTI reports the kernels
-    inside a graph). Under programmatic dependent launch a kernel starts while its predecessor drains
-    and waits, so its own duration overstates it: each kernel is charged its *increment*, from the
-    previous kernel's end to its own. Returns (rows [(kernel, increment us, calls, duration us) per
-    step, largest increment first], span us of one step from its first kernel's start to its last
-    kernel's end). The step time minus the span is host work before the graph starts (metadata copy,
-    launch) and after it."""
+    inside a graph): :func:`kernel_increments` of ``steps`` steps of ``n`` sessions at ``ctx`` tokens. The
+    step time minus the span is host work before the graph starts (metadata copy, launch) and after it."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -159,24 +191,7 @@ def profile_step(model, n: int, ctx: int, steps: int = 5):
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
-    events.sort(key=lambda e: e["ts"])
-    per = len(events) // steps
-    if not per:   # no GPU kernels (a CPU smoke run)
-        return [], 0.0
-    agg, spans = {}, []
-    for k in range(steps):
-        step = events[k * per:(k + 1) * per]
-        prev_end = step[0]["ts"]
-        for e in step:
-            end = e["ts"] + e["dur"]
-            a = agg.setdefault(e["name"], [0.0, 0, 0.0])
-            a[0] += max(end, prev_end) - prev_end
-            a[1] += 1
-            a[2] += e["dur"]
-            prev_end = max(end, prev_end)
-        spans.append(prev_end - step[0]["ts"])
-    rows = sorted(((k, v[0] / steps, v[1] / steps, v[2] / steps) for k, v in agg.items()), key=lambda r: -r[1])
-    return rows, statistics.median(spans)
+    return kernel_increments(events, steps)
 
 
 def graph_exactness(model, n: int = 6, steps: int = 6) -> bool:
@@ -508,7 +523,7 @@ def bench_model(name, args, bw, log, rows, hf_budget):
         if paths[0] is not None:
             model.native_path = paths[0]
         for n in ns:
-            prof, span_us = profile_step(model, n, ctxs[0])
+            prof, span_us, sequence = profile_step(model, n, ctxs[0])
             step = next((r["native_ms"] for r in mine if r["n"] == n and r["ctx"] == ctxs[0] and "native_ms" in r),
                         float("nan"))
             log(f"\n### {name}: where a graph-replayed native step's GPU time goes, N={n}, {ctxs[0]} tokens "
@@ -521,6 +536,12 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             log("|---|---|---|---|")
             for k, inc, calls, dur in prof[:20]:
                 log(f"| `{k[:90]}` | {inc:.1f} | {calls:.0f} | {dur:.1f} |")
+            if sequence:   # the same step in launch order: where each layer's time goes
+                log(f"\nOne step in launch order ({len(sequence)} kernels; medians over the profiled steps)\n")
+                log("| # | kernel | increment us | duration us |")
+                log("|---|---|---|---|")
+                for i, (k, inc, dur) in enumerate(sequence):
+                    log(f"| {i} | `{k[:70]}` | {inc:.2f} | {dur:.2f} |")
     # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
     runner = sessions = S = T = plan = s = None  # noqa: F841  (s: the last session a loop closed)
     del model

@@ -46,3 +46,21 @@ def test_a_deadline_no_model_fits_is_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         bd.main()
     assert e.value.code == 2 and "--deadline 140: must exceed" in capsys.readouterr().err
+
+
+def test_kernel_increments_per_name_and_in_launch_order():
+    """Two steps of three kernels: an increment runs from the latest end before a kernel to its own end (0
+    for a kernel that ends inside its predecessor, as under PDL a waiting kernel does); names summed per step,
+    the launch order kept with medians; a trace with fewer kernels than steps gives nothing."""
+    bd = load("bench/bench_decode.py", "bench_decode_increments")
+    step = [("a", 0.0, 10.0), ("b", 5.0, 3.0), ("a", 12.0, 4.0)]   # b ends at 8, inside a's 10
+    events = [dict(name=n, ts=t + off, dur=d + extra) for off, extra in ((100.0, 0.0), (0.0, 2.0))
+              for n, t, d in step]
+    rows, span, seq = bd.kernel_increments(events, 2)
+    # step at 0 (durations +2): a 0-12, b 5-10 (0), a 12-18 -> increments 12, 0, 6, span 18
+    # step at 100: a 100-110, b (0), a 112-116 -> increments 10, 0, 6, span 16
+    assert [r[0] for r in rows] == ["a", "b"]
+    assert rows[0][1:] == ((12 + 6 + 10 + 6) / 2, 2, (12 + 6 + 10 + 4) / 2) and rows[1][1] == 0.0
+    assert span == 17.0
+    assert seq == [("a", 11.0, 11.0), ("b", 0.0, 4.0), ("a", 6.0, 5.0)]
+    assert bd.kernel_increments(events[:1], 2) == ([], 0.0, [])
