@@ -19,6 +19,10 @@ tile (``--block-m``), N / K tiles, warps and stages (the same flags as ``--fp8``
 formats (``--formats``), with the decode entries unchanged; each config's rows 0 and
 R-1 must equal those rows launched alone (the decode tiles), bitwise. TFLOP/s counted from the pairs.
 
+Timing: a launch whose experts fit in the L2 is timed in turn with routings to other experts until the
+weights read exceed 4x the L2 (:func:`rotations`; a decode step reads every layer's experts from DRAM), the
+first routing being the one checked; the "MB" printed is a call's average.
+
 Each config is also checked: the output equals the current default's within the bf16 tolerance,
 and row 0 computed alone equals row 0 in the batch, bitwise; ``same-bits`` says whether the whole output is
 the default's bit for bit (a config that keeps them could replace the default without changing any result).
@@ -64,13 +68,18 @@ def _warm(fn, seconds: float = 0.3) -> None:
 
 
 def _time(fn, iters=20):
+    """Median ms per call of ``fn``, or of each callable of a list ``fn`` (one call each in turn, e.g. the same
+    launch over other experts' weights), four rounds of them replayed in a CUDA graph."""
+    fns = fn if isinstance(fn, (list, tuple)) else [fn]
     for _ in range(3):
-        fn()
+        for f in fns:
+            f()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(4):
-            fn()
+            for f in fns:
+                f()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,8 +87,17 @@ def _time(fn, iters=20):
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) / 4)
+        ts.append(a.elapsed_time(b) / (4 * len(fns)))
     return statistics.median(ts)
+
+
+def rotations(used_bytes: float, l2_bytes: float, most: int = 16) -> int:
+    """How many routings (other experts each) a timing must rotate through so that the weights it reads
+    exceed 4x the L2 cache: a decode step reads its experts from DRAM (every layer has its own), while one
+    launch replayed alone over 36 MB of experts (Qwen3-Next at one row) is served from a 50-60 MB L2 --
+    the few-row sweeps of bench/results/2026-12-06-h100-n1-anatomy.md found configs 20 % faster that way
+    that moved no whole step. At least 1, at most ``most``."""
+    return max(1, min(most, -(-int(4 * l2_bytes) // max(1, int(used_bytes)))))
 
 
 def sweep_rows(args) -> None:
@@ -201,7 +219,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 60 << 20)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; L2 {l2 / 2**20:.0f} MiB", flush=True)
     # few-rows entries (key + ("few", K)) would replace the swept decode entry at small N, row entries (key +
     # ("rows",)) at N >= their min_rows: out while sweeping
     few = {k_: M.MOE_CONFIGS.gpu.pop(k_) for k_ in list(M.MOE_CONFIGS.gpu)
@@ -222,14 +241,21 @@ def main():
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)]).int()
             w = torch.rand(n, k, device=dev, generator=g)
             used = len(set(ids.flatten().tolist())) + 1
-            nbytes = used * 3 * I * D * (1 + 4 / 128 if fp8 else 2)
+            per_expert = 3 * I * D * (1 + 4 / 128 if fp8 else 2)
+            nbytes = used * per_expert
             adt = torch.bfloat16 if fp8 else None
-            run = lambda: M.moe_experts(h, ids, w, wg, wu, wd, shared_expert=E, act_dtype=adt)  # noqa: E731
+            run = lambda ids=ids: M.moe_experts(h, ids, w, wg, wu, wd, shared_expert=E, act_dtype=adt)  # noqa: E731
+            # timed over routings to other experts (the first is the one checked) until past the L2
+            more = [torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(n)]).int()
+                    for _ in range(rotations(nbytes, l2) - 1)]
+            runs = [run] + [lambda ids=ids_: run(ids) for ids_ in more]
+            nbytes = statistics.mean([nbytes] + [(len(set(i.flatten().tolist())) + 1) * per_expert for i in more])
             M.MOE_CONFIGS.gpu.update(default)
             ref = run()
-            _warm(run)
-            base_ms = _time(run)
-            print(f"{name} N={n}: {used} experts, {nbytes / 1e6:.0f} MB, default {base_ms * 1e3:.1f} us "
+            _warm(lambda: [f() for f in runs])
+            base_ms = _time(runs)
+            print(f"{name} N={n}: {used} experts, {nbytes / 1e6:.0f} MB a call ({len(runs)} routings in turn), "
+                  f"default {base_ms * 1e3:.1f} us "
                   f"({nbytes / (base_ms / 1e3) / bw * 100:.0f}% of copy BW)", flush=True)
             for kernel in args.kernels.split(","):
                 best = None
@@ -250,7 +276,7 @@ def main():
                         bits = bool(torch.equal(out, ref))   # the default's bits: a config free to swap in
                         inv = bool(torch.equal(M.moe_experts(h[:1], ids[:1], w[:1], wg, wu, wd, shared_expert=E, act_dtype=adt)[0],
                                                out[0]))
-                        ms = _time(run)
+                        ms = _time(runs)
                     except Exception as e:  # a config that does not compile (shared memory)
                         rows.append(dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
                                          warps=wp, via=via, swap=sw, split=sp, sb=sb, status=f"{type(e).__name__}"))
