@@ -366,6 +366,108 @@ def _self_slot(ids_ptr, si_b, P, KT, SHARED, KR: tl.constexpr, BM: tl.constexpr)
 
 
 @triton.jit
+def _f16_row_scales(x_ptr, sx, rows, qm, k_lo, k_hi, K, BK: tl.constexpr, EVEN_K: tl.constexpr, WDT: tl.constexpr,
+                    BM: tl.constexpr):
+    """(FP8 route "f16") (scale, 1 / scale) [BM]: the power of two that puts the largest |x| of each pair's
+    activations (rows ``rows`` of x, columns k_lo..k_hi, rounded to WDT) in [2^14, 2^15)."""
+    amax = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        a = _h_tile(x_ptr, sx, rows, qm, kk, kk < K, EVEN_K)
+        amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
+    return pow2_scale(amax, 14)
+
+
+@triton.jit
+def _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR: tl.constexpr, BM: tl.constexpr, bounds_ptr, experts_ptr, E,
+                   BE: tl.constexpr, SELF: tl.constexpr, ROW_PROGRAMS: tl.constexpr, DEVICE_LIST: tl.constexpr):
+    """(expert, first pair, end pair, pairs) of a grouped kernel's program: SELF from the ids
+    (:func:`_self_slot`; ``pairs`` int64 [BM] lists them), ROW_PROGRAMS one row tile (:func:`_program_tile`),
+    else a slot's expert (:func:`_program_expert`); ``pairs`` is read under SELF only."""
+    if SELF:
+        e, pairs, end = _self_slot(ids_ptr, si_b, P, KT, SHARED, KR, BM)
+        start = 0
+    elif ROW_PROGRAMS:
+        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
+        pairs = start
+    else:
+        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+        pairs = start
+    return e, start, end, pairs
+
+
+@triton.jit
+def _tile_pairs(m0, end, order_ptr, pairs, SELF: tl.constexpr, BM: tl.constexpr):
+    """(mask, pair ids int64 [BM]) of the pair tile starting at grouped position m0 (positions < end valid):
+    ``order[m0:m0 + BM]``, or under SELF the slot's own ``pairs``."""
+    q = m0 + tl.arange(0, BM)
+    qm = q < end
+    if SELF:
+        p = pairs
+    else:
+        p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+    return qm, p
+
+
+@triton.jit
+def _acc_tile(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """A zero fp32 accumulator of a tile: [BM, BN], or [BN, BM] with SWAP."""
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _block_start(acc, FOLD: tl.constexpr):
+    """The sum an FP8 scale block's dots start from: the accumulator itself on the "fold" route (the
+    weights carry their scales), else zero (the block's dot is scaled once, :func:`_block_end`)."""
+    if FOLD:
+        pd = acc
+    else:
+        pd = tl.zeros(acc.shape, dtype=tl.float32)
+    return pd
+
+
+@triton.jit
+def _block_end(acc, pd, s, FOLD: tl.constexpr):
+    """The accumulator after an FP8 scale block: its dot ``pd`` (the running sum on "fold"), or
+    ``acc + s * pd`` (:func:`ds4t.backend.scaled_add`, s the block's per-row scales)."""
+    if FOLD:
+        out = pd
+    else:
+        out = scaled_add(acc, pd, s)
+    return out
+
+
+@triton.jit
+def _route_act(a, WDT: tl.constexpr, TF32: tl.constexpr):
+    """A pair tile's activations (any float dtype) as the MMA operand of an FP8 route: rounded to WDT and
+    held in fp32 for "tf32", else cast to WDT."""
+    if TF32:
+        out = round_in_f32(a.to(tl.float32), WDT)
+    else:
+        out = cast(a.to(tl.float32), WDT)
+    return out
+
+
+@triton.jit
+def _route_dot(a, w, acc, a_scale, FP8_ROUTE: tl.constexpr, SWAP: tl.constexpr):
+    """acc + the dot of activation tile a (:func:`_route_act`) with an FP8 weight tile as route FP8_ROUTE made it
+    (:func:`ds4t.backend.fp8_operand`): "x2" meets the weight with a's two fp8 pieces, "f16" with a scaled
+    into fp16 by ``a_scale`` (read on that route only), the others by :func:`_pair_dot`."""
+    if FP8_ROUTE == 4:
+        x1, x2, inv = fp8_pieces(a)
+        acc += mma_fp8_pieces(w, x1, x2, inv, SWAP)
+    elif FP8_ROUTE == 5:
+        acc = _pair_dot(f16_scaled(a, a_scale), w, acc, SWAP, False)
+    else:
+        acc = _pair_dot(a, w, acc, SWAP, FP8_ROUTE == 2)
+    return acc
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     h_ptr, sh_b, order_ptr, bounds_ptr, experts_ptr,
     wg_ptr, wu_ptr, sw_e, sw_n, sw_k,
@@ -404,56 +506,36 @@ def _moe_gate_up_kernel(
 
     ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``."""
     grid_dependency()
-    if SELF:
-        e, pairs, end = _self_slot(ids_ptr, si_b, P, KTOP, SHARED, KR, BM)
-        start = 0
-    elif ROW_PROGRAMS:
-        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
-    else:
-        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, BM, bounds_ptr, experts_ptr, E, BE,
+                                          SELF, ROW_PROGRAMS, DEVICE_LIST)
     pid_n = tl.program_id(1)
     if slots_ptr is not None:
         _store_slot(slots_ptr, e, start, end, (pid_n == 0) & (tl.program_id(2) == 0))
     k_lo, k_hi = _split_range(D, SPLIT, K_PER_SPLIT)
     EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
+    FOLD: tl.constexpr = FP8_ROUTE == 3        # "fold": one accumulator over D
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
-    TF32: tl.constexpr = FP8_ROUTE == 2
     for m0 in range(start, end, BM):
-        q = m0 + tl.arange(0, BM)
-        qm = q < end
-        if SELF:
-            p = pairs
-        else:
-            p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
+        qm, p = _tile_pairs(m0, end, order_ptr, pairs, SELF, BM)
         b = p // KTOP
-        if SWAP:
-            acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-        else:
-            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_g = _acc_tile(BM, BN, SWAP)
         acc_u = acc_g
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
-                amax = tl.zeros([BM], dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BK):
-                    kk = k0 + tl.arange(0, BK)
-                    a = _h_tile(h_ptr, sh_b, b, qm, kk, kk < D, EVEN_K)
-                    amax = _f16_scale(amax, cast(a.to(tl.float32), WDT))
-                a_scale, a_inv = pow2_scale(amax, 14)
+                a_scale, a_inv = _f16_row_scales(h_ptr, sh_b, b, qm, k_lo, k_hi, D, BK, EVEN_K, WDT, BM)
+            else:
+                a_scale = 1.0
             for kb0 in range(k_lo, k_hi, KSTEP * SB):
                 for sbi in tl.static_range(SB):
                     kb = kb0 + sbi * KSTEP
                     j = kb // SBK
                     sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
                     su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
-                    if FP8_ROUTE == 3:   # "fold": one accumulator over D
-                        pg = acc_g
-                        pu = acc_u
-                    else:
-                        pg = tl.zeros(acc_g.shape, dtype=tl.float32)
-                        pu = pg
+                    pg = _block_start(acc_g, FOLD)
+                    pu = _block_start(acc_u, FOLD)
                     for ks in tl.static_range(0, KSTEP, BK):
                         kk = kb + ks + tl.arange(0, BK)
                         km = kk < D
@@ -462,27 +544,11 @@ def _moe_gate_up_kernel(
                                          FP8_ROUTE)
                         wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
                                          FP8_ROUTE)
-                        if TF32:
-                            a = round_in_f32(a.to(tl.float32), WDT)
-                        else:
-                            a = cast(a.to(tl.float32), WDT)
-                        if FP8_ROUTE == 4:   # "x2": the pieces of a meet the fp8 tiles as they are
-                            x1, x2, inv = fp8_pieces(a)
-                            pg += mma_fp8_pieces(wg, x1, x2, inv, SWAP)
-                            pu += mma_fp8_pieces(wu, x1, x2, inv, SWAP)
-                        elif FP8_ROUTE == 5:   # "f16": fp16 tiles, the pairs' scaled rows, sums in scaled units
-                            a16 = f16_scaled(a, a_scale)
-                            pg = _pair_dot(a16, wg, pg, SWAP, False)
-                            pu = _pair_dot(a16, wu, pu, SWAP, False)
-                        else:
-                            pg = _pair_dot(a, wg, pg, SWAP, TF32)
-                            pu = _pair_dot(a, wu, pu, SWAP, TF32)
-                    if FP8_ROUTE == 3:
-                        acc_g = pg
-                        acc_u = pu
-                    else:
-                        acc_g = scaled_add(acc_g, pg, sg)
-                        acc_u = scaled_add(acc_u, pu, su)
+                        a = _route_act(a, WDT, FP8_ROUTE == 2)
+                        pg = _route_dot(a, wg, pg, a_scale, FP8_ROUTE, SWAP)
+                        pu = _route_dot(a, wu, pu, a_scale, FP8_ROUTE, SWAP)
+                    acc_g = _block_end(acc_g, pg, sg, FOLD)
+                    acc_u = _block_end(acc_u, pu, su, FOLD)
             if FP8_ROUTE == 5:
                 acc_g = acc_g * _pair_vec(a_inv, SWAP)
                 acc_u = acc_u * _pair_vec(a_inv, SWAP)
@@ -530,69 +596,37 @@ def _moe_down_kernel(
     or the host-made list; DEVICE_LIST: found from ``bounds`` as the gate/up kernel does (when that kernel ran
     row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`)."""
     grid_dependency()
-    if SELF:
-        e, pairs, end = _self_slot(ids_ptr, si_b, P, KT, SHARED, KR, BM)
-        start = 0
-    elif ROW_PROGRAMS:
-        e, start, end = _program_tile(bounds_ptr, E, BE, BM)
-    else:
-        e, start, end = _program_expert(experts_ptr, bounds_ptr, E, DEVICE_LIST, BE)
+    e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR, BM, bounds_ptr, experts_ptr, E, BE,
+                                          SELF, ROW_PROGRAMS, DEVICE_LIST)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < D
     wbase = e.to(tl.int64) * sw_e
-    TF32: tl.constexpr = FP8_ROUTE == 2
     k_lo, k_hi = _split_range(I, SPLIT, K_PER_SPLIT)
     EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
+    FOLD: tl.constexpr = FP8_ROUTE == 3        # "fold": one accumulator over I
     for m0 in range(start, end, BM):
-        q = m0 + tl.arange(0, BM)
-        qm = q < end
-        if SELF:
-            p = pairs
-        else:
-            p = tl.load(order_ptr + q, mask=qm, other=0).to(tl.int64)
-        if SWAP:
-            acc = tl.zeros([BN, BM], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        qm, p = _tile_pairs(m0, end, order_ptr, pairs, SELF, BM)
+        acc = _acc_tile(BM, BN, SWAP)
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
-                amax = tl.zeros([BM], dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BK):
-                    kk = k0 + tl.arange(0, BK)
-                    a = _act_tile(act_ptr, sa_p, p, qm, kk, kk < I, EVEN_K)
-                    amax = _f16_scale(amax, cast(a, WDT))
-                a_scale, a_inv = pow2_scale(amax, 14)
+                a_scale, a_inv = _f16_row_scales(act_ptr, sa_p, p, qm, k_lo, k_hi, I, BK, EVEN_K, WDT, BM)
+            else:
+                a_scale = 1.0
             for kb0 in range(k_lo, k_hi, KSTEP * SB):
                 for sbi in tl.static_range(SB):
                     kb = kb0 + sbi * KSTEP
                     sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
-                    if FP8_ROUTE == 3:   # "fold": one accumulator over I
-                        pd = acc
-                    else:
-                        pd = tl.zeros(acc.shape, dtype=tl.float32)
+                    pd = _block_start(acc, FOLD)
                     for ks in tl.static_range(0, KSTEP, BK):
                         kk = kb + ks + tl.arange(0, BK)
                         km = kk < I
                         a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
                         w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT,
                                         FP8_ROUTE)
-                        if TF32:
-                            a = round_in_f32(a, WDT)
-                        else:
-                            a = cast(a, WDT)
-                        if FP8_ROUTE == 4:   # "x2"
-                            x1, x2, inv = fp8_pieces(a)
-                            pd += mma_fp8_pieces(w, x1, x2, inv, SWAP)
-                        elif FP8_ROUTE == 5:   # "f16"
-                            pd = _pair_dot(f16_scaled(a, a_scale), w, pd, SWAP, False)
-                        else:
-                            pd = _pair_dot(a, w, pd, SWAP, TF32)
-                    if FP8_ROUTE == 3:
-                        acc = pd
-                    else:
-                        acc = scaled_add(acc, pd, sd)
+                        pd = _route_dot(_route_act(a, WDT, FP8_ROUTE == 2), w, pd, a_scale, FP8_ROUTE, SWAP)
+                    acc = _block_end(acc, pd, sd, FOLD)
             if FP8_ROUTE == 5:
                 acc = acc * _pair_vec(a_inv, SWAP)
         else:
