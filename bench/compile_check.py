@@ -24,7 +24,8 @@ instead of 16 ``LDGSTS.128``), so an offline SASS reading would be of another pr
 ``--sass NAME``: for each launch of a kernel whose name contains NAME, print its registers, shared
 memory and instruction mix, whole and per loop (:func:`sass_report`) -- how many conversions, MMAs and
 address computations a K step costs, read without a GPU (the tables of
-bench/results/2026-12-01-h200-fp8-options.md). To look at a table's GPU config, record under
+bench/results/2026-12-01-h200-fp8-options.md) -- and a digest of its SASS (:func:`sass_digest`): a refactor
+that keeps every launch's digest changes nothing the GPU runs. To look at a table's GPU config, record under
 ``ConfigTable.forced`` (the records keep block sizes, warps and stages as launched).
 
 ``--triton DIR``: compile with another Triton (the GPU machine's version): each Triton release rejects code
@@ -362,6 +363,19 @@ def _cuda_tool(name: str) -> str:
     return path if os.path.exists(path) else name
 
 
+def sass_digest(sass: str) -> tuple:
+    """(sha256 prefix, instruction count) of cuobjdump's SASS listing with the addresses and comments left out:
+    two builds that issue the same instructions on the same registers in the same order share it. A kernel
+    refactor whose launches keep their digests (``--sass KERNEL`` before and after) changes nothing the GPU
+    runs -- no timing or bits to re-check on a GPU."""
+    import hashlib
+    import re
+
+    ins = [m.group(1).strip() for m in (re.match(r"\s+/\*[0-9a-f]{4,6}\*/\s+(.*?);", line)
+                                        for line in sass.splitlines()) if m]
+    return hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], len(ins)
+
+
 def sass_report(cubin: bytes, label: str) -> str:
     """Registers, shared memory and the instruction mix of a cubin, whole and per loop (a backward branch
     and the instructions it jumps back over): the loop with the most instructions first."""
@@ -390,7 +404,8 @@ def sass_report(cubin: bytes, label: str) -> str:
         return ", ".join(sorted({r[2] for r in rows if r[1] in ("LDG", "LDGSTS", "LDS", "STG", "STS", "LDSM")}))
 
     usage = " ".join(re.findall(r"(REG:\d+|SHARED:\d+|STACK:\d+)", res)[:3])
-    out = [f"{label}: {usage}; {len(ins)} instructions: {mix(ins)}; memory ops: {memory(ins)}"]
+    out = [f"{label}: {usage}; {len(ins)} instructions: {mix(ins)}; memory ops: {memory(ins)}; "
+           f"SASS digest {sass_digest(sass)[0]}"]
     loops = []
     for addr, op, _, operands in ins:
         t = re.match(r"(0x[0-9a-f]+)", operands.strip())

@@ -142,3 +142,23 @@ def test_gguf_table_entries_compile_with_their_loops_reported():
     assert sum(1 for line in p.stdout.splitlines() if line.strip().startswith("loop ")) >= len(heads)
     for k, *_ in Q._GPU_TABLE:
         assert f"'K': {k}," in p.stdout, k
+
+
+def test_sass_digest_ignores_addresses_and_sees_instructions(tmp_path):
+    """``--sass`` reports a digest of each launch's SASS: the same launch compiled twice gives the same one,
+    and a listing that differs only in addresses and comments too; the control -- the same kernel compiled
+    with x unaligned (byte loads instead of 16-byte ones) -- gives another."""
+    import re
+
+    (_, ok, _, a), (_, ok2, _, b), (_, ok3, _, c) = _compile_records(
+        tmp_path, [_copy_record(True, 4096), _copy_record(True, 4096), _copy_record(False, 4096)], "--sass", "_copy_rows")
+    assert ok and ok2 and ok3
+    digest = lambda rep: re.search(r"SASS digest ([0-9a-f]{16})", rep).group(1)   # noqa: E731
+    assert digest(a) == digest(b) != digest(c)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import compile_check as cc
+
+    one = "        /*0000*/                   LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+    moved = "        /*0010*/  LDC R1, c[0x0][0x28] ;  /* 0x0000000000000000 */\n"
+    assert cc.sass_digest(one) == cc.sass_digest(moved) != cc.sass_digest(one.replace("R1,", "R2,"))
+    assert cc.sass_digest(one)[1] == 1
