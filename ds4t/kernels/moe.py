@@ -213,7 +213,8 @@ def _split_range(K, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr):
 
 @triton.jit
 def _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K: tl.constexpr):
-    """[BM, BK] hidden states h[b, kk] of the tile's pairs (rows b), for the gate/up product; masked 0."""
+    """[BM, BK] rows b, columns kk of a row-major buffer (row stride sh_b) for the tile's pairs, as stored;
+    masked 0: the hidden states h[b] for the gate/up product (b = a pair's row), or :func:`_act_tile`'s."""
     return tl.load(h_ptr + b[:, None] * sh_b + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0)
 
 
@@ -221,7 +222,7 @@ def _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K: tl.constexpr):
 def _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K: tl.constexpr = False):
     """fp32 [BM, BK] activations silu(g) * u of pairs p, columns kk, for the down product, as the gate/up
     kernel (or, after a split gate/up, :func:`_moe_act_kernel`) stored them."""
-    return tl.load(act_ptr + p[:, None] * sa_p + kk[None, :], mask=_pairs_mask(qm, km, EVEN_K), other=0.0).to(tl.float32)
+    return _h_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K).to(tl.float32)
 
 
 @triton.jit
