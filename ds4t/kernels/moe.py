@@ -38,9 +38,6 @@ How it runs (no host synchronisation; every grid comes from shapes):
    each stores fp32 partials that are added in split order (gate_up's: ``_moe_act_kernel``, before
    silu(g)·u; down's: the combine, before the routing weight): more programs, each with a shorter K
    chain, for the few experts of a decode step. Like every field it is fixed per key, never per batch.
-   FP8 gate/up with ``MoEConfig.block_dots``: the splits store each scale block's dot instead, and
-   ``_moe_act_kernel`` adds them times their scales in block order with the kernel's own ``fma`` -- the
-   unsplit kernel's operations in its order, so the same bits, and a few-rows entry may take it.
    With ``MoEConfig.row_programs`` (launches of many rows) a kernel's grid axis 0 is row tiles, not
    slots: program t runs the t-th tile of BLOCK_M pairs in (expert, pair order) order
    (:func:`_program_tile`) -- the same tiles the per-expert program loops over, so the same bits, with a
@@ -227,21 +224,13 @@ def _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K: tl.constexpr = False):
 
 @triton.jit
 def _moe_act_kernel(part_ptr, sp_s, sp_p, act_ptr, sa_p, order_ptr, bounds_ptr, E, I,
-                    SPLIT: tl.constexpr, ACT_ROUNDED: tl.constexpr, WDT: tl.constexpr, BI: tl.constexpr,
-                    BLOCKS: tl.constexpr = 0, ids_ptr=None, si_b=0, KT=1, SHARED=-1, KR: tl.constexpr = 0,
-                    sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0):
+                    SPLIT: tl.constexpr, ACT_ROUNDED: tl.constexpr, WDT: tl.constexpr, BI: tl.constexpr):
     """After a split gate/up (``MoEConfig.split`` = SPLIT): act[p, i] = silu(g) * u with g = part[0, p, i] +
     part[1, p, i] + ... and u likewise at column I + i, added in split order (:func:`ds4t.backend.split_sum`),
     rounded to WDT when ACT_ROUNDED -- what the unsplit gate/up kernel stores. Grid (P, cdiv(I, BI)):
     program q takes the q-th grouped pair (order[q]); pairs past bounds[E] (ids -1: no expert) have no
     partials and are skipped. A separate launch, so the down kernel reads one activation tile as after
-    an unsplit gate/up (reading and adding the partials there took it 96 KB of shared memory).
-
-    BLOCKS > 0 (``MoEConfig.block_dots``, FP8 weights): part holds each of the BLOCKS scale blocks' dots
-    (part[j, p]); g = scaled_add(... scaled_add(0, part[0, p, i], sg[e, i, 0]) ..., part[B-1, p, i],
-    sg[e, i, B-1]) -- the unsplit kernel's accumulation, operation for operation -- with e the pair's expert
-    (``ids`` [B, KR] row stride si_b, KT ranks a row, the shared expert SHARED at rank KR) and sg / su the
-    scales [E, I, BLOCKS] (strides ss_e, ss_n, 1)."""
+    an unsplit gate/up (reading and adding the partials there took it 96 KB of shared memory)."""
     grid_dependency()
     q = tl.program_id(0)
     if q < tl.load(bounds_ptr + E):
@@ -249,19 +238,7 @@ def _moe_act_kernel(part_ptr, sp_s, sp_p, act_ptr, sa_p, order_ptr, bounds_ptr, 
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         m = i < I
         ptrs = part_ptr + p * sp_p + i
-        if BLOCKS > 0:
-            e = _pair_expert(ids_ptr, si_b, p // KT, p % KT, p >= 0, KR, SHARED)
-            s_row = e.to(tl.int64) * ss_e + i * ss_n
-            g = tl.zeros([BI], dtype=tl.float32)
-            u = g
-            for jb in range(0, BLOCKS):
-                g = scaled_add(g, tl.load(ptrs + jb * sp_s, mask=m, other=0.0),
-                               tl.load(sg_ptr + s_row + jb, mask=m, other=0.0))
-                u = scaled_add(u, tl.load(ptrs + I + jb * sp_s, mask=m, other=0.0),
-                               tl.load(su_ptr + s_row + jb, mask=m, other=0.0))
-            act = _silu(g) * u
-        else:
-            act = _silu(split_sum(ptrs, m, sp_s, SPLIT)) * split_sum(ptrs + I, m, sp_s, SPLIT)
+        act = _silu(split_sum(ptrs, m, sp_s, SPLIT)) * split_sum(ptrs + I, m, sp_s, SPLIT)
         if ACT_ROUNDED:
             act = cast(act, WDT)
         tl.store(act_ptr + p * sa_p + i, act, mask=m)
@@ -504,7 +481,7 @@ def _moe_gate_up_kernel(
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
-    ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1, BLOCK_DOTS: tl.constexpr = False,
+    ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -527,8 +504,6 @@ def _moe_gate_up_kernel(
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
     sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u.
-    BLOCK_DOTS (FP8 weights, not the "fold" / "f16" routes): each scale block j's dots are stored unscaled at
-    act[j, p, :I] / act[j, p, I:] instead, for :func:`_moe_act_kernel` to add in block order (the same bits).
 
     ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``."""
     grid_dependency()
@@ -573,12 +548,8 @@ def _moe_gate_up_kernel(
                         a = _route_act(a, WDT, FP8_ROUTE == 2)
                         pg = _route_dot(a, wg, pg, a_scale, FP8_ROUTE, SWAP)
                         pu = _route_dot(a, wu, pu, a_scale, FP8_ROUTE, SWAP)
-                    if BLOCK_DOTS:
-                        _store_tile(act_ptr + j * sa_s, p, sa_p, n, qm, nm, pg, SWAP)
-                        _store_tile(act_ptr + j * sa_s + I, p, sa_p, n, qm, nm, pu, SWAP)
-                    else:
-                        acc_g = _block_end(acc_g, pg, sg, FOLD)
-                        acc_u = _block_end(acc_u, pu, su, FOLD)
+                    acc_g = _block_end(acc_g, pg, sg, FOLD)
+                    acc_u = _block_end(acc_u, pu, su, FOLD)
             if FP8_ROUTE == 5:
                 acc_g = acc_g * _pair_vec(a_inv, SWAP)
                 acc_u = acc_u * _pair_vec(a_inv, SWAP)
@@ -592,9 +563,7 @@ def _moe_gate_up_kernel(
                 wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
                 acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
                 acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
-        if BLOCK_DOTS:
-            pass   # every block's dots are stored
-        elif SPLIT > 1:
+        if SPLIT > 1:
             part = act_ptr + tl.program_id(2) * sa_s
             _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
             _store_tile(part + I, p, sa_p, n, qm, nm, acc_u, SWAP)
@@ -788,8 +757,6 @@ class MoEConfig:
     row_programs: bool = False  # one program per (expert, row tile) instead of per expert (_program_tile)
     scale_blocks: int = 1       # FP8: scale blocks a K-loop step, each with the one-block step's operations (same
                                 # bits); a launch whose splits are not whole steps of them takes one (blocks_a_step)
-    block_dots: bool = False    # FP8 gate/up: its K splits store each scale block's dot, added in block order
-                                # after it (the unsplit kernel's bits, so a few-rows entry may split K this way)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -857,8 +824,6 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     few = _few_entry(kernel, fmt, K)
     if few is not None and B <= few.max_rows:
         free = FEW_ROWS_FREE["fp8" if "fp8" in fmt else "16-bit"]
-        if few.block_dots and "fp8" in fmt and kernel == "gate_up" and cfg.split == 1 and not cfg.block_dots:
-            free = free + ("split", "block_dots")   # splits whose block dots are added in block order: same bits
         if dataclasses.replace(few, max_rows=cfg.max_rows, **{f: getattr(cfg, f) for f in free}) != cfg:
             raise ValueError(f"moe {kernel}: a few-rows entry may change {', '.join(free)} only ({few} vs {cfg})")
         return few
@@ -1060,10 +1025,6 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     fmt = ("fp8",) if fp8 else ()
     gu_cfg, dn_cfg = (None, None) if gguf else (_config("gate_up", fmt, B, D), _config("down", fmt, B, I))
     split = 1 if gguf else gu_cfg.split
-    if not gguf and gu_cfg.block_dots and not (fp8 and gu_cfg.fp8_route in ("direct", "f32", "tf32", "x2")):
-        raise ValueError(f"moe_experts: block_dots needs FP8 weights on a route that scales each block's dot "
-                         f"(direct, f32, tf32, x2), got {'fp8' if fp8 else 'float'} weights, route {gu_cfg.fp8_route!r}")
-    blocks = 0 if gguf or not gu_cfg.block_dots else triton.cdiv(D, w_gate.block_k)
     # 1. group pairs by expert on the device (pairs of an expert in pair order) -- or, for a launch of a
     # few pairs (a decode step of one row) over 16-bit / fp32 experts, let each program find its slot's
     # pairs from the ids itself (SELF_GROUP_PAIRS; no grouping launch, the same pairs in the same tiles)
@@ -1076,10 +1037,8 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         order, bounds = group_pairs(ids, E, shared_expert)
         sg_args = {}
     act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
-    # a split gate/up's fp32 partials [split, P, 2I] (g, then u) -- or with block_dots each scale block's dots
-    # [blocks, P, 2I] -- added by _moe_act_kernel
-    part = (torch.empty((blocks or split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 or blocks
-            else act)
+    # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel
+    part = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act
     dn_split = 1 if gguf else dn_cfg.split
     y = torch.empty((dn_split, P, D) if dn_split > 1 else (P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
@@ -1128,8 +1087,6 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     kps = k_per_split(D, split, step) if split > 1 else D
     if split > 1:
         kw.update(SPLIT=split, K_PER_SPLIT=kps, sa_s=part.stride(0))
-    if blocks:
-        kw.update(BLOCK_DOTS=True, sa_s=part.stride(0))
     if fp8:
         kw.update(SB=blocks_a_step(cfg, D, step, kps))
     kw.update(evenness(D, step, I, BN))
@@ -1143,16 +1100,11 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         WDT=WDT, BM=cfg.block_m, BN=BN, BK=BK, DEVICE_LIST=device_list, BE=BE, ACT_ROUNDED=act_rounded,
         SWAP=cfg.swap, slots_ptr=slots, **sg_args, **kw, **LAUNCH,
     )
-    if split > 1 or blocks:
+    if split > 1:
         BI = min(1024, triton.next_power_of_2(I))
-        ba = {}
-        if blocks:   # the pairs' experts from the ids, their scales from the weights
-            ba = dict(BLOCKS=blocks, ids_ptr=ids, si_b=ids.stride(0), KT=KT, SHARED=SHARED, KR=k,
-                      sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0),
-                      ss_n=w_gate.scale.stride(1))
         _moe_act_kernel[(P, triton.cdiv(I, BI))](
             part, part.stride(0), part.stride(1), act, act.stride(0), order, bounds, E, I,
-            SPLIT=split, ACT_ROUNDED=act_rounded, WDT=WDT, BI=BI, **ba, **LAUNCH,
+            SPLIT=split, ACT_ROUNDED=act_rounded, WDT=WDT, BI=BI, **LAUNCH,
         )
     # 3. down
     cfg = dn_cfg

@@ -944,60 +944,6 @@ def test_few_rows_control_a_split_k_is_caught(device):
     assert not torch.equal(full, alone)
 
 
-def test_few_rows_block_dots_split_keeps_every_rows_bits(device):
-    """A few-rows entry may split FP8 gate/up's K when the splits store each scale block's dot and
-    _moe_act_kernel adds them in block order (``block_dots``): each lone row, split in two, equals that row in
-    the 6-row launch of the unsplit decode entry, bitwise, with bf16 and fp32 activations."""
-    few = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True, num_warps=2, num_stages=3, max_rows=2,
-                      split=2, block_dots=True)
-    for adt in (torch.bfloat16, torch.float32):
-        full, alone = _few_rows_run(few, device, adt=adt)
-        assert not torch.isnan(full).any() and torch.equal(full, alone)
-
-
-@pytest.mark.parametrize("swap,route,adt", [(True, "f32", torch.float32), (False, "f32", torch.float32),
-                                            (True, "tf32", torch.bfloat16), (False, "x2", torch.bfloat16),
-                                            (True, "direct", torch.bfloat16)])
-def test_block_dots_give_the_unsplit_bits(device, swap, route, adt):
-    """FP8 gate/up over 4 scale blocks in 1, 2 or 4 K splits with ``block_dots``: the output (NaN-poisoned)
-    equals the unsplit launch's bitwise, both operand orders and every route that scales a block's dot.
-    Control (fp32 activations: a 16-bit silu(g)*u can round an ulp away): a plain split adds per-split
-    partials, other sums."""
-    E, I, D, k, B = 6, 72, 512, 2, 5
-    wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 91))
-    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=92))
-    h = torch.randn(B, D, generator=gen(93)).to(device)
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=swap, num_warps=2, num_stages=3)
-
-    def run(cfg):
-        rule = lambda kernel, *f: None if "few" in f or "rows" in f else cfg if kernel == "gate_up" else base  # noqa: E731
-        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(rule):
-            return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
-                               out=poisoned((B, D), device=device))
-
-    ref = run(base)
-    assert not torch.isnan(ref).any()
-    for split in (1, 2, 4):
-        assert torch.equal(run(dataclasses.replace(base, split=split, block_dots=True)), ref), split
-    if adt == torch.float32:
-        assert not torch.equal(run(dataclasses.replace(base, split=2)), ref)
-
-
-def test_block_dots_refuse_what_cannot_keep_the_bits(device):
-    """``block_dots`` on a route that does not scale each block's dot ("fold", "f16") or on float weights:
-    ValueError; and a few-rows entry may split K only with it (test_few_rows_entry_may_change_only_the_free_fields)."""
-    E, I, D, k, B = 6, 72, 256, 2, 2
-    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=95))
-    h = torch.randn(B, D, generator=gen(96)).to(device)
-    fp8 = [x.to(device) for x in _fp8_weights(E, I, D, 94)]
-    flt = [x.to(device) for x in _weights(E, I, D, torch.bfloat16, 94)]
-    for weights, route in ((fp8, "fold"), (fp8, "f16"), (flt, "direct")):
-        cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route=route, swap=True, num_warps=2, split=2, block_dots=True)
-        rule = lambda kernel, *f: None if "few" in f or "rows" in f else cfg  # noqa: E731
-        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(rule), pytest.raises(ValueError, match="block_dots"):
-            moe_experts(h, ids, w, *weights, shared_expert=E - 1, act_dtype=torch.bfloat16)
-
-
 def test_few_rows_bf16_entry_with_other_tiles_keeps_every_rows_bits(device):
     """16-bit weights: a few-rows entry may take other N tiles, warps and stages (FEW_ROWS_FREE); each lone
     row equals that row in the 6-row launch of the decode entry, bitwise. (The K tile is free on the GPU
@@ -1020,8 +966,6 @@ def test_few_rows_entry_may_change_only_the_free_fields(fmt):
     K split, the operand order or the route, in either format."""
     base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=True)
     ok = [dataclasses.replace(base, num_stages=8, max_rows=4)]
-    if fmt:   # FP8: K splits whose block dots are added in block order
-        ok.append(dataclasses.replace(base, split=2, block_dots=True, max_rows=4))
     bad = [dataclasses.replace(base, split=2, max_rows=4), dataclasses.replace(base, swap=False, max_rows=4),
            dataclasses.replace(base, fp8_route="tf32", max_rows=4)]
     tiles = [dataclasses.replace(base, tile_k=32, max_rows=4), dataclasses.replace(base, tile_n=64, max_rows=4),
