@@ -591,6 +591,30 @@ def split_sum_bias(ptrs, mask, stride, SPLIT: tl.constexpr, b_ptrs, HAS_BIAS: tl
 
 
 @triton.jit
+def _pair_halve(x):
+    # A sum of two is a + b in any order (IEEE addition commutes), so tl.sum may reduce the pair
+    # however the layout has it -- in one thread, by a lane shuffle or through shared memory.
+    return tl.sum(tl.reshape(x, x.shape[:-1] + [x.shape[-1] // 2, 2]), axis=len(x.shape))
+
+
+@triton.jit
+def pair_sum(x):
+    """Sum of fp32 ``x`` [..., n] over its last axis (n a power of two), as a fixed tree: adjacent
+    elements added in pairs, then adjacent pair sums, log2(n) times; returns [...].
+
+    Why not ``tl.sum``: its order follows the tensor's layout (threads, warps, registers), which the
+    compiler picks per kernel, so two kernels summing the same row may round differently. Here every
+    addition's operands are fixed by n alone -- the same bits in any kernel, layout, warp count, and in
+    the interpreter -- so a norm recomputed inside another kernel (a fused prologue) gives the norm
+    kernel's bits. Zeros past the data change nothing (x + 0 == x), so callers pad to a power of two.
+    The tree over n is the tree over each aligned power-of-two chunk, then over the chunk sums."""
+    for _ in tl.static_range(16):
+        if x.shape[-1] > 1:
+            x = _pair_halve(x)
+    return tl.reshape(x, x.shape[:-1])
+
+
+@triton.jit
 def scaled_add(acc, p, s):
     """acc + p * s rounded once (a fused multiply-add): how a block-scaled kernel adds a scale block's
     dot p times its scale s. Written as ``acc + p * s`` the compiler may or may not contract it into an

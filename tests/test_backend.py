@@ -26,6 +26,47 @@ def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + r, cast(x, y_ptr.dtype.element_ty), mask=r < n)
 
 
+@triton.jit
+def _pair_sum_kernel(x_ptr, y_ptr, t_ptr, M: tl.constexpr, N: tl.constexpr):
+    rm = tl.arange(0, M)
+    rn = tl.arange(0, N)
+    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :])
+    tl.store(y_ptr + rm, backend.pair_sum(x))
+    tl.store(t_ptr + rm, tl.sum(x, axis=1))
+    x3 = tl.reshape(x, (M, 2, N // 2))   # the same rows as two halves: pair_sum of each half, [M, 2]
+    tl.store(y_ptr + M + rm[:, None] * 2 + tl.arange(0, 2)[None, :], backend.pair_sum(x3))
+
+
+def _tree_ref(x: torch.Tensor) -> torch.Tensor:
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+@pytest.mark.parametrize("warps", [1, 4, 8])
+def test_pair_sum_is_one_tree_in_any_layout(device, warps):
+    """pair_sum adds adjacent pairs, log2(n) times: bitwise the torch reference of that tree whatever the
+    warps (the layout), on any rank; the sum over a row is the sum of its halves' sums. Control: the same
+    rows summed in another order (left to right; on the GPU also tl.sum) round differently, so the
+    comparison can fail."""
+    g = torch.Generator().manual_seed(3)
+    M, N = 8, 2048
+    x = (torch.randn(M, N, generator=g) * torch.logspace(-3, 3, N)[torch.randperm(N, generator=g)]).to(device)
+    y = torch.full((M + 2 * M,), float("nan"), device=device)
+    t = torch.full((M,), float("nan"), device=device)
+    _pair_sum_kernel[(1,)](x, y, t, M, N, num_warps=warps)
+    ref = _tree_ref(x.cpu())
+    assert torch.equal(y[:M].cpu(), ref)
+    halves = _tree_ref(x.cpu().view(M, 2, N // 2))
+    assert torch.equal(y[M:].cpu().view(M, 2), halves) and torch.equal(halves[:, 0] + halves[:, 1], ref)
+    seq = x.cpu()[:, 0].clone()
+    for i in range(1, N):
+        seq += x.cpu()[:, i]
+    assert not torch.equal(seq, ref)   # the control: another order, other bits
+    if device != "cpu":
+        assert not torch.equal(t.cpu(), ref)   # tl.sum's order is the layout's, not this tree
+
+
 def test_bf16_dot_matches_torch(device):
     a = torch.randn(16, 32, device=device).bfloat16()
     b = torch.randn(32, 16, device=device).bfloat16()

@@ -248,9 +248,7 @@ def _norm_rope_head(x_row, sd, w_ptr, c, s, eps,
         v = tl.load(x_row + d * sd).to(tl.float32)
     else:
         v = tl.load(x_row + d * sd, mask=d < D, other=0.0).to(tl.float32)
-    sq = tl.zeros((1, BLOCK_D), dtype=tl.float32)
-    sq += v * v
-    rstd = norm.rstd_of(sq, D, eps)
+    rstd = norm.rstd_of(norm.add_square(tl.zeros((1, BLOCK_D), dtype=tl.float32), v), D, eps)
     i = tl.arange(0, BLOCK_HALF)[None, :]
     im = i < HALF
     w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)
@@ -938,12 +936,10 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     [R] int32 or int64, inv_freq [rotary_dim / 2] fp32, caches [S, L, KV, D|Dv]. Is
     ``rope(rms_norm(q)), write_kv(rope(rms_norm(k)), v)`` (rope scale 1) in one launch: on the GPU
     :func:`_norm_rope_kv_kernel` (a program per row and head), in the interpreter its twin (variant
-    ``"interp"``, :mod:`ds4t.kernels.interp.attention_rows`). In the interpreter the result is the
-    separate kernels' bit for bit; on the GPU its sum of squares may reduce in another order than the
-    norm kernel's (the compiler lays the [1, D] tile out by the pointers' alignment: 1 ulp of rstd at
-    D = 16 on the H200), so it is the only q/k-norm path there: every row, prefill or decode, of
-    every model with q/k norms goes through it. Batch invariant (a row's result never depends on
-    the others).
+    ``"interp"``, :mod:`ds4t.kernels.interp.attention_rows`). The result is the separate kernels' bit for
+    bit: the norms' sums of squares are :func:`ds4t.kernels.norm.rstd_of`'s fixed tree in every kernel and
+    layout. Every row, prefill or decode, of every model with q/k norms goes through it. Batch invariant (a
+    row's result never depends on the others).
     """
     _check_cache(k_cache, v_cache)
     S, L, KV, D = k_cache.shape

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, LAUNCH_SERIAL, grid_dependency, sigmoid, softplus, timer
+from ds4t.backend import LAUNCH, LAUNCH_SERIAL, cast, grid_dependency, sigmoid, softplus, timer
 from ds4t.kernels import norm
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.interp import gdn_rows
@@ -67,28 +67,34 @@ class GDNConfig:
     block_v: int
     num_warps: int = 4
     prefetch: bool = True   # prefill: load token t + 1 before token t's step (the same values; speed only)
+    norm_rows: int = 0      # whole-heads decode entries: fuse the gated norm into launches of <= this many rows
 
 
-def _gpu_rule(Hv: int, Dk: int, Dv: int, layout: str) -> GDNConfig:
+def _gpu_rule(Hv: int, Dk: int, Dv: int, layout: str, whole_heads: bool = False) -> GDNConfig:
     bk = triton.next_power_of_2(Dk)
     if layout == "dk":
+        if whole_heads:   # Dk stays in one warp's lanes, warps split Dv: the tree of every Dk reduction is kept
+            bv = triton.next_power_of_2(Dv)
+            return GDNConfig(block_h=1, block_k=bk, block_v=bv, num_warps=max(1, min(8, bv // 16)), norm_rows=64)
         return GDNConfig(block_h=1, block_k=bk, block_v=min(8, triton.next_power_of_2(Dv)), num_warps=1)
     return GDNConfig(block_h=1, block_k=bk, block_v=min(32, triton.next_power_of_2(Dv)), num_warps=4)
 
 
 GDN_CONFIGS: ConfigTable[GDNConfig] = ConfigTable(
     "gdn", gpu={}, gpu_rule=_gpu_rule,
-    interp_rule=lambda Hv, Dk, Dv, layout: GDNConfig(block_h=triton.next_power_of_2(Hv),
-                                                     block_k=triton.next_power_of_2(Dk),
-                                                     block_v=triton.next_power_of_2(Dv)),
+    interp_rule=lambda Hv, Dk, Dv, layout, whole_heads=False: GDNConfig(block_h=triton.next_power_of_2(Hv),
+                                                                        block_k=triton.next_power_of_2(Dk),
+                                                                        block_v=triton.next_power_of_2(Dv),
+                                                                        norm_rows=1 << 16 if whole_heads else 0),
     source="bench/results/2026-12-04-h200-gdn-dk-state.md (python bench/gdn_tiles.py): state with Dk "
            "contiguous: one value head, 8 Dv columns, 1 warp -- a 1024-token prefill chunk 1.22 -> 0.82 ms a layer "
            "in Qwen3-Next-4l (launched without PDL), 8 x 128 0.79 -> 0.49 ms, decode R = 64 81 -> 74 us against "
            "the Dv-contiguous 32-column, 4-warp tile, which "
            "that layout keeps (bench/results/2026-11-30-h200-prefill-round3.md: its fastest decode at R = 16 / "
            "64; there decode and prefill must share the tile: their bits)")
-"""Keyed on the head shapes (Hv, Dk, Dv) and the state's layout (:func:`state_layout`), never on the
-number of rows."""
+"""Keyed on the head shapes (Hv, Dk, Dv), the state's layout (:func:`state_layout`) and ``whole_heads`` (the
+decode tile of a launch that also computes the gated norm, which needs each head's whole Dv in one program;
+"dk" only, where the Dv tile and warps change no bit), never on the number of rows."""
 
 
 STATE_ORDER = (0, 2, 1)
@@ -155,6 +161,7 @@ def _gdn_kernel(
     BH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
     states_ptr, sst_t, can_keep,
     PREFETCH: tl.constexpr = True,
+    z_ptr=None, sz_r=0, sz_h=0, sz_v=0, nw_ptr=None, norm_eps=0.0, NORM_D: tl.constexpr = 0,
 ):
     # Decode: program (row, head block, Dv tile), one token, slot from slots[row].
     # Prefill: program (segment, head block, Dv tile); segment g = slots[g] = (first row r0, T rows,
@@ -164,6 +171,8 @@ def _gdn_kernel(
     # prefix of the chunk. keep is a runtime value, not a constexpr: with and without it the prefill is
     # ONE compiled kernel, so keeping the states cannot change how the compiler lays out (and so sums)
     # the step's math.
+    # NORM_D > 0 (decode, a program holds whole heads: BV >= Dv): out gets norm.gated_rms_norm of each
+    # head's o with z [R, Hv, Dv] and the norm weight nw [Dv] (norm.gated_rms: the norm kernel's bits).
     grid_dependency()
     pid_r = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -238,7 +247,11 @@ def _gdn_kernel(
                                     q_ptr + r * sq_r, sq_h, sq_d, k_ptr + r * sk_r, sk_h, sk_d,
                                     v_ptr + r * sv_r, sv_h, sv_d, a_ptr + r * sa_r, sa_h, b_ptr + r * sb_r, sb_h)
         S, o = _gdn_step(S, q, k, v, a, b, A_log, dt_bias, scale, EPS)
-        tl.store(out_ptr + r * so_r + o_off, o, mask=o_m)
+        if NORM_D > 0:
+            z = tl.load(z_ptr + r * sz_r + h[:, None] * sz_h + dv[None, :] * sz_v, mask=o_m, other=0.0)
+            nw = tl.load(nw_ptr + dv, mask=vm, other=0.0).to(tl.float32)
+            o = norm.gated_rms(o, nw[None, :], z.to(tl.float32), NORM_D, norm_eps)
+        tl.store(out_ptr + r * so_r + o_off, cast(o, out_ptr.dtype.element_ty), mask=o_m)
     # Each element of S is read and written by the same thread (same layout), and no two
     # programs share an element: no barrier needed.
     tl.store(state_ptr + s_off, S, mask=s_m)
@@ -277,11 +290,23 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
     programs = check_segments(slots, "gdn_prefill_segments") if prefill else R
     if R == 0 or programs == 0:
         return out.to(out_dtype)
-    cfg = GDN_CONFIGS(Hv, Dk, Dv, state_layout(state))
+    layout = state_layout(state)
+    cfg = GDN_CONFIGS(Hv, Dk, Dv, layout)
     BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out.to(out_dtype)   # in the interpreter y is computed in fp32, then rounded as the GPU stores it
+    norm_args = {}
+    if gated_norm is not None and not prefill and layout == "dk":
+        whole = GDN_CONFIGS(Hv, Dk, Dv, layout, True)
+        if whole.block_v >= Dv and R <= whole.norm_rows:   # the norm in the decode program: the same bits
+            z, norm_w, eps = gated_norm
+            cfg, BH, BK, BV = whole, whole.block_h, whole.block_k, whole.block_v
+            if out_dtype != torch.float32:
+                out = torch.empty((R, Hv, Dv), dtype=out_dtype, device=q.device)
+            norm_args = dict(z_ptr=z, sz_r=z.stride(0), sz_h=z.stride(1), sz_v=z.stride(2), nw_ptr=norm_w,
+                             norm_eps=float(eps), NORM_D=Dv)
+            gated_norm = None
     grid = (programs, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
     keep = dict(states_ptr=state, sst_t=0, can_keep=0)   # never written when can_keep == 0
     if states_out is not None:
@@ -301,7 +326,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         out, *out.stride(),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         PREFILL=prefill, BH=BH, BK=BK, BV=BV, EPS=L2_EPS, PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps, **keep, **(LAUNCH_SERIAL if prefill else LAUNCH),
+        num_warps=cfg.num_warps, **keep, **norm_args, **(LAUNCH_SERIAL if prefill else LAUNCH),
     )
     if gated_norm is not None:
         z, norm_w, eps = gated_norm
@@ -319,7 +344,8 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, state, slots, *, out: Optional[tor
     (any float dtype); state [S, Hv, Dk, Dv] fp32, updated in place at ``slots`` [B] int32.
     Returns o fp32 [B, Hv, Dv] (``out`` if given). With ``z`` [B, Hv, Dv] (unit last stride) and
     ``norm_w`` [Dv] it returns ``norm.gated_rms_norm(o, z, norm_w, norm_eps)`` per head instead,
-    bitwise the same (in the interpreter computed in the same launch; ``out`` then holds o or y),
+    bitwise the same (computed in the same launch in the interpreter, and on the GPU for a Dk-contiguous
+    state at up to ``GDNConfig.norm_rows`` rows, one program a head; ``out`` then holds o or y),
     stored as ``out_dtype`` (fp32, or bf16 / fp16 rounded to nearest even: a new tensor).
     """
     if (z is None) != (norm_w is None):

@@ -443,8 +443,7 @@ def _norm_rope_latent_kernel(
         rr = tl.arange(0, BLOCK_R)[None, :]
         rm = rr < R
         v = tl.load(kv_ptr + b * skv_b + rr, mask=rm, other=0.0).to(tl.float32)
-        sq = tl.zeros((1, BLOCK_R), dtype=tl.float32)
-        sq += v * v
+        sq = norm.add_square(tl.zeros((1, BLOCK_R), dtype=tl.float32), v)
         y = (v * norm.rstd_of(sq, R, eps)) * tl.load(w_ptr + rr, mask=rm, other=0.0).to(tl.float32)
         dst = cache_ptr + slot * s_cs + pos * s_cl
         dt = cache_ptr.dtype.element_ty

@@ -16,7 +16,8 @@ Math (all in fp32):  x̂ = x * rsqrt(mean(x², over D) + eps)
     gated_rms_norm  y = x̂ · w · silu(z)  (callers reshape [B, H*D] -> [B*H, D] for per-head norms)
 
 Batch invariance: each row's statistics are reduced over D alone, in an order fixed by D
-(BLOCK_D chunks, then one tl.sum over the chunk accumulator). On the GPU a program owns one row;
+(BLOCK_D chunks, then :func:`ds4t.backend.pair_sum`'s fixed tree over the chunk accumulator, whose bits no
+layout changes: another kernel holding a whole row recomputes the norm bit for bit, :func:`gated_rms`). On the GPU a program owns one row;
 in the interpreter a program owns up to 32 rows (programs are what cost time there; NORM_CONFIGS),
 fewer when R is smaller (its loads cost per element). The row count is the M tile: each row's sum
 is its own tl.sum over D, whatever the other rows of the tile (tests/kernels/test_norm.py checks
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid, split_sum_bias, timer
+from ds4t.backend import LAUNCH, cast, grid_dependency, pair_sum, sigmoid, split_sum_bias, timer
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import CheckResult, register_check, register_op, rows_invariant
 from ds4t.kernels.moe import combine_rows
@@ -69,11 +70,30 @@ NORM_CONFIGS: ConfigTable[NormConfig] = ConfigTable(
 
 @triton.jit
 def rstd_of(sq, D: tl.constexpr, eps):
-    """1 / sqrt(mean + eps) [M, 1] of each row's squares sq fp32 [M, BLOCK] (zeros past D): one tl.sum a row,
-    IEEE sqrt and division (not the approximate GPU defaults), as torch computes them. Every RMSNorm in
-    ds4t (this module's kernel and the fused prologues) computes it here."""
-    ms = tl.div_rn(tl.sum(sq, axis=1), tl.full((sq.shape[0],), D, tl.float32))
-    return tl.div_rn(tl.full((sq.shape[0],), 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+    """1 / sqrt(mean + eps) [..., 1] of the squares sq fp32 [..., BLOCK] (zeros past D; BLOCK a power of
+    two) of each row: the row's sum as :func:`ds4t.backend.pair_sum`'s fixed tree -- the same bits in whatever
+    kernel and layout computes it -- then IEEE sqrt and division (not the approximate GPU defaults), as torch
+    computes them. Every RMSNorm in ds4t (this module's kernel and the fused prologues) computes it here."""
+    ms = tl.div_rn(pair_sum(sq), tl.full(sq.shape[:-1], D, tl.float32))
+    rstd = tl.div_rn(tl.full(sq.shape[:-1], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+    return tl.expand_dims(rstd, len(sq.shape) - 1)
+
+
+@triton.jit
+def add_square(sq, v):
+    """sq + v * v rounded once (an FMA; sq = 0 gives v * v itself). Spelled out so no compiler can contract a
+    square into :func:`rstd_of`'s first additions (an FMA there would round otherwise) in one kernel and
+    not in another: every norm's squares are these."""
+    return tl.fma(v, v, sq)
+
+
+@triton.jit
+def gated_rms(v, w, z, D: tl.constexpr, eps):
+    """x̂ · w · silu(z) of whole rows v fp32 [..., BLOCK] (zeros past D), w and z fp32 broadcastable to it:
+    :func:`gated_rms_norm`'s arithmetic in its order, for a kernel that holds each row whole (the Gated
+    DeltaNet decode program); the same bits as the norm kernel."""
+    y = (v * rstd_of(add_square(tl.zeros(v.shape, tl.float32), v), D, eps)) * w
+    return y * (z * sigmoid(z))
 
 
 @triton.jit
@@ -137,7 +157,7 @@ def _norm_kernel(
     NUM_CHUNKS: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
     EVEN: tl.constexpr = D % BLOCK_D == 0
 
-    # Pass 1: sum of squares, per-column partials over the chunks in order, then one tl.sum.
+    # Pass 1: sum of squares, per-column partials over the chunks in order, then the fixed tree.
     sq = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for c in tl.static_range(NUM_CHUNKS):
         cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
@@ -154,7 +174,7 @@ def _norm_kernel(
             if ADD_RESIDUAL:
                 v += tl.load(r_row + cc, mask=m, other=0.0).to(tl.float32)
                 tl.store(s_row + cc, v, mask=m)
-        sq += v * v
+        sq = add_square(sq, v)
     rstd = rstd_of(sq, D, eps)
 
     # Pass 2: normalise and scale. One chunk: the row is still in registers. More: re-read it

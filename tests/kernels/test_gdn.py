@@ -218,11 +218,17 @@ def _check_rows_batch_invariant(perm, n, dtype, shape):
         assert torch.equal(st_a[s], st_b[s]), f"row {i} (slot {s}) state differs in batch of {n}"
 
 
+@pytest.mark.parametrize("layout", ["dv", "dk"])
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES + [(2, 4, 16, 16), (1, 2, 20, 12)])
-def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv):
+def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv, layout):
     """gdn_decode(..., z=, norm_w=) == gated_rms_norm(gdn_decode(...), z, norm_w), bitwise, with
-    the same new state (z a strided view of a projection, as in Qwen3-Next)."""
+    the same new state (z a strided view of a projection, as in Qwen3-Next). With the state Dk-contiguous
+    the one-row kernel computes the norm itself (whole heads a program) -- the norm kernel's bits because
+    both sum the squares as norm.rstd_of's fixed tree (tests/test_backend.py: pair_sum, with its control)."""
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=5)
+    if layout == "dk":
+        state0 = state0.transpose(2, 3).contiguous().transpose(2, 3)
+        assert GD.state_layout(state0) == "dk"
     B = 5
     q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, device)
     proj = torch.randn(B, Hv * Dv + 7, generator=g).to(device)

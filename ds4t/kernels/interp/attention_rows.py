@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import LAUNCH, cast, grid_dependency, sigmoid
+from ds4t.kernels import norm
 from ds4t.kernels.rope import cos_sin
 from ds4t.kernels.splits import split_of
 
@@ -128,7 +129,7 @@ def _norm_rotate(row_ptr, s_d, w_ptr, dl3, pd3, dm3, rot, c, sn, eps,
     xp = tl.load(row_ptr + pd3 * s_d).to(tl.float32)
     if BD != D:
         x = tl.where(dm3, x, 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=2), D * 1.0) + eps))[:, :, None]
+    rstd = norm.rstd_of(norm.add_square(tl.zeros(x.shape, tl.float32), x), D, eps)
     w = tl.load(w_ptr + dl3).to(tl.float32)
     wp = tl.load(w_ptr + pd3).to(tl.float32)
     if ZERO_CENTERED:

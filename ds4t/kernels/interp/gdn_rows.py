@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ds4t.backend import LAUNCH, grid_dependency, sigmoid, softplus
+from ds4t.kernels import norm
 
 
 @triton.jit
@@ -81,10 +82,7 @@ def _gdn_rows_kernel(
         else:
             zt = tl.load(z_ptr + r3 * sz_r + h3 * sz_h + dv3 * sz_v, mask=dv3 < Dv, other=0.0).to(tl.float32)
             nw = tl.load(nw_ptr + dv3, mask=dv3 < Dv, other=0.0).to(tl.float32)
-        ms = tl.div_rn(tl.sum(o * o, axis=2), tl.full((ROWS, BH), Dv, tl.float32))
-        rstd = tl.div_rn(tl.full((ROWS, BH), 1.0, tl.float32), tl.sqrt_rn(ms + norm_eps))
-        o = (o * rstd[:, :, None]) * nw
-        o = o * (zt * sigmoid(zt))
+        o = norm.gated_rms(o, nw, zt, Dv, norm_eps)
     m = (r < B)[:, None, None]
     if BH != Hv:
         m = m & (h < Hv)[None, :, None]
