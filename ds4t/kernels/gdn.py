@@ -74,8 +74,11 @@ def _gpu_rule(Hv: int, Dk: int, Dv: int, layout: str, whole_heads: bool = False)
     bk = triton.next_power_of_2(Dk)
     if layout == "dk":
         if whole_heads:   # Dk stays in one warp's lanes, warps split Dv: the tree of every Dk reduction is kept
+            # norm_rows 0: one program a head is no faster than the 8-column programs plus the norm launch
+            # (an H100, Qwen3-Next-4l: N = 1 within 0.3-1.4 %, N = 16 / 64 0.9-7.8 % slower fused;
+            # bench/results/2026-12-06-h100-gdn-norm.md). The entry is there to be switched on and timed.
             bv = triton.next_power_of_2(Dv)
-            return GDNConfig(block_h=1, block_k=bk, block_v=bv, num_warps=max(1, min(8, bv // 16)), norm_rows=64)
+            return GDNConfig(block_h=1, block_k=bk, block_v=bv, num_warps=max(1, min(8, bv // 16)), norm_rows=0)
         return GDNConfig(block_h=1, block_k=bk, block_v=min(8, triton.next_power_of_2(Dv)), num_warps=1)
     return GDNConfig(block_h=1, block_k=bk, block_v=min(32, triton.next_power_of_2(Dv)), num_warps=4)
 

@@ -1,4 +1,6 @@
 """ds4t.kernels.gdn: gated delta rule recurrence (decode and prefill) with per-session state."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -218,6 +220,17 @@ def _check_rows_batch_invariant(perm, n, dtype, shape):
         assert torch.equal(st_a[s], st_b[s]), f"row {i} (slot {s}) state differs in batch of {n}"
 
 
+def _norm_in_decode():
+    """The table's rules, with every whole-heads entry fusing the gated norm at any row count (the GPU table
+    leaves it off: GDNConfig.norm_rows)."""
+    rule = GD.GDN_CONFIGS.interp_rule if INTERPRET else GD.GDN_CONFIGS.gpu_rule
+
+    def forced(*key):
+        cfg = rule(*key)
+        return dataclasses.replace(cfg, norm_rows=1 << 16) if len(key) == 5 and key[4] else cfg
+    return GD.GDN_CONFIGS.forced(forced)
+
+
 @pytest.mark.parametrize("layout", ["dv", "dk"])
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", SHAPES + [(2, 4, 16, 16), (1, 2, 20, 12)])
 def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv, layout):
@@ -238,12 +251,14 @@ def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv, 
     st1, st2 = state0.clone(), state0.clone()
     o = gdn_decode(q, k, v, a, b, A_log, dt_bias, st1, slots)
     sep = gated_rms_norm(o.reshape(B * Hv, Dv), z.reshape(B * Hv, Dv), w, 1e-6).view(B, Hv, Dv)
-    fused = gdn_decode(q, k, v, a, b, A_log, dt_bias, st2, slots, z=z, norm_w=w, norm_eps=1e-6)
+    with _norm_in_decode():
+        fused = gdn_decode(q, k, v, a, b, A_log, dt_bias, st2, slots, z=z, norm_w=w, norm_eps=1e-6)
     assert torch.equal(fused, sep) and torch.equal(st1, st2)
     # out_dtype: the same y rounded to nearest even (what a bf16 out_proj rounds it to), the same state
     st3 = state0.clone()
-    narrow = gdn_decode(q, k, v, a, b, A_log, dt_bias, st3, slots, z=z, norm_w=w, norm_eps=1e-6,
-                        out_dtype=torch.bfloat16)
+    with _norm_in_decode():
+        narrow = gdn_decode(q, k, v, a, b, A_log, dt_bias, st3, slots, z=z, norm_w=w, norm_eps=1e-6,
+                            out_dtype=torch.bfloat16)
     assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, sep.to(torch.bfloat16)) and torch.equal(st3, st1)
     with pytest.raises(ValueError, match="out_dtype"):   # o itself (no norm) stays fp32
         gdn_decode(q, k, v, a, b, A_log, dt_bias, state0.clone(), slots, out_dtype=torch.bfloat16)
@@ -417,6 +432,17 @@ def test_state_layout_names_the_contiguous_dim():
     s = torch.zeros(2, 3, 16, 8)
     assert GD.state_layout(s) == "dv" and GD.state_layout(_dk_major(s)) == "dk"
     assert GD.state_layout(torch.zeros(2, 3, 1, 8)) == "dv"   # Dk = 1: no layout to tell, the row-major tile
+
+
+def _norm_in_decode():
+    """The table's rules, with every whole-heads entry fusing the gated norm at any row count (the GPU table
+    leaves it off: GDNConfig.norm_rows)."""
+    rule = GD.GDN_CONFIGS.interp_rule if INTERPRET else GD.GDN_CONFIGS.gpu_rule
+
+    def forced(*key):
+        cfg = rule(*key)
+        return dataclasses.replace(cfg, norm_rows=1 << 16) if len(key) == 5 and key[4] else cfg
+    return GD.GDN_CONFIGS.forced(forced)
 
 
 @pytest.mark.parametrize("layout", ["dv", "dk"])
