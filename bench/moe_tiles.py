@@ -290,6 +290,16 @@ def main():
                           f" ok={ok} inv={inv} same-bits={bits}", flush=True)
                     if ok and inv and (best is None or ms < best[0]):
                         best = (ms, tn, tk, st, via, wp, sw, sp, sb)
+                # The default again, after the sweep: the first timing of a cell (straight after the host built
+                # its weights) read 10-30 % slower than the same config later in the cell on an H100 even after
+                # _warm (bench/results/2026-12-06-h100-block-dots.md): compare configs with this one.
+                M.MOE_CONFIGS.gpu.update(default)
+                again = _time(runs)
+                print(f"     {kernel} default re-timed after the sweep: {again * 1e3:.1f} us "
+                      f"(first {base_ms * 1e3:.1f} us)", flush=True)
+                for r in rows:
+                    if r.get("shape") == name and r.get("n") == n and r.get("kernel") == kernel and "us" in r:
+                        r["default_again_us"] = again * 1e3
                 if best:
                     print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} warps={best[5]} stages={best[3]} "
                           f"route={best[4]} swap={best[6]} split={best[7]} sb={best[8]}: "
