@@ -164,12 +164,15 @@ class WeightReader:
             return stack(floats)
         if q is not None and all(is_quantized_linear(n) and not q.keeps_float(n) and n not in self.fp8_names
                                  for n in names):
+            # One expert at a time: quantizing the float stack at once held the floats, their stack and
+            # ~4 fp32 copies of it (DeepSeek-V3's 256 experts of a layer: ~60 GB at peak, more than an H100
+            # has); a block never spans two experts, so the stack of the parts has the same bits.
             self.quantize = None
             try:
-                floats = [self(n) for n in names]
+                parts = [quantize(self(n), q.block) for n in names]
             finally:
                 self.quantize = q
-            return quantize(torch.stack(floats), q.block).with_act_dtype(self.dtype)
+            return stack(parts).with_act_dtype(self.dtype)
         return self._stack_in_place(list(names), tail)
 
     def _stack_in_place(self, names, tail):
