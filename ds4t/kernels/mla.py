@@ -467,10 +467,9 @@ def norm_rope_write_latent(c_kv: torch.Tensor, kv_norm: torch.Tensor, eps: float
     int32, inv_freq [Dr / 2] fp32 (every rope dim rotates), cache [S, L, R + Dr] with a contiguous last
     dim; ``interleaved`` / ``scale`` as :func:`ds4t.kernels.rope.rope`. Returns fp32 [B, H, Dr] (``out`` if
     given, with a unit last stride). The same values as :func:`ds4t.kernels.norm.rms_norm`, :func:`ds4t.kernels.rope.rope` and
-    :func:`write_latent` in turn (bitwise in the interpreter) in one launch instead of five (two
-    copies assembled rope's input). On a GPU the norm's sum of squares follows this kernel's reduction
-    order, which may differ in the last bit from the norm kernel's: every MLA row (decode, prefill,
-    native, ordered) goes through this kernel, so nothing compares the two. Rows past the pool (a slot
+    :func:`write_latent` in turn in one launch instead of five (two
+    copies assembled rope's input), bitwise on the GPU too (the norm's sum of squares is
+    :func:`ds4t.kernels.norm.rstd_of`'s fixed tree in both). Rows past the pool (a slot
     or position out of range) write nothing. Batch invariant: one row per program."""
     B, R, Dr = _check_latent_row("norm_rope_write_latent", c_kv, k_pe, cache, slots, positions)
     if q_pe.dim() != 3 or q_pe.shape[0] != B or q_pe.shape[2] != Dr:

@@ -5,10 +5,10 @@ Shapes and dtypes
     weight          [D]     any float dtype, applied in fp32
     returns         fp32 [R, D]; or ``out_dtype`` (bf16 / fp16), rounded to nearest even as it is stored:
                     half the bytes for a consumer that would round the fp32 output to that dtype anyway.
-                    In the interpreter the same values; compiled, the kernel is another variant per output
-                    dtype and its fp32 sum of squares may round differently in the last bit, so an element
-                    can differ by one unit in the output dtype's last place (seen for fp16 at D = 2048 on an
-                    H200). Either way a row's bits depend on the row, D and the output dtype only.
+                    The same values for every output dtype, compiled or not: the fp32 sum of squares is a
+                    fixed tree (:func:`rstd_of`), whatever layout each output dtype's compiled variant gets
+                    (before it was, an fp16 variant at D = 2048 rounded rstd differently on an H200). A
+                    row's bits depend on the row and D only.
 
 Math (all in fp32):  x̂ = x * rsqrt(mean(x², over D) + eps)
     rms_norm        y = x̂ · w            (zero_centered: y = x̂ · (1 + w), Qwen3-Next)

@@ -143,8 +143,8 @@ class DecoderModel(Model):
         activation dtype (bf16 / fp16 models) when every kernel reading that tensor rounds it to that dtype
         first -- linears and fused projections on weights of the model dtype, FP8 or GGUF blocks, the MoE
         experts -- else fp32. The norm rounds to nearest even as it stores, so those consumers read what
-        they would have rounded to, from half the bytes (in the interpreter bit for bit; compiled, the
-        norm variant may round its fp32 statistics differently in the last bit: ``ds4t.kernels.norm``).
+        they would have rounded to, from half the bytes, bit for bit (the norm's statistics do not depend on its
+        output dtype: ``ds4t.kernels.norm``).
         An MoE router kept in fp32 (DeepSeek-V3, GLM-4.5 load ``gate.weight`` so) reads the norm output
         unrounded: those FFN inputs stay fp32."""
         if self.dtype not in (torch.bfloat16, torch.float16):
