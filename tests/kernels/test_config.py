@@ -98,8 +98,8 @@ def _m(name):
 CASES = [
     ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (200,), (1, 256, 1), (32, 256, 1)),
     ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (2048,), (1, 2048, 4), (32, 2048, 4)),
-    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (7168,), (1, 8192, 8), (32, 8192, 8)),
-    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (100000,), (1, 8192, 8), (32, 65536, 8)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (7168,), (1, 8192, 4), (32, 8192, 4)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (100000,), (1, 8192, 4), (32, 65536, 4)),
     ("activation", "ACTIVATION_CONFIGS", ("block_r", "block_c", "num_warps"), (333,), (1, 512, 4), (64, 512, 4)),
     ("activation", "ACTIVATION_CONFIGS", ("block_r", "block_c", "num_warps"), (20000,), (1, 2048, 4),
      (64, 16384, 4)),
