@@ -194,6 +194,28 @@ def profile_step(model, n: int, ctx: int, steps: int = 5):
     return kernel_increments(events, steps)
 
 
+def log_profile(model, label: str, n: int, ctx: int, step_ms: float, log) -> None:
+    """:func:`profile_step` of ``n`` sessions at ``ctx`` tokens, logged as markdown: the kernels by increment,
+    then one step in launch order (``step_ms``: the timed step, for the host share; nan if not timed)."""
+    prof, span_us, sequence = profile_step(model, n, ctx)
+    log(f"\n### {label}: where a graph-replayed native step's GPU time goes, N={n}, {ctx} tokens "
+        f"(torch.profiler)\n")
+    log(f"GPU span {span_us / 1e3:.3f} ms per step (first kernel's start to last kernel's end); step "
+        f"{step_ms:.3f} ms; {sum(r[2] for r in prof):.0f} kernels per step. Increment: from the previous "
+        "kernel's end to this one's (under programmatic dependent launch a kernel's own duration "
+        "includes its wait)\n")
+    log("| kernel | increment us per step | calls per step | duration us per step |")
+    log("|---|---|---|---|")
+    for k, inc, calls, dur in prof[:20]:
+        log(f"| `{k[:90]}` | {inc:.1f} | {calls:.0f} | {dur:.1f} |")
+    if sequence:   # the same step in launch order: where each layer's time goes
+        log(f"\nOne step in launch order ({len(sequence)} kernels; medians over the profiled steps)\n")
+        log("| # | kernel | increment us | duration us |")
+        log("|---|---|---|---|")
+        for i, (k, inc, dur) in enumerate(sequence):
+            log(f"| {i} | `{k[:70]}` | {inc:.2f} | {dur:.2f} |")
+
+
 def graph_exactness(model, n: int = 6, steps: int = 6) -> bool:
     """The same greedy decode with CUDA graphs and eagerly: logits and final states bitwise equal."""
     runs = []
@@ -523,25 +545,9 @@ def bench_model(name, args, bw, log, rows, hf_budget):
         if paths[0] is not None:
             model.native_path = paths[0]
         for n in ns:
-            prof, span_us, sequence = profile_step(model, n, ctxs[0])
             step = next((r["native_ms"] for r in mine if r["n"] == n and r["ctx"] == ctxs[0] and "native_ms" in r),
                         float("nan"))
-            log(f"\n### {name}: where a graph-replayed native step's GPU time goes, N={n}, {ctxs[0]} tokens "
-                f"(torch.profiler)\n")
-            log(f"GPU span {span_us / 1e3:.3f} ms per step (first kernel's start to last kernel's end); step "
-                f"{step:.3f} ms; {sum(r[2] for r in prof):.0f} kernels per step. Increment: from the previous "
-                "kernel's end to this one's (under programmatic dependent launch a kernel's own duration "
-                "includes its wait)\n")
-            log("| kernel | increment us per step | calls per step | duration us per step |")
-            log("|---|---|---|---|")
-            for k, inc, calls, dur in prof[:20]:
-                log(f"| `{k[:90]}` | {inc:.1f} | {calls:.0f} | {dur:.1f} |")
-            if sequence:   # the same step in launch order: where each layer's time goes
-                log(f"\nOne step in launch order ({len(sequence)} kernels; medians over the profiled steps)\n")
-                log("| # | kernel | increment us | duration us |")
-                log("|---|---|---|---|")
-                for i, (k, inc, dur) in enumerate(sequence):
-                    log(f"| {i} | `{k[:70]}` | {inc:.2f} | {dur:.2f} |")
+            log_profile(model, name, n, ctxs[0], step, log)
     # the captured graphs (held by the runner) and the state pool go with the model, before HF loads
     runner = sessions = S = T = plan = s = None  # noqa: F841  (s: the last session a loop closed)
     del model

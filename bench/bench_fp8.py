@@ -31,7 +31,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
-from bench.bench_decode import copy_bandwidth, exactness, step_floor_bytes  # noqa: E402
+from bench.bench_decode import copy_bandwidth, exactness, log_profile, step_floor_bytes  # noqa: E402
 from bench.report import Report  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402,F401  (bench_gguf and bench_tp import it from here)
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
@@ -160,6 +160,9 @@ def bench_model(spec: str, args, bw: float, log, out_rows, label: str = None):
                    tok_s=n / ms * 1e3, load_s=load_s, weights_gb=model.weight_bytes() / 1e9, exact=ok)
         out_rows.append(row)
         log(f"| {n} | {ms:.2f} | {floor:.2f} | {100 * floor / ms:.0f}% ({ms / floor:.2f}x) | {row['tok_s']:.0f} |")
+    if args.profile and cuda:   # the anatomy of each timed N (e.g. DeepSeek-V3-4l in FP8, which fits an H100)
+        for row in [r for r in out_rows if r["model"] == label]:
+            log_profile(model, label, row["n"], args.ctx, row["native_ms"], log)
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -174,6 +177,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--exact-sessions", type=int, default=8)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where each timed step's GPU time goes (bench_decode.log_profile)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of the script")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
