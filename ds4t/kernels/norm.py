@@ -92,7 +92,9 @@ def add_square(sq, v):
 def gated_rms(v, w, z, D: tl.constexpr, eps):
     """x̂ · w · silu(z) of whole rows v fp32 [..., BLOCK] (zeros past D), w and z fp32 broadcastable to it:
     :func:`gated_rms_norm`'s arithmetic in its order, for a kernel that holds each row whole (the Gated
-    DeltaNet decode program); the same bits as the norm kernel."""
+    DeltaNet decode program); the same bits as the norm kernel wherever that kernel takes the row in one chunk
+    (``NORM_CONFIGS(D).block_d >= D``: up to 8192 columns on the GPU; past that it adds the chunks' squares
+    column by column first, and a caller must too)."""
     y = (v * rstd_of(add_square(tl.zeros(v.shape, tl.float32), v), D, eps)) * w
     return y * (z * sigmoid(z))
 
