@@ -116,6 +116,9 @@ CASES = [
      (4, 128, 32, 4)),
     ("gdn", "GDN_CONFIGS", ("block_h", "block_k", "block_v", "num_warps"), (3, 100, 5, "dk"), (1, 128, 8, 1),
      (4, 128, 8, 4)),
+    # whole heads (the decode tile that may compute the gated norm): off on the GPU, on in the interpreter
+    ("gdn", "GDN_CONFIGS", ("block_h", "block_k", "block_v", "num_warps", "norm_rows"), (32, 128, 128, "dk", True),
+     (1, 128, 128, 8, 0), (32, 128, 128, 4, 1 << 16)),
     ("conv", "CONV_CONFIGS", ("block_c", "block_t"), (100,), (128, 16), (128, 64)),
     ("conv", "CONV_CONFIGS", ("block_c", "block_t"), (8192,), (256, 16), (8192, 64)),
     ("mla", "WRITE_LATENT_CONFIGS", ("num_warps",), (64,), (1,), (4,)),
