@@ -240,7 +240,7 @@ def test_decode_with_gated_norm_is_gated_rms_norm(path, device, Hk, Hv, Dk, Dv, 
     both sum the squares as norm.rstd_of's fixed tree (tests/test_backend.py: pair_sum, with its control)."""
     g, A_log, dt_bias, state0 = _params(Hv, Dk, Dv, device, seed=5)
     if layout == "dk":
-        state0 = state0.transpose(2, 3).contiguous().transpose(2, 3)
+        state0 = _dk_major(state0)
         assert GD.state_layout(state0) == "dk"
     B = 5
     q, k, v, a, b = _inputs(g, B, Hk, Hv, Dk, Dv, torch.float32, device)
@@ -432,17 +432,6 @@ def test_state_layout_names_the_contiguous_dim():
     s = torch.zeros(2, 3, 16, 8)
     assert GD.state_layout(s) == "dv" and GD.state_layout(_dk_major(s)) == "dk"
     assert GD.state_layout(torch.zeros(2, 3, 1, 8)) == "dv"   # Dk = 1: no layout to tell, the row-major tile
-
-
-def _norm_in_decode():
-    """The table's rules, with every whole-heads entry fusing the gated norm at any row count (the GPU table
-    leaves it off: GDNConfig.norm_rows)."""
-    rule = GD.GDN_CONFIGS.interp_rule if INTERPRET else GD.GDN_CONFIGS.gpu_rule
-
-    def forced(*key):
-        cfg = rule(*key)
-        return dataclasses.replace(cfg, norm_rows=1 << 16) if len(key) == 5 and key[4] else cfg
-    return GD.GDN_CONFIGS.forced(forced)
 
 
 @pytest.mark.parametrize("layout", ["dv", "dk"])
