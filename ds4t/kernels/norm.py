@@ -20,7 +20,7 @@ Batch invariance: each row's statistics are reduced over D alone, in an order fi
 layout changes: another kernel holding a whole row recomputes the norm bit for bit, :func:`gated_rms`). On the GPU a program owns one row;
 in the interpreter a program owns up to 32 rows (programs are what cost time there; NORM_CONFIGS),
 fewer when R is smaller (its loads cost per element). The row count is the M tile: each row's sum
-is its own tl.sum over D, whatever the other rows of the tile (tests/kernels/test_norm.py checks
+is its own tree over D, whatever the other rows of the tile (tests/kernels/test_norm.py checks
 rows alone against rows in batches of 1..33, bitwise).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
     """Launch constants of the norm kernel: the most rows per program (the launcher takes
-    ``min(rows, next_pow2(R))``: each row's sum is its own tl.sum over D, so the row count never
+    ``min(rows, next_pow2(R))``: each row's sum is its own tree over D, so the row count never
     changes a row's bits), the D chunk and the warps."""
     rows: int
     block_d: int
@@ -89,14 +89,25 @@ def add_square(sq, v):
 
 
 @triton.jit
+def scale_row(v, rstd, w):
+    """(v · rstd) · w: a normalised row scaled by its weight, in the one order every RMSNorm uses."""
+    return (v * rstd) * w
+
+
+@triton.jit
+def silu_gate(y, z):
+    """y · silu(z), written as the gated norm has always computed it (y · (z · sigmoid(z)))."""
+    return y * (z * sigmoid(z))
+
+
+@triton.jit
 def gated_rms(v, w, z, D: tl.constexpr, eps):
     """x̂ · w · silu(z) of whole rows v fp32 [..., BLOCK] (zeros past D), w and z fp32 broadcastable to it:
     :func:`gated_rms_norm`'s arithmetic in its order, for a kernel that holds each row whole (the Gated
     DeltaNet decode program); the same bits as the norm kernel wherever that kernel takes the row in one chunk
     (``NORM_CONFIGS(D).block_d >= D``: up to 8192 columns on the GPU; past that it adds the chunks' squares
     column by column first, and a caller must too)."""
-    y = (v * rstd_of(add_square(tl.zeros(v.shape, tl.float32), v), D, eps)) * w
-    return y * (z * sigmoid(z))
+    return silu_gate(scale_row(v, rstd_of(add_square(tl.zeros(v.shape, tl.float32), v), D, eps), w), z)
 
 
 @triton.jit
@@ -205,13 +216,13 @@ def _norm_kernel(
             w = tl.load(w_ptr + cc, mask=cc < D, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w = 1.0 + w
-        y = (v * rstd) * w
+        y = scale_row(v, rstd, w)
         if GATED:
             if EVEN:
                 z = tl.load(z_row + cc).to(tl.float32)
             else:
                 z = tl.load(z_row + cc, mask=m, other=0.0).to(tl.float32)
-            y = y * (z * sigmoid(z))
+            y = silu_gate(y, z)
         tl.store(y_row + cc, cast(y, y_ptr.dtype.element_ty), mask=m)
 
 
