@@ -24,8 +24,9 @@ columns gathered in the same order, and meet ``acc`` in one MMA (Q8_0: G blocks;
 columns, low and high nibbles; Q4_K: two of 128, low and high nibbles; Q5_K and Q6_K: eight of 32). The weights are :func:`ds4t.kernels.quant_blocks.fold_weights`.
 
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
-never from B; rows sit in fixed 16-row tiles (clamped loads, masked stores), each with its own dot per
-sub-block; a split-K count S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
+never from B (one measured exception: a launch of many rows -- a prefill chunk -- may take a rows entry whose
+tiles hold more activation rows, ``block_m``, every row's operations unchanged: :func:`qlinear_launch_config`);
+rows sit in fixed tiles (clamped loads, masked stores), each with its own dot per sub-block; a split-K count S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
 :func:`ds4t.kernels.linear._splitk_sum_kernel` adds in the order 0..S-1. No atomics.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ds4t.kernels.config import ConfigTable, launch_kwargs
 from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight, block_format
 
 BLOCK_M = 16
-"""Rows per tile: fixed (tl.dot needs M >= 16 on the GPU)."""
+"""Activation rows per tile of a decode launch (tl.dot needs M >= 16 on the GPU); a rows entry may hold more."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,6 +570,8 @@ class QLinearConfig:
     pair: bool = False  # a program owns two adjacent N tiles, interleaved (same bits)
     fold: bool = False  # bf16 activations: the fold route (module docstring); other dtypes: exact
     prefetch_l2: int = 0    # each step asks L2 for the quant bytes this many steps ahead (0: never; same bits)
+    block_m: int = BLOCK_M  # activation rows a program's tile holds (a rows entry's, for long launches)
+    min_rows: int = 0       # a ("rows",) entry applies to launches of at least this many rows
 
     def k_step(self, qtype: str) -> int:
         return 32 * self.group if qtype in BLOCKS_32 else 256
@@ -586,12 +589,26 @@ def _q8_group(K: int, cap: int) -> int:
     return g
 
 
-def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
-    """64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
+ROWS_FIELDS = ("block_m", "min_rows", "num_warps", "num_stages")
+"""The fields a ("rows",) entry may change (:func:`qlinear_launch_config`)."""
+ROWS_BLOCK_M = BLOCK_M
+"""Activation rows a tile of the GPU rule's ("rows",) entries holds (:func:`qlinear_launch_config`); BLOCK_M:
+no rows entries (every launch takes its decode entry)."""
+ROWS_MIN_ROWS = 128
+"""Launches of at least this many rows take the rows entry."""
+
+
+def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLinearConfig]:
+    """("rows",): the decode entry with ROWS_BLOCK_M-row tiles from ROWS_MIN_ROWS rows, or none. 64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
     H200 (264) and each split keeps >= 8 loop steps. bf16 activations, every type but Q6_K: the fold route with
     the swept shapes' winners (8 Q8_0 blocks a step, 2 warps, 3 stages; Q4_K the same warps and stages, its
     nibbles four bytes a trick at those mma.sync tiles; untimed: Q4_0 / Q4_1 as Q8_0, Q5_K 4 warps, 1 stage, as
     Q4_K had before); otherwise the exact route, 4 blocks of 32 a step, 4 warps, 3 stages."""
+    if rows:
+        if ROWS_BLOCK_M <= BLOCK_M:
+            return None
+        return dataclasses.replace(QLINEAR_CONFIGS(K, N, qtype, act_dtype), block_m=ROWS_BLOCK_M,
+                                   min_rows=ROWS_MIN_ROWS)
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
     group = _q8_group(K, 8 if fold else 4) if qtype in BLOCKS_32 else 1
     step = 32 * group if qtype in BLOCKS_32 else 256
@@ -603,7 +620,9 @@ def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
     return QLinearConfig(block_n=block_n, split=split, group=group, num_warps=warps, num_stages=stages, fold=fold)
 
 
-def _interp_rule(K: int, N: int, qtype: str, act_dtype=None) -> QLinearConfig:
+def _interp_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLinearConfig]:
+    if rows:   # no rows entry in the interpreter (tests force them)
+        return None
     # few, big programs (the interpreter pays per program and per op); mma materialises [BN, SB, 16];
     # the GPU's route, so a bf16 model computes the same arithmetic on either backend
     group = _q8_group(K, 8) if qtype in BLOCKS_32 else 1
@@ -655,15 +674,43 @@ QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
            "--sweep), 2026-12-04-h200-gguf-int8.md, 2026-12-05-h200-q4-nibbles.md; other shapes: the rule (64-row "
            "tiles, split-K to ~264 programs, fold for bf16 but Q6_K; untimed: Q5_K at Q4_K's former 4 warps, Q4_0 / "
            "Q4_1 as Q8_0)")
-"""Keyed on (K, N, GGUF type, activation dtype)."""
+"""Keyed on (K, N, GGUF type, activation dtype), plus (K, N, type, activation dtype, "rows") entries for
+launches of at least ``min_rows`` rows (prefill chunks), which may differ from the decode entry in ``block_m``
+and launch fields alone (:data:`ROWS_FIELDS`, :func:`qlinear_launch_config`)."""
 
 
 @functools.lru_cache(maxsize=None)
 def qlinear_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> QLinearConfig:
+    """The decode entry of a weight [N, K] of ``qtype`` with ``act_dtype`` activations."""
     return QLINEAR_CONFIGS(K, N, qtype, act_dtype)
 
 
-QLINEAR_CONFIGS.caches.append(qlinear_config)
+@functools.lru_cache(maxsize=None)
+def _rows_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> tuple:
+    """(the rows entry or None, whether it differs from the decode entry in ROWS_FIELDS alone)."""
+    cfg = qlinear_config(K, N, qtype, act_dtype)
+    rows = QLINEAR_CONFIGS(K, N, qtype, act_dtype, "rows")
+    return rows, rows is None or dataclasses.replace(rows, **{f: getattr(cfg, f) for f in ROWS_FIELDS}) == cfg
+
+
+def qlinear_launch_config(K: int, N: int, qtype: str, act_dtype: torch.dtype, B: int) -> QLinearConfig:
+    """The config of a B-row launch: the ("rows",) entry from its ``min_rows`` on, else the decode entry.
+    Why a rows entry keeps the bits: it changes only how many activation rows a program's tile holds and the
+    program's warps and stages (:data:`ROWS_FIELDS`); each row still meets the same weight tile in the same MMA
+    steps, its sums in the same K order, so a prefill chunk's rows equal the same rows decoded -- checked for
+    every table entry on the GPU and for the rule in the interpreter (tests/kernels/test_quant_blocks.py; a
+    warp count that made Triton pick another MMA instruction could break it, which is why each entry is
+    tested). ValueError if a rows entry changes another field."""
+    rows, ok = _rows_config(K, N, qtype, act_dtype)
+    if rows is None or B < rows.min_rows:
+        return qlinear_config(K, N, qtype, act_dtype)
+    if not ok:
+        raise ValueError(f"qlinear {K}x{N} {qtype}: a rows entry may change {', '.join(ROWS_FIELDS)} only ({rows} vs "
+                         f"{qlinear_config(K, N, qtype, act_dtype)})")
+    return rows
+
+
+QLINEAR_CONFIGS.caches += [qlinear_config, _rows_config]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -684,7 +731,7 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     w = weight.data
     if w.stride(-1) != 1:
         w = w.contiguous()
-    cfg = config or qlinear_config(K, N, weight.qtype, act_dtype)
+    cfg = config or qlinear_launch_config(K, N, weight.qtype, act_dtype, B)
     kps = cfg.k_per_split(K, weight.qtype)
     if kps % cfg.k_step(weight.qtype) or (weight.qtype in BLOCKS_32 and (K // 32) % cfg.group):
         raise ValueError(f"qlinear: config {cfg} does not tile K={K} of {weight.qtype}")
@@ -695,9 +742,9 @@ def launch(x: torch.Tensor, weight: GGUFWeight, bias: Optional[torch.Tensor], ou
     has_bias = bias is not None
     b_arg = bias if has_bias else out
     consts = dict(N=N, K=K, K_PER_SPLIT=kps, FMT=kernel_format(weight, fold), ADT=tl_dtype(act_dtype), G=cfg.group,
-                  BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=fold, AHEAD=cfg.prefetch_l2,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAIR=cfg.pair, FOLD=fold, AHEAD=cfg.prefetch_l2,
                   NP=nibble_pack(cfg.num_warps, cfg.block_n), **launch_kwargs(cfg))
-    grid = (triton.cdiv(B, BLOCK_M), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
+    grid = (triton.cdiv(B, cfg.block_m), triton.cdiv(N, cfg.block_n * (2 if cfg.pair else 1)), split)
     if split == 1:
         _qlinear_kernel[grid](x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
                               HAS_BIAS=has_bias, **consts, **LAUNCH)

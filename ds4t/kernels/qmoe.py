@@ -118,11 +118,17 @@ class QMoEConfig:
     prefetch_l2: int = 0         # each K step asks L2 for the quant bytes this many steps ahead (0: never)
     row_programs: bool = False   # one program per row tile (ds4t.kernels.moe.MoEConfig.row_programs)
     min_rows: int = 0            # a ("rows",) entry applies to launches of at least this many rows
+    block_m: int = 16            # pairs a row tile holds (a rows entry's may be more: the same bits)
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
         g = _q8_group(K, self.q8_group) if qtype in BLOCKS_32 else 1
         return max(16, min(self.tile_n, triton.next_power_of_2(N))), g
+
+
+ROWS_FIELDS = ("row_programs", "min_rows", "block_m", "num_warps", "num_stages")
+"""The fields a ("rows",) entry may change (:func:`qmoe_config`): how tiles are assigned to programs, how many pairs
+a tile holds, the program's warps and stages -- never a pair's dots or their K order."""
 
 
 _QMOE_DECODE = {
@@ -143,10 +149,13 @@ _QMOE_DECODE = {
         ("down", QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True)))},
 }
 
+ROWS_BLOCK_M = 16
+"""Pairs a row tile of the GPU table's ("rows",) entries holds."""
+
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={**_QMOE_DECODE,
                  # launches of >= 64 rows: the same tiles, one program per row tile (as FP8 in moe.MOE_CONFIGS)
-                 **{(*key, "rows"): dataclasses.replace(cfg, row_programs=True, min_rows=64)
+                 **{(*key, "rows"): dataclasses.replace(cfg, row_programs=True, min_rows=64, block_m=ROWS_BLOCK_M)
                     for key, cfg in _QMOE_DECODE.items()}},
     gpu_rule=lambda kernel, qtype, *rows: None if rows else QMoEConfig(tile_n=64, q8_group=4, num_warps=4,
                                                                        num_stages=3, fold=qtype in FOLD_TYPES),
@@ -157,18 +166,21 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
            "step, fold for every type but Q6_K; "
            "row programs: bench/results/2026-12-04-h200-moe-row-programs.md")
 """Keyed on (kernel "gate_up" | "down", GGUF type), plus (kernel, type, "rows") entries for launches of at
-least ``min_rows`` rows, which may differ from the decode entry in ``row_programs`` alone (:func:`qmoe_config`)."""
+least ``min_rows`` rows, which may differ from the decode entry in :data:`ROWS_FIELDS` alone (:func:`qmoe_config`)."""
 
 
 def qmoe_config(kernel: str, qtype: str, B: int) -> QMoEConfig:
     """The config of a B-row launch: the ("rows",) entry from its ``min_rows`` on, else the decode entry.
-    ValueError if the rows entry changes more than ``row_programs`` (any other field could change a tile)."""
+    ValueError if the rows entry changes a field outside :data:`ROWS_FIELDS` (those keep each pair's dots and
+    their K order, so the same bits -- checked for the table's entries on the GPU; any other field could change
+    them)."""
     cfg = QMOE_CONFIGS(kernel, qtype)
     rows = QMOE_CONFIGS(kernel, qtype, "rows")
     if rows is None or B < rows.min_rows:
         return cfg
-    if dataclasses.replace(rows, row_programs=cfg.row_programs, min_rows=cfg.min_rows) != cfg:
-        raise ValueError(f"qmoe {kernel} {qtype}: a rows entry may change row_programs only ({rows} vs {cfg})")
+    if dataclasses.replace(rows, **{f: getattr(cfg, f) for f in ROWS_FIELDS}) != cfg:
+        raise ValueError(f"qmoe {kernel} {qtype}: a rows entry may change {', '.join(ROWS_FIELDS)} only "
+                         f"({rows} vs {cfg})")
     return rows
 
 
@@ -205,18 +217,18 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
         slots = None
     cfg = gu_cfg
     BN, G = cfg.tiles(I, D, w_gate.qtype)
-    _qmoe_gate_up_kernel[(row_program_count(E, P, 16) if gu_rows else n_slots, triton.cdiv(I, BN))](
+    _qmoe_gate_up_kernel[(row_program_count(E, P, cfg.block_m) if gu_rows else n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
-        I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
+        I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=cfg.block_m, BN=BN,
         DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
         slots_ptr=slots, ROW_PROGRAMS=gu_rows, AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
         **launch_kwargs(cfg),
         **LAUNCH)
     cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
-    _qmoe_down_kernel[(row_program_count(E, P, 16) if dn_rows else n_slots, triton.cdiv(D, BN))](
+    _qmoe_down_kernel[(row_program_count(E, P, cfg.block_m) if dn_rows else n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
-        y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=16, BN=BN,
+        y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=cfg.block_m, BN=BN,
         FOLD=folds(cfg, adt), AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
         **down_finder(gu_rows, dn_rows, BE),
         **launch_kwargs(cfg), **LAUNCH)

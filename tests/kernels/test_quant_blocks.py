@@ -18,7 +18,8 @@ from ds4t.kernels import qmoe, weights
 from ds4t.kernels.linear import linear, linear_heads, linear_parts, linear_ref
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import use_variants
-from ds4t.kernels.qlinear import (QLinearConfig, _gpu_rule, _x_cols, folds, qdot, qdot_pair, qlinear_config,
+from ds4t.kernels.qlinear import (QLINEAR_CONFIGS, QLinearConfig, _gpu_rule, _x_cols, folds, qdot, qdot_pair,
+                                  qlinear_config, qlinear_launch_config,
                                   nibble_pack, rows_aligned, x_rows)
 from ds4t.kernels.quant_blocks import (BLOCKS_32, FORMATS, GGUF_LAYOUTS, K_HEADER, PLANE_ORDER, QTYPES, GGUFLayout,
                                        GGUFWeight, block_terms, dequantize, fold_weights, quantize, quantize_numpy,
@@ -415,6 +416,40 @@ def test_linear_pair_changes_no_bit(qtype):
     assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])
 
 
+def _rows_linear(x, w, base, rows):
+    """linear(x, w) with ``base`` as the decode entry and ``rows`` (or no) ("rows",) entry; NaN-poisoned out."""
+    with QLINEAR_CONFIGS.forced(lambda K, N, qt, adt, *r: rows if r else base):
+        assert qlinear_launch_config(x.shape[1], w.shape[0], w.qtype, w.act_dtype or x.dtype, x.shape[0]) == \
+            (rows if rows is not None and x.shape[0] >= rows.min_rows else base)
+        return linear(x, w, out=poisoned((x.shape[0], w.shape[0]), device=DEV))
+
+
+@pytest.mark.parametrize("adt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q4_1"])
+def test_rows_entry_block_m_changes_no_bit(qtype, adt):
+    """A prefill launch's rows entry (tiles of 32 / 64 activation rows) gives the decode entry's bits on
+    every route (bf16: the table's, fold for all but Q6_K; fp32: exact), split K included (two splits of two
+    K steps); 40 rows leave a partial last tile. Control: the same rows unsplit (another sum order) differ."""
+    K, N, B = 1024, 48, 40
+    w = random_blocks((N, K), qtype, 61)
+    x = _x(B, K, 62, adt)
+    base = dataclasses.replace(qlinear_config(K, N, qtype, adt), split=2)
+    want = _rows_linear(x, w, base, None)
+    for bm in (32, 64):
+        got = _rows_linear(x, w, base, dataclasses.replace(base, block_m=bm, min_rows=20))
+        assert not torch.isnan(got).any() and torch.equal(got, want), bm
+    assert not torch.equal(_rows_linear(x, w, dataclasses.replace(base, split=1), None), want)
+
+
+def test_rows_entry_may_change_tile_rows_warps_and_stages_only():
+    base = QLinearConfig(block_n=32, split=1, group=4)
+    bad = dataclasses.replace(base, block_n=64, block_m=64, min_rows=8)
+    with QLINEAR_CONFIGS.forced(lambda K, N, qt, adt, *r: bad if r else base):
+        assert qlinear_launch_config(512, 48, "Q8_0", torch.bfloat16, 4) == base
+        with pytest.raises(ValueError, match="num_stages only"):
+            qlinear_launch_config(512, 48, "Q8_0", torch.bfloat16, 8)
+
+
 @pytest.mark.parametrize("plane", [False, True])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_prefetch_changes_no_bit(qtype, plane):
@@ -581,14 +616,15 @@ def test_moe_interleave_changes_no_bit():
     assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 
-def _moe_row_programs(gu, dn, B=24):
+def _moe_row_programs(gu, dn, B=24, block_m=16):
     """moe_experts over GGUF experts (Q4_K gate/up, Q8_0 down; a shared expert holding all B rows: 2 row
-    tiles) with ("rows",) entries from 8 rows whose ``row_programs`` are ``gu`` / ``dn``; NaN-poisoned output."""
+    tiles) with ("rows",) entries from 8 rows whose ``row_programs`` are ``gu`` / ``dn`` and whose tiles hold
+    ``block_m`` pairs; NaN-poisoned output."""
     h, ids, wts, wg, wu, wd = _moe_data("Q4_K", "Q8_0", seed=13, B=B, E=5)
     E = wg.shape[0]
     base = qmoe.QMoEConfig(tile_n=32, q8_group=4)
-    rows = {"gate_up": dataclasses.replace(base, row_programs=gu, min_rows=8),
-            "down": dataclasses.replace(base, row_programs=dn, min_rows=8)}
+    rows = {"gate_up": dataclasses.replace(base, row_programs=gu, min_rows=8, block_m=block_m),
+            "down": dataclasses.replace(base, row_programs=dn, min_rows=8, block_m=block_m)}
     with use_variants({"moe_experts": "gpu"}), \
             qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *r: rows[kernel] if r else base):
         return moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16,
@@ -610,13 +646,25 @@ def test_moe_row_programs_change_no_bit(gu, dn):
             assert not torch.equal(_moe_row_programs(True, True), want)
 
 
-def test_moe_rows_entry_may_change_row_programs_only():
+@pytest.mark.parametrize("gu,dn", [(True, True), (False, False)])
+def test_moe_rows_entry_block_m_changes_no_bit(gu, dn):
+    """Row tiles of 32 pairs (the shared expert's 24 rows in one tile, others partial) in row programs and in
+    per-expert programs: the 16-pair tiles' bits."""
+    want = _moe_row_programs(False, False)
+    got = _moe_row_programs(gu, dn, block_m=32)
+    assert not torch.isnan(got).any() and torch.equal(got, want)
+
+
+def test_moe_rows_entry_may_change_programs_tiles_warps_and_stages_only():
     base = qmoe.QMoEConfig(tile_n=32, q8_group=4)
     bad = dataclasses.replace(base, tile_n=64, row_programs=True, min_rows=8)
     with qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *r: bad if r else base):
         assert qmoe.qmoe_config("down", "Q8_0", 4) == base
-        with pytest.raises(ValueError, match="row_programs only"):
+        with pytest.raises(ValueError, match="num_stages only"):
             qmoe.qmoe_config("down", "Q8_0", 8)
+    ok = dataclasses.replace(base, block_m=64, row_programs=True, min_rows=8)
+    with qmoe.QMOE_CONFIGS.forced(lambda kernel, qt, *r: ok if r else base):
+        assert qmoe.qmoe_config("down", "Q8_0", 8) == ok
 
 
 @pytest.mark.parametrize("qtype", K_HEADER)
