@@ -596,6 +596,8 @@ ROWS_BLOCK_M = BLOCK_M
 no rows entries (every launch takes its decode entry)."""
 ROWS_MIN_ROWS = 128
 """Launches of at least this many rows take the rows entry."""
+ROWS_NUM_WARPS = None
+"""Warps of the GPU rule's rows entries (None: the decode entry's)."""
 
 
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLinearConfig]:
@@ -607,8 +609,9 @@ def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLi
     if rows:
         if ROWS_BLOCK_M <= BLOCK_M:
             return None
-        return dataclasses.replace(QLINEAR_CONFIGS(K, N, qtype, act_dtype), block_m=ROWS_BLOCK_M,
-                                   min_rows=ROWS_MIN_ROWS)
+        dec = QLINEAR_CONFIGS(K, N, qtype, act_dtype)
+        return dataclasses.replace(dec, block_m=ROWS_BLOCK_M, min_rows=ROWS_MIN_ROWS,
+                                   num_warps=ROWS_NUM_WARPS or dec.num_warps)
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
     group = _q8_group(K, 8 if fold else 4) if qtype in BLOCKS_32 else 1
     step = 32 * group if qtype in BLOCKS_32 else 256
