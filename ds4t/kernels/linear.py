@@ -481,18 +481,23 @@ _GPU_TABLE: dict = {
 #   one-block step's operations on each block), each shape's best same-bits cell on an H100 in two calls,
 #   B = 1 / 16: 7168 x 18432 88.9 / 81.0 -> 90.7 / 85.9 %, 18432 x 7168 89.1 / 85.2 -> 88.9 / 86.4 %,
 #   16384 x 7168 89.3 / 84.8 -> 88.9 / 85.5 % (bench/results/2026-12-06-h100-fp8-waves.md; not yet timed on an H200).
+#   Every FP8 entry (and the rule) runs two 16-row sub-tiles a program once a launch has more than 16 rows
+#   (m_sub 2: the weight tile converted once for both; each sub-tile its own dot, the same bits -- rows alone
+#   == in the launch, checked): on an H100 (bench/results/2026-12-06-h100-gguf-row-tiles.md) 64 rows 10-21 %
+#   faster at the six shapes timed (2048 x 12352 ... 18432 x 7168), 1024 rows 15-17 % (4 sub-tiles: 15-24 % at
+#   1024 rows but slower than 2 at 64), Qwen3-Next-4l's 4k prompt in FP8 -2.9 %. B <= 16 launches are unchanged.
 _FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)
 _GPU_TABLE.update({
     (7168, 18432, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=2, num_warps=2, num_stages=2, swap=True,
-                                            fp8_route="f32", scale_blocks=2),
+                                            fp8_route="f32", scale_blocks=2, m_sub=2),
     (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=2, swap=True,
-                                            fp8_route="f32", scale_blocks=2),
+                                            fp8_route="f32", scale_blocks=2, m_sub=2),
     (16384, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=2, swap=True,
-                                            fp8_route="f32", scale_blocks=2),
+                                            fp8_route="f32", scale_blocks=2, m_sub=2),
     (1536, 24576, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=2, num_stages=3, swap=True,
-                                            fp8_route="f32"),
+                                            fp8_route="f32", m_sub=2),
     (2048, 12288, *_FP8_BF16): LinearConfig(block_n=64, block_k=64, split=2, num_warps=2, num_stages=3, swap=True,
-                                            fp8_route="f32"),
+                                            fp8_route="f32", m_sub=2),
 })
 
 
@@ -542,7 +547,8 @@ def _fp8_block_k(K: int, scale_bk: int, cap: int) -> int:
 
 def _gpu_fp8_heuristic(K: int, N: int, scale_bk: int) -> LinearConfig:
     """FP8 weights, shapes not in the table: what the sweep's winners share -- one scale block of
-    columns per step (BLOCK_K 128), 32-row weight tiles, 2 warps, the "f32" conversion route -- and
+    columns per step (BLOCK_K 128), 32-row weight tiles, 2 warps, the "f32" conversion route, two row
+    sub-tiles a program past 16 rows (m_sub 2, the table's note) -- and
     enough programs: split K (on scale-block boundaries, by K alone) while there are fewer than ~512
     programs and each split keeps >= 8 scale blocks."""
     block_k = _fp8_block_k(K, scale_bk, 128)
@@ -552,7 +558,7 @@ def _gpu_fp8_heuristic(K: int, N: int, scale_bk: int) -> LinearConfig:
     while triton.cdiv(N, block_n) * split < 512 and k_blocks >= 16 * split:
         split *= 2
     return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=2, num_stages=3, swap=True,
-                        fp8_route="f32")
+                        fp8_route="f32", m_sub=2)
 
 
 def _interpret_config(K: int, N: int, scale_bk: int = 0) -> LinearConfig:
@@ -576,7 +582,8 @@ LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
            "bench/results/2026-11-30-h200-fp8-round2.md (FP8 weights), "
            "bench/results/2026-12-01-h200-fp8-options.md (FP8 18432 x 7168 with bf16 x), "
            "bench/results/2026-12-01-h200-fp8-x2-32k.md (FP8 16384 x 7168 with bf16 x), "
-           "bench/results/2026-12-06-h100-fp8-waves.md (two scale blocks a step, same bits; H100)")
+           "bench/results/2026-12-06-h100-fp8-waves.md (two scale blocks a step, same bits; H100), "
+           "bench/results/2026-12-06-h100-gguf-row-tiles.md (FP8 m_sub 2; H100)")
 """Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
 block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 

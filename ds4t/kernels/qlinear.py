@@ -589,29 +589,31 @@ def _q8_group(K: int, cap: int) -> int:
     return g
 
 
-ROWS_FIELDS = ("block_m", "min_rows", "num_warps", "num_stages")
-"""The fields a ("rows",) entry may change (:func:`qlinear_launch_config`)."""
-ROWS_BLOCK_M = BLOCK_M
-"""Activation rows a tile of the GPU rule's ("rows",) entries holds (:func:`qlinear_launch_config`); BLOCK_M:
-no rows entries (every launch takes its decode entry)."""
+ROWS_FIELDS = ("block_m", "min_rows", "num_stages")
+"""The fields a ("rows",) entry may change (:func:`qlinear_launch_config`). Not the warps: on an H100 4-warp
+64-row tiles over 2-warp decode entries (2048 x 12352 Q8_0 / Q4_K) gave other bits."""
+ROWS_BLOCK_M = {"Q6_K": 64}
+"""Activation rows a tile of the GPU rule's ("rows",) entries holds, by type (others: ROWS_BLOCK_M_DEFAULT).
+A 1024-row launch on an H100 (bench/results/2026-12-06-h100-gguf-row-tiles.md; the decode entries' warps, the
+same bits): 7168 x 36864 / 2048 x 12352, 16 -> 32 rows: Q8_0 -2 % / -19 %, Q4_K -25 % / -27 %; Q6_K 16 -> 64
+rows -45 % / -34 % (32: -34 % / -31 %); 64-row Q8_0 / Q4_K tiles spill (Q8_0 3x slower at 7168 x 36864)."""
+ROWS_BLOCK_M_DEFAULT = 32
 ROWS_MIN_ROWS = 128
 """Launches of at least this many rows take the rows entry."""
-ROWS_NUM_WARPS = None
-"""Warps of the GPU rule's rows entries (None: the decode entry's)."""
 
 
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLinearConfig]:
-    """("rows",): the decode entry with ROWS_BLOCK_M-row tiles from ROWS_MIN_ROWS rows, or none. 64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
+    """("rows",): the decode entry with the type's ROWS_BLOCK_M-row tiles from ROWS_MIN_ROWS rows. 64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
     H200 (264) and each split keeps >= 8 loop steps. bf16 activations, every type but Q6_K: the fold route with
     the swept shapes' winners (8 Q8_0 blocks a step, 2 warps, 3 stages; Q4_K the same warps and stages, its
     nibbles four bytes a trick at those mma.sync tiles; untimed: Q4_0 / Q4_1 as Q8_0, Q5_K 4 warps, 1 stage, as
     Q4_K had before); otherwise the exact route, 4 blocks of 32 a step, 4 warps, 3 stages."""
     if rows:
-        if ROWS_BLOCK_M <= BLOCK_M:
+        bm = ROWS_BLOCK_M.get(qtype, ROWS_BLOCK_M_DEFAULT)
+        if bm <= BLOCK_M:
             return None
-        dec = QLINEAR_CONFIGS(K, N, qtype, act_dtype)
-        return dataclasses.replace(dec, block_m=ROWS_BLOCK_M, min_rows=ROWS_MIN_ROWS,
-                                   num_warps=ROWS_NUM_WARPS or dec.num_warps)
+        dec = QLINEAR_CONFIGS.gpu.get((K, N, qtype, act_dtype)) or _gpu_rule(K, N, qtype, act_dtype)
+        return dataclasses.replace(dec, block_m=bm, min_rows=ROWS_MIN_ROWS)
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
     group = _q8_group(K, 8 if fold else 4) if qtype in BLOCKS_32 else 1
     step = 32 * group if qtype in BLOCKS_32 else 256
@@ -676,7 +678,7 @@ QLINEAR_CONFIGS: ConfigTable[QLinearConfig] = ConfigTable(
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
            "--sweep), 2026-12-04-h200-gguf-int8.md, 2026-12-05-h200-q4-nibbles.md; other shapes: the rule (64-row "
            "tiles, split-K to ~264 programs, fold for bf16 but Q6_K; untimed: Q5_K at Q4_K's former 4 warps, Q4_0 / "
-           "Q4_1 as Q8_0)")
+           "Q4_1 as Q8_0); rows entries: bench/results/2026-12-06-h100-gguf-row-tiles.md")
 """Keyed on (K, N, GGUF type, activation dtype), plus (K, N, type, activation dtype, "rows") entries for
 launches of at least ``min_rows`` rows (prefill chunks), which may differ from the decode entry in ``block_m``
 and launch fields alone (:data:`ROWS_FIELDS`, :func:`qlinear_launch_config`)."""
@@ -698,12 +700,11 @@ def _rows_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> tuple:
 
 def qlinear_launch_config(K: int, N: int, qtype: str, act_dtype: torch.dtype, B: int) -> QLinearConfig:
     """The config of a B-row launch: the ("rows",) entry from its ``min_rows`` on, else the decode entry.
-    Why a rows entry keeps the bits: it changes only how many activation rows a program's tile holds and the
-    program's warps and stages (:data:`ROWS_FIELDS`); each row still meets the same weight tile in the same MMA
-    steps, its sums in the same K order, so a prefill chunk's rows equal the same rows decoded -- checked for
-    every table entry on the GPU and for the rule in the interpreter (tests/kernels/test_quant_blocks.py; a
-    warp count that made Triton pick another MMA instruction could break it, which is why each entry is
-    tested). ValueError if a rows entry changes another field."""
+    Why a rows entry keeps the bits: it changes only how many activation rows a program's tile holds (and its
+    pipeline depth, :data:`ROWS_FIELDS`); each row still meets the same weight tile in the same MMA steps, its
+    sums in the same K order, so a prefill chunk's rows equal the same rows decoded -- on an H100 at every type
+    and shape timed, and in the interpreter (tests/kernels/test_quant_blocks.py). ValueError if a rows entry
+    changes another field."""
     rows, ok = _rows_config(K, N, qtype, act_dtype)
     if rows is None or B < rows.min_rows:
         return qlinear_config(K, N, qtype, act_dtype)

@@ -126,9 +126,10 @@ class QMoEConfig:
         return max(16, min(self.tile_n, triton.next_power_of_2(N))), g
 
 
-ROWS_FIELDS = ("row_programs", "min_rows", "block_m", "num_warps", "num_stages")
+ROWS_FIELDS = ("row_programs", "min_rows", "block_m", "num_stages")
 """The fields a ("rows",) entry may change (:func:`qmoe_config`): how tiles are assigned to programs, how many pairs
-a tile holds, the program's warps and stages -- never a pair's dots or their K order."""
+a tile holds, the pipeline depth -- never a pair's dots or their K order (not the warps: 4-warp 32-pair Q8_0 tiles
+over the 2-warp decode entry gave other bits on an H100)."""
 
 
 _QMOE_DECODE = {
@@ -149,8 +150,11 @@ _QMOE_DECODE = {
         ("down", QMoEConfig(tile_n=64, q8_group=4, num_warps=2, num_stages=3, fold=True)))},
 }
 
-ROWS_BLOCK_M = 16
-"""Pairs a row tile of the GPU table's ("rows",) entries holds."""
+ROWS_BLOCK_M = 32
+"""Pairs a row tile of the GPU table's ("rows",) entries holds. 1024 tokens on an H100, the decode entries' warps,
+the same bits (bench/results/2026-12-06-h100-gguf-row-tiles.md), 16 -> 32 pairs a tile: Qwen3-Next's experts Q8_0
+-5 %, Q4_K -18 %, Q6_K -6 %; GLM-4.5's -10 %, -30 %, -10 %. 64 pairs: GLM-4.5's Q4_K / Q6_K faster still (-47 % /
+-28 %) but Qwen3-Next's (20 pairs an expert) and every Q8_0 slower; 32 is the one size that wins everywhere."""
 
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={**_QMOE_DECODE,
@@ -164,7 +168,8 @@ QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     source="bench/results/2026-12-02-h200-gguf-fold.md, 2026-11-30-h200-gguf-round3.md (python bench/bench_gguf.py "
            "--sweep); Q5_K: Q4_K's entries, Q4_0 / Q4_1: Q8_0's, untimed; the rule: 64-row tiles (moe.py's gate_up tile), 4 Q8_0 blocks a "
            "step, fold for every type but Q6_K; "
-           "row programs: bench/results/2026-12-04-h200-moe-row-programs.md")
+           "row programs: bench/results/2026-12-04-h200-moe-row-programs.md; 32-pair row tiles: "
+           "bench/results/2026-12-06-h100-gguf-row-tiles.md")
 """Keyed on (kernel "gate_up" | "down", GGUF type), plus (kernel, type, "rows") entries for launches of at
 least ``min_rows`` rows, which may differ from the decode entry in :data:`ROWS_FIELDS` alone (:func:`qmoe_config`)."""
 

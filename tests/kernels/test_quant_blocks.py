@@ -441,6 +441,22 @@ def test_rows_entry_block_m_changes_no_bit(qtype, adt):
     assert not torch.equal(_rows_linear(x, w, dataclasses.replace(base, split=1), None), want)
 
 
+def test_gpu_rows_entries_hold_more_rows_and_nothing_else():
+    """The GPU's rows entries (prefill launches): the decode entry with 32-row tiles (Q6_K 64) from 128 rows
+    for the linear, 32-pair tiles for the MoE; warps and every other field the decode entry's (4 warps over a
+    2-warp entry changed bits on an H100)."""
+    from ds4t.kernels.qlinear import QLINEAR_CONFIGS as T
+    for K, N in [(7168, 36864), (2048, 12352), (5120, 1536)]:
+        for qt in ("Q8_0", "Q4_K", "Q6_K", "Q5_K"):
+            dec = T.gpu.get((K, N, qt, torch.bfloat16)) or _gpu_rule(K, N, qt, torch.bfloat16)
+            rows = _gpu_rule(K, N, qt, torch.bfloat16, "rows")
+            assert rows == dataclasses.replace(dec, block_m=64 if qt == "Q6_K" else 32, min_rows=128), (K, N, qt)
+    for key, cfg in qmoe.QMOE_CONFIGS.gpu.items():
+        if key[-1] == "rows":
+            assert cfg == dataclasses.replace(qmoe.QMOE_CONFIGS.gpu[key[:-1]], row_programs=True, min_rows=64,
+                                              block_m=32), key
+
+
 def test_rows_entry_may_change_tile_rows_warps_and_stages_only():
     base = QLinearConfig(block_n=32, split=1, group=4)
     bad = dataclasses.replace(base, block_n=64, block_m=64, min_rows=8)
