@@ -119,6 +119,7 @@ class QMoEConfig:
     row_programs: bool = False   # one program per row tile (ds4t.kernels.moe.MoEConfig.row_programs)
     min_rows: int = 0            # a ("rows",) entry applies to launches of at least this many rows
     block_m: int = 16            # pairs a row tile holds (a rows entry's may be more: the same bits)
+    block_m_rows: int = 0        # block_m applies to launches of at least this many rows, fewer take 16
 
     def tiles(self, N: int, K: int, qtype: str):
         """(BN, G) for an [N, K] expert weight of ``qtype``: from shapes and type only."""
@@ -126,7 +127,7 @@ class QMoEConfig:
         return max(16, min(self.tile_n, triton.next_power_of_2(N))), g
 
 
-ROWS_FIELDS = ("row_programs", "min_rows", "block_m", "num_stages")
+ROWS_FIELDS = ("row_programs", "min_rows", "block_m", "block_m_rows", "num_stages")
 """The fields a ("rows",) entry may change (:func:`qmoe_config`): how tiles are assigned to programs, how many pairs
 a tile holds, the pipeline depth -- never a pair's dots or their K order (not the warps: 4-warp 32-pair Q8_0 tiles
 over the 2-warp decode entry gave other bits on an H100)."""
@@ -151,15 +152,19 @@ _QMOE_DECODE = {
 }
 
 ROWS_BLOCK_M = 32
-"""Pairs a row tile of the GPU table's ("rows",) entries holds. 1024 tokens on an H100, the decode entries' warps,
-the same bits (bench/results/2026-12-06-h100-gguf-row-tiles.md), 16 -> 32 pairs a tile: Qwen3-Next's experts Q8_0
--5 %, Q4_K -18 %, Q6_K -6 %; GLM-4.5's -10 %, -30 %, -10 %. 64 pairs: GLM-4.5's Q4_K / Q6_K faster still (-47 % /
--28 %) but Qwen3-Next's (20 pairs an expert) and every Q8_0 slower; 32 is the one size that wins everywhere."""
+"""Pairs a row tile of the GPU table's ("rows",) entries holds from ROWS_BLOCK_M_ROWS rows (fewer: 16). 1024 tokens
+on an H100, the decode entries' warps, the same bits (bench/results/2026-12-06-h100-gguf-row-tiles.md), 16 -> 32
+pairs a tile: Qwen3-Next's experts Q8_0 -5 %, Q4_K -18 %, Q6_K -6 %; GLM-4.5's -10 %, -30 %, -10 %. 64 pairs:
+GLM-4.5's Q4_K / Q6_K faster still (-47 % / -28 %) but Qwen3-Next's (20 pairs an expert) and every Q8_0 slower; 32 is
+the one size that wins everywhere. Not below 128 rows: Qwen3-Next-4l's Q4_K decode step at N = 64 (about one pair an
+expert) took 3.795 ms with 32-pair tiles against 3.459 with 16 (+9.7 %)."""
+ROWS_BLOCK_M_ROWS = 128
 
 QMOE_CONFIGS: ConfigTable[QMoEConfig] = ConfigTable(
     "qmoe", gpu={**_QMOE_DECODE,
                  # launches of >= 64 rows: the same tiles, one program per row tile (as FP8 in moe.MOE_CONFIGS)
-                 **{(*key, "rows"): dataclasses.replace(cfg, row_programs=True, min_rows=64, block_m=ROWS_BLOCK_M)
+                 **{(*key, "rows"): dataclasses.replace(cfg, row_programs=True, min_rows=64, block_m=ROWS_BLOCK_M,
+                                                        block_m_rows=ROWS_BLOCK_M_ROWS)
                     for key, cfg in _QMOE_DECODE.items()}},
     gpu_rule=lambda kernel, qtype, *rows: None if rows else QMoEConfig(tile_n=64, q8_group=4, num_warps=4,
                                                                        num_stages=3, fold=qtype in FOLD_TYPES),
@@ -222,18 +227,20 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
         slots = None
     cfg = gu_cfg
     BN, G = cfg.tiles(I, D, w_gate.qtype)
-    _qmoe_gate_up_kernel[(row_program_count(E, P, cfg.block_m) if gu_rows else n_slots, triton.cdiv(I, BN))](
+    BM = cfg.block_m if B >= cfg.block_m_rows else 16
+    _qmoe_gate_up_kernel[(row_program_count(E, P, BM) if gu_rows else n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
-        I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=cfg.block_m, BN=BN,
+        I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=BM, BN=BN,
         DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
         slots_ptr=slots, ROW_PROGRAMS=gu_rows, AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
         **launch_kwargs(cfg),
         **LAUNCH)
     cfg = dn_cfg
     BN, G = cfg.tiles(D, I, w_down.qtype)
-    _qmoe_down_kernel[(row_program_count(E, P, cfg.block_m) if dn_rows else n_slots, triton.cdiv(D, BN))](
+    BM = cfg.block_m if B >= cfg.block_m_rows else 16
+    _qmoe_down_kernel[(row_program_count(E, P, BM) if dn_rows else n_slots, triton.cdiv(D, BN))](
         act, act.stride(0), order, bounds, experts if slots is None else slots, wd, wd.stride(0), wd.stride(1), y,
-        y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=cfg.block_m, BN=BN,
+        y.stride(0), D, E, I=I, FMT=kernel_format(w_down, folds(cfg, adt)), G=G, ADT=ADT, BM=BM, BN=BN,
         FOLD=folds(cfg, adt), AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
         **down_finder(gu_rows, dn_rows, BE),
         **launch_kwargs(cfg), **LAUNCH)

@@ -443,7 +443,7 @@ def test_rows_entry_block_m_changes_no_bit(qtype, adt):
 
 def test_gpu_rows_entries_hold_more_rows_and_nothing_else():
     """The GPU's rows entries (prefill launches): the decode entry with 32-row tiles (Q6_K 64) from 128 rows
-    for the linear, 32-pair tiles for the MoE; warps and every other field the decode entry's (4 warps over a
+    for the linear, 32-pair tiles from 128 rows for the MoE (16 in its row programs from 64); warps and every other field the decode entry's (4 warps over a
     2-warp entry changed bits on an H100)."""
     from ds4t.kernels.qlinear import QLINEAR_CONFIGS as T
     for K, N in [(7168, 36864), (2048, 12352), (5120, 1536)]:
@@ -454,7 +454,7 @@ def test_gpu_rows_entries_hold_more_rows_and_nothing_else():
     for key, cfg in qmoe.QMOE_CONFIGS.gpu.items():
         if key[-1] == "rows":
             assert cfg == dataclasses.replace(qmoe.QMOE_CONFIGS.gpu[key[:-1]], row_programs=True, min_rows=64,
-                                              block_m=32), key
+                                              block_m=32, block_m_rows=128), key
 
 
 def test_rows_entry_may_change_tile_rows_warps_and_stages_only():
