@@ -483,7 +483,7 @@ _GPU_TABLE: dict = {
 #   16384 x 7168 89.3 / 84.8 -> 88.9 / 85.5 % (bench/results/2026-12-06-h100-fp8-waves.md; not yet timed on an H200).
 #   Every FP8 entry (and the rule) runs two 16-row sub-tiles a program once a launch has more than 16 rows
 #   (m_sub 2: the weight tile converted once for both; each sub-tile its own dot, the same bits -- rows alone
-#   == in the launch, checked): on an H100 (bench/results/2026-12-06-h100-gguf-row-tiles.md) 64 rows 10-21 %
+#   == in the launch, checked): on an H100 (bench/results/2026-12-06-h100-gguf-row-tiles.md) 64 rows 8-21 %
 #   faster at the six shapes timed (2048 x 12352 ... 18432 x 7168), 1024 rows 15-17 % (4 sub-tiles: 15-24 % at
 #   1024 rows but slower than 2 at 64), Qwen3-Next-4l's 4k prompt in FP8 -2.9 %. B <= 16 launches are unchanged.
 _FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)

@@ -26,7 +26,8 @@ columns, low and high nibbles; Q4_K: two of 128, low and high nibbles; Q5_K and 
 Batch invariance: launch constants (:data:`QLINEAR_CONFIGS`) come from (K, N, type, A) and the backend,
 never from B (one measured exception: a launch of many rows -- a prefill chunk -- may take a rows entry whose
 tiles hold more activation rows, ``block_m``, every row's operations unchanged: :func:`qlinear_launch_config`);
-rows sit in fixed tiles (clamped loads, masked stores), each with its own dot per sub-block; a split-K count S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
+rows sit in fixed tiles (clamped loads, masked stores), each with its own dot per sub-block; a split-K count
+S > 1 (splits on block boundaries, fixed by K) writes fp32 partials that
 :func:`ds4t.kernels.linear._splitk_sum_kernel` adds in the order 0..S-1. No atomics.
 """
 from __future__ import annotations
@@ -603,7 +604,8 @@ ROWS_MIN_ROWS = 128
 
 
 def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLinearConfig]:
-    """("rows",): the decode entry with the type's ROWS_BLOCK_M-row tiles from ROWS_MIN_ROWS rows. 64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
+    """("rows",): the decode entry with the type's ROWS_BLOCK_M-row tiles from ROWS_MIN_ROWS rows.
+    Decode: 64-row weight tiles; split K (by K alone) while the grid has fewer than ~2 programs per SM of an
     H200 (264) and each split keeps >= 8 loop steps. bf16 activations, every type but Q6_K: the fold route with
     the swept shapes' winners (8 Q8_0 blocks a step, 2 warps, 3 stages; Q4_K the same warps and stages, its
     nibbles four bytes a trick at those mma.sync tiles; untimed: Q4_0 / Q4_1 as Q8_0, Q5_K 4 warps, 1 stage, as
