@@ -481,7 +481,7 @@ def _moe_gate_up_kernel(
     SPLIT: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, sa_s=0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
-    ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1,
+    ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -505,9 +505,14 @@ def _moe_gate_up_kernel(
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
     sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u.
 
-    ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``."""
+    ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``.
+
+    M_SUB (2; FP8 weights, not SELF, not the "f16" route): a program's tile is two BM-pair sub-tiles, each with
+    its own dots on the same converted weight tiles (``MoEConfig.m_sub``): each pair's operations as with M_SUB 1."""
     grid_dependency()
-    e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, BM, bounds_ptr, experts_ptr, E, BE,
+    tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
+    TILE: tl.constexpr = BM * M_SUB
+    e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
     pid_n = tl.program_id(1)
     if slots_ptr is not None:
@@ -518,11 +523,16 @@ def _moe_gate_up_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     nm = n < I
     wbase = e.to(tl.int64) * sw_e
-    for m0 in range(start, end, BM):
+    for m0 in range(start, end, TILE):
         qm, p = _tile_pairs(m0, end, order_ptr, pairs, SELF, BM)
         b = p // KTOP
         acc_g = _acc_tile(BM, BN, SWAP)
         acc_u = acc_g
+        if M_SUB == 2:
+            qm1, p1 = _tile_pairs(m0 + BM, end, order_ptr, pairs, SELF, BM)
+            b1 = p1 // KTOP
+            acc_g1 = acc_g
+            acc_u1 = acc_g
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
@@ -537,6 +547,9 @@ def _moe_gate_up_kernel(
                     su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
                     pg = _block_start(acc_g, FOLD)
                     pu = _block_start(acc_u, FOLD)
+                    if M_SUB == 2:
+                        pg1 = _block_start(acc_g1, FOLD)
+                        pu1 = _block_start(acc_u1, FOLD)
                     for ks in tl.static_range(0, KSTEP, BK):
                         kk = kb + ks + tl.arange(0, BK)
                         km = kk < D
@@ -548,8 +561,15 @@ def _moe_gate_up_kernel(
                         a = _route_act(a, WDT, FP8_ROUTE == 2)
                         pg = _route_dot(a, wg, pg, a_scale, FP8_ROUTE, SWAP)
                         pu = _route_dot(a, wu, pu, a_scale, FP8_ROUTE, SWAP)
+                        if M_SUB == 2:
+                            a1 = _route_act(_h_tile(h_ptr, sh_b, b1, qm1, kk, km, EVEN_K), WDT, FP8_ROUTE == 2)
+                            pg1 = _route_dot(a1, wg, pg1, a_scale, FP8_ROUTE, SWAP)
+                            pu1 = _route_dot(a1, wu, pu1, a_scale, FP8_ROUTE, SWAP)
                     acc_g = _block_end(acc_g, pg, sg, FOLD)
                     acc_u = _block_end(acc_u, pu, su, FOLD)
+                    if M_SUB == 2:
+                        acc_g1 = _block_end(acc_g1, pg1, sg, FOLD)
+                        acc_u1 = _block_end(acc_u1, pu1, su, FOLD)
             if FP8_ROUTE == 5:
                 acc_g = acc_g * _pair_vec(a_inv, SWAP)
                 acc_u = acc_u * _pair_vec(a_inv, SWAP)
@@ -563,15 +583,25 @@ def _moe_gate_up_kernel(
                 wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
                 acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
                 acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
-        if SPLIT > 1:
-            part = act_ptr + tl.program_id(2) * sa_s
-            _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
-            _store_tile(part + I, p, sa_p, n, qm, nm, acc_u, SWAP)
-        else:
-            act = _silu(acc_g) * acc_u
-            if ACT_ROUNDED:   # a 16-bit act buffer: rounded here as the down kernel would round each load
-                act = cast(act, WDT)
-            _store_tile(act_ptr, p, sa_p, n, qm, nm, act, SWAP)
+        _store_gate_up(act_ptr, sa_s, sa_p, I, p, n, qm, nm, acc_g, acc_u, SPLIT, ACT_ROUNDED, WDT, SWAP)
+        if M_SUB == 2:
+            _store_gate_up(act_ptr, sa_s, sa_p, I, p1, n, qm1, nm, acc_g1, acc_u1, SPLIT, ACT_ROUNDED, WDT, SWAP)
+
+
+@triton.jit
+def _store_gate_up(act_ptr, sa_s, sa_p, I, p, n, qm, nm, acc_g, acc_u, SPLIT: tl.constexpr, ACT_ROUNDED: tl.constexpr,
+                   WDT: tl.constexpr, SWAP: tl.constexpr):
+    """A gate/up tile's result: its split's fp32 partials g, u (SPLIT > 1), else silu(g) * u (rounded to WDT for a
+    16-bit act buffer, as the down kernel would round each load)."""
+    if SPLIT > 1:
+        part = act_ptr + tl.program_id(2) * sa_s
+        _store_tile(part, p, sa_p, n, qm, nm, acc_g, SWAP)
+        _store_tile(part + I, p, sa_p, n, qm, nm, acc_u, SWAP)
+    else:
+        act = _silu(acc_g) * acc_u
+        if ACT_ROUNDED:
+            act = cast(act, WDT)
+        _store_tile(act_ptr, p, sa_p, n, qm, nm, act, SWAP)
 
 
 @triton.jit
@@ -587,7 +617,7 @@ def _moe_down_kernel(
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
-    SB: tl.constexpr = 1,
+    SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)], SB blocks a
     loop step as there; EVEN_K /
@@ -595,9 +625,12 @@ def _moe_down_kernel(
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
     or the host-made list; DEVICE_LIST: found from ``bounds`` as the gate/up kernel does (when that kernel ran
-    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`)."""
+    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`). M_SUB as
+    there."""
     grid_dependency()
-    e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR, BM, bounds_ptr, experts_ptr, E, BE,
+    tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
+    TILE: tl.constexpr = BM * M_SUB
+    e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
     pid_n = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -606,9 +639,12 @@ def _moe_down_kernel(
     k_lo, k_hi = _split_range(I, SPLIT, K_PER_SPLIT)
     EVEN_W: tl.constexpr = EVEN_K and EVEN_N   # weight tiles need no mask
     FOLD: tl.constexpr = FP8_ROUTE == 3        # "fold": one accumulator over I
-    for m0 in range(start, end, BM):
+    for m0 in range(start, end, TILE):
         qm, p = _tile_pairs(m0, end, order_ptr, pairs, SELF, BM)
         acc = _acc_tile(BM, BN, SWAP)
+        if M_SUB == 2:
+            qm1, p1 = _tile_pairs(m0 + BM, end, order_ptr, pairs, SELF, BM)
+            acc1 = acc
         if SBK > 0:
             s_row = e.to(tl.int64) * ss_e + n * ss_n
             if FP8_ROUTE == 5:   # "f16": one power-of-two scale per pair over this program's columns
@@ -620,6 +656,8 @@ def _moe_down_kernel(
                     kb = kb0 + sbi * KSTEP
                     sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
                     pd = _block_start(acc, FOLD)
+                    if M_SUB == 2:
+                        pd1 = _block_start(acc1, FOLD)
                     for ks in tl.static_range(0, KSTEP, BK):
                         kk = kb + ks + tl.arange(0, BK)
                         km = kk < I
@@ -627,7 +665,12 @@ def _moe_down_kernel(
                         w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT,
                                         FP8_ROUTE)
                         pd = _route_dot(_route_act(a, WDT, FP8_ROUTE == 2), w, pd, a_scale, FP8_ROUTE, SWAP)
+                        if M_SUB == 2:
+                            a1 = _act_tile(act_ptr, sa_p, p1, qm1, kk, km, EVEN_K)
+                            pd1 = _route_dot(_route_act(a1, WDT, FP8_ROUTE == 2), w, pd1, a_scale, FP8_ROUTE, SWAP)
                     acc = _block_end(acc, pd, sd, FOLD)
+                    if M_SUB == 2:
+                        acc1 = _block_end(acc1, pd1, sd, FOLD)
             if FP8_ROUTE == 5:
                 acc = acc * _pair_vec(a_inv, SWAP)
         else:
@@ -637,6 +680,8 @@ def _moe_down_kernel(
                 a = cast(_act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K), WDT)
                 acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), acc, SWAP, False)
         _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
+        if M_SUB == 2:
+            _store_tile(y_ptr + tl.program_id(2) * sy_s, p1, sy_p, n, qm1, nm, acc1, SWAP)
 
 
 @triton.jit
@@ -757,6 +802,8 @@ class MoEConfig:
     row_programs: bool = False  # one program per (expert, row tile) instead of per expert (_program_tile)
     scale_blocks: int = 1       # FP8: scale blocks a K-loop step, each with the one-block step's operations (same
                                 # bits); a launch whose splits are not whole steps of them takes one (blocks_a_step)
+    m_sub: int = 1              # FP8: block_m-pair sub-tiles a program (1 or 2), each its own dots on the same
+                                # converted weight tiles (the same bits; a row tile for FP8: sub_tiles())
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -793,6 +840,20 @@ def blocks_a_step(cfg: MoEConfig, K: int, step: int, kps: int) -> int:
         raise ValueError(f"moe_experts: scale_blocks must be a positive int, got {cfg.scale_blocks!r}")
     whole = step * cfg.scale_blocks
     return cfg.scale_blocks if K % whole == 0 and kps % whole == 0 else 1
+
+
+def sub_tiles(cfg: MoEConfig, fp8: bool, self_group: bool, adt) -> int:
+    """Pair sub-tiles a program of a grouped launch runs on one converted weight tile (``MoEConfig.m_sub``):
+    FP8 weights only (16-bit weights take bigger row tiles, ``block_m``, instead), never in a self-grouped launch
+    (its one tile is the slot's own pairs), and not on the "f16" route (its scale is per tile). Each sub-tile's
+    dots are a 1-sub-tile program's, so the bits do not depend on it. ValueError for another count."""
+    if cfg.m_sub not in (1, 2):
+        raise ValueError(f"moe_experts: m_sub must be 1 or 2, got {cfg.m_sub}")
+    if cfg.m_sub == 1 or self_group:
+        return 1
+    if not fp8 or _fp8_route(cfg, adt) == 5:
+        raise ValueError(f"moe_experts: m_sub 2 needs FP8 weights on a route other than 'f16' ({cfg})")
+    return 2
 
 
 def k_per_split(K: int, split: int, step: int) -> int:
@@ -1092,7 +1153,11 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     kw.update(evenness(D, step, I, BN))
     if gu_rows:
         kw.update(ROW_PROGRAMS=True)
-    _moe_gate_up_kernel[(row_program_count(E, P, cfg.block_m) if gu_rows else n_slots, triton.cdiv(I, BN), split)](
+    msub = sub_tiles(cfg, fp8, self_group, adt)
+    if msub > 1:
+        kw.update(M_SUB=msub)
+    _moe_gate_up_kernel[(row_program_count(E, P, cfg.block_m * msub) if gu_rows else n_slots, triton.cdiv(I, BN),
+                         split)](
         h, h.stride(0), order, bounds, experts,
         wg_t, wu_t, wg_t.stride(0), wg_t.stride(1), wg_t.stride(2),
         part, part.stride(-2),
@@ -1122,7 +1187,11 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         kw.update(SB=blocks_a_step(cfg, I, step, kps))
     kw.update(evenness(I, step, D, BN))
     kw.update(down_finder(gu_rows, dn_rows, BE))
-    _moe_down_kernel[(row_program_count(E, P, cfg.block_m) if dn_rows else n_slots, triton.cdiv(D, BN), dn_split)](
+    msub = sub_tiles(cfg, fp8, self_group, adt)
+    if msub > 1:
+        kw.update(M_SUB=msub)
+    _moe_down_kernel[(row_program_count(E, P, cfg.block_m * msub) if dn_rows else n_slots, triton.cdiv(D, BN),
+                      dn_split)](
         act, act.stride(-2), order, bounds, experts if slots is None else slots,
         wd_t, wd_t.stride(0), wd_t.stride(1), wd_t.stride(2),
         y, y.stride(-2),

@@ -737,9 +737,9 @@ def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
 
 # ----------------------------------------------------------------------------- row tiles (prefill chunks)
 
-def _row_tile_run(fmt, row_cfg, device, B=24):
+def _row_tile_run(fmt, row_cfg, device, B=24, split=1):
     """(B rows in one launch, each row alone): experts 0..4 of 6 (5: shared), k = 2; the decode config
-    (16-row tiles) for one row, ``row_cfg`` (a ("rows",) entry) for B rows."""
+    (16-row tiles, ``split`` K splits) for one row, ``row_cfg`` (a ("rows",) entry) for B rows."""
     E, I, D, k = 6, 72, 200, 2
     if fmt == "fp8":
         wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 61))
@@ -749,7 +749,7 @@ def _row_tile_run(fmt, row_cfg, device, B=24):
         adt = None
     ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=62))
     h = torch.randn(B, D, generator=gen(63)).to(device)
-    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32" if fmt == "fp8" else "direct")
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32" if fmt == "fp8" else "direct", split=split)
 
     def run(rows):
         with use_variants({"moe_experts": GPU}), \
@@ -771,6 +771,30 @@ def test_row_tile_keeps_every_pairs_bits(device, fmt):
     full, alone = _row_tile_run(fmt, row_cfg, device)
     assert not torch.isnan(full).any()
     assert torch.equal(full, alone)
+
+
+@pytest.mark.parametrize("row_programs,split", [(True, 1), (False, 1)])
+def test_fp8_sub_tiles_keep_every_pairs_bits(device, row_programs, split):
+    """FP8 row entries with two 16-pair sub-tiles a program (``MoEConfig.m_sub``: each sub-tile its own dots
+    on the same converted weight tiles) -- in row programs and in per-expert programs -- give
+    every row the bits of that row launched alone on the decode tiles, on the GPU too (unlike a 32-pair tile)."""
+    row_cfg = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", min_rows=8, m_sub=2, row_programs=row_programs,
+                          split=split)
+    full, alone = _row_tile_run("fp8", row_cfg, device, split=split)
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+
+
+def test_sub_tiles_need_fp8_weights_and_a_tile_scale_route():
+    base = M.MoEConfig(tile_n=32, tile_k=64, m_sub=2)
+    assert M.sub_tiles(base, True, False, torch.bfloat16) == 2
+    assert M.sub_tiles(base, True, True, torch.bfloat16) == 1        # a self-grouped launch: one tile
+    with pytest.raises(ValueError, match="m_sub 2 needs FP8"):
+        M.sub_tiles(base, False, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="m_sub 2 needs FP8"):
+        M.sub_tiles(dataclasses.replace(base, fp8_route="f16"), True, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="1 or 2"):
+        M.sub_tiles(dataclasses.replace(base, m_sub=4), True, False, torch.bfloat16)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU the K tile changes no bit")
