@@ -20,6 +20,12 @@ from ds4t.backend import INTERPRET
 C = TypeVar("C")
 
 
+def differs_only_in(entry, base, fields) -> bool:
+    """Whether config ``entry`` equals ``base`` but for ``fields``: how a table checks that an entry for some
+    launches (a rows or few-rows entry) changes only what cannot change a row's bits."""
+    return dataclasses.replace(entry, **{f: getattr(base, f) for f in fields}) == base
+
+
 def launch_kwargs(cfg) -> dict:
     """``num_warps`` / ``num_stages`` of a config as Triton launch keywords (None: Triton's default)."""
     return {k: v for k in ("num_warps", "num_stages") if (v := getattr(cfg, k, None)) is not None}

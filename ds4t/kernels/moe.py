@@ -64,7 +64,7 @@ from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_scaled, fp8_operand, fp8_
                           mma, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add, sigmoid, split_sum,
                           timer, tl_dtype)
 from ds4t.backend import silu as _silu
-from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.config import ConfigTable, differs_only_in, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
 from ds4t.kernels.quant_blocks import GGUFWeight
 from ds4t.kernels.tensors import MoEPartials, float_out
@@ -885,7 +885,7 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     few = _few_entry(kernel, fmt, K)
     if few is not None and B <= few.max_rows:
         free = FEW_ROWS_FREE["fp8" if "fp8" in fmt else "16-bit"]
-        if dataclasses.replace(few, max_rows=cfg.max_rows, **{f: getattr(cfg, f) for f in free}) != cfg:
+        if not differs_only_in(few, cfg, ("max_rows", *free)):
             raise ValueError(f"moe {kernel}: a few-rows entry may change {', '.join(free)} only ({few} vs {cfg})")
         return few
     rows = MOE_CONFIGS(kernel, *fmt, "rows")

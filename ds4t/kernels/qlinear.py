@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ds4t.backend import (LAUNCH, cast, five_bits_to, fma_bf16, grid_dependency, int8_to, mma, nibbles_to,
                           prefetch_l2, scaled_add, six_bit_to, tl_dtype)
-from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.config import ConfigTable, differs_only_in, launch_kwargs
 from ds4t.kernels.quant_blocks import BLOCKS_32, GGUFWeight, block_format
 
 BLOCK_M = 16
@@ -697,7 +697,7 @@ def _rows_config(K: int, N: int, qtype: str, act_dtype: torch.dtype) -> tuple:
     """(the rows entry or None, whether it differs from the decode entry in ROWS_FIELDS alone)."""
     cfg = qlinear_config(K, N, qtype, act_dtype)
     rows = QLINEAR_CONFIGS(K, N, qtype, act_dtype, "rows")
-    return rows, rows is None or dataclasses.replace(rows, **{f: getattr(cfg, f) for f in ROWS_FIELDS}) == cfg
+    return rows, rows is None or differs_only_in(rows, cfg, ROWS_FIELDS)
 
 
 def qlinear_launch_config(K: int, N: int, qtype: str, act_dtype: torch.dtype, B: int) -> QLinearConfig:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ds4t.backend import LAUNCH, grid_dependency, tl_dtype
 from ds4t.backend import silu as _silu
-from ds4t.kernels.config import ConfigTable, launch_kwargs
+from ds4t.kernels.config import ConfigTable, differs_only_in, launch_kwargs
 from ds4t.kernels.moe import (_program_expert, _program_tile, _store_slot,   # moe.py imports this module only
                               down_finder, row_program_count)                 # inside its launcher
 from ds4t.kernels.qlinear import (FOLD_TYPES, _q8_group, folds, kernel_format, nibble_pack, qdot, qdot_pair,
@@ -188,7 +188,7 @@ def qmoe_config(kernel: str, qtype: str, B: int) -> QMoEConfig:
     rows = QMOE_CONFIGS(kernel, qtype, "rows")
     if rows is None or B < rows.min_rows:
         return cfg
-    if dataclasses.replace(rows, **{f: getattr(cfg, f) for f in ROWS_FIELDS}) != cfg:
+    if not differs_only_in(rows, cfg, ROWS_FIELDS):
         raise ValueError(f"qmoe {kernel} {qtype}: a rows entry may change {', '.join(ROWS_FIELDS)} only "
                          f"({rows} vs {cfg})")
     return rows
