@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -247,29 +246,10 @@ def q4k_int8_ref(x, w):
     return xq @ w.to("cpu").dequantize().double().T
 
 
-def _graph_ms(fn, reps=20, rounds=7):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return statistics.median(out)
+def _graph_ms(fn) -> float:
+    """Median ms a call: a CUDA graph of 20 calls replayed 7 times (``bench.bench_kernels.time_calls``)."""
+    from bench.bench_kernels import time_calls
+    return time_calls([fn], min_calls=20, iters=7)[0]
 
 
 def main() -> int:

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -192,63 +191,28 @@ def kernels(args, log) -> bool:
 
 
 def models(args, log) -> bool:
-    from bench.bench_decode import copy_bandwidth, step_floor_bytes, time_step
-    from bench.bench_fp8 import synthetic_sessions
-    from bench.hf_peer import median_ms
-    from bench.prefill_ab import prefill_prompt
-    from bench.step_ab import _clear_graphs, one_step, same_result
+    """Whole prompts (``prefill_ab.run``) and decode steps (``step_ab.run``) under the tables before the rows
+    entries and the committed ones, bits compared with "before"; False if any differ (or native != ordered)."""
+    from bench import bench_decode
+    from bench.prefill_ab import run as prefill_run
+    from bench.step_ab import run as step_run
 
-    dev = args.device
-    cpu = dev == "cpu"
+    dev = torch.device(args.device)
+    bench_decode.DEVICE = dev
+    cpu = dev.type == "cpu"
     P, C, CTX, IT, R = (40, 16, 32, 2, 1) if cpu else (4096, 1024, 4096, 20, 3)
-    bw = copy_bandwidth(dev)
+    bw = bench_decode.copy_bandwidth(dev)
+    variants = [("before", before), ("new", contextlib.nullcontext)]
     ok = True
-    variants = (("before", before), ("new", contextlib.nullcontext))
     for spec in args.models.split(","):
         name, _, qt = spec.partition(":")
         t0 = time.time()
         model = ds4t.load(name, device=dev, quantize=qt or None)
         log(f"\n## {spec} (load {time.time() - t0:.0f} s): prompt {P} in chunks of {C}; decode at {CTX} tokens")
         prompt = [random.Random(0).randrange(model.vocab_size) for _ in range(P)]
-        res, times = {}, {}
-        for vn, ctx in variants:
-            with ctx():
-                _clear_graphs(model)
-                prefill_prompt(model, prompt, C, 1, collect=False)
-                res[vn] = prefill_prompt(model, prompt, C, 1)
-                times[vn] = [median_ms(lambda: prefill_prompt(model, prompt, C, 1, collect=False), 1, 0, dev)
-                             for _ in range(R)]
-                _clear_graphs(model)
-        for vn, _ in variants:
-            ms = statistics.median(times[vn])
-            log(f"prefill {vn}: {ms:.1f} ms = {P / ms * 1e3:,.0f} tok/s ({min(times[vn]):.1f}-{max(times[vn]):.1f}); "
-                f"bits as before: {same_result(res[vn], res['before'])}")
-        ok &= same_result(res["new"], res["before"])
-        ns = [int(n) for n in args.ns.split(",")]
-        sessions, toks = synthetic_sessions(model, max(ns), CTX, 40, seed=7)
-        try:
-            for n in ns:
-                ss, tt = sessions[:n], toks[:n]
-                saved = [(s.state_dict("cpu"), list(s.tokens)) for s in ss]
-                r, t = {}, {}
-                for vn, ctx in variants:
-                    with ctx():
-                        _clear_graphs(model)
-                        r[vn] = one_step(model, ss, tt, saved)
-                        r[vn, "exact"] = same_result(r[vn], one_step(model, ss, tt, saved, "ordered"))
-                        for s_, (st, tk) in zip(ss, saved):
-                            s_.load_state_dict(st, len(tk), tk)
-                        t[vn] = [0.0] if cpu else [time_step(model, ss, tt, CTX, "native", IT) for _ in range(R)]
-                        _clear_graphs(model)
-                floor = step_floor_bytes(model, n, CTX)["total"] / bw * 1e3
-                for vn, _ in variants:
-                    ms = statistics.median(t[vn])
-                    log(f"decode N={n} {vn}: {ms:.3f} ms ({min(t[vn]):.3f}-{max(t[vn]):.3f}), floor {floor:.3f} ms, "
-                        f"bits as before {same_result(r[vn], r['before'])}, native == ordered {r[vn, 'exact']}")
-                ok &= same_result(r["new"], r["before"]) and r["new", "exact"]
-        finally:
-            for s_ in sessions:
-                s_.close()
+        rows = prefill_run(model, prompt, C, [1], variants, R, dev, log)
+        rows += step_run(model, [int(n) for n in args.ns.split(",")], CTX, variants, R, IT, bw, log)
+        ok &= all(r["bits"] and r.get("exact") is not False for r in rows)
         del model
         if not cpu:
             torch.cuda.empty_cache()

@@ -128,7 +128,16 @@ def relaid(model, orders: dict):
 def applied(model, spec):
     """The variant's table entries (and pass-through overrides, state layouts) in force, the model's CUDA
     graphs dropped on entry and on exit (a graph replays the kernels it was captured with, so none may
-    outlive the entries it was captured under)."""
+    outlive the entries it was captured under). ``spec`` may also be a callable returning a context manager
+    (a script's own tables, e.g. bench/prefill_tiles.py's forced rules): entered in place of the entries."""
+    if callable(spec):
+        with spec():
+            _clear_graphs(model)
+            try:
+                yield
+            finally:
+                _clear_graphs(model)
+        return
     table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order", "options")}
     options = spec.get("options") or {}
     bad = [k for k in options if k not in model.load_options()]
