@@ -804,6 +804,7 @@ class MoEConfig:
                                 # bits); a launch whose splits are not whole steps of them takes one (blocks_a_step)
     m_sub: int = 1              # FP8: block_m-pair sub-tiles a program (1 or 2), each its own dots on the same
                                 # converted weight tiles (the same bits; a row tile for FP8: sub_tiles())
+    m_sub_pairs: int = 0        # m_sub applies to launches of at least this many pairs an expert on average
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -842,14 +843,17 @@ def blocks_a_step(cfg: MoEConfig, K: int, step: int, kps: int) -> int:
     return cfg.scale_blocks if K % whole == 0 and kps % whole == 0 else 1
 
 
-def sub_tiles(cfg: MoEConfig, fp8: bool, self_group: bool, adt) -> int:
-    """Pair sub-tiles a program of a grouped launch runs on one converted weight tile (``MoEConfig.m_sub``):
-    FP8 weights only (16-bit weights take bigger row tiles, ``block_m``, instead), never in a self-grouped launch
-    (its one tile is the slot's own pairs), and not on the "f16" route (its scale is per tile). Each sub-tile's
-    dots are a 1-sub-tile program's, so the bits do not depend on it. ValueError for another count."""
+def sub_tiles(cfg: MoEConfig, fp8: bool, self_group: bool, adt, P: int = 0, E: int = 1) -> int:
+    """Pair sub-tiles a program of a grouped launch of P pairs over E experts runs on one converted weight
+    tile (``MoEConfig.m_sub``): FP8 weights only (16-bit weights take bigger row tiles, ``block_m``,
+    instead), never in a self-grouped launch (its one tile is the slot's own pairs), not on the "f16" route
+    (its scale is per tile), and only once the launch has ``cfg.m_sub_pairs`` pairs an expert on average
+    (P >= m_sub_pairs * E: fewer leave the second sub-tile mostly empty and halve the programs; timed on an
+    H100, bench/results/2026-12-06-h100-fp8-moe-sub-tiles.md). Each sub-tile's dots are a 1-sub-tile
+    program's, so the bits do not depend on it. ValueError for another count."""
     if cfg.m_sub not in (1, 2):
         raise ValueError(f"moe_experts: m_sub must be 1 or 2, got {cfg.m_sub}")
-    if cfg.m_sub == 1 or self_group:
+    if cfg.m_sub == 1 or self_group or P < cfg.m_sub_pairs * E:
         return 1
     if not fp8 or _fp8_route(cfg, adt) == 5:
         raise ValueError(f"moe_experts: m_sub 2 needs FP8 weights on a route other than 'f16' ({cfg})")
@@ -938,19 +942,24 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                                                min_rows=128, row_programs=True),
                 ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                             min_rows=128, row_programs=True),
-                ("gate_up", "fp8", "rows"): dataclasses.replace(_FP8_GATE_UP, row_programs=True, min_rows=64),
+                # FP8 rows: two 16-pair sub-tiles a program from 48 pairs an expert (GLM-4.5's 1024-row chunk
+                # -5 %; fewer pairs an expert lost: Qwen3-Next's chunk +5.5 %, a 64-row step +16 %; same bits)
+                ("gate_up", "fp8", "rows"): dataclasses.replace(_FP8_GATE_UP, row_programs=True, min_rows=64,
+                                                                m_sub=2, m_sub_pairs=48),
                 # one- and two-row launches over GLM-4.5's experts (K = 5120): two scale blocks a loop step in
                 # two stages, the same bits (an H100, bench/results/2026-12-06-h100-n1-anatomy.md)
                 ("gate_up", "fp8", "few", 5120): dataclasses.replace(_FP8_GATE_UP, num_stages=2, scale_blocks=2,
                                                                      max_rows=2),
-                ("down", "fp8", "rows"): dataclasses.replace(_FP8_DOWN, row_programs=True, min_rows=64)},
+                ("down", "fp8", "rows"): dataclasses.replace(_FP8_DOWN, row_programs=True, min_rows=64, m_sub=2,
+                                                             m_sub_pairs=48)},
     gpu_rule=lambda kernel, *fmt: _few_default(kernel, fmt) if "few" in fmt else
     None if "rows" in fmt else _unknown_kernel(kernel),
     interp_rule=lambda kernel, *fmt: None if "few" in fmt else _INTERP_CONFIG,
     source="bench/results/2026-11-29-h200-moe-tiles.md (float weights), "
            "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights), "
            "bench/results/2026-12-04-h200-moe-row-programs.md (row programs), "
-           "bench/results/2026-12-06-h100-n1-anatomy.md (the few-rows entry)")
+           "bench/results/2026-12-06-h100-n1-anatomy.md (the few-rows entry), "
+           "bench/results/2026-12-06-h100-fp8-moe-sub-tiles.md (FP8 sub-tiles)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
 weights, plus a row-tile entry (key + ("rows",)) for launches of many rows; the tiles follow from the
 weight shape (:meth:`MoEConfig.tiles`). Chosen by
@@ -1153,7 +1162,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     kw.update(evenness(D, step, I, BN))
     if gu_rows:
         kw.update(ROW_PROGRAMS=True)
-    msub = sub_tiles(cfg, fp8, self_group, adt)
+    msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
     if msub > 1:
         kw.update(M_SUB=msub)
     _moe_gate_up_kernel[(row_program_count(E, P, cfg.block_m * msub) if gu_rows else n_slots, triton.cdiv(I, BN),
@@ -1187,7 +1196,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         kw.update(SB=blocks_a_step(cfg, I, step, kps))
     kw.update(evenness(I, step, D, BN))
     kw.update(down_finder(gu_rows, dn_rows, BE))
-    msub = sub_tiles(cfg, fp8, self_group, adt)
+    msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
     if msub > 1:
         kw.update(M_SUB=msub)
     _moe_down_kernel[(row_program_count(E, P, cfg.block_m * msub) if dn_rows else n_slots, triton.cdiv(D, BN),

@@ -797,6 +797,14 @@ def test_sub_tiles_need_fp8_weights_and_a_tile_scale_route():
         M.sub_tiles(dataclasses.replace(base, m_sub=4), True, False, torch.bfloat16)
 
 
+def test_sub_tiles_wait_for_enough_pairs_an_expert():
+    """``m_sub_pairs``: the second sub-tile only from that many pairs an expert on average (P over E)."""
+    cfg = M.MoEConfig(tile_n=32, tile_k=64, m_sub=2, m_sub_pairs=48)
+    assert M.sub_tiles(cfg, True, False, torch.bfloat16, P=48 * 161, E=161) == 2
+    assert M.sub_tiles(cfg, True, False, torch.bfloat16, P=48 * 161 - 1, E=161) == 1
+    assert M.sub_tiles(cfg, True, False, torch.bfloat16, P=11 * 1024, E=513) == 1    # Qwen3-Next's 1024 rows
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU the K tile changes no bit")
 def test_row_tile_control_a_changed_k_tile_is_caught(device):
     """Negative control: a row entry with another K tile (the interpreter sums each K tile before adding
