@@ -224,13 +224,19 @@ def _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K: tl.constexpr = False):
 
 @triton.jit
 def _moe_act_kernel(part_ptr, sp_s, sp_p, act_ptr, sa_p, order_ptr, bounds_ptr, E, I,
-                    SPLIT: tl.constexpr, ACT_ROUNDED: tl.constexpr, WDT: tl.constexpr, BI: tl.constexpr):
+                    SPLIT: tl.constexpr, ACT_ROUNDED: tl.constexpr, WDT: tl.constexpr, BI: tl.constexpr,
+                    sg_ptr=None, su_ptr=None, ss_e=0, ss_n=0, ids_ptr=None, si_b=0, KT=1, SHARED=-1,
+                    KTOP: tl.constexpr = 0, NBLK: tl.constexpr = 0):
     """After a split gate/up (``MoEConfig.split`` = SPLIT): act[p, i] = silu(g) * u with g = part[0, p, i] +
     part[1, p, i] + ... and u likewise at column I + i, added in split order (:func:`ds4t.backend.split_sum`),
     rounded to WDT when ACT_ROUNDED -- what the unsplit gate/up kernel stores. Grid (P, cdiv(I, BI)):
     program q takes the q-th grouped pair (order[q]); pairs past bounds[E] (ids -1: no expert) have no
     partials and are skipped. A separate launch, so the down kernel reads one activation tile as after
-    an unsplit gate/up (reading and adding the partials there took it 96 KB of shared memory)."""
+    an unsplit gate/up (reading and adding the partials there took it 96 KB of shared memory).
+
+    NBLK > 0 (an ordered split, ``MoEConfig.ordered_split``): part holds every FP8 scale block's dot
+    [NBLK, P, 2I]; g = fma(dot_j, scale_j, g) for j = 0 .. NBLK-1 from g = 0 (scales sg / su [E, I, NBLK] of
+    the pair's expert, found from ``ids``), the unsplit kernel's :func:`_block_end` in its order."""
     grid_dependency()
     q = tl.program_id(0)
     if q < tl.load(bounds_ptr + E):
@@ -238,7 +244,19 @@ def _moe_act_kernel(part_ptr, sp_s, sp_p, act_ptr, sa_p, order_ptr, bounds_ptr, 
         i = tl.program_id(1) * BI + tl.arange(0, BI)
         m = i < I
         ptrs = part_ptr + p * sp_p + i
-        act = _silu(split_sum(ptrs, m, sp_s, SPLIT)) * split_sum(ptrs + I, m, sp_s, SPLIT)
+        if NBLK > 0:
+            e = _pair_expert(ids_ptr, si_b, p // KT, p % KT, True, KTOP, SHARED).to(tl.int64)
+            s_row = e * ss_e + i * ss_n
+            g = tl.zeros([BI], tl.float32)
+            u = tl.zeros([BI], tl.float32)
+            for j in range(NBLK):
+                g = scaled_add(g, tl.load(ptrs + j * sp_s, mask=m, other=0.0),
+                               tl.load(sg_ptr + s_row + j, mask=m, other=0.0))
+                u = scaled_add(u, tl.load(ptrs + j * sp_s + I, mask=m, other=0.0),
+                               tl.load(su_ptr + s_row + j, mask=m, other=0.0))
+            act = _silu(g) * u
+        else:
+            act = _silu(split_sum(ptrs, m, sp_s, SPLIT)) * split_sum(ptrs + I, m, sp_s, SPLIT)
         if ACT_ROUNDED:
             act = cast(act, WDT)
         tl.store(act_ptr + p * sa_p + i, act, mask=m)
@@ -482,6 +500,7 @@ def _moe_gate_up_kernel(
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1,
+    ORDERED: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -504,6 +523,9 @@ def _moe_gate_up_kernel(
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
     sa_p); :func:`_moe_act_kernel` adds the SPLIT partials in split order and applies silu(g) * u.
+    ORDERED (FP8, a route whose blocks start from zero): the program stores each scale block's dots instead,
+    at act[j] for block j (stride sa_s), and :func:`_moe_act_kernel` adds them in block order times their
+    scales -- this kernel's own operations, so the bits are the unsplit launch's at every SPLIT.
 
     ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``.
 
@@ -511,6 +533,7 @@ def _moe_gate_up_kernel(
     its own dots on the same converted weight tiles (``MoEConfig.m_sub``): each pair's operations as with M_SUB 1."""
     grid_dependency()
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
+    tl.static_assert(not ORDERED or (SBK > 0 and FP8_ROUTE != 3 and FP8_ROUTE != 5))
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
@@ -565,11 +588,19 @@ def _moe_gate_up_kernel(
                             a1 = _route_act(_h_tile(h_ptr, sh_b, b1, qm1, kk, km, EVEN_K), WDT, FP8_ROUTE == 2)
                             pg1 = _route_dot(a1, wg, pg1, a_scale, FP8_ROUTE, SWAP)
                             pu1 = _route_dot(a1, wu, pu1, a_scale, FP8_ROUTE, SWAP)
-                    acc_g = _block_end(acc_g, pg, sg, FOLD)
-                    acc_u = _block_end(acc_u, pu, su, FOLD)
-                    if M_SUB == 2:
-                        acc_g1 = _block_end(acc_g1, pg1, sg, FOLD)
-                        acc_u1 = _block_end(acc_u1, pu1, su, FOLD)
+                    if ORDERED:   # the block's dots, for _moe_act_kernel to add in block order
+                        blk = act_ptr + j * sa_s
+                        _store_tile(blk, p, sa_p, n, qm, nm, pg, SWAP)
+                        _store_tile(blk + I, p, sa_p, n, qm, nm, pu, SWAP)
+                        if M_SUB == 2:
+                            _store_tile(blk, p1, sa_p, n, qm1, nm, pg1, SWAP)
+                            _store_tile(blk + I, p1, sa_p, n, qm1, nm, pu1, SWAP)
+                    else:
+                        acc_g = _block_end(acc_g, pg, sg, FOLD)
+                        acc_u = _block_end(acc_u, pu, su, FOLD)
+                        if M_SUB == 2:
+                            acc_g1 = _block_end(acc_g1, pg1, sg, FOLD)
+                            acc_u1 = _block_end(acc_u1, pu1, su, FOLD)
             if FP8_ROUTE == 5:
                 acc_g = acc_g * _pair_vec(a_inv, SWAP)
                 acc_u = acc_u * _pair_vec(a_inv, SWAP)
@@ -583,9 +614,11 @@ def _moe_gate_up_kernel(
                 wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
                 acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
                 acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
-        _store_gate_up(act_ptr, sa_s, sa_p, I, p, n, qm, nm, acc_g, acc_u, SPLIT, ACT_ROUNDED, WDT, SWAP)
-        if M_SUB == 2:
-            _store_gate_up(act_ptr, sa_s, sa_p, I, p1, n, qm1, nm, acc_g1, acc_u1, SPLIT, ACT_ROUNDED, WDT, SWAP)
+        if not ORDERED:
+            _store_gate_up(act_ptr, sa_s, sa_p, I, p, n, qm, nm, acc_g, acc_u, SPLIT, ACT_ROUNDED, WDT, SWAP)
+            if M_SUB == 2:
+                _store_gate_up(act_ptr, sa_s, sa_p, I, p1, n, qm1, nm, acc_g1, acc_u1, SPLIT, ACT_ROUNDED, WDT,
+                               SWAP)
 
 
 @triton.jit
@@ -805,6 +838,8 @@ class MoEConfig:
     m_sub: int = 1              # FP8: block_m-pair sub-tiles a program (1 or 2), each its own dots on the same
                                 # converted weight tiles (the same bits; a row tile for FP8: sub_tiles())
     m_sub_pairs: int = 0        # m_sub applies to launches of at least this many pairs an expert on average
+    ordered_split: bool = False  # FP8 gate/up: the K splits store each scale block's dot, added in block order
+                                 # after (the unsplit bits at any split count: sum_order())
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -860,6 +895,29 @@ def sub_tiles(cfg: MoEConfig, fp8: bool, self_group: bool, adt, P: int = 0, E: i
     return 2
 
 
+def sum_order(cfg: MoEConfig, kernel: str, fp8: bool):
+    """What a launch's bits depend on besides its tiles: "blocks" when every pair sums K in scale-block order
+    from one accumulator -- an unsplit launch, or an FP8 gate/up whose K splits store each block's dot for
+    :func:`_moe_act_kernel` to add in that order (``ordered_split``: split counts then change no bit) -- else
+    the K split count. ValueError for an ordered split the kernel cannot run: 16-bit weights (their dot
+    accumulates across blocks), the down kernel, or an FP8 route whose blocks do not start from zero
+    ("fold", "f16")."""
+    if cfg.ordered_split:
+        if not fp8 or kernel != "gate_up" or cfg.fp8_route in ("fold", "f16"):
+            raise ValueError(f"moe {kernel}: an ordered split needs FP8 gate/up weights on a route whose scale "
+                             f"blocks start from zero ({cfg})")
+        return "blocks"
+    return "blocks" if cfg.split == 1 else ("split", cfg.split)
+
+
+def few_entry_keeps_bits(few: MoEConfig, cfg: MoEConfig, kernel: str, fp8: bool) -> bool:
+    """Whether a few-rows entry gives every pair the bits of its decode entry ``cfg``: it differs only in
+    :data:`FEW_ROWS_FREE` and in an ordered K split (the same :func:`sum_order`)."""
+    free = FEW_ROWS_FREE["fp8" if fp8 else "16-bit"]
+    return (sum_order(few, kernel, fp8) == sum_order(cfg, kernel, fp8)
+            and differs_only_in(few, cfg, ("max_rows", "split", "ordered_split", *free)))
+
+
 def k_per_split(K: int, split: int, step: int) -> int:
     """Columns per split of a grouped kernel's K: whole loop steps of ``step`` columns (from K and the
     config only). Raises when the split would leave a split empty."""
@@ -887,10 +945,12 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     before adding it, so there a row tile must keep the K tile: tests force one that does)."""
     cfg = MOE_CONFIGS(kernel, *fmt)
     few = _few_entry(kernel, fmt, K)
+    fp8 = "fp8" in fmt
     if few is not None and B <= few.max_rows:
-        free = FEW_ROWS_FREE["fp8" if "fp8" in fmt else "16-bit"]
-        if not differs_only_in(few, cfg, ("max_rows", *free)):
-            raise ValueError(f"moe {kernel}: a few-rows entry may change {', '.join(free)} only ({few} vs {cfg})")
+        if not few_entry_keeps_bits(few, cfg, kernel, fp8):
+            free = FEW_ROWS_FREE["fp8" if fp8 else "16-bit"]
+            raise ValueError(f"moe {kernel}: a few-rows entry may change {', '.join(free)} and an ordered K split "
+                             f"only ({few} vs {cfg})")
         return few
     rows = MOE_CONFIGS(kernel, *fmt, "rows")
     if rows is None or B < rows.min_rows:
@@ -898,7 +958,7 @@ def _config(kernel: str, fmt: tuple, B: int, K: int = 0) -> MoEConfig:
     same_sums = {"direct": "exact", "f32": "exact"}   # the exact 16-bit routes give the same bits
     if same_sums.get(rows.fp8_route, rows.fp8_route) != same_sums.get(cfg.fp8_route, cfg.fp8_route):
         raise ValueError(f"moe {kernel}: a row tile must keep the decode config's MMA route ({cfg.fp8_route})")
-    if rows.split != cfg.split:
+    if sum_order(rows, kernel, fp8) != sum_order(cfg, kernel, fp8):
         raise ValueError(f"moe {kernel}: a row tile must keep the decode config's K split ({cfg.split})")
     return rows
 
@@ -1107,8 +1167,13 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         order, bounds = group_pairs(ids, E, shared_expert)
         sg_args = {}
     act = torch.empty((P, I), dtype=adt if act_rounded else torch.float32, device=dev)
-    # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel
-    part = torch.empty((split, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act
+    # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel; an ordered split's
+    # dots of every scale block [cdiv(D, block_k), P, 2I], added in block order there
+    ordered = split > 1 and gu_cfg.ordered_split
+    if ordered:
+        sum_order(gu_cfg, "gate_up", fp8)
+    n_part = triton.cdiv(D, w_gate.block_k) if ordered else split
+    part = torch.empty((n_part, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act
     dn_split = 1 if gguf else dn_cfg.split
     y = torch.empty((dn_split, P, D) if dn_split > 1 else (P, D), dtype=torch.float32, device=dev)
     WDT = tl_dtype(adt)
@@ -1156,7 +1221,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
                   SBK=sbk, KSTEP=step, FP8_ROUTE=_fp8_route(cfg, adt))
     kps = k_per_split(D, split, step) if split > 1 else D
     if split > 1:
-        kw.update(SPLIT=split, K_PER_SPLIT=kps, sa_s=part.stride(0))
+        kw.update(SPLIT=split, K_PER_SPLIT=kps, sa_s=part.stride(0), ORDERED=ordered)
     if fp8:
         kw.update(SB=blocks_a_step(cfg, D, step, kps))
     kw.update(evenness(D, step, I, BN))
@@ -1176,9 +1241,12 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     )
     if split > 1:
         BI = min(1024, triton.next_power_of_2(I))
+        blocks = dict(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0),
+                      ss_n=w_gate.scale.stride(1), ids_ptr=ids, si_b=ids.stride(0), KT=KT, SHARED=SHARED, KTOP=k,
+                      NBLK=n_part) if ordered else {}
         _moe_act_kernel[(P, triton.cdiv(I, BI))](
             part, part.stride(0), part.stride(1), act, act.stride(0), order, bounds, E, I,
-            SPLIT=split, ACT_ROUNDED=act_rounded, WDT=WDT, BI=BI, **LAUNCH,
+            SPLIT=split, ACT_ROUNDED=act_rounded, WDT=WDT, BI=BI, **blocks, **LAUNCH,
         )
     # 3. down
     cfg = dn_cfg

@@ -724,6 +724,47 @@ def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(blocks, split, swap):
         M.blocks_a_step(dataclasses.replace(base, scale_blocks=0), 768, 128, 768)
 
 
+@pytest.mark.parametrize("split,swap,B,adt", [(2, True, 1, torch.float32), (3, True, 24, torch.float32),
+                                             (6, False, 5, torch.float32), (2, True, 2, torch.bfloat16)], ids=str)
+def test_fp8_ordered_split_keeps_the_unsplit_bits(device, split, swap, B, adt):
+    """``MoEConfig.ordered_split``: FP8 gate/up K splits that store every scale block's dot, added in block
+    order by the activation kernel (D = 768: 6 blocks of 128), give the unsplit launch's bits at any split
+    count -- so a few-rows entry may take one. Control (fp32 activations, which the down kernel reads
+    unrounded): an ordinary split of the same K differs."""
+    E, I, D, k = 6, 384, 768, 3
+    wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 93))
+    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=94))
+    h = torch.randn(B, D, generator=gen(95)).to(device)
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=swap)
+
+    def run(gate_up):
+        with use_variants({"moe_experts": GPU}), \
+                M.MOE_CONFIGS.forced(lambda kernel, *f: gate_up if kernel == "gate_up" else base):
+            return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
+                               out=poisoned((B, D), device=device))
+
+    y = run(dataclasses.replace(base, split=split, ordered_split=True))
+    assert not torch.isnan(y).any()
+    unsplit = run(base)
+    assert torch.equal(y, unsplit)
+    if adt == torch.float32:
+        assert not torch.equal(run(dataclasses.replace(base, split=split)), unsplit)
+
+
+def test_ordered_split_is_a_few_rows_field_only_where_the_kernel_has_it():
+    """A few-rows entry may take an ordered K split (the decode entry's bits); an ordinary split is refused,
+    and so is an ordered split on 16-bit weights, on the down kernel or on the "fold" route."""
+    base = M.MoEConfig(tile_n=32, tile_k=128, fp8_route="f32", swap=True)
+    ordered = dataclasses.replace(base, split=4, ordered_split=True, max_rows=2)
+    assert M.few_entry_keeps_bits(ordered, base, "gate_up", True)
+    assert not M.few_entry_keeps_bits(dataclasses.replace(ordered, ordered_split=False), base, "gate_up", True)
+    assert M.sum_order(ordered, "gate_up", True) == M.sum_order(base, "gate_up", True) == "blocks"
+    for cfg, kernel, fp8 in [(ordered, "gate_up", False), (ordered, "down", True),
+                             (dataclasses.replace(ordered, fp8_route="fold"), "gate_up", True)]:
+        with pytest.raises(ValueError, match="ordered split"):
+            M.sum_order(cfg, kernel, fp8)
+
+
 def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
     with pytest.raises(ValueError, match="empty"):
         M.k_per_split(256, 3, 128)
@@ -841,8 +882,7 @@ def _few_entries_outside_free_fields(table: dict) -> list:
     for key, few in table.items():
         if isinstance(key, tuple) and "few" in key:
             decode = table[key[:key.index("few")] if len(key[:key.index("few")]) > 1 else key[0]]
-            free = M.FEW_ROWS_FREE["fp8" if "fp8" in key else "16-bit"]
-            if dataclasses.replace(few, max_rows=decode.max_rows, **{f: getattr(decode, f) for f in free}) != decode:
+            if not M.few_entry_keeps_bits(few, decode, key[0], "fp8" in key):
                 bad.append(key)
     return bad
 
