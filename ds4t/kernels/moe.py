@@ -249,7 +249,7 @@ def _moe_act_kernel(part_ptr, sp_s, sp_p, act_ptr, sa_p, order_ptr, bounds_ptr, 
             s_row = e * ss_e + i * ss_n
             g = tl.zeros([BI], tl.float32)
             u = tl.zeros([BI], tl.float32)
-            for j in range(NBLK):
+            for j in tl.static_range(NBLK):   # unrolled: every block's loads issue before the FMA chain
                 g = scaled_add(g, tl.load(ptrs + j * sp_s, mask=m, other=0.0),
                                tl.load(sg_ptr + s_row + j, mask=m, other=0.0))
                 u = scaled_add(u, tl.load(ptrs + j * sp_s + I, mask=m, other=0.0),
@@ -1240,7 +1240,9 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         SWAP=cfg.swap, slots_ptr=slots, **sg_args, **kw, **LAUNCH,
     )
     if split > 1:
-        BI = min(1024, triton.next_power_of_2(I))
+        # an ordered split's chain over every block: narrower programs, more of them (a one-row launch has
+        # a handful of pairs)
+        BI = min(128 if ordered else 1024, triton.next_power_of_2(I))
         blocks = dict(sg_ptr=w_gate.scale, su_ptr=w_up.scale, ss_e=w_gate.scale.stride(0),
                       ss_n=w_gate.scale.stride(1), ids_ptr=ids, si_b=ids.stride(0), KT=KT, SHARED=SHARED, KTOP=k,
                       NBLK=n_part) if ordered else {}
