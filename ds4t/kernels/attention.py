@@ -135,6 +135,8 @@ class AttentionConfig:
                                     # off on the GPU until timed)
     run_interior: bool = False      # runs kernel: the tiles inside all of a group's ranges without masks
                                     # (same bits; on the GPU for d 256 only, where it was faster)
+    dv_parts: int = 1               # split kernel: value columns in this many parts, a program each, for
+    dv_rows: int = 0                # launches of at most dv_rows rows (same bits: dv_parts_of())
 
 
 def _gpu_config(split: int, block_d: int, block_dv: int) -> AttentionConfig:
@@ -195,6 +197,19 @@ def checked_products(value, what: str = "products") -> str:
     if value not in PRODUCTS:
         raise ValueError(f"{what} must be one of {PRODUCTS}, got {value!r}")
     return value
+
+def dv_parts_of(cfg: AttentionConfig, B: int, BLOCK_DV: int) -> int:
+    """Programs a (row, kv head, split) of a B-row split-kernel launch takes, each over BLOCK_DV / parts of
+    the value columns: ``cfg.dv_parts`` for launches of at most ``cfg.dv_rows`` rows, else 1. Each part
+    computes the same scores, softmax and row sums and accumulates its own columns -- every column the same
+    operations as in one program -- so the bits do not depend on it; a one-row launch gets the programs it
+    lacks (a few kv heads x splits). ValueError for a count that is not a power of two leaving >= 16 columns."""
+    parts = cfg.dv_parts if B <= cfg.dv_rows else 1
+    if parts < 1 or parts & (parts - 1) or BLOCK_DV // parts < 16:
+        raise ValueError(f"decode_attention: dv_parts must be a power of two leaving >= 16 value columns a part "
+                         f"(BLOCK_DV {BLOCK_DV}), got {cfg.dv_parts}")
+    return parts
+
 
 _MERGE_DV = 64
 """Value columns per merge program: the merge is elementwise in them (no bit depends on it); 64 gives
@@ -414,14 +429,17 @@ def _attn_split_kernel(
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT_STEPS: tl.constexpr, TARGET_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FINAL: tl.constexpr,
-    GATED: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True,
+    GATED: tl.constexpr, SPLIT_PRODUCTS: tl.constexpr = True, DV_PARTS: tl.constexpr = 1,
 ):
+    # DV_PARTS > 1 (dv_parts_of): grid axis 1 is (kv head, value-column part); a part's BLOCK_DV columns
+    # start at part * BLOCK_DV, its scores and softmax those of the whole head.
     # A row with one split (length <= its split size) normalises and writes its output here and the
     # merge skips it. FINAL (NS == 1, from L and the schedule only): every row has one split, no
     # partials exist, and no merge kernel runs.
     grid_dependency()
     b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+    g = tl.program_id(1) // DV_PARTS
+    part = tl.program_id(1) % DV_PARTS
     s = tl.program_id(2)
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), L)
     split = split_of(length, MIN_SPLIT, SPLIT_STEPS, TARGET_SPLITS)
@@ -429,7 +447,7 @@ def _attn_split_kernel(
 
     h = tl.arange(0, BLOCK_H)
     hm = h < G
-    dv = tl.arange(0, BLOCK_DV)
+    dv = part * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dvm = dv < DV
     qh = g * G + h
     if split_start >= length:
@@ -476,8 +494,9 @@ def _attn_split_kernel(
         _store_rows(out_ptr, b * so_b + qh * so_h, dv, so_d, om, acc, l_i, gate_ptr, b * sg_b + qh * DV, GATED)
     else:
         row = (b * NS + s) * HQ + qh            # [BLOCK_H] index into [B, NS, HQ]
-        tl.store(m_ptr + row, m_i, mask=hm)
-        tl.store(l_ptr + row, l_i, mask=hm)
+        if part == 0:                           # every part has them; one stores them
+            tl.store(m_ptr + row, m_i, mask=hm)
+            tl.store(l_ptr + row, l_i, mask=hm)
         tl.store(o_ptr + row[:, None] * DV + dv[None, :], acc, mask=om)
 
 
@@ -895,7 +914,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *args, B, **consts, RUN=cfg.run_rows, TILE_M=run_tile(cfg.run_rows, G), FUSE=fuse, RUN_P2=run_p2,
             INTERIOR=cfg.run_interior, PEEL=fuse and cfg.run_peel, **table, **warps, **stages, **LAUNCH)
     else:
-        _attn_split_kernel[(B, HKV, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
+        parts = dv_parts_of(cfg, B, BLOCK_DV)
+        if parts > 1:
+            consts.update(BLOCK_DV=BLOCK_DV // parts, DV_PARTS=parts)
+        _attn_split_kernel[(B, HKV * parts, NS)](*args, **consts, **launch_kwargs(cfg), **LAUNCH)
     if not final:
         merge_dv = min(_MERGE_DV, BLOCK_DV)
         _attn_merge_kernel[(B, HKV, triton.cdiv(DV, merge_dv))](

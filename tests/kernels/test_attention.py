@@ -1,4 +1,5 @@
 """write_kv and split-KV decode attention: reference, splits, NaN leaks, batch invariance."""
+import dataclasses
 import math
 
 import pytest
@@ -792,3 +793,39 @@ def test_norm_rope_write_kv_rows_invariant(data):
 
     with launcher_path(A, rows_path):
         assert_rows_invariant(run, rows, i)
+
+
+@pytest.mark.parametrize("parts,products,gated", [(2, "split", False), (4, "cache", True)], ids=str)
+def test_value_column_parts_keep_every_rows_bits(device, parts, products, gated):
+    """``AttentionConfig.dv_parts``: a launch of at most ``dv_rows`` rows runs each (row, kv head, split) as
+    ``parts`` programs over a part of the value columns each (the same scores and softmax) -- bitwise the
+    one-program launch, for rows of one split and of several (merged), gated or not. Control: another
+    split schedule gives other bits (the comparison sees an order change)."""
+    HQ, HKV, D, DV = 8, 2, 64, 64
+    g = _gen(39)
+    kc, vc = _cache(3, 140, HKV, D, DV, torch.bfloat16, device, g)
+    slots = torch.tensor([0, 2, 1], dtype=torch.int32, device=device)
+    lengths = torch.tensor([9, 120, 77], dtype=torch.int32, device=device)
+    q = torch.randn(3, HQ, D, generator=g).to(device)
+    gate = torch.randn(3, HQ * DV, generator=g).to(device) if gated else None
+    sched = SplitSchedule(16, 64, 4)
+    base = A.ATTENTION_CONFIGS(16, D, DV)
+    split_cfg = dataclasses.replace(base, dv_parts=parts, dv_rows=3)
+    assert A.dv_parts_of(split_cfg, 3, DV) == parts and A.dv_parts_of(split_cfg, 4, DV) == 1
+    spy = _Launches(A._attn_split_kernel)
+
+    def run(cfg, sp=sched):
+        with launcher_path(A, False), A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
+            if gated:
+                return decode_attention(q, kc, vc, slots, lengths, 0.2, split_size=sp, gate=gate, products=products)
+            return _run(q, kc, vc, slots, lengths, 0.2, split_size=sp, products=products)
+
+    one = run(base)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A, "_attn_split_kernel", spy)
+        got = run(split_cfg)
+    assert spy.n == 1 and spy.kwargs[-1]["DV_PARTS"] == parts
+    assert not torch.isnan(got).any() and torch.equal(got, one)
+    assert not torch.equal(run(split_cfg, 16), got)
+    with pytest.raises(ValueError, match="dv_parts"):
+        A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=3), 1, DV)
