@@ -14,6 +14,7 @@ from ds4t.backend import (
     default_device,  # noqa: F401
 )
 from ds4t.kernels import moe as M
+from ds4t.kernels.config import differs_only_in
 from ds4t.kernels.moe import moe_experts, moe_experts_ref
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, use_variants
 from tests.kernels.devices import gen
@@ -866,13 +867,16 @@ def test_row_tile_must_keep_the_mma_route():
 
 def test_fp8_row_entries_are_the_decode_tiles_in_row_programs():
     """FP8 has no row tiles (on an H200 every FP8 row tile changed a row's bits): its ("rows",) entries may
-    differ from the decode entries in ``row_programs`` and ``min_rows`` only -- the same tiles, so the same
-    bits (test_row_programs_keep_every_pairs_bits)."""
+    differ from the decode entries in ``row_programs``, ``min_rows`` and the sub-tiles (``m_sub``,
+    ``m_sub_pairs``) only -- the same tiles, so the same bits (test_row_programs_keep_every_pairs_bits,
+    test_fp8_sub_tiles_keep_every_pairs_bits). Control: a 32-pair tile is caught."""
+    free = ("row_programs", "min_rows", "m_sub", "m_sub_pairs")
     for kernel in ("gate_up", "down"):
         rows = M.MOE_CONFIGS.gpu.get((kernel, "fp8", "rows"))
         if rows is not None:
             decode = M.MOE_CONFIGS.gpu[(kernel, "fp8")]
-            assert dataclasses.replace(rows, row_programs=decode.row_programs, min_rows=decode.min_rows) == decode
+            assert differs_only_in(rows, decode, free)
+            assert not differs_only_in(dataclasses.replace(rows, block_m=32), decode, free)
 
 
 def _few_entries_outside_free_fields(table: dict) -> list:
