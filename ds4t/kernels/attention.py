@@ -203,11 +203,13 @@ def dv_parts_of(cfg: AttentionConfig, B: int, BLOCK_DV: int) -> int:
     the value columns: ``cfg.dv_parts`` for launches of at most ``cfg.dv_rows`` rows, else 1. Each part
     computes the same scores, softmax and row sums and accumulates its own columns -- every column the same
     operations as in one program -- so the bits do not depend on it; a one-row launch gets the programs it
-    lacks (a few kv heads x splits). ValueError for a count that is not a power of two leaving >= 16 columns."""
+    lacks (a few kv heads x splits). Fewer parts where a part would hold < 16 columns (a dot's minimum).
+    ValueError for a count that is not a power of two."""
+    if cfg.dv_parts < 1 or cfg.dv_parts & (cfg.dv_parts - 1):
+        raise ValueError(f"decode_attention: dv_parts must be a power of two, got {cfg.dv_parts}")
     parts = cfg.dv_parts if B <= cfg.dv_rows else 1
-    if parts < 1 or parts & (parts - 1) or BLOCK_DV // parts < 16:
-        raise ValueError(f"decode_attention: dv_parts must be a power of two leaving >= 16 value columns a part "
-                         f"(BLOCK_DV {BLOCK_DV}), got {cfg.dv_parts}")
+    while parts > 1 and BLOCK_DV // parts < 16:
+        parts //= 2
     return parts
 
 

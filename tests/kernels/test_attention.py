@@ -827,5 +827,6 @@ def test_value_column_parts_keep_every_rows_bits(device, parts, products, gated)
     assert spy.n == 1 and spy.kwargs[-1]["DV_PARTS"] == parts
     assert not torch.isnan(got).any() and torch.equal(got, one)
     assert not torch.equal(run(split_cfg, 16), got)
+    assert A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=8), 1, 64) == 4     # >= 16 columns a part
     with pytest.raises(ValueError, match="dv_parts"):
         A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=3), 1, DV)
