@@ -725,13 +725,14 @@ def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(blocks, split, swap):
         M.blocks_a_step(dataclasses.replace(base, scale_blocks=0), 768, 128, 768)
 
 
-@pytest.mark.parametrize("split,swap,B,adt", [(2, True, 1, torch.float32), (3, True, 24, torch.float32),
-                                             (6, False, 5, torch.float32), (2, True, 2, torch.bfloat16)], ids=str)
-def test_fp8_ordered_split_keeps_the_unsplit_bits(device, split, swap, B, adt):
+@pytest.mark.parametrize("split,swap,B,adt,m_sub", [(2, True, 1, torch.float32, 1), (3, True, 24, torch.float32, 1),
+                                                   (6, False, 5, torch.float32, 1), (2, True, 2, torch.bfloat16, 1),
+                                                   (2, True, 24, torch.float32, 2)], ids=str)
+def test_fp8_ordered_split_keeps_the_unsplit_bits(device, split, swap, B, adt, m_sub):
     """``MoEConfig.ordered_split``: FP8 gate/up K splits that store every scale block's dot, added in block
     order by the activation kernel (D = 768: 6 blocks of 128), give the unsplit launch's bits at any split
-    count -- so a few-rows entry may take one. Control (fp32 activations, which the down kernel reads
-    unrounded): an ordinary split of the same K differs."""
+    count -- so a few-rows entry may take one; with two sub-tiles a program (row programs) too. Control (fp32
+    activations, which the down kernel reads unrounded): an ordinary split of the same K differs."""
     E, I, D, k = 6, 384, 768, 3
     wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 93))
     ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=94))
@@ -744,7 +745,8 @@ def test_fp8_ordered_split_keeps_the_unsplit_bits(device, split, swap, B, adt):
             return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
                                out=poisoned((B, D), device=device))
 
-    y = run(dataclasses.replace(base, split=split, ordered_split=True))
+    sub = dict(m_sub=2, row_programs=True) if m_sub == 2 else {}
+    y = run(dataclasses.replace(base, split=split, ordered_split=True, **sub))
     assert not torch.isnan(y).any()
     unsplit = run(base)
     assert torch.equal(y, unsplit)
