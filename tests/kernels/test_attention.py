@@ -827,6 +827,16 @@ def test_value_column_parts_keep_every_rows_bits(device, parts, products, gated)
     assert spy.n == 1 and spy.kwargs[-1]["DV_PARTS"] == parts
     assert not torch.isnan(got).any() and torch.equal(got, one)
     assert not torch.equal(run(split_cfg, 16), got)
+    # one split a row (a 40-position cache, splits of 64: no partials, no merge kernel) and a row of length 0
+    short_k, short_v = kc[:, :40].contiguous(), vc[:, :40].contiguous()
+    lens = torch.tensor([9, 0, 40], dtype=torch.int32, device=device)
+
+    def final(cfg):
+        with launcher_path(A, False), A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
+            return _run(q, short_k, short_v, slots, lens, 0.2, split_size=64, products=products)
+
+    alone = final(base)
+    assert torch.equal(final(split_cfg), alone) and not torch.isnan(alone).any()
     assert A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=8), 1, 64) == 4     # >= 16 columns a part
     with pytest.raises(ValueError, match="dv_parts"):
         A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=3), 1, DV)
