@@ -87,7 +87,7 @@ def candidates():
 
 def _time(fns) -> float:
     from bench.bench_kernels import time_calls
-    return time_calls(fns)
+    return time_calls(fns)[0]
 
 
 def kernels(log) -> bool:
