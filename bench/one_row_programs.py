@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +38,7 @@ import torch  # noqa: E402
 
 import ds4t  # noqa: E402
 from ds4t.kernels import attention as A, moe as M  # noqa: E402
+from bench.report import checked_run  # noqa: E402
 
 PARTS = (2, 4)
 SPLITS = (2, 4, 8)
@@ -85,12 +85,22 @@ def candidates():
     return out
 
 
-def _time(fns) -> float:
+def _against_table(candidates, fns):
+    """(us a call under the table then under each candidate context, whether every candidate's first call equals
+    the table's bit for bit): ``fns`` one call per input rotation, timed together in a CUDA graph."""
     from bench.bench_kernels import time_calls
-    return time_calls(fns)[0]
+
+    ref = fns[0]().clone()
+    us = [time_calls(fns)[0] * 1e3]
+    same = True
+    for cand in candidates:
+        with cand():
+            same &= torch.equal(fns[0](), ref)
+            us.append(time_calls(fns)[0] * 1e3)
+    return us, same
 
 
-def kernels(log) -> bool:
+def kernels(args, log) -> bool:
     from bench.bench_attention import gqa_problem, run_gqa
     from ds4t.kernels.weights import quantize
 
@@ -104,17 +114,12 @@ def kernels(log) -> bool:
         for L in (4096, 32768):
             for B in (1, 2, 4, 8):
                 p = gqa_problem(hq, hkv, d, L, B, gen)
-                ref = run_gqa(p, p["slot_sets"][0], sched, None).clone()
-                us, same = [], []
-                for parts in (1, *PARTS):
-                    ctx = attention_parts(parts, B) if parts > 1 else contextlib.nullcontext()
-                    with ctx:
-                        same.append(torch.equal(run_gqa(p, p["slot_sets"][0], sched, None), ref))
-                        fns = [lambda s=s, p=p: run_gqa(p, s, sched, None) for s in p["slot_sets"]]
-                        us.append(_time(fns) * 1e3)
-                ok &= all(same)
+                fns = [lambda s=s, p=p: run_gqa(p, s, sched, None) for s in p["slot_sets"]]
+                parted = [lambda parts=parts: attention_parts(parts, B) for parts in PARTS]
+                us, same = _against_table(parted, fns)
+                ok &= same
                 log(f"| {hq} / {hkv}, d {d} | {L} | {B} | " + " | ".join(f"{u:.1f}" for u in us) +
-                    f" | {'yes' if all(same) else 'NO'} |")
+                    f" | {'yes' if same else 'NO'} |")
                 del p
                 torch.cuda.empty_cache()
     log("\n## FP8 grouped MoE, bf16 activations: us a call; ordered gate/up K splits\n")
@@ -132,43 +137,22 @@ def kernels(log) -> bool:
                 wts = torch.softmax(torch.randn(B, k, device="cuda", generator=gen), -1)
                 calls.append(lambda h=h, ids=ids, wts=wts, ws=ws: M.moe_experts(h, ids, wts, *ws,
                                                                                 shared_expert=E))
-            ref = calls[0]().clone()
-            us, same = [], []
-            for split in (1, *SPLITS):
-                ctx = ordered_split(split, B) if split > 1 else contextlib.nullcontext()
-                with ctx:
-                    same.append(torch.equal(calls[0](), ref))
-                    us.append(_time(calls) * 1e3)
-            ok &= all(same)
+            us, same = _against_table([lambda split=split: ordered_split(split, B) for split in SPLITS], calls)
+            ok &= same
             log(f"| {name} ({E} + 1, I {I}, D {D}, top {k}) | {B} | " + " | ".join(f"{u:.1f}" for u in us) +
-                f" | {'yes' if all(same) else 'NO'} |")
+                f" | {'yes' if same else 'NO'} |")
         del ws
         torch.cuda.empty_cache()
     return ok
 
 
 def models(args, log) -> bool:
-    """Whole decode steps (``step_ab.run``) under the table and each candidate; False if bits differ."""
-    from bench import bench_decode
-    from bench.step_ab import run as step_run
+    """Whole decode steps (``prefill_ab.models_ab``, no prompts) under the table and each candidate; False if bits
+    differ."""
+    from bench.prefill_ab import models_ab
 
-    dev = torch.device(args.device)
-    bench_decode.DEVICE = dev
-    cpu = dev.type == "cpu"
-    CTX, IT, R = (32, 2, 1) if cpu else (4096, 20, 5)
-    bw = bench_decode.copy_bandwidth(dev)
-    ok = True
-    for spec in args.models.split(","):
-        name, _, qt = spec.partition(":")
-        t0 = time.time()
-        model = ds4t.load(name, device=dev, quantize=qt or None)
-        log(f"\n## {spec} (load {time.time() - t0:.0f} s): decode steps at {CTX} tokens of context")
-        rows = step_run(model, [int(n) for n in args.ns.split(",")], CTX, candidates(), R, IT, bw, log)
-        ok &= all(r["bits"] and r.get("exact") is not False for r in rows)
-        del model
-        if not cpu:
-            torch.cuda.empty_cache()
-    return ok
+    return models_ab(args.models, [int(n) for n in args.ns.split(",")], candidates(), args.device, log,
+                     prompts=False)
 
 
 def main(argv=None) -> int:
@@ -179,24 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)
-    lines = []
-
-    def log(s):
-        print(s, flush=True)
-        lines.append(s)
-
-    if args.device == "cuda":
-        log(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
-    elif args.what == "kernels":
-        raise SystemExit("one_row_programs kernels: needs a GPU (the interpreter ignores GPU tables)")
-    ok = kernels(log) if args.what == "kernels" else models(args, log)
-    log("PASS" if ok else "FAIL (bits)")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"one_row_programs_{args.what}.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0 if ok else 1
-
+    return checked_run("one_row_programs", args, kernels, models)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,7 +33,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import ds4t  # noqa: E402,F401  (first: it picks the backend before triton loads)
+import ds4t  # noqa: E402  (first: it picks the backend before triton loads)
+import torch  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from bench.step_ab import ab_setup, applied, same_result  # noqa: E402
 from ds4t.batch.engine import run_segments  # noqa: E402
@@ -102,6 +103,40 @@ def table(rows, chunk: int) -> str:
                    f"{r['ms']:.2f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['tok_s']:,.0f} | {r['vs_base']:.3f} | "
                    f"{'yes' if r['bits'] else 'NO'} |")
     return "\n".join(out)
+
+
+def models_ab(specs: str, ns, variants, device, log, prompts: bool = True) -> bool:
+    """Each model of ``specs`` ("preset[:quantize],...") loaded once, its variants timed on whole prompts (with
+    ``prompts``: 4096 tokens in chunks of 1024, one session; :func:`run`) and on decode steps at 4096 tokens of
+    context for each N of ``ns`` (``bench/step_ab.py``'s ``run``); a tiny run on a CPU device. False if any
+    variant's bits differ from the first's, or native != ordered."""
+    import time
+
+    from bench import bench_decode
+    from bench.step_ab import run as step_run
+
+    dev = torch.device(device)
+    bench_decode.DEVICE = dev
+    cpu = dev.type == "cpu"
+    P, C, CTX, IT, R = (40, 16, 32, 2, 1) if cpu else (4096, 1024, 4096, 20, 3)
+    bw = bench_decode.copy_bandwidth(dev)
+    ok = True
+    for spec in specs.split(","):
+        name, _, qt = spec.partition(":")
+        t0 = time.time()
+        model = ds4t.load(name, device=dev, quantize=qt or None)
+        log(f"\n## {spec} (load {time.time() - t0:.0f} s): " +
+            (f"prompt {P} in chunks of {C}; " if prompts else "") + f"decode at {CTX} tokens")
+        rows = []
+        if prompts:
+            prompt = [random.Random(0).randrange(model.vocab_size) for _ in range(P)]
+            rows += run(model, prompt, C, [1], variants, R, dev, log)
+        rows += step_run(model, list(ns), CTX, variants, R, IT, bw, log)
+        ok &= all(r["bits"] and r.get("exact") is not False for r in rows)
+        del model
+        if not cpu:
+            torch.cuda.empty_cache()
+    return ok
 
 
 def main(argv=None) -> int:

@@ -30,19 +30,18 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-import ds4t  # noqa: E402
+import ds4t  # noqa: E402,F401  (first: it picks the backend before triton loads)
 from ds4t.backend import INTERPRET  # noqa: E402
 from ds4t.kernels import linear as L, moe as M, qlinear as Q, qmoe as QM  # noqa: E402
 from ds4t.kernels.weights import FP8_DTYPE  # noqa: E402
+from bench.report import checked_run  # noqa: E402
 
 _LIN = (dict(L.LINEAR_CONFIGS.gpu), L.LINEAR_CONFIGS.gpu_rule, L.LINEAR_CONFIGS.interp_rule)
 _QLIN = (dict(Q.QLINEAR_CONFIGS.gpu), Q.QLINEAR_CONFIGS.gpu_rule, Q.QLINEAR_CONFIGS.interp_rule)
@@ -191,32 +190,12 @@ def kernels(args, log) -> bool:
 
 
 def models(args, log) -> bool:
-    """Whole prompts (``prefill_ab.run``) and decode steps (``step_ab.run``) under the tables before the rows
-    entries and the committed ones, bits compared with "before"; False if any differ (or native != ordered)."""
-    from bench import bench_decode
-    from bench.prefill_ab import run as prefill_run
-    from bench.step_ab import run as step_run
+    """Whole prompts and decode steps (``prefill_ab.models_ab``) under the tables before the rows entries and the
+    committed ones, bits compared with "before"; False if any differ (or native != ordered)."""
+    from bench.prefill_ab import models_ab
 
-    dev = torch.device(args.device)
-    bench_decode.DEVICE = dev
-    cpu = dev.type == "cpu"
-    P, C, CTX, IT, R = (40, 16, 32, 2, 1) if cpu else (4096, 1024, 4096, 20, 3)
-    bw = bench_decode.copy_bandwidth(dev)
-    variants = [("before", before), ("new", contextlib.nullcontext)]
-    ok = True
-    for spec in args.models.split(","):
-        name, _, qt = spec.partition(":")
-        t0 = time.time()
-        model = ds4t.load(name, device=dev, quantize=qt or None)
-        log(f"\n## {spec} (load {time.time() - t0:.0f} s): prompt {P} in chunks of {C}; decode at {CTX} tokens")
-        prompt = [random.Random(0).randrange(model.vocab_size) for _ in range(P)]
-        rows = prefill_run(model, prompt, C, [1], variants, R, dev, log)
-        rows += step_run(model, [int(n) for n in args.ns.split(",")], CTX, variants, R, IT, bw, log)
-        ok &= all(r["bits"] and r.get("exact") is not False for r in rows)
-        del model
-        if not cpu:
-            torch.cuda.empty_cache()
-    return ok
+    return models_ab(args.models, [int(n) for n in args.ns.split(",")],
+                     [("before", before), ("new", contextlib.nullcontext)], args.device, log)
 
 
 def main() -> int:
@@ -228,23 +207,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
-    lines = []
-
-    def log(s):
-        print(s, flush=True)
-        lines.append(s)
-
-    if args.device == "cuda":
-        log(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
-    elif args.what == "kernels":
-        raise SystemExit("prefill_tiles kernels: needs a GPU (the interpreter ignores GPU tables)")
-    ok = kernels(args, log) if args.what == "kernels" else models(args, log)
-    log("PASS" if ok else "FAIL (bits)")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"prefill_tiles_{args.what}.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0 if ok else 1
+    return checked_run("prefill_tiles", args, kernels, models)
 
 
 if __name__ == "__main__":

@@ -21,3 +21,23 @@ class Report:
         with open(p, "w") as f:
             f.write("\n".join(self.lines) + "\n")
         return p
+
+
+def checked_run(tool: str, args, kernels, models) -> int:
+    """The driver of a bench script with a GPU-only ``kernels`` mode and a ``models`` mode (``args.what``), each
+    ``mode(args, log) -> ok`` (every variant kept the base's bits): the device line, the mode's lines, PASS / FAIL
+    (bits), all of them written under ``args.out`` (if set) as ``{tool}_{args.what}.md``. Returns the exit
+    status, 0 / 1."""
+    import torch
+
+    log = Report()
+    if args.device == "cuda":
+        log(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    elif args.what == "kernels":
+        raise SystemExit(f"{tool} kernels: needs a GPU (the interpreter ignores GPU tables)")
+    ok = (kernels if args.what == "kernels" else models)(args, log)
+    log("PASS" if ok else "FAIL (bits)")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        log.write(args.out, f"{tool}_{args.what}.md")
+    return 0 if ok else 1
