@@ -187,6 +187,31 @@ ATTENTION_CONFIGS: ConfigTable[AttentionConfig] = ConfigTable(
            "tiles: bench/results/2026-12-05-h200-prefill-runs.md")
 """Keyed on (the schedule's smallest split, BLOCK_D, BLOCK_DV)."""
 
+
+@dataclasses.dataclass(frozen=True)
+class NormRopeConfig:
+    """Launch constants of the q / k norm + RoPE + cache-write prologue (:func:`_norm_rope_kv_kernel`): heads a
+    program for launches of at least ``min_rows`` rows (fewer rows keep one head a program at the norm's warps,
+    so a decode step keeps its programs) and the warps of such a program. No field changes a bit: each head's
+    sum of squares is :func:`ds4t.kernels.norm.rstd_of`'s fixed tree whatever the tile."""
+    heads: int
+    min_rows: int
+    num_warps: int
+
+
+def _norm_rope_config(D: int) -> NormRopeConfig:
+    # A program a (row, head) made GLM-4.5's 1024-row prefill chunk 106k one-warp programs of 128 columns:
+    # 0.19 ms a layer where its ~80 MB take ~30 us at copy bandwidth (an H100 profile,
+    # bench/results/2026-12-06-h100-prefill-norms-down.md). Tiles of ~2048 elements over 4 warps instead.
+    return NormRopeConfig(heads=max(1, 2048 // triton.next_power_of_2(D)), min_rows=64, num_warps=4)
+
+
+NORM_ROPE_CONFIGS: ConfigTable[NormRopeConfig] = ConfigTable(
+    "norm_rope", gpu={}, gpu_rule=_norm_rope_config, interp_rule=_norm_rope_config,
+    source="bench/results/2026-12-06-h100-prefill-norms-down.md (bench/prefill_ab.py, bench/step_ab.py)")
+"""Keyed on the head dim D. The interpreter runs the prologue's own twin (variant ``"interp"``); its rule
+matters where tests force the GPU kernel there."""
+
 PRODUCTS = ("split", "cache")
 """How :func:`decode_attention` multiplies with a 16-bit cache: hi + lo halves (fp32-accurate) or once in the
 cache dtype."""
@@ -253,19 +278,20 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _norm_rope_head(x_row, sd, w_ptr, c, s, eps,
+def _norm_rope_head(x_row, sd, hm, w_ptr, c, s, eps,
                     D: tl.constexpr, HALF: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One head of :func:`_norm_rope_kv_kernel`: (rotated first half, rotated second half, pass-through
-    part), fp32 [1, BLOCK_HALF] x 2 and [1, BLOCK_P]. The sum of squares: a [1, BLOCK_D] tile loaded at
-    unit stride (``sd``: the caller's stride argument, which Triton specialises to 1, so the load
-    vectorises), unmasked when D fills it."""
+    """Heads of :func:`_norm_rope_kv_kernel`: x_row [HEADS, 1] pointers to each head's first element, hm
+    [HEADS, 1] the heads that exist; (rotated first half, rotated second half, pass-through part), fp32
+    [HEADS, BLOCK_HALF] x 2 and [HEADS, BLOCK_P]. The sum of squares: a [HEADS, BLOCK_D] tile loaded at unit
+    stride (``sd``: the caller's stride argument, which Triton specialises to 1, so the load vectorises), each
+    head's row summed by :func:`ds4t.kernels.norm.rstd_of`'s fixed tree (the same bits for any HEADS)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     if D == BLOCK_D:
-        v = tl.load(x_row + d * sd).to(tl.float32)
+        v = tl.load(x_row + d * sd, mask=hm, other=0.0).to(tl.float32)
     else:
-        v = tl.load(x_row + d * sd, mask=d < D, other=0.0).to(tl.float32)
-    rstd = norm.rstd_of(norm.add_square(tl.zeros((1, BLOCK_D), dtype=tl.float32), v), D, eps)
+        v = tl.load(x_row + d * sd, mask=hm & (d < D), other=0.0).to(tl.float32)
+    rstd = norm.rstd_of(norm.add_square(tl.zeros(v.shape, dtype=tl.float32), v), D, eps)
     i = tl.arange(0, BLOCK_HALF)[None, :]
     im = i < HALF
     w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)
@@ -277,9 +303,9 @@ def _norm_rope_head(x_row, sd, w_ptr, c, s, eps,
         w1 = 1.0 + w1
         w2 = 1.0 + w2
         wp = 1.0 + wp
-    x1 = (tl.load(x_row + i * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w1
-    x2 = (tl.load(x_row + (i + HALF) * sd, mask=im, other=0.0).to(tl.float32) * rstd) * w2
-    xp = (tl.load(x_row + pd * sd, mask=pm, other=0.0).to(tl.float32) * rstd) * wp
+    x1 = (tl.load(x_row + i * sd, mask=hm & im, other=0.0).to(tl.float32) * rstd) * w1
+    x2 = (tl.load(x_row + (i + HALF) * sd, mask=hm & im, other=0.0).to(tl.float32) * rstd) * w2
+    xp = (tl.load(x_row + pd * sd, mask=hm & pm, other=0.0).to(tl.float32) * rstd) * wp
     return x1 * c - x2 * s, x2 * c + x1 * s, xp
 
 
@@ -290,17 +316,19 @@ def _norm_rope_kv_kernel(
     kc_ptr, skc_s, skc_l, skc_h, skc_d, vc_ptr, svc_s, svc_l, svc_h, svc_d,
     out_ptr, so_b, so_h, so_d,
     S, L, eps,
-    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HEADS: tl.constexpr = 1,
 ):
-    """Program (row b, head j): q head j (j < H) normed and rotated into out, or k head j - H normed,
-    rotated and stored into the cache with its v head. Each step is the separate kernels' arithmetic
-    (:func:`_norm_rope_head`; the rope's angles and rotation, the cache dtype's rounding) in one
-    launch for four or five; the sum of squares' order is this kernel's own (see
-    :func:`norm_rope_write_kv`)."""
+    """Program (row b, head block j): q heads j HEADS .. j HEADS + HEADS - 1 normed and rotated into out
+    (j < cdiv(H, HEADS)), or that block of k heads normed, rotated and stored into the cache with their v heads.
+    Each step is the separate kernels' arithmetic (:func:`_norm_rope_head`; the rope's angles and rotation, the
+    cache dtype's rounding) in one launch for four or five; the sum of squares' order is this kernel's own (see
+    :func:`norm_rope_write_kv`), the same for every HEADS."""
     grid_dependency()
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
+    QB: tl.constexpr = (H + HEADS - 1) // HEADS
     i = tl.arange(0, BLOCK_HALF)[None, :]
     im = i < HALF
     pd = 2 * HALF + tl.arange(0, BLOCK_P)[None, :]
@@ -308,16 +336,19 @@ def _norm_rope_kv_kernel(
     pos = tl.load(pos_ptr + b)
     f = tl.load(freq_ptr + i, mask=im, other=0.0).to(tl.float32)
     c, s = rope.cos_sin(pos.to(tl.float32) * f)
-    if j < H:
-        o1, o2, xp = _norm_rope_head(x_ptr + b * sx_b + j * sx_h, sx_d, qn_ptr, c, s, eps,
+    if j < QB:
+        hq = (j * HEADS + tl.arange(0, HEADS))[:, None]
+        hm = hq < H
+        o1, o2, xp = _norm_rope_head(x_ptr + b * sx_b + hq * sx_h, sx_d, hm, qn_ptr, c, s, eps,
                                      D, HALF, ZERO_CENTERED, BLOCK_D, BLOCK_HALF, BLOCK_P)
-        o_row = out_ptr + b * so_b + j * so_h
-        tl.store(o_row + i * so_d, o1, mask=im)
-        tl.store(o_row + (i + HALF) * so_d, o2, mask=im)
-        tl.store(o_row + pd * so_d, xp, mask=pm)
+        o_row = out_ptr + b * so_b + hq * so_h
+        tl.store(o_row + i * so_d, o1, mask=hm & im)
+        tl.store(o_row + (i + HALF) * so_d, o2, mask=hm & im)
+        tl.store(o_row + pd * so_d, xp, mask=hm & pm)
     else:
-        jk = j - H
-        o1, o2, xp = _norm_rope_head(k_ptr + b * sk_b + jk * sk_h, sk_d, kn_ptr, c, s, eps,
+        jk = ((j - QB) * HEADS + tl.arange(0, HEADS))[:, None]
+        hm = jk < KV
+        o1, o2, xp = _norm_rope_head(k_ptr + b * sk_b + jk * sk_h, sk_d, hm, kn_ptr, c, s, eps,
                                      D, HALF, ZERO_CENTERED, BLOCK_D, BLOCK_HALF, BLOCK_P)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         p64 = pos.to(tl.int64)
@@ -325,11 +356,11 @@ def _norm_rope_kv_kernel(
         lim = tl.where(ok, D, 0)   # (a scalar bool & a tensor mask is a bad mask in the interpreter)
         kc_row = kc_ptr + slot * skc_s + p64 * skc_l + jk * skc_h
         kdt = kc_ptr.dtype.element_ty
-        tl.store(kc_row + i * skc_d, cast(o1, kdt), mask=im & (i < lim))
-        tl.store(kc_row + (i + HALF) * skc_d, cast(o2, kdt), mask=im & (i + HALF < lim))
-        tl.store(kc_row + pd * skc_d, cast(xp, kdt), mask=pm & (pd < lim))
+        tl.store(kc_row + i * skc_d, cast(o1, kdt), mask=hm & im & (i < lim))
+        tl.store(kc_row + (i + HALF) * skc_d, cast(o2, kdt), mask=hm & im & (i + HALF < lim))
+        tl.store(kc_row + pd * skc_d, cast(xp, kdt), mask=hm & pm & (pd < lim))
         dv = tl.arange(0, BLOCK_DV)[None, :]
-        vm = dv < tl.where(ok, DV, 0)
+        vm = hm & (dv < tl.where(ok, DV, 0))
         vx = tl.load(v_ptr + b * sv_b + jk * sv_h + dv * sv_d, mask=vm, other=0.0)
         tl.store(vc_ptr + slot * svc_s + p64 * svc_l + jk * svc_h + dv * svc_d, cast(vx, vc_ptr.dtype.element_ty),
                  mask=vm)
@@ -990,20 +1021,22 @@ def norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
         attention_rows.launch_norm_rope_write_kv(q, k, v, q_norm, k_norm, eps, positions, inv_freq, k_cache, v_cache,
                                                  slots, rotary_dim, zero_centered, out)
         return out
-    # One launch (_norm_rope_kv_kernel) at the norm's warps; q and k need a unit last stride for the
-    # sum of squares to load as one vector (copied if not, as the norm's reshape copies them).
+    # One launch (_norm_rope_kv_kernel); q and k need a unit last stride for the sum of squares to load as
+    # one vector (copied if not, as the norm's reshape copies them).
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(2) == 1 else k.contiguous()
     HALF = rotary_dim // 2
-    _norm_rope_kv_kernel[(R, H + KV)](
+    cfg = NORM_ROPE_CONFIGS(D)
+    heads = cfg.heads if R >= cfg.min_rows else 1
+    _norm_rope_kv_kernel[(R, triton.cdiv(H, heads) + triton.cdiv(KV, heads))](
         q, *q.stride(), k, *k.stride(), v, *v.stride(),
         q_norm.contiguous(), k_norm.contiguous(), inv_freq.contiguous(), positions, slots,
         k_cache, *k_cache.stride(), v_cache, *v_cache.stride(), out, *out.stride(),
         S, L, float(eps),
-        H=H, D=D, DV=DV, HALF=HALF, ZERO_CENTERED=bool(zero_centered),
+        H=H, KV=KV, D=D, DV=DV, HALF=HALF, ZERO_CENTERED=bool(zero_centered),
         BLOCK_D=triton.next_power_of_2(D), BLOCK_HALF=triton.next_power_of_2(HALF),
-        BLOCK_P=triton.next_power_of_2(max(D - 2 * HALF, 1)), BLOCK_DV=triton.next_power_of_2(DV),
-        num_warps=norm.NORM_CONFIGS(D).num_warps, **LAUNCH,
+        BLOCK_P=triton.next_power_of_2(max(D - 2 * HALF, 1)), BLOCK_DV=triton.next_power_of_2(DV), HEADS=heads,
+        num_warps=cfg.num_warps if heads > 1 else norm.NORM_CONFIGS(D).num_warps, **LAUNCH,
     )
     return out
 

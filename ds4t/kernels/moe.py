@@ -1000,7 +1000,8 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
                 # bf16 row tiles, FP8 the decode tiles in row programs (see below)
                 ("gate_up", "rows"): MoEConfig(tile_n=64, tile_k=64, num_warps=4, num_stages=3, block_m=64,
                                                min_rows=128, row_programs=True),
-                ("down", "rows"): MoEConfig(tile_n=128, tile_k=64, num_warps=4, num_stages=3, block_m=64,
+                # down: 256 columns, 8 warps, 4 stages (GLM-4.5-4l's prompt -3.1 %, the same bits; see below)
+                ("down", "rows"): MoEConfig(tile_n=256, tile_k=64, num_warps=8, num_stages=4, block_m=64,
                                             min_rows=128, row_programs=True),
                 # FP8 rows: two 16-pair sub-tiles a program from 48 pairs an expert (GLM-4.5's 1024-row chunk
                 # -5 %; fewer pairs an expert lost: Qwen3-Next's chunk +5.5 %, a 64-row step +16 %; same bits)
@@ -1019,7 +1020,8 @@ MOE_CONFIGS: ConfigTable[MoEConfig] = ConfigTable(
            "bench/results/2026-12-01-h200-fp8-moe-swap.md (FP8 weights), "
            "bench/results/2026-12-04-h200-moe-row-programs.md (row programs), "
            "bench/results/2026-12-06-h100-n1-anatomy.md (the few-rows entry), "
-           "bench/results/2026-12-06-h100-fp8-moe-sub-tiles.md (FP8 sub-tiles)")
+           "bench/results/2026-12-06-h100-fp8-moe-sub-tiles.md (FP8 sub-tiles), "
+           "bench/results/2026-12-06-h100-prefill-norms-down.md (the bf16 down rows entry)")
 """Keyed on the grouped kernel ("gate_up", "down") for float weights and on (kernel, "fp8") for FP8
 weights, plus a row-tile entry (key + ("rows",)) for launches of many rows; the tiles follow from the
 weight shape (:meth:`MoEConfig.tiles`). Chosen by
@@ -1030,7 +1032,9 @@ summed time of ``bench/moe_tiles.py --fp8 --swaps 1`` (2026-12-01, 8-48 configs 
 the unswapped 4-warp tiles at N = 16 (87-90 % of copy bandwidth at the GLM-4.5 / DeepSeek-V3 shapes), which
 had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row entries: the best summed time of 16
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
-equal to the decode tiles in bf16; no FP8 row tiles, where every row config of that sweep changed a row's
+equal to the decode tiles in bf16; the down entry then 256 columns over 8 warps in 4 stages, from a wider sweep on
+an H100 (2026-12-06, 16 configs at GLM-4.5's experts: the MoE call 3.29 -> 3.14 ms, Qwen3-Next's 1.29 -> 1.26,
+DeepSeek-V3's 8.99 -> 8.65; GLM-4.5-4l's 4096-token prompt 3.1 % and Qwen3-Next-4l's 1.1 % faster, same bits); no FP8 row tiles, where every row config of that sweep changed a row's
 bits (bench/results/2026-11-30-h200-prefill.md). Row programs (``MoEConfig.row_programs``: the same tiles,
 one program each; 2026-12-04, ``bench/prefill_ab.py`` / ``bench/step_ab.py``, same process, every variant
 the base's bits): a 4096-token prompt in chunks of 1024 7-15 % faster in bf16 (GLM-4.5-4l 102.5 -> 87.3 ms),

@@ -48,15 +48,27 @@ __all__ = [
 class NormConfig:
     """Launch constants of the norm kernel: the most rows per program (the launcher takes
     ``min(rows, next_pow2(R))``: each row's sum is its own tree over D, so the row count never
-    changes a row's bits), the D chunk and the warps."""
+    changes a row's bits), the D chunk and the warps -- ``moe_warps`` for the launches that combine a MoE's
+    pair outputs first (:class:`MoEPartials`: k + 1 loaded rows a row where a plain launch has one; no warp
+    count changes a bit, the squares' tree being fixed by ``block_d``)."""
     rows: int
     block_d: int
     num_warps: int
+    moe_warps: int = 0   # 0: num_warps
+
+    def warps(self, combine: bool) -> int:
+        """Warps of a launch (``combine``: it combines a MoE's pair outputs)."""
+        return (self.moe_warps or self.num_warps) if combine else self.num_warps
 
 
 def _norm_config(D: int, rows: int, max_block_d: int) -> NormConfig:
     block_d = min(triton.next_power_of_2(D), max_block_d)
-    return NormConfig(rows=rows, block_d=block_d, num_warps=1 if block_d <= 256 else 4)
+    # The combine holds k + 1 loaded chunks of block_d columns a row: at 4 warps and block_d 8192 its sm_90 build
+    # takes 255 registers and spills 432 (GLM-4.5, D 5120) / 640 (DeepSeek-V3, D 7168) bytes a thread; 16 warps
+    # take 99 / 101 registers and spill nothing (8: 170 / 255). Qwen3-Next's D 2048 (top 10 + shared) takes 168
+    # at 4 warps, no spill. Timed: bench/results/2026-12-06-h100-prefill-norms-down.md.
+    return NormConfig(rows=rows, block_d=block_d, num_warps=1 if block_d <= 256 else 4,
+                      moe_warps=16 if block_d >= 4096 else 0)
 
 
 NORM_CONFIGS: ConfigTable[NormConfig] = ConfigTable(
@@ -65,7 +77,9 @@ NORM_CONFIGS: ConfigTable[NormConfig] = ConfigTable(
     interp_rule=lambda D: _norm_config(D, rows=32, max_block_d=1 << 16),
     source="bench/results/2026-12-06-h100-gdn-norm.md (scratch/norm_warps.py): one row per program, D in chunks "
            "of <= 8192; 1 warp to 256 columns, else 4 -- at D = 5120 / 7168 0-5 % faster than the 8 warps the rule "
-           "had, 1 and 16 warps slower; every warp count 1-16 gave the same bits (the fixed tree)")
+           "had, 1 and 16 warps slower; every warp count 1-16 gave the same bits (the fixed tree); moe_warps: "
+           "bench/results/2026-12-06-h100-prefill-norms-down.md (16 against 4: DeepSeek-V3-4l FP8 prompt -4.0 %, "
+           "GLM-4.5-4l -0.4 %, same bits)")
 """Keyed on the row width D (never on R)."""
 
 
@@ -287,7 +301,7 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
         D=D, ROWS=rows, BLOCK_D=cfg.block_d,
         ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
-        num_warps=cfg.num_warps, **split, **LAUNCH,
+        num_warps=cfg.warps(moe is not None), **split, **LAUNCH,
     )
     return y, summed
 

@@ -13,6 +13,7 @@ from ds4t.backend import (
     default_device,  # noqa: F401
 )
 from ds4t.kernels import activation, norm, rope
+from ds4t.kernels import registry
 from ds4t.kernels import attention as A
 from ds4t.kernels.attention import (
     decode_attention,
@@ -840,3 +841,30 @@ def test_value_column_parts_keep_every_rows_bits(device, parts, products, gated)
     assert A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=8), 1, 64) == 4     # >= 16 columns a part
     with pytest.raises(ValueError, match="dv_parts"):
         A.dv_parts_of(dataclasses.replace(split_cfg, dv_parts=3), 1, DV)
+
+
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_norm_rope_heads_a_program_change_no_bit(device, heads):
+    """``NormRopeConfig.heads``: the GPU prologue kernel with several heads a program (masked past H and KV)
+    gives the one-head programs' q out and cache entries bit for bit; the control (one column's q-norm weight
+    moved by 2^-10) shows the comparison sees a change."""
+    R, H, KV, D, DV, rot = 7, 6, 3, 48, 40, 24   # H, KV not multiples of the heads a program
+    q, k, v, qw, kw, slots, pos, kc, vc = _prologue_case(R, H, KV, D, DV, torch.bfloat16, device, seed=15)
+    inv = rope.default_inv_freq(rot, 10000.0, device=device)
+
+    def run(cfg, qn=qw):
+        kc1, vc1 = kc.clone(), vc.clone()
+        with A.NORM_ROPE_CONFIGS.forced(lambda D_: cfg), registry.use_variants({"norm_rope_write_kv": registry.GPU}):
+            out = poisoned((R, H, D), device=device)
+            norm_rope_write_kv(q, k, v, qn, kw, 1e-6, pos, inv, kc1, vc1, slots, rotary_dim=rot, zero_centered=True,
+                               out=out)
+        return out, kc1, vc1
+
+    one = run(A.NormRopeConfig(heads=1, min_rows=1, num_warps=1))
+    many = run(A.NormRopeConfig(heads=heads, min_rows=1, num_warps=4))
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    assert not torch.isnan(many[0]).any()
+    moved = qw.clone()
+    moved[5] += 2.0 ** -10   # (zero-centred: 1 + w, so a move of one ulp of w would be absorbed)
+    control = run(A.NormRopeConfig(heads=heads, min_rows=1, num_warps=4), qn=moved)
+    assert not torch.equal(control[0], many[0])

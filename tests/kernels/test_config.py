@@ -19,7 +19,8 @@ from ds4t.kernels.config import ConfigTable
 # module -> {attribute: ConfigTable.kernel}
 EXPECTED = {
     "activation": {"ACTIVATION_CONFIGS": "activation"},
-    "attention": {"ATTENTION_CONFIGS": "decode_attention", "SPLIT_SCHEDULES": "attention_splits"},
+    "attention": {"ATTENTION_CONFIGS": "decode_attention", "SPLIT_SCHEDULES": "attention_splits",
+                  "NORM_ROPE_CONFIGS": "norm_rope"},
     "conv": {"CONV_CONFIGS": "conv1d"},
     "embedding": {"EMBEDDING_CONFIGS": "embedding"},
     "gdn": {"GDN_CONFIGS": "gdn"},
@@ -96,10 +97,15 @@ def _m(name):
 
 # (module, table, fields, key, expected GPU values, expected interpreter values)
 CASES = [
-    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (200,), (1, 256, 1), (32, 256, 1)),
-    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (2048,), (1, 2048, 4), (32, 2048, 4)),
-    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (7168,), (1, 8192, 4), (32, 8192, 4)),
-    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps"), (100000,), (1, 8192, 4), (32, 65536, 4)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps", "moe_warps"), (200,), (1, 256, 1, 0), (32, 256, 1, 0)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps", "moe_warps"), (2048,), (1, 2048, 4, 0),
+     (32, 2048, 4, 0)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps", "moe_warps"), (7168,), (1, 8192, 4, 16),
+     (32, 8192, 4, 16)),
+    ("norm", "NORM_CONFIGS", ("rows", "block_d", "num_warps", "moe_warps"), (100000,), (1, 8192, 4, 16),
+     (32, 65536, 4, 16)),
+    ("attention", "NORM_ROPE_CONFIGS", ("heads", "min_rows", "num_warps"), (128,), (16, 64, 4), (16, 64, 4)),
+    ("attention", "NORM_ROPE_CONFIGS", ("heads", "min_rows", "num_warps"), (256,), (8, 64, 4), (8, 64, 4)),
     ("activation", "ACTIVATION_CONFIGS", ("block_r", "block_c", "num_warps"), (333,), (1, 512, 4), (64, 512, 4)),
     ("activation", "ACTIVATION_CONFIGS", ("block_r", "block_c", "num_warps"), (20000,), (1, 2048, 4),
      (64, 16384, 4)),
