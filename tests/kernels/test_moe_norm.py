@@ -211,3 +211,23 @@ def test_a_decode_step_has_the_bits_of_the_unfused_ops(device, preset):
         with override("moe_add_rms_norm", unfused):
             parts, _ = decode_step(model, "moe_add_rms_norm")
     assert n >= 2 and torch.equal(fused, parts)
+
+
+@pytest.mark.skipif(INTERPRET, reason="warps exist on the GPU only: in the interpreter every count is one program")
+def test_combine_warps_change_no_bit(device):
+    """``NormConfig.moe_warps`` only schedules: 4 / 8 / 16 warps give the combine norm the same bits at a D whose
+    block_d is 8192 (where 4 warps spill); the control -- block_d 1024, the squares' tree over another width --
+    gives other bits, so the comparison can fail."""
+    moe, r, nw, gate = _case(16, 5120, 64, torch.bfloat16, device, seed=5)
+    kw = _shared_kw("gated", gate)
+
+    def run(max_block_d, warps):
+        cfg = lambda D: dataclasses.replace(NM._norm_config(D, rows=1, max_block_d=max_block_d),  # noqa: E731
+                                            moe_warps=warps)
+        with NM.NORM_CONFIGS.forced(cfg), use_variants({"moe_experts": GPU}):
+            return moe_add_rms_norm(*moe, r, nw, EPS, **kw)
+
+    base = run(8192, 16)
+    for warps in (4, 8):
+        assert all(torch.equal(a, b) for a, b in zip(run(8192, warps), base))
+    assert not torch.equal(run(1024, 16)[0], base[0])
