@@ -286,17 +286,20 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         z, norm_w, _ = gated_norm
         if z.shape != (R, Hv, Dv) or z.stride(2) != 1 or norm_w.shape != (Dv,):
             raise ValueError(f"z must be [{R}, {Hv}, {Dv}] with unit last stride and norm_w [{Dv}]")
-    if out is None:
-        out = torch.empty((R, Hv, Dv), dtype=torch.float32, device=q.device)
-    elif tuple(out.shape) != (R, Hv, Dv) or out.dtype != torch.float32:
+    if out is not None and (tuple(out.shape) != (R, Hv, Dv) or out.dtype != torch.float32):
         raise ValueError(f"out must be float32 {(R, Hv, Dv)}, got {out.dtype} {tuple(out.shape)}")
+
+    def fp32_out():   # allocated only where o itself is stored (the fused norm may store y instead)
+        return out if out is not None else torch.empty((R, Hv, Dv), dtype=torch.float32, device=q.device)
+
     programs = check_segments(slots, "gdn_prefill_segments") if prefill else R
     if R == 0 or programs == 0:
-        return out.to(out_dtype)
+        return fp32_out().to(out_dtype)
     layout = state_layout(state)
     cfg = GDN_CONFIGS(Hv, Dk, Dv, layout)
     BH, BK, BV = cfg.block_h, cfg.block_k, cfg.block_v
     if not prefill and variant("gdn_decode") == INTERP:
+        out = fp32_out()
         gdn_rows.launch_decode(q, k, v, a, b, A_log, dt_bias, state, slots, out, gated_norm, BK, L2_EPS)
         return out.to(out_dtype)   # in the interpreter y is computed in fp32, then rounded as the GPU stores it
     norm_args = {}
@@ -305,11 +308,13 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
         if whole.block_v >= Dv and R <= whole.norm_rows:   # the norm in the decode program: the same bits
             z, norm_w, eps = gated_norm
             cfg, BH, BK, BV = whole, whole.block_h, whole.block_k, whole.block_v
-            if out_dtype != torch.float32:
-                out = torch.empty((R, Hv, Dv), dtype=out_dtype, device=q.device)
+            out = fp32_out() if out_dtype == torch.float32 else torch.empty((R, Hv, Dv), dtype=out_dtype,
+                                                                            device=q.device)
             norm_args = dict(z_ptr=z, sz_r=z.stride(0), sz_h=z.stride(1), sz_v=z.stride(2), nw_ptr=norm_w,
                              norm_eps=float(eps), NORM_D=Dv)
             gated_norm = None
+    if not norm_args:
+        out = fp32_out()
     grid = (programs, triton.cdiv(Hv, BH), triton.cdiv(Dv, BV))
     keep = dict(states_ptr=state, sst_t=0, can_keep=0)   # never written when can_keep == 0
     if states_out is not None:
