@@ -1034,8 +1034,8 @@ had beaten the bf16 tiles with direct conversion by 15-30 % (2026-11-30). Row en
 configs per kernel at 1024 rows (``bench/moe_tiles.py --rows 1024``, 2026-11-30), every one bitwise
 equal to the decode tiles in bf16; the down entry then 256 columns over 8 warps in 4 stages, from a wider sweep on
 an H100 (2026-12-06, 16 configs at GLM-4.5's experts: the MoE call 3.29 -> 3.14 ms, Qwen3-Next's 1.29 -> 1.26,
-DeepSeek-V3's 8.99 -> 8.65; GLM-4.5-4l's 4096-token prompt 3.1 % and Qwen3-Next-4l's 1.1 % faster, same bits); no FP8 row tiles, where every row config of that sweep changed a row's
-bits (bench/results/2026-11-30-h200-prefill.md). Row programs (``MoEConfig.row_programs``: the same tiles,
+DeepSeek-V3's 8.99 -> 8.65; GLM-4.5-4l's 4096-token prompt 3.1 % and Qwen3-Next-4l's 1.1 % faster, same bits);
+no FP8 row tiles, where every row config of that sweep changed a row's bits (bench/results/2026-11-30-h200-prefill.md). Row programs (``MoEConfig.row_programs``: the same tiles,
 one program each; 2026-12-04, ``bench/prefill_ab.py`` / ``bench/step_ab.py``, same process, every variant
 the base's bits): a 4096-token prompt in chunks of 1024 7-15 % faster in bf16 (GLM-4.5-4l 102.5 -> 87.3 ms),
 28 % in FP8 (Qwen3-Next-4l 55.0 -> 39.8 ms); decode at N = 64 3-5 % faster in both, N = 16 the same in bf16
@@ -1174,7 +1174,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     # a split gate/up's fp32 partials [split, P, 2I] (g, then u), summed by _moe_act_kernel; an ordered split's
     # dots of every scale block [cdiv(D, block_k), P, 2I], added in block order there
     ordered = split > 1 and gu_cfg.ordered_split
-    if ordered:
+    if ordered:   # raises for an ordered split this launch cannot run (16-bit weights, the fold / f16 routes)
         sum_order(gu_cfg, "gate_up", fp8)
     n_part = triton.cdiv(D, w_gate.block_k) if ordered else split
     part = torch.empty((n_part, P, 2 * I), dtype=torch.float32, device=dev) if split > 1 else act

@@ -213,7 +213,7 @@ def test_a_decode_step_has_the_bits_of_the_unfused_ops(device, preset):
     assert n >= 2 and torch.equal(fused, parts)
 
 
-@pytest.mark.skipif(INTERPRET, reason="warps exist on the GPU only: in the interpreter every count is one program")
+@pytest.mark.skipif(INTERPRET, reason="warps exist on the GPU only (the interpreter ignores num_warps)")
 def test_combine_warps_change_no_bit(device):
     """``NormConfig.moe_warps`` only schedules: 4 / 8 / 16 warps give the combine norm the same bits at a D whose
     block_d is 8192 (where 4 warps spill); the control -- block_d 1024, the squares' tree over another width --
