@@ -182,6 +182,7 @@ def _linear_kernel(
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SCALE_BLOCKS: tl.constexpr = 1,
     FUSED_SUM: tl.constexpr = False, out_ptr=None, stride_om=0, cnt_ptr=None,
+    FOLD_SPLITS: tl.constexpr = 1,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -211,11 +212,16 @@ def _linear_kernel(
     finishes a tile's last split (a ticket from an atomic counter per tile, ``cnt_ptr``) adds the
     tile's partials in split order 0..S-1, then the bias, into ``out`` -- the sums and order of
     :func:`_splitk_sum_kernel`, without its launch -- and resets the counter for the next launch.
+
+    FOLD_SPLITS = S > 1 (a row tile's ``fold_splits``; 16-bit / fp32 weights, M_SUB 1, no SWAP, grid axis 2 of
+    size 1, K_PER_SPLIT the config's): the program runs all S splits of its tile itself, each from zero over its
+    K_PER_SPLIT columns, and adds them in split order into y -- the bits of the S programs and the split-K sum
+    (:func:`ds4t.backend.split_sum`), without writing or reading the fp32 partials.
     """
     grid_dependency()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    SPLIT_K: tl.constexpr = K_PER_SPLIT < K
+    SPLIT_K: tl.constexpr = K_PER_SPLIT < K and FOLD_SPLITS == 1   # a grid axis of splits
     EVEN_N: tl.constexpr = N % BLOCK_N == 0
     ONE_STEP: tl.constexpr = K_PER_SPLIT <= BLOCK_K
 
@@ -331,6 +337,30 @@ def _linear_kernel(
                     if M_SUB >= 4:
                         acc2 = scaled_add(acc2, p2, sc2)
                         acc3 = scaled_add(acc3, p3, sc2)
+    elif FOLD_SPLITS > 1:
+        # The S splits one after another in this program, each summed from zero in K order as its own
+        # program would, then added left to right: split_sum's ((p0 + p1) + p2) + ..., no partials stored.
+        x_base = x_ptrs
+        w_base = w_ptrs
+        for fs in tl.static_range(FOLD_SPLITS):
+            ks0 = fs * K_PER_SPLIT
+            x_ptrs = x_base + ks0
+            w_ptrs = w_base + ks0
+            part = tl.zeros(acc0.shape, dtype=tl.float32)
+            for kk in range(0, K_PER_SPLIT, BLOCK_K):
+                if EVEN_K:
+                    k_ok = None
+                    wt = _load_w(w_ptrs, EVICT)
+                else:
+                    k_ok = (ks0 + kk + rk) < K
+                    wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
+                part = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, part, W_DTYPE, SWAP, EVEN_K, True)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            if fs == 0:
+                acc0 = part
+            else:
+                acc0 = acc0 + part
     else:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
@@ -606,6 +636,8 @@ class RowTile:
     block_k: int
     num_warps: int = 8
     num_stages: int = 3
+    fold_splits: bool = False   # a split-K config's splits run in one program, summed in split order there
+                                # (the split-K sum's bits; no partials written: ``_linear_kernel`` FOLD_SPLITS)
 
 
 def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> tuple:
@@ -701,6 +733,7 @@ class _Tiles:
     clamp_rows: bool
     num_warps: int
     num_stages: int
+    fold: bool = False
 
 
 def launch_m_sub(m_sub: int, B: int) -> int:
@@ -730,13 +763,14 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
     bk = tile.block_k
     if INTERPRET or kps % bk or kstep % bk:
         bk = cfg.block_k
-    return _Tiles(tile.block_m, tile.block_n, bk, 1, False, False, tile.num_warps, tile.num_stages)
+    return _Tiles(tile.block_m, tile.block_n, bk, 1, False, False, tile.num_warps, tile.num_stages, tile.fold_splits)
 
 
 def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: tuple = (), defer_sum: bool = False):
     """``weight``: a float tensor [N, K] or an FP8Weight (``act_dtype``: its activation dtype);
     ``row_tiles``: the weight shape's :class:`RowTile` s. ``defer_sum``: a split-K launch returns its
-    :class:`SplitPartials` instead of adding them (an unsplit one returns ``out`` as always)."""
+    :class:`SplitPartials` instead of adding them (an unsplit one, or one whose row tile folds its splits,
+    returns the finished ``out``)."""
     w, scale, sbk = _fp8_parts(weight)
     B, K = x.shape
     N = w.shape[0]
@@ -763,6 +797,12 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
             x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
             N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, CLAMP_ROWS=t.clamp_rows, **tiles, **fp8,
             **LAUNCH,
+        )
+        return out
+    if t.fold and scale is None:   # every split of a tile in its program, summed there: the result, finished
+        _linear_kernel[(m_tiles, triton.cdiv(N, t.block_n), 1)](
+            x, w, b_arg, out, B, x.stride(0), w.stride(0), 0, out.stride(0),
+            N=N, K=K, K_PER_SPLIT=kps, W_DTYPE=w_dt, HAS_BIAS=has_bias, FOLD_SPLITS=split, **tiles, **LAUNCH,
         )
         return out
     part = torch.empty((split, B, N), dtype=torch.float32, device=x.device)

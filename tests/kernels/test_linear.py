@@ -652,6 +652,34 @@ def test_row_tile_keeps_every_rows_bits(device, monkeypatch, fmt, split):
     assert torch.equal(full, alone)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", pytest.param("fp32", marks=pytest.mark.skipif(
+    INTERPRET, reason="the interpreter has no fp32 row tiles (see test_row_tile_keeps_every_rows_bits)"))])
+def test_row_tile_folded_splits_keep_every_rows_bits(device, monkeypatch, fmt):
+    """A row tile that folds its splits (``fold_splits``: the 3 splits of a tile in one program, added in split
+    order there, no partials) gives every row the bits of that row alone (3 split programs and the split-K sum),
+    and ``linear_parts`` hands the finished product over as one partial."""
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2, fold_splits=True)
+    full, alone, used = _rows_vs_alone(monkeypatch, fmt, device, 3, tile)
+    assert used[0].fold and (used[0].block_m, used[0].block_n) == (32, 128)
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+    x, w, b, kw = _row_tile_case(fmt, device)
+    parts = L.linear_parts(x, w, b, **kw)
+    assert parts.splits == 1 and parts.bias is None and torch.equal(parts.part[0], full)
+
+
+def test_row_tile_fold_control_other_splits_are_caught(device, monkeypatch):
+    """Negative control of the folded splits: the same fold over 2 splits of the columns, against rows alone
+    over 3, differs -- the comparison above sees how a row's K is grouped into splits."""
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2, fold_splits=True)
+    x, w, b, kw = _row_tile_case("bf16", device)
+    two = LinearConfig(block_n=64, block_k=64, split=2, swap=True)
+    full = L._launch(x, w, b, poisoned((x.shape[0], w.shape[0]), device=device), two, None, (tile,))
+    _, alone, _ = _rows_vs_alone(monkeypatch, "bf16", device, 3, tile)
+    assert not torch.isnan(full).any()
+    assert not torch.equal(full, alone)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU BLOCK_K changes no bit")
 def test_row_tile_control_a_changed_k_tile_is_caught(monkeypatch):
     """Negative control: were a row tile allowed its own BLOCK_K in the interpreter (where a K tile's
