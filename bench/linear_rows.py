@@ -51,7 +51,7 @@ SHAPES = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_TILES = ("128x256x64w8s3,128x256x64w8s4,128x128x64w4s4,128x128x64w8s4,128x128x64w4s3,256x128x64w8s3,"
-                 "64x256x64w4s4,128x128x64w8s4f,128x128x64w8s3f,128x128x64w4s4f,64x256x64w4s4f,128x256x64w8s3f")
+                 "64x256x64w4s4,128x128x64w8s4f,128x128x64w8s3f,64x256x64w8s4f")
 
 
 def parse_tile(s: str) -> L.RowTile:

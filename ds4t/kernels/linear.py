@@ -340,27 +340,24 @@ def _linear_kernel(
     elif FOLD_SPLITS > 1:
         # The S splits one after another in this program, each summed from zero in K order as its own
         # program would, then added left to right: split_sum's ((p0 + p1) + p2) + ..., no partials stored.
-        x_base = x_ptrs
-        w_base = w_ptrs
-        for fs in tl.static_range(FOLD_SPLITS):
-            ks0 = fs * K_PER_SPLIT
-            x_ptrs = x_base + ks0
-            w_ptrs = w_base + ks0
+        # The sum starts at -0.0, the identity of IEEE addition (-0.0 + p0 is p0 bit for bit, -0.0 included),
+        # so the splits run as a loop rather than unrolled (an unrolled loop of pipelined loops spills).
+        acc0 = tl.full(acc0.shape, -0.0, tl.float32)
+        for ks0 in range(0, FOLD_SPLITS * K_PER_SPLIT, K_PER_SPLIT):
+            xs_ptrs = x_ptrs + ks0
+            ws_ptrs = w_ptrs + ks0
             part = tl.zeros(acc0.shape, dtype=tl.float32)
             for kk in range(0, K_PER_SPLIT, BLOCK_K):
                 if EVEN_K:
                     k_ok = None
-                    wt = _load_w(w_ptrs, EVICT)
+                    wt = _load_w(ws_ptrs, EVICT)
                 else:
                     k_ok = (ks0 + kk + rk) < K
-                    wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
-                part = _sub_tile_dot(x_ptrs, rm0 < B, k_ok, wt, part, W_DTYPE, SWAP, EVEN_K, True)
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            if fs == 0:
-                acc0 = part
-            else:
-                acc0 = acc0 + part
+                    wt = _load_w_masked(ws_ptrs, k_ok[:, None], EVICT)
+                part = _sub_tile_dot(xs_ptrs, rm0 < B, k_ok, wt, part, W_DTYPE, SWAP, EVEN_K, True)
+                xs_ptrs += BLOCK_K
+                ws_ptrs += BLOCK_K
+            acc0 = acc0 + part
     else:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
