@@ -16,8 +16,9 @@ and reports TFLOP/s and the fraction of the bf16 matmul peak measured in the sam
     PYTHONUNBUFFERED=1 python bench/linear_rows.py [--rows 1024] [--families glm,deepseek,qwen] [--out DIR]
         [--tiles 128x256x64w8s3,128x128x64w4s4,...]
 
-A tile is ``BMxBNxBKwWARPSsSTAGES``, with a trailing ``f`` for a tile that folds a split-K config's splits
-into its program (``RowTile.fold_splits``; timed at split shapes only). The first row of every shape is the table's own tile ("table").
+A tile is ``BMxBNxBKwWARPSsSTAGES``, then ``f`` for a tile that folds a split-K config's splits into its program
+(``RowTile.fold_splits``; timed at split shapes only) and ``t`` for one that loads through tensor descriptors
+(``RowTile.tma``; x in bf16 only: an fp32 x takes the pointer loads). The first row of every shape is the table's own tile ("table").
 """
 from __future__ import annotations
 
@@ -50,21 +51,22 @@ SHAPES = {
              ("attn o", 4096, 2048, "bf16"), ("shared gate_up", 2048, 1024, "bf16"), ("shared down", 512, 2048, "bf16")],
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULT_TILES = ("128x256x64w8s3,128x256x64w8s4,128x128x64w4s4,128x128x64w8s4,128x128x64w4s3,256x128x64w8s3,"
-                 "64x256x64w4s4,128x128x64w8s4f,128x128x64w8s3f,64x256x64w8s4f")
+DEFAULT_TILES = ("128x256x64w8s3,128x256x64w8s4,128x128x64w8s4,128x128x64w8s4f,"
+                 "128x256x64w8s4t,128x256x64w8s3t,128x128x64w4s4t,128x128x64w8s4t,256x128x64w8s3t,128x128x64w8s4ft")
 
 
 def parse_tile(s: str) -> L.RowTile:
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(f?)", s)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(f?)(t?)", s)
     if not m:
-        raise SystemExit(f"linear_rows: tile {s!r} is not BMxBNxBKwWARPSsSTAGES[f]")
+        raise SystemExit(f"linear_rows: tile {s!r} is not BMxBNxBKwWARPSsSTAGES[f][t]")
     bm, bn, bk, w, st = map(int, m.groups()[:5])
     return L.RowTile(min_rows=128, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
-                     fold_splits=bool(m.group(6)))
+                     fold_splits=bool(m.group(6)), tma=bool(m.group(7)))
 
 
 def tile_str(t: L.RowTile) -> str:
-    return f"{t.block_m}x{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}" + ("f" if t.fold_splits else "")
+    return (f"{t.block_m}x{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}" + ("f" if t.fold_splits else "")
+            + ("t" if t.tma else ""))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -89,7 +91,7 @@ def run_shape(name, K, N, xdt, rows, tiles, peak, log, gen):
 
     timed("table " + (tile_str(table[-1]) if table else "(decode tiles)"), lambda: L.linear(x, w, out=out), "base")
     for t in tiles:
-        if (table and t == table[-1]) or (t.fold_splits and cfg.split == 1):
+        if (table and t == table[-1]) or (t.fold_splits and cfg.split == 1) or (t.tma and xdt != "bf16"):
             continue
         with L.LINEAR_ROW_TILES.forced(lambda *k, t=t: (t,)):
             y = L.linear(x, w).clone()

@@ -70,6 +70,20 @@ off). A kernel launched so may start while the kernel before it in the stream st
 waits for its predecessor's memory in :func:`grid_dependency` before touching memory, so only the launch
 latency and block scheduling overlap, never the arithmetic: results are bitwise those without it."""
 
+def _tma_supported() -> bool:
+    if INTERPRET:
+        return True   # the interpreter runs tensor-descriptor loads (zero past the tensor's end, as the GPU)
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+        return torch.cuda.get_device_capability()[0] >= 9
+    except (ImportError, AssertionError, RuntimeError):
+        return False
+
+
+TMA: bool = _tma_supported()
+"""True when kernels may load tiles through tensor descriptors (the Tensor Memory Accelerator: Hopper and later,
+and the interpreter)."""
+
 LAUNCH: dict = {"launch_pdl": True} if PDL else {}
 """Keywords every ds4t kernel launch passes (``kernel[grid](..., **LAUNCH)``)."""
 

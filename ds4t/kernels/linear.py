@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
+from ds4t.backend import (INTERPRET, LAUNCH, TMA, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
                           mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, split_sum,
                           split_sum_bias, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
@@ -116,6 +116,18 @@ def _sub_tile_dot(x_ptrs, m_mask, k_ok, wt, acc,
 
 
 @triton.jit
+def _tma_split_dot(x_desc, w_desc, m0, n0, k0, part, K_PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part + x[m0 : m0 + BM, k0 : k0 + K_PER_SPLIT] @ w[n0 : n0 + BN, same columns]^T, loaded through tensor
+    descriptors (zeros past either tensor's end, as the pointer path's masked loads give), one MMA a BLOCK_K step
+    in K order: the pointer path's arithmetic on the same operands (x already in the weight dtype)."""
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        xt = x_desc.load([m0, k0 + kk])
+        wt = w_desc.load([n0, k0 + kk])
+        part = mma(xt, tl.trans(wt), part)
+    return part
+
+
+@triton.jit
 def _load_w(ptrs, EVICT: tl.constexpr):
     """Weight tile load; EVICT (a cache hint, no effect on values): 0 none, 1 evict_first, 2 evict_last."""
     if EVICT == 1:
@@ -182,7 +194,7 @@ def _linear_kernel(
     s_ptr=None, SCALE_BK: tl.constexpr = 0, KSTEP: tl.constexpr = 0, SS_H: tl.constexpr = 0,
     FP8_ROUTE: tl.constexpr = 0, SCALE_BLOCKS: tl.constexpr = 1,
     FUSED_SUM: tl.constexpr = False, out_ptr=None, stride_om=0, cnt_ptr=None,
-    FOLD_SPLITS: tl.constexpr = 1,
+    FOLD_SPLITS: tl.constexpr = 1, x_desc=None, w_desc=None, USE_TMA: tl.constexpr = False,
 ):
     """One (row block, N tile, K split) of y. Grid: (cdiv(B, M_SUB*BLOCK_M), cdiv(N, BLOCK_N), SPLIT).
 
@@ -217,6 +229,10 @@ def _linear_kernel(
     size 1, K_PER_SPLIT the config's): the program runs all S splits of its tile itself, each from zero over its
     K_PER_SPLIT columns, and adds them in split order into y -- the bits of the S programs and the split-K sum
     (:func:`ds4t.backend.split_sum`), without writing or reading the fp32 partials.
+
+    USE_TMA (a row tile's ``tma``; 16-bit weights with x in their dtype, M_SUB 1, no SWAP): x and w tiles come
+    through the tensor descriptors ``x_desc`` [B, K] (block BLOCK_M x BLOCK_K) and ``w_desc`` [N, K] (block
+    BLOCK_N x BLOCK_K) instead of pointer loads: the same operands, the same MMA steps, so the same bits.
     """
     grid_dependency()
     pid_m = tl.program_id(0)
@@ -337,6 +353,14 @@ def _linear_kernel(
                     if M_SUB >= 4:
                         acc2 = scaled_add(acc2, p2, sc2)
                         acc3 = scaled_add(acc3, p3, sc2)
+    elif USE_TMA:
+        if FOLD_SPLITS > 1:   # as below: the splits in turn from -0.0, added in split order
+            acc0 = tl.full(acc0.shape, -0.0, tl.float32)
+            for ks0 in range(0, FOLD_SPLITS * K_PER_SPLIT, K_PER_SPLIT):
+                acc0 = acc0 + _tma_split_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ks0,
+                                             tl.zeros(acc0.shape, dtype=tl.float32), K_PER_SPLIT, BLOCK_K)
+        else:
+            acc0 = _tma_split_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k0, acc0, K_PER_SPLIT, BLOCK_K)
     elif FOLD_SPLITS > 1:
         # The S splits one after another in this program, each summed from zero in K order as its own
         # program would, then added left to right: split_sum's ((p0 + p1) + p2) + ..., no partials stored.
@@ -635,6 +659,8 @@ class RowTile:
     num_stages: int = 3
     fold_splits: bool = False   # a split-K config's splits run in one program, summed in split order there
                                 # (the split-K sum's bits; no partials written: ``_linear_kernel`` FOLD_SPLITS)
+    tma: bool = False           # x and w tiles through tensor descriptors where the launch allows it
+                                # (:func:`_tma_descriptors`; the same operands, so the same bits)
 
 
 def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> tuple:
@@ -660,10 +686,29 @@ _ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),
 _ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, num_warps=4),)
 
 
+def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False) -> tuple:
+    return (RowTile(min_rows=128, block_m=block_m, block_n=block_n, block_k=64, num_warps=num_warps,
+                    num_stages=num_stages, fold_splits=fold_splits),)
+
+
+# Per-shape row tiles (bf16 weights), the best same-bits tile of bench/linear_rows.py at 1024 rows on an H100
+# (two runs; bench/results/2026-12-06-h100-linear-rows.md), where it beat the rule's 128 x 256 x 64, 8 warps,
+# 3 stages by more than the runs' spread, and a whole prompt agreed. Folded splits (``fold_splits``) pay where a
+# split-K config's partials are large beside the product (Qwen3-Next's 4096 x 2048 -23 / -26 %) and lose where
+# the tile must shrink to hold two accumulators (GLM-4.5's 12288 x 5120 +2 %, its 4k prompt +4 %). DeepSeek-V3's
+# o_proj folded was -11 % as a kernel; its bf16 model does not fit an H100 to confirm it on a prompt.
+_GPU_ROW_TILES = {
+    (5120, 14336, torch.bfloat16): _row_tile(128, 256, 8, 4),            # GLM-4.5 qkv: -2 / -6 %
+    (2048, 12352, torch.bfloat16): _row_tile(256, 128, 8, 3),            # Qwen3-Next GDN in_proj: -7 / -8 %
+    (2048, 9216, torch.bfloat16): _row_tile(128, 128, 8, 4),             # Qwen3-Next attention qkv: -8 / -9 %
+    (4096, 2048, torch.bfloat16): _row_tile(128, 128, 8, 4, True),       # Qwen3-Next o_proj / GDN out_proj
+}
+
 LINEAR_ROW_TILES: ConfigTable[tuple] = ConfigTable(
-    "linear_rows", gpu={}, gpu_rule=_gpu_row_tiles,
+    "linear_rows", gpu=_GPU_ROW_TILES, gpu_rule=_gpu_row_tiles,
     interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: (),
-    source="bench/mma_shapes.py (tile shape vs bits and TFLOP/s on an H200)")
+    source="bench/mma_shapes.py (tile shape vs bits and TFLOP/s on an H200); bench/linear_rows.py (per-shape "
+           "tiles, folded splits; bench/results/2026-12-06-h100-linear-rows.md)")
 """Keyed like :data:`LINEAR_CONFIGS`: the :class:`RowTile` s of a weight shape (empty: every launch
 uses the decode config). The interpreter has none by default (tests force them)."""
 
@@ -731,6 +776,7 @@ class _Tiles:
     num_warps: int
     num_stages: int
     fold: bool = False
+    tma: bool = False
 
 
 def launch_m_sub(m_sub: int, B: int) -> int:
@@ -760,7 +806,23 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
     bk = tile.block_k
     if INTERPRET or kps % bk or kstep % bk:
         bk = cfg.block_k
-    return _Tiles(tile.block_m, tile.block_n, bk, 1, False, False, tile.num_warps, tile.num_stages, tile.fold_splits)
+    return _Tiles(tile.block_m, tile.block_n, bk, 1, False, False, tile.num_warps, tile.num_stages, tile.fold_splits,
+                  tile.tma)
+
+
+def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, t: _Tiles) -> dict:
+    """The kernel keywords of a tensor-descriptor launch (``x_desc``, ``w_desc``, ``USE_TMA``), or {} where the
+    launch cannot take one: the tile does not ask for it, x is not in the weight's dtype (fp32 x is rounded in
+    registers), or a base or row stride is not a multiple of 16 bytes (what the TMA needs)."""
+    if not (t.tma and TMA) or x.dtype != w.dtype or w.dtype not in (torch.bfloat16, torch.float16):
+        return {}
+    for a in (x, w):
+        if a.stride(-1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
+            return {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return dict(x_desc=TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]),
+                w_desc=TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]), USE_TMA=True)
 
 
 def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: tuple = (), defer_sum: bool = False):
@@ -786,6 +848,8 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
                                         SCALE_BLOCKS=cfg.scale_blocks)
     tiles = dict(SWAP=t.swap, EVEN_K=even_k, M_SUB=t.m_sub, EVICT=cfg.evict, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    if scale is None:
+        tiles.update(_tma_descriptors(x, w, t))
     if B == 0:
         return out
     if split == 1:

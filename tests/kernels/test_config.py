@@ -223,13 +223,14 @@ def test_overridden_tiles_replace_a_tile_tuple_then_restore():
     from ds4t.kernels.config import overridden
 
     first = L._gpu_row_tiles(7168, 256, torch.float32)[0]
+    before = dict(L.LINEAR_ROW_TILES.gpu)
     spec = {"linear_rows": [{"key": [7168, 256, "torch.float32"], "tiles": [{"block_n": 128}, {"min_rows": 512}]},
                             {"key": [5120, 160, "torch.float32"], "tiles": []}]}
     with overridden(spec):
         assert L.LINEAR_ROW_TILES.gpu[(7168, 256, torch.float32)] == (
             dataclasses.replace(first, block_n=128), dataclasses.replace(first, min_rows=512))
         assert L.LINEAR_ROW_TILES.gpu[(5120, 160, torch.float32)] == ()
-    assert L.LINEAR_ROW_TILES.gpu == {}
+    assert L.LINEAR_ROW_TILES.gpu == before
     with pytest.raises(ValueError, match="tiles"):
         with overridden({"linear_rows": [{"key": [300, 200, "torch.float8_e4m3fn", 128, "torch.bfloat16"],
                                           "tiles": [{"block_n": 64}]}]}):

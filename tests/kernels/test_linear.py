@@ -615,6 +615,10 @@ def _row_tile_case(fmt, device, B=70, K=300, N=200):
     if fmt == "fp8":
         x, w, b = _fp8_data(B, K, N, torch.bfloat16, device, seed=41)
         return x, w, b, dict(act_dtype=torch.bfloat16)
+    if fmt == "bf16x":   # x already in the weight dtype, as the models' norms store it: what tensor descriptors take
+        # (rows of a multiple of 16 bytes; 304 columns are still no multiple of a 32-column step)
+        x, w, b = _data(B, K + 4, N, torch.bfloat16, torch.bfloat16, device=device, seed=41)
+        return x, w, b, {}
     x, w, b = _data(B, K, N, torch.float32 if fmt == "fp32" else torch.bfloat16, device=device, seed=41)
     return x, w, b, {}
 
@@ -668,16 +672,49 @@ def test_row_tile_folded_splits_keep_every_rows_bits(device, monkeypatch, fmt):
     assert parts.splits == 1 and parts.bias is None and torch.equal(parts.part[0], full)
 
 
-def test_row_tile_fold_control_other_splits_are_caught(device, monkeypatch):
-    """Negative control of the folded splits: the same fold over 2 splits of the columns, against rows alone
-    over 3, differs -- the comparison above sees how a row's K is grouped into splits."""
-    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2, fold_splits=True)
-    x, w, b, kw = _row_tile_case("bf16", device)
+@pytest.mark.parametrize("tma", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not L.TMA, reason="tensor descriptors need a Hopper GPU (or the interpreter)"))], ids=["pointers", "tma"])
+def test_row_tile_fold_control_other_splits_are_caught(device, monkeypatch, tma):
+    """Negative control of the folded splits (and of the descriptor loads' test): the same fold over 2 splits of
+    the columns, against rows alone over 3, differs -- the comparisons above see how a row's K is grouped."""
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2, fold_splits=True,
+                     tma=tma)
+    fmt = "bf16x" if tma else "bf16"
+    x, w, b, kw = _row_tile_case(fmt, device)
     two = LinearConfig(block_n=64, block_k=64, split=2, swap=True)
     full = L._launch(x, w, b, poisoned((x.shape[0], w.shape[0]), device=device), two, None, (tile,))
-    _, alone, _ = _rows_vs_alone(monkeypatch, "bf16", device, 3, tile)
+    _, alone, _ = _rows_vs_alone(monkeypatch, fmt, device, 3, tile)
     assert not torch.isnan(full).any()
     assert not torch.equal(full, alone)
+
+
+@pytest.mark.skipif(not L.TMA, reason="tensor descriptors need a Hopper GPU (or the interpreter)")
+@pytest.mark.parametrize("fold,split", [(False, 1), (False, 3), (True, 3)], ids=["unsplit", "split", "folded"])
+def test_row_tile_tma_keeps_every_rows_bits(device, monkeypatch, fold, split):
+    """A row tile that loads through tensor descriptors (``tma``; x in bf16 like the weight) gives every row the
+    bits of that row alone (pointer loads, decode tiles): unsplit, split-K, and folded. K = 304 is no multiple of
+    the 32-column step, so the zeros past K come from the descriptor, as the pointer path's masks give them."""
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2, fold_splits=fold,
+                     tma=True)
+    took = []
+    real = L._tma_descriptors
+    monkeypatch.setattr(L, "_tma_descriptors", lambda *a: took.append(real(*a)) or took[-1])
+    full, alone, used = _rows_vs_alone(monkeypatch, "bf16x", device, split, tile)
+    assert used[0].tma and used[0].fold == fold and took[0].get("USE_TMA")
+    assert not any(d for d in took[1:])   # the lone rows: decode tiles, pointer loads
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+
+
+def test_tma_needs_x_in_the_weight_dtype_and_16_byte_rows():
+    """Where a launch cannot take descriptors it takes the pointer path: fp32 x (rounded in registers), a row
+    stride that is no multiple of 16 bytes."""
+    t = L._Tiles(32, 128, 32, 1, False, False, 4, 2, tma=True)
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    assert not L._tma_descriptors(torch.randn(40, 64), w, t)
+    assert not L._tma_descriptors(torch.randn(40, 68).to(torch.bfloat16)[:, :60], w[:, :60], t)
+    assert not L._tma_descriptors(torch.randn(40, 64).to(torch.bfloat16), w, dataclasses.replace(t, tma=False))
+    assert L._tma_descriptors(torch.randn(40, 64).to(torch.bfloat16), w, t).get("USE_TMA") is L.TMA
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU BLOCK_K changes no bit")
