@@ -238,7 +238,7 @@ def test_overridden_tiles_replace_a_tile_tuple_then_restore():
     with pytest.raises(ValueError, match="tiles"):
         with overridden({"moe": [{"key": ["gate_up", "fp8"], "tiles": []}]}):
             pass
-    assert L.LINEAR_ROW_TILES.gpu == {}
+    assert L.LINEAR_ROW_TILES.gpu == before
 
 
 def test_overridden_rejects_unknown_tables_fields_and_keys():
