@@ -75,6 +75,8 @@ def _encode(v):
         return _encode(v.value)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if type(v).__name__ == "TensorDescriptor":   # triton.tools.tensor_descriptor: a TMA load's operand
+        return {"tensordesc": str(v.base.dtype).replace("torch.", ""), "block": [int(b) for b in v.block_shape]}
     raise TypeError(f"cannot record a launch argument of type {type(v).__name__}")
 
 
@@ -317,6 +319,8 @@ def _signature(jit, args: dict):
             consts[name] = v
         elif isinstance(v, dict) and "tensor" in v:
             sig[name] = "*" + _TORCH_PTR[v["tensor"]]
+        elif isinstance(v, dict) and "tensordesc" in v:
+            sig[name] = f"tensordesc<{_TORCH_PTR[v['tensordesc']]}[{', '.join(map(str, v['block']))}]>"
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
