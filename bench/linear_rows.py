@@ -18,7 +18,8 @@ and reports TFLOP/s and the fraction of the bf16 matmul peak measured in the sam
 
 A tile is ``BMxBNxBKwWARPSsSTAGES``, then ``f`` for a tile that folds a split-K config's splits into its program
 (``RowTile.fold_splits``; timed at split shapes only) and ``t`` for one that loads through tensor descriptors
-(``RowTile.tma``; x in bf16 only: an fp32 x takes the pointer loads). The first row of every shape is the table's own tile ("table").
+(``RowTile.tma``; x in bf16 only: an fp32 x takes the pointer loads). The first row of every shape is the table's
+own tile ("table").
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ SHAPES = {
                  ("o", 16384, 7168, "bf16"), ("dense gate_up", 7168, 36864, "bf16"),
                  ("dense down", 18432, 7168, "bf16"), ("shared gate_up", 7168, 4096, "fp32"),
                  ("shared down", 2048, 7168, "bf16")],
-    "qwen": [("gdn in_proj", 2048, 12352, "bf16"), ("gdn out", 4096, 2048, "bf16"), ("attn qkv", 2048, 9216, "bf16"),
-             ("attn o", 4096, 2048, "bf16"), ("shared gate_up", 2048, 1024, "bf16"), ("shared down", 512, 2048, "bf16")],
+    "qwen": [("gdn in_proj", 2048, 12352, "bf16"), ("gdn out", 4096, 2048, "bf16"),
+             ("attn qkv", 2048, 9216, "bf16"), ("attn o", 4096, 2048, "bf16"),
+             ("shared gate_up", 2048, 1024, "bf16"), ("shared down", 512, 2048, "bf16")],
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_TILES = ("128x256x64w8s3,128x256x64w8s4,128x128x64w8s4,128x128x64w8s4f,"

@@ -22,7 +22,7 @@ from ds4t.kernels import linear as L  # noqa: E402
 
 @triton.jit
 def _tma_gemm(x_desc, w_desc, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              PERSIST: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, GROUP_M: tl.constexpr):
+              PERSIST: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     tiles = n_m * n_n
@@ -43,6 +43,8 @@ def _tma_gemm(x_desc, w_desc, y_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr
 
 
 def tma(x, w, y, BM, BN, BK, warps, stages, persist, ws):
+    """y fp32 [M, N] = x [M, K] @ w [N, K]^T, bf16 operands through tensor descriptors, one accumulator in K order
+    (``persist``: one program an SM looping over the tiles; ``ws``: Triton's warp specialisation of that loop)."""
     M, K = x.shape
     N = w.shape[0]
     xd = TensorDescriptor.from_tensor(x, [BM, BK])
@@ -50,9 +52,13 @@ def tma(x, w, y, BM, BN, BK, warps, stages, persist, ws):
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     grid = (min(nsm, tiles),) if persist else (tiles,)
-    _tma_gemm[grid](xd, wd, y, M, N, K, BM=BM, BN=BN, BK=BK, PERSIST=persist, NUM_SMS=nsm, WS=ws, GROUP_M=8,
+    _tma_gemm[grid](xd, wd, y, M, N, K, BM=BM, BN=BN, BK=BK, PERSIST=persist, NUM_SMS=nsm, WS=ws,
                     num_warps=warps, num_stages=stages)
     return y
+
+
+CONFIGS = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4))
+"""(BM, BN, BK, warps, stages) of the probe, each on a plain, a persistent and a warp-specialised grid."""
 
 
 def main():
@@ -63,26 +69,34 @@ def main():
         x = torch.randn(rows, K, generator=g, device="cuda").to(torch.bfloat16)
         y = torch.empty(rows, N, device="cuda")
         cfg = L.linear_config(K, N, torch.bfloat16)
+        tiles = L.linear_row_tiles(K, N, torch.bfloat16)
+        one = dataclasses.replace(cfg, split=1)   # the row tile without the decode config's split: the probe's sums
+
+        def row_tile_unsplit(out):
+            return L._launch(x, w, None, out, one, torch.bfloat16, tiles)
+
         base = L.linear(x, w).clone()
-        one = dataclasses.replace(cfg, split=1)
-        ref1 = L._launch(x, w, None, torch.empty_like(y), one, torch.bfloat16, L.linear_row_tiles(K, N, torch.bfloat16)).clone()
-        fl = 2.0 * rows * K * N
+        ref1 = row_tile_unsplit(torch.empty_like(y)).clone()
+        flop = 2.0 * rows * K * N
+
         def rep(label, fn, ref):
             try:
-                fn(); torch.cuda.synchronize()
+                fn()
+                torch.cuda.synchronize()
                 bits = torch.equal(y.view(torch.int32), ref.view(torch.int32)) if ref is not None else "-"
                 ms, _ = time_calls([fn])
-                print(f"| {K}x{N} split {cfg.split} | {label} | {ms*1e3:.1f} us | {fl/ms/1e9:.0f} TFLOP/s | bits {bits} |", flush=True)
-            except Exception as e:
+                print(f"| {K}x{N} split {cfg.split} | {label} | {ms * 1e3:.1f} us | {flop / ms / 1e9:.0f} TFLOP/s "
+                      f"| bits {bits} |", flush=True)
+            except Exception as e:   # a config that does not fit (shared memory) is reported, the rest still run
                 print(f"| {K}x{N} | {label} | FAILED {type(e).__name__}: {str(e)[:200]} |", flush=True)
+
         rep("ds4t table", lambda: L.linear(x, w, out=y), base)
-        rep("ds4t row tile split 1", lambda: L._launch(x, w, None, y, one, torch.bfloat16, L.linear_row_tiles(K, N, torch.bfloat16)), ref1)
-        for (bm, bn, bk, wa, st) in ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4)):
+        rep("ds4t row tile split 1", lambda: row_tile_unsplit(y), ref1)
+        for (bm, bn, bk, wa, st) in CONFIGS:
             for persist, ws in ((False, False), (True, False), (True, True)):
                 rep(f"tma {bm}x{bn}x{bk}w{wa}s{st} persist={persist} ws={ws}",
                     lambda: tma(x, w, y, bm, bn, bk, wa, st, persist, ws), ref1)
-        xb = x
-        rep("cuBLAS", lambda: torch.matmul(xb, w.t()), None)
+        rep("cuBLAS", lambda: torch.matmul(x, w.t()), None)
 
 
 if __name__ == "__main__":

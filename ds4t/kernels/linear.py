@@ -687,16 +687,18 @@ _ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, nu
 
 
 def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False) -> tuple:
+    """A table entry: one RowTile from 128 rows, 64 columns a K step."""
     return (RowTile(min_rows=128, block_m=block_m, block_n=block_n, block_k=64, num_warps=num_warps,
                     num_stages=num_stages, fold_splits=fold_splits),)
 
 
 # Per-shape row tiles (bf16 weights), the best same-bits tile of bench/linear_rows.py at 1024 rows on an H100
-# (two runs; bench/results/2026-12-06-h100-linear-rows.md), where it beat the rule's 128 x 256 x 64, 8 warps,
-# 3 stages by more than the runs' spread, and a whole prompt agreed. Folded splits (``fold_splits``) pay where a
-# split-K config's partials are large beside the product (Qwen3-Next's 4096 x 2048 -23 / -26 %) and lose where
-# the tile must shrink to hold two accumulators (GLM-4.5's 12288 x 5120 +2 %, its 4k prompt +4 %). DeepSeek-V3's
-# o_proj folded was -11 % as a kernel; its bf16 model does not fit an H100 to confirm it on a prompt.
+# (bench/results/2026-12-06-h100-linear-rows.md), where it beat the rule's 128 x 256 x 64, 8 warps, 3 stages
+# by more than the spread of the two runs (the folded tile: one run, and a whole Qwen3-Next 4k prompt -1.1 %).
+# Folded splits (``fold_splits``) pay where a split-K config's partials are large beside the product
+# (Qwen3-Next's 4096 x 2048 -23 / -26 %) and lose where the tile must shrink to hold two accumulators (GLM-4.5's
+# 12288 x 5120 +2 %, its 4k prompt +4 %). DeepSeek-V3's o_proj folded was -11 % as a kernel; its bf16 model does
+# not fit an H100 to confirm it on a prompt.
 _GPU_ROW_TILES = {
     (5120, 14336, torch.bfloat16): _row_tile(128, 256, 8, 4),            # GLM-4.5 qkv: -2 / -6 %
     (2048, 12352, torch.bfloat16): _row_tile(256, 128, 8, 3),            # Qwen3-Next GDN in_proj: -7 / -8 %
@@ -848,10 +850,10 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
                                         SCALE_BLOCKS=cfg.scale_blocks)
     tiles = dict(SWAP=t.swap, EVEN_K=even_k, M_SUB=t.m_sub, EVICT=cfg.evict, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
-    if scale is None:
-        tiles.update(_tma_descriptors(x, w, t))
     if B == 0:
         return out
+    if scale is None:
+        tiles.update(_tma_descriptors(x, w, t))
     if split == 1:
         grid = (m_tiles, triton.cdiv(N, t.block_n), 1)
         _linear_kernel[grid](
