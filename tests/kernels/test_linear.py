@@ -729,12 +729,16 @@ def test_row_tile_control_a_changed_k_tile_is_caught(monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRET, reason="the GPU tables' row tiles (the interpreter has none)")
-def test_table_row_tiles_keep_every_rows_bits(device):
-    """The GPU's own row tile at a decode shape (2048 x 12288, bf16): 300 rows in one launch (the row
-    tile) equal each row alone (the decode config), bit for bit. FP8 weights have no row tiles."""
-    K, N, B = 2048, 12288, 300
-    x, w, b = _data(B, K, N, torch.bfloat16, device=device, seed=43)
-    tiles = L.linear_row_tiles(K, N, torch.bfloat16, torch.float32)
+@pytest.mark.parametrize("K,N", [(2048, 12288)] + sorted({k[:2] for k in L._GPU_ROW_TILES if k[2] == torch.bfloat16}),
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_table_row_tiles_keep_every_rows_bits(device, K, N, xdt):
+    """The GPU's own row tiles -- the rule's at a decode shape (2048 x 12288) and every per-shape entry (folded
+    splits among them), x in fp32 and in bf16 (what descriptor loads take): 300 rows in one launch (the row tile)
+    equal each row alone (the decode config), bit for bit. FP8 weights have no row tiles."""
+    B = 300
+    x, w, b = _data(B, K, N, torch.bfloat16, xdt, device=device, seed=43)
+    tiles = L.linear_row_tiles(K, N, torch.bfloat16, xdt)
     assert tiles and B >= tiles[0].min_rows
     assert L.linear_row_tiles(K, N, torch.float8_e4m3fn, torch.bfloat16, 128) == ()
     full = linear(x, w, b)
