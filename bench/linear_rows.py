@@ -37,20 +37,17 @@ from bench.bench_prefill import matmul_peak  # noqa: E402
 from bench.report import Report  # noqa: E402
 from ds4t.kernels import linear as L  # noqa: E402
 
-# (K, N, x dtype, count a layer-kind) of each family's prefill linears (bf16 weights). x is bf16 where the models
-# store the norm / swiglu output in bf16 (ds4t.models.decoder.norm_dtype), fp32 into a shared expert after an fp32
-# router's norm (GLM-4.5, DeepSeek-V3).
+# (name, K, N, x dtype) of each family's prefill linears with bf16 weights, as the models launch them (listed by
+# bench/row_tiles_ab.py): x is bf16 where the models store the norm / swiglu / attention output in bf16
+# (ds4t.models.decoder.norm_dtype, blocks.narrow_store). DeepSeek-V3's q_a and kv_a run as one fused projection;
+# the shared experts run inside the grouped MoE; GLM-4.5's and DeepSeek-V3's routers are fp32 weights.
 SHAPES = {
     "glm": [("qkv", 5120, 14336, "bf16"), ("o", 12288, 5120, "bf16"), ("dense gate_up", 5120, 24576, "bf16"),
-            ("dense down", 12288, 5120, "bf16"), ("shared gate_up", 5120, 3072, "fp32"),
-            ("shared down", 1536, 5120, "bf16")],
-    "deepseek": [("q_a", 7168, 1536, "bf16"), ("q_b", 1536, 24576, "bf16"), ("kv_a", 7168, 576, "bf16"),
-                 ("o", 16384, 7168, "bf16"), ("dense gate_up", 7168, 36864, "bf16"),
-                 ("dense down", 18432, 7168, "bf16"), ("shared gate_up", 7168, 4096, "fp32"),
-                 ("shared down", 2048, 7168, "bf16")],
-    "qwen": [("gdn in_proj", 2048, 12352, "bf16"), ("gdn out", 4096, 2048, "bf16"),
-             ("attn qkv", 2048, 9216, "bf16"), ("attn o", 4096, 2048, "bf16"),
-             ("shared gate_up", 2048, 1024, "bf16"), ("shared down", 512, 2048, "bf16")],
+            ("dense down", 12288, 5120, "bf16")],
+    "deepseek": [("q_a + kv_a", 7168, 2112, "bf16"), ("q_b", 1536, 24576, "bf16"), ("o", 16384, 7168, "bf16"),
+                 ("dense gate_up", 7168, 36864, "bf16"), ("dense down", 18432, 7168, "bf16")],
+    "qwen": [("gdn in_proj", 2048, 12352, "bf16"), ("gdn out / attn o", 4096, 2048, "bf16"),
+             ("attn qkv", 2048, 9216, "bf16"), ("router", 2048, 513, "bf16")],
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_TILES = ("128x256x64w8s3,128x256x64w8s4,128x128x64w8s4,128x128x64w8s4f,"
