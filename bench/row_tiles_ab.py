@@ -11,7 +11,9 @@ against the table's. The row-tile linear launches the prompt made are listed at 
     PYTHONUNBUFFERED=1 python bench/row_tiles_ab.py --models qwen3-next-80b-4l,glm-4.5-4l \\
         --tile 128x256x64w8s4t --tile 128x128x64w4s4t [--fold-shapes 4096x2048] [--out DIR]
 
-Tiles are ``bench/linear_rows.py``'s (``BMxBNxBKwWARPSsSTAGES[f][t]``: ``t`` loads through tensor descriptors).
+Tiles are ``bench/linear_rows.py``'s (``BMxBNxBKwWARPSsSTAGES[f][t]``: ``t`` loads through tensor descriptors);
+``--tile table`` keeps the table's tiles and folds only ``--fold-shapes`` (how the folded splits were first timed:
+``--tile table --fold-shapes 2048x513,4096x2048 --fold-tile 128x128x64w8s4f`` on Qwen3-Next-80B-4l).
 ``--device cpu`` with a tiny preset is a smoke run (the interpreter then runs the forced tiles too).
 """
 from __future__ import annotations
@@ -29,20 +31,24 @@ from bench.report import Report  # noqa: E402
 from ds4t.kernels import linear as L  # noqa: E402
 
 
-def rule_of(tile: L.RowTile, fold: dict):
-    """A LINEAR_ROW_TILES rule: ``tile`` for every bf16 weight, ``fold[(K, N)]`` where given, the table's rule
-    for other dtypes."""
+def rule_of(tile, fold: dict, table: dict):
+    """A LINEAR_ROW_TILES rule: ``fold[(K, N)]`` where given, else ``tile`` for every bf16 weight (None: the
+    table's own tiles, ``table`` its entries), the table's rule for other dtypes."""
     def rule(K, N, w_dtype, scale_bk=0, act_dtype=None):
-        if w_dtype != torch.bfloat16:
-            return L._gpu_row_tiles(K, N, w_dtype, scale_bk, act_dtype)
-        return (fold.get((K, N), tile),)
+        if w_dtype == torch.bfloat16 and (K, N) in fold:
+            return (fold[(K, N)],)
+        if w_dtype != torch.bfloat16 or tile is None:
+            return table.get((K, N, w_dtype)) or L._gpu_row_tiles(K, N, w_dtype, scale_bk, act_dtype)
+        return (tile,)
     return rule
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen3-next-80b-4l,glm-4.5-4l")
-    ap.add_argument("--tile", action="append", default=[], help="a candidate tile for every bf16 weight (repeat)")
+    ap.add_argument("--tile", action="append", default=[],
+                    help="a candidate tile for every bf16 weight (repeat); 'table': the table's tiles but for "
+                         "--fold-shapes")
     ap.add_argument("--fold-shapes", default="4096x2048", help="KxN,... that take the folded 128 x 128 tile")
     ap.add_argument("--fold-tile", default="128x128x64w8s4ft")
     ap.add_argument("--device", default="cuda")
@@ -53,9 +59,11 @@ def main(argv=None) -> int:
     fold_tile = parse_tile(args.fold_tile)
     fold = {tuple(int(v) for v in s.split("x")): fold_tile for s in args.fold_shapes.split(",") if s}
     variants = [("table", {})]
+    table = dict(L.LINEAR_ROW_TILES.gpu)
     for s in args.tile:
-        t = parse_tile(s)
-        variants.append((tile_str(t), lambda r=rule_of(t, fold): L.LINEAR_ROW_TILES.forced(r)))
+        t = None if s == "table" else parse_tile(s)
+        name = "table + folds" if t is None else tile_str(t)
+        variants.append((name, lambda r=rule_of(t, fold, table): L.LINEAR_ROW_TILES.forced(r)))
 
     seen = {}
     real = L._launch
