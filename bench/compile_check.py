@@ -35,8 +35,9 @@ and the interpreter accept), so a change meant for the GPU is checked with its T
 Usage: python bench/compile_check.py [--presets tiny-qwen,tiny-glm,tiny-deepseek,tiny-llama] [--checks] [--no-fp8]
                                      [--gguf-tables] [--triton /tmp/triton-3.6]
                                      [--sass _moe_down_kernel]
-(FP8-weight launches of linear, linear_heads and moe_experts, and GGUF-block (Q8_0 / Q4_K / Q6_K) launches of
-linear and moe_experts, are recorded unless --no-fp8.)
+(FP8-weight launches of linear, linear_heads and moe_experts, GGUF-block (Q8_0 / Q4_K / Q6_K) launches of
+linear and moe_experts, and the 16-bit linear's prefill row tiles -- folded splits and tensor-descriptor loads
+among them -- are recorded unless --no-fp8.)
 """
 from __future__ import annotations
 
@@ -231,10 +232,35 @@ def record_gguf_tables() -> None:
                               act_dtype=torch.bfloat16)
 
 
+def record_row_tiles() -> None:
+    """The 16-bit linear's prefill row tiles as the GPU launches them (BLOCK_K 64, where the interpreter keeps the
+    decode config's): the rule's tile, a folded split-K tile, and tensor-descriptor loads unsplit, split and folded
+    -- launches no preset makes in the interpreter, whose row tiles are off."""
+    import torch
+
+    from ds4t.kernels import linear as L
+
+    g = torch.Generator().manual_seed(0)
+    K, N, B = 512, 1024, 256
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    x = torch.randn(B, K, generator=g).to(torch.bfloat16)
+    fold = dataclasses.replace(L._ROW_TILES_16BIT[0], block_n=128, num_stages=4, fold_splits=True)
+    tma = dataclasses.replace(L._ROW_TILES_16BIT[0], num_stages=4, tma=True)
+    saved = L.INTERPRET
+    L.INTERPRET = False   # _row_launch: the row tile's own BLOCK_K, as on the GPU
+    try:
+        for split, tile in ((1, L._ROW_TILES_16BIT[0]), (2, fold), (1, tma), (2, tma),
+                            (2, dataclasses.replace(fold, tma=True))):
+            cfg = L.LinearConfig(block_n=64, block_k=128, split=split, num_warps=4, num_stages=4, swap=True)
+            L._launch(x, w, None, torch.empty(B, N), cfg, None, (tile,))
+    finally:
+        L.INTERPRET = saved
+
+
 def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False, execute: bool = False) -> list:
     """Distinct launches of a decode step, mixed prefill + decode steps (short runs, and long runs that fold their
-    attention splits), (``fp8``) the FP8-weight
-    launches of :func:`record_fp8` and (``checks``) every registered kernel self-check, with the
+    attention splits), (``fp8``) the FP8-weight, GGUF-block and 16-bit row-tile launches of :func:`record_fp8`,
+    :func:`record_gguf` and :func:`record_row_tiles`, and (``checks``) every registered kernel self-check, with the
     GPU's launcher paths. ``execute``: run each kernel (the self-checks need it; see the module docstring)."""
     import ds4t
 
@@ -277,9 +303,10 @@ def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False, e
                 d.prefill(list(range(1, 140)))
                 ds4t.eval_batch([ds4t.DecodeItem(a, 9), ds4t.DecodeItem(d, list(range(1, 21))),
                                  ds4t.DecodeItem(c, [5, 6, 7])], mode="native")
-            if fp8:
+            if fp8:   # the kernel-level records no preset launches in the interpreter (too big to execute there)
                 record_fp8()
                 record_gguf()
+                record_row_tiles()
             if gguf_tables:
                 record_gguf_tables()
             if checks:
@@ -466,7 +493,7 @@ def main():
     ap.add_argument("--checks", action="store_true", help="also every registered kernel self-check")
     ap.add_argument("--gguf-tables", action="store_true",
                     help="also the GGUF decode linear's GPU table entries at their own K (for --sass _qlinear)")
-    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-weight launches (record_fp8)")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the kernel-level launches (record_fp8, record_gguf, record_row_tiles)")
     ap.add_argument("--execute", action="store_true",
                     help="run each kernel while recording (the default notes launches without running them)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
