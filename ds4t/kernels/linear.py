@@ -140,6 +140,35 @@ def _load_w(ptrs, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _load_w_step(ptrs, k_ok, EVEN_K: tl.constexpr, SWAP: tl.constexpr, EVICT: tl.constexpr):
+    """One K step's weight tile: unmasked when EVEN_K (``k_ok`` None), else zero at the columns ``k_ok`` rules out
+    ([BK] along the tile's K axis: its columns with SWAP, its rows without)."""
+    if EVEN_K:
+        w = _load_w(ptrs, EVICT)
+    elif SWAP:
+        w = _load_w_masked(ptrs, k_ok[None, :], EVICT)
+    else:
+        w = _load_w_masked(ptrs, k_ok[:, None], EVICT)
+    return w
+
+
+@triton.jit
+def _ptr_split_dot(x_ptrs, w_ptrs, m_ok, rk, k0, part, K, K_PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                   W_DTYPE: tl.constexpr, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+    """:func:`_tma_split_dot` through pointer loads (a row tile: x @ w^T, one 16-bit x tile, row mask ``m_ok``):
+    ``x_ptrs`` / ``w_ptrs`` at the split's first column k0."""
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k_ok = None
+        if not EVEN_K:
+            k_ok = (k0 + kk + rk) < K
+        wt = _load_w_step(w_ptrs, k_ok, EVEN_K, False, EVICT)
+        part = _sub_tile_dot(x_ptrs, m_ok, k_ok, wt, part, W_DTYPE, False, EVEN_K, True)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return part
+
+
+@triton.jit
 def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
     if EVICT == 1:
         w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -317,15 +346,10 @@ def _linear_kernel(
                     p2 = p0
                     p3 = p0
                 for ks in tl.static_range(0, KSTEP, BLOCK_K):
-                    if EVEN_K:
-                        k_ok = None
-                        wt = _load_w(w_ptrs, EVICT)
-                    else:
+                    k_ok = None
+                    if not EVEN_K:
                         k_ok = (k0 + kb + ks + rk) < K
-                        if SWAP:
-                            wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
-                        else:
-                            wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
+                    wt = _load_w_step(w_ptrs, k_ok, EVEN_K, SWAP, EVICT)
                     wt = fp8_operand(wt, sc2, W_DTYPE, FP8_ROUTE)   # exact but for "fold" (backend.FP8_ROUTES)
                     if CLAMP_ROWS:
                         p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, FP8_ROUTE)
@@ -353,14 +377,6 @@ def _linear_kernel(
                     if M_SUB >= 4:
                         acc2 = scaled_add(acc2, p2, sc2)
                         acc3 = scaled_add(acc3, p3, sc2)
-    elif USE_TMA:
-        if FOLD_SPLITS > 1:   # as below: the splits in turn from -0.0, added in split order
-            acc0 = tl.full(acc0.shape, -0.0, tl.float32)
-            for ks0 in range(0, FOLD_SPLITS * K_PER_SPLIT, K_PER_SPLIT):
-                acc0 = acc0 + _tma_split_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ks0,
-                                             tl.zeros(acc0.shape, dtype=tl.float32), K_PER_SPLIT, BLOCK_K)
-        else:
-            acc0 = _tma_split_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k0, acc0, K_PER_SPLIT, BLOCK_K)
     elif FOLD_SPLITS > 1:
         # The S splits one after another in this program, each summed from zero in K order as its own
         # program would, then added left to right: split_sum's ((p0 + p1) + p2) + ..., no partials stored.
@@ -368,31 +384,22 @@ def _linear_kernel(
         # so the splits run as a loop rather than unrolled (an unrolled loop of pipelined loops spills).
         acc0 = tl.full(acc0.shape, -0.0, tl.float32)
         for ks0 in range(0, FOLD_SPLITS * K_PER_SPLIT, K_PER_SPLIT):
-            xs_ptrs = x_ptrs + ks0
-            ws_ptrs = w_ptrs + ks0
             part = tl.zeros(acc0.shape, dtype=tl.float32)
-            for kk in range(0, K_PER_SPLIT, BLOCK_K):
-                if EVEN_K:
-                    k_ok = None
-                    wt = _load_w(ws_ptrs, EVICT)
-                else:
-                    k_ok = (ks0 + kk + rk) < K
-                    wt = _load_w_masked(ws_ptrs, k_ok[:, None], EVICT)
-                part = _sub_tile_dot(xs_ptrs, rm0 < B, k_ok, wt, part, W_DTYPE, SWAP, EVEN_K, True)
-                xs_ptrs += BLOCK_K
-                ws_ptrs += BLOCK_K
+            if USE_TMA:
+                part = _tma_split_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, ks0, part, K_PER_SPLIT,
+                                      BLOCK_K)
+            else:
+                part = _ptr_split_dot(x_ptrs + ks0, w_ptrs + ks0, rm0 < B, rk, ks0, part, K, K_PER_SPLIT, BLOCK_K,
+                                      W_DTYPE, EVEN_K, EVICT)
             acc0 = acc0 + part
+    elif USE_TMA:
+        acc0 = _tma_split_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k0, acc0, K_PER_SPLIT, BLOCK_K)
     else:
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
-            if EVEN_K:
-                k_ok = None
-                wt = _load_w(w_ptrs, EVICT)
-            else:
+            k_ok = None
+            if not EVEN_K:
                 k_ok = (k0 + kk + rk) < K
-                if SWAP:
-                    wt = _load_w_masked(w_ptrs, k_ok[None, :], EVICT)
-                else:
-                    wt = _load_w_masked(w_ptrs, k_ok[:, None], EVICT)
+            wt = _load_w_step(w_ptrs, k_ok, EVEN_K, SWAP, EVICT)
             if CLAMP_ROWS:
                 acc0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, acc0, W_DTYPE, SWAP, EVEN_K, False)
             else:
