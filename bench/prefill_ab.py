@@ -129,7 +129,8 @@ def models_ab(specs: str, ns, variants, device, log, prompts: bool = True) -> bo
             (f"prompt {P} in chunks of {C}; " if prompts else "") + f"decode at {CTX} tokens")
         rows = []
         if prompts:
-            prompt = [random.Random(0).randrange(model.vocab_size) for _ in range(P)]
+            rng = random.Random(0)   # one generator: a prompt of P random tokens, not one token P times
+            prompt = [rng.randrange(model.vocab_size) for _ in range(P)]
             rows += run(model, prompt, C, [1], variants, R, dev, log)
         rows += step_run(model, list(ns), CTX, variants, R, IT, bw, log)
         ok &= all(r["bits"] and r.get("exact") is not False for r in rows)

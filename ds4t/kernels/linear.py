@@ -673,14 +673,15 @@ class RowTile:
 def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_dtype=None) -> tuple:
     """Row tiles by size, smallest ``min_rows`` first: 128 x 256 x 64, 8 warps, 3 stages for 16-bit
     weights from 128 rows (bench/mma_shapes.py on an H200: 389-485 TFLOP/s at 1024-4096 rows, 1.5-5.3x
-    the decode tiles, bitwise equal; below 128 rows no faster). fp32 weights (the MoE routers: an IEEE
-    fp32 dot, which Triton lowers to FMA chains, each output element summing its K in order whatever the
-    tile) 128 x 64 x 64, 4 warps from 128 rows: at a 1024-row chunk DeepSeek-V3's 7168 x 256 router
-    1117 -> 241 us, GLM-4.5's 5120 x 160 497 -> 165 us, Qwen3-Next's 2048 x 513 98 -> 99 us, bitwise the
-    decode config's rows (bench/results/2026-12-04-h200-prefill-attention.md, section 4). None for FP8
-    weights: there the same sweep found rows whose bits
-    change with the tile (wgmma tiles against the decode config's mma.sync ones, and in the grouped MoE
-    kernels 32- against 16-row tiles), so FP8 launches keep the decode config at every size. Cause
+    the decode tiles, bitwise equal; below 128 rows no faster), loading through tensor descriptors where x
+    is in the weight's dtype (an H100: 7-25 % faster at every family's prefill linear, the same bits). fp32
+    weights (the MoE routers: an IEEE fp32 dot, which Triton lowers to FMA chains, each output element summing
+    its K in order whatever the tile) 128 x 64 x 64, 4 warps from 128 rows: at a 1024-row chunk DeepSeek-V3's
+    7168 x 256 router 1117 -> 241 us, GLM-4.5's 5120 x 160 497 -> 165 us, Qwen3-Next's 2048 x 513 98 -> 99 us,
+    bitwise the decode config's rows (bench/results/2026-12-04-h200-prefill-attention.md, section 4). None for
+    FP8 weights: there the same sweep found rows whose bits change with the tile (wgmma tiles against the
+    decode config's mma.sync ones, and in the grouped MoE kernels 32- against 16-row tiles), so FP8 launches
+    keep the decode config at every size. Cause
     (``bench/mma_shapes.py --kwidth``): a dot fed from 8-bit loads gets operand layouts with kWidth 4 on
     mma.sync, which permute the K order inside the MMA steps, and kWidth 2 on wgmma."""
     if w_dtype == FP8_DTYPE:
@@ -688,29 +689,31 @@ def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_
     return _ROW_TILES_FP32 if w_dtype == torch.float32 else _ROW_TILES_16BIT
 
 
-_ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64),)
+_ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64, tma=True),)
 """One object, not one a call: every linear launch looks its row tiles up."""
 _ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, num_warps=4),)
 
 
-def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False) -> tuple:
+def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False,
+              tma: bool = True) -> tuple:
     """A table entry: one RowTile from 128 rows, 64 columns a K step."""
     return (RowTile(min_rows=128, block_m=block_m, block_n=block_n, block_k=64, num_warps=num_warps,
-                    num_stages=num_stages, fold_splits=fold_splits),)
+                    num_stages=num_stages, fold_splits=fold_splits, tma=tma),)
 
 
 # Per-shape row tiles (bf16 weights), the best same-bits tile of bench/linear_rows.py at 1024 rows on an H100
-# (bench/results/2026-12-06-h100-linear-rows.md), where it beat the rule's 128 x 256 x 64, 8 warps, 3 stages
-# by more than the spread of the two runs (the folded tile: one run, and a whole Qwen3-Next 4k prompt -1.1 %).
-# Folded splits (``fold_splits``) pay where a split-K config's partials are large beside the product
-# (Qwen3-Next's 4096 x 2048 -23 / -26 %) and lose where the tile must shrink to hold two accumulators (GLM-4.5's
-# 12288 x 5120 +2 %, its 4k prompt +4 %). DeepSeek-V3's o_proj folded was -11 % as a kernel; its bf16 model does
-# not fit an H100 to confirm it on a prompt.
+# where it beat the rule's 128 x 256 x 64, 8 warps, 3 stages, descriptor loads by more than the runs' spread
+# (bench/results/2026-12-06-h100-tma-row-tiles.md; the figures below are against that rule, which itself beat the
+# entries it replaced: GLM-4.5 qkv, Qwen3-Next GDN in_proj). Descriptor loads (``tma``) took 7-25 % off each of the
+# three families' prefill linears, the same bits. Folded splits (``fold_splits``) pay where a split-K config's
+# partials are large beside the product (Qwen3-Next's 4096 x 2048 and its router) and lose where the tile must
+# shrink to hold two accumulators (GLM-4.5's 12288 x 5120: +2 % as a kernel; its 4k prompt folded with descriptors
+# 5 % slower than unfolded without). DeepSeek-V3's o_proj and dense down folded at 128 x 256 were -11 % / -17 % as
+# kernels; its bf16 model does not fit an H100 to confirm them on a prompt.
 _GPU_ROW_TILES = {
-    (5120, 14336, torch.bfloat16): _row_tile(128, 256, 8, 4),            # GLM-4.5 qkv: -2 / -6 %
-    (2048, 12352, torch.bfloat16): _row_tile(256, 128, 8, 3),            # Qwen3-Next GDN in_proj: -7 / -8 %
-    (2048, 9216, torch.bfloat16): _row_tile(128, 128, 8, 4),             # Qwen3-Next attention qkv: -8 / -9 %
-    (4096, 2048, torch.bfloat16): _row_tile(128, 128, 8, 4, True),       # Qwen3-Next o_proj / GDN out_proj
+    (2048, 9216, torch.bfloat16): _row_tile(128, 128, 4, 4),             # Qwen3-Next attention qkv: -3 %
+    (4096, 2048, torch.bfloat16): _row_tile(128, 128, 8, 4, True),       # Qwen3-Next o_proj / GDN out_proj: -21 %
+    (2048, 513, torch.bfloat16): _row_tile(128, 128, 8, 4, True),        # Qwen3-Next router: -29 %
 }
 
 LINEAR_ROW_TILES: ConfigTable[tuple] = ConfigTable(

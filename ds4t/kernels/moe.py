@@ -60,9 +60,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, cast, f16_scaled, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
-                          mma, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add, sigmoid, split_sum,
-                          timer, tl_dtype)
+from ds4t.backend import (INTERPRET, LAUNCH, TMA, cast, f16_scaled, fp8_operand, fp8_pieces, fp8_route,
+                          grid_dependency, mma, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add,
+                          sigmoid, split_sum, timer, tl_dtype)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, differs_only_in, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -137,6 +137,16 @@ def _w_tile(w_ptr, base, n, nm, kk, km, sw_n, sw_k, SWAP: tl.constexpr, EVEN: tl
         w = tl.load(ptrs)
     else:
         w = tl.load(ptrs, mask=m, other=0.0)
+    return w
+
+
+@triton.jit
+def _w_desc_tile(desc, e, n0, k0, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr):
+    """:func:`_w_tile` of rows n0 .. n0 + BN, columns k0 .. k0 + BK through a tensor descriptor over the
+    [E, N, K] weights (block [1, BN, BK]; zeros past N and K, the masked loads' values): the same operand."""
+    w = desc.load([e, n0, k0]).reshape(BN, BK)
+    if not SWAP:
+        w = tl.trans(w)
     return w
 
 
@@ -500,7 +510,7 @@ def _moe_gate_up_kernel(
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, slots_ptr=None,
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1,
-    ORDERED: tl.constexpr = False,
+    ORDERED: tl.constexpr = False, wg_desc=None, wu_desc=None, USE_TMA: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -530,9 +540,13 @@ def _moe_gate_up_kernel(
     ROW_PROGRAMS: program_id(0) is a row tile, not a slot (:func:`_program_tile`); no ``slots``.
 
     M_SUB (2; FP8 weights, not SELF, not the "f16" route): a program's tile is two BM-pair sub-tiles, each with
-    its own dots on the same converted weight tiles (``MoEConfig.m_sub``): each pair's operations as with M_SUB 1."""
+    its own dots on the same converted weight tiles (``MoEConfig.m_sub``): each pair's operations as with M_SUB 1.
+
+    USE_TMA (16-bit weights, ``MoEConfig.tma``): the weight tiles come through the tensor descriptors wg_desc /
+    wu_desc (:func:`_w_desc_tile`) instead of pointer loads -- the same operands, so the same bits."""
     grid_dependency()
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
+    tl.static_assert(not USE_TMA or SBK == 0)
     tl.static_assert(not ORDERED or (SBK > 0 and FP8_ROUTE != 3 and FP8_ROUTE != 5))
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
@@ -610,8 +624,12 @@ def _moe_gate_up_kernel(
                 km = kk < D
                 a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
                 a = cast(a.to(tl.float32), WDT)
-                wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
-                wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                if USE_TMA:
+                    wg = _w_desc_tile(wg_desc, e, pid_n * BN, k0, BN, BK, SWAP)
+                    wu = _w_desc_tile(wu_desc, e, pid_n * BN, k0, BN, BK, SWAP)
+                else:
+                    wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                    wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
                 acc_g = _pair_dot(a, wg, acc_g, SWAP, False)
                 acc_u = _pair_dot(a, wu, acc_u, SWAP, False)
         if not ORDERED:
@@ -650,7 +668,7 @@ def _moe_down_kernel(
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
-    SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1,
+    SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1, wd_desc=None, USE_TMA: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)], SB blocks a
     loop step as there; EVEN_K /
@@ -658,10 +676,11 @@ def _moe_down_kernel(
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
     or the host-made list; DEVICE_LIST: found from ``bounds`` as the gate/up kernel does (when that kernel ran
-    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`). M_SUB as
-    there."""
+    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`). M_SUB and
+    USE_TMA (wd_desc) as there."""
     grid_dependency()
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
+    tl.static_assert(not USE_TMA or SBK == 0)
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
@@ -711,7 +730,11 @@ def _moe_down_kernel(
                 kk = k0 + tl.arange(0, BK)
                 km = kk < I
                 a = cast(_act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K), WDT)
-                acc = _pair_dot(a, _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), acc, SWAP, False)
+                if USE_TMA:
+                    w = _w_desc_tile(wd_desc, e, pid_n * BN, k0, BN, BK, SWAP)
+                else:
+                    w = _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                acc = _pair_dot(a, w, acc, SWAP, False)
         _store_tile(y_ptr + tl.program_id(2) * sy_s, p, sy_p, n, qm, nm, acc, SWAP)
         if M_SUB == 2:
             _store_tile(y_ptr + tl.program_id(2) * sy_s, p1, sy_p, n, qm1, nm, acc1, SWAP)
@@ -796,6 +819,23 @@ def _fp8_route(cfg: MoEConfig, act_dtype) -> int:
     return fp8_route("moe_experts", cfg.fp8_route, act_dtype)
 
 
+def weight_descriptors(cfg: "MoEConfig", weights: dict, BN: int, BK: int) -> dict:
+    """The kernel keywords of a launch whose weight tiles come through tensor descriptors (``weights``: keyword ->
+    [E, N, K] tensor; block [1, BN, BK]) plus ``USE_TMA``, or {} where the launch cannot take them: the config
+    does not ask (``MoEConfig.tma``), the backend has no tensor descriptors, the weights are not 16-bit (FP8
+    tiles are converted in registers), or a base or outer stride is not a multiple of 16 bytes."""
+    if not (cfg.tma and TMA):
+        return {}
+    for w in weights.values():
+        if w.dtype not in (torch.bfloat16, torch.float16) or w.stride(-1) != 1 or w.data_ptr() % 16 or any(
+                (s * w.element_size()) % 16 for s in w.stride()[:-1]):
+            return {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return dict({k: TensorDescriptor(w, list(w.shape), list(w.stride()), [1, BN, BK]) for k, w in weights.items()},
+                USE_TMA=True)
+
+
 def group_pairs(ids: torch.Tensor, num_experts: int, shared_expert: Optional[int] = None):
     """The (row, rank) pairs grouped by expert, on the device, in one launch.
 
@@ -840,6 +880,8 @@ class MoEConfig:
     m_sub_pairs: int = 0        # m_sub applies to launches of at least this many pairs an expert on average
     ordered_split: bool = False  # FP8 gate/up: the K splits store each scale block's dot, added in block order
                                  # after (the unsplit bits at any split count: sum_order())
+    tma: bool = False           # 16-bit weights: weight tiles through tensor descriptors where the launch allows it
+                                # (:func:`weight_descriptors`; the same operands, so the same bits)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -857,7 +899,8 @@ def k_step(K: int, BK: int, scale_bk: int) -> int:
     return min(scale_bk, triton.cdiv(K, BK) * BK)
 
 
-FEW_ROWS_FREE = {"fp8": ("num_stages", "scale_blocks"), "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k")}
+FEW_ROWS_FREE = {"fp8": ("num_stages", "scale_blocks"),
+                 "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k", "tma")}
 """The fields a few-rows entry may change from the decode entry, per weight format (:func:`_config`).
 16-bit weights: the fields a row tile may change as well -- on an H200 every bf16 tile shape, K tile and
 warp count gives the decode tile's bits (bench/mma_shapes.py; bench/moe_tiles.py ``same-bits`` at one row).
@@ -1234,6 +1277,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
     if msub > 1:
         kw.update(M_SUB=msub)
+    kw.update(weight_descriptors(cfg, dict(wg_desc=wg_t, wu_desc=wu_t), BN, BK))
     _moe_gate_up_kernel[(row_program_count(E, P, cfg.block_m * msub) if gu_rows else n_slots, triton.cdiv(I, BN),
                          split)](
         h, h.stride(0), order, bounds, experts,
@@ -1273,6 +1317,7 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
     if msub > 1:
         kw.update(M_SUB=msub)
+    kw.update(weight_descriptors(cfg, dict(wd_desc=wd_t), BN, BK))
     _moe_down_kernel[(row_program_count(E, P, cfg.block_m * msub) if dn_rows else n_slots, triton.cdiv(D, BN),
                       dn_split)](
         act, act.stride(-2), order, bounds, experts if slots is None else slots,

@@ -850,12 +850,42 @@ def test_sub_tiles_wait_for_enough_pairs_an_expert():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's MMA sums per K tile; on the GPU the K tile changes no bit")
-def test_row_tile_control_a_changed_k_tile_is_caught(device):
-    """Negative control: a row entry with another K tile (the interpreter sums each K tile before adding
-    it) changes the rows, and the comparison above catches it."""
-    row_cfg = M.MoEConfig(tile_n=64, tile_k=32, block_m=32, min_rows=8)
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_row_tile_control_a_changed_k_tile_is_caught(device, tma):
+    """Negative control (of the descriptor loads' test too): a row entry with another K tile (the interpreter sums
+    each K tile before adding it) changes the rows, and the comparison above catches it."""
+    row_cfg = M.MoEConfig(tile_n=64, tile_k=32, block_m=32, min_rows=8, tma=tma)
     full, alone = _row_tile_run("bf16", row_cfg, device)
     assert not torch.equal(full, alone)
+
+
+@pytest.mark.skipif(not M.TMA, reason="tensor descriptors need a Hopper GPU (or the interpreter)")
+@pytest.mark.parametrize("row_programs", [True, False], ids=["row-programs", "expert-programs"])
+def test_row_tile_tma_keeps_every_pairs_bits(device, monkeypatch, row_programs):
+    """A row entry whose weight tiles come through tensor descriptors (``MoEConfig.tma``) gives every pair the bits
+    of its row launched alone (pointer loads, decode tiles). I = 72 and D = 200 end inside a tile: the zeros past
+    them come from the descriptors, as the masked loads give them."""
+    row_cfg = M.MoEConfig(tile_n=64, tile_k=64, num_warps=8, num_stages=2, block_m=32, min_rows=8,
+                          row_programs=row_programs, tma=True)
+    took = []
+    real = M.weight_descriptors
+    monkeypatch.setattr(M, "weight_descriptors", lambda *a: took.append(real(*a)) or took[-1])
+    full, alone = _row_tile_run("bf16", row_cfg, device)
+    assert took[0].get("USE_TMA") and took[1].get("USE_TMA")   # the batch's gate/up and down launches
+    assert not any(took[2:])                                    # the lone rows: decode tiles, pointer loads
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+
+
+def test_tma_needs_16_bit_weights_with_16_byte_strides():
+    """Where a launch cannot take descriptors it takes the pointer loads: the config does not ask, fp32 weights,
+    an expert or row stride that is no multiple of 16 bytes."""
+    cfg = M.MoEConfig(tile_n=32, tile_k=64, tma=True)
+    w = torch.randn(4, 40, 64).to(torch.bfloat16)
+    assert not M.weight_descriptors(dataclasses.replace(cfg, tma=False), {"wd_desc": w}, 32, 64)
+    assert not M.weight_descriptors(cfg, {"wd_desc": w.float()}, 32, 64)
+    assert not M.weight_descriptors(cfg, {"wd_desc": torch.randn(4, 40, 68).to(torch.bfloat16)[..., :60]}, 32, 64)
+    assert M.weight_descriptors(cfg, {"wd_desc": w}, 32, 64).get("USE_TMA") is M.TMA
 
 
 def test_row_tile_must_keep_the_mma_route():
