@@ -257,11 +257,13 @@ def record_row_tiles() -> None:
         L.INTERPRET = saved
 
 
-def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False, execute: bool = False) -> list:
+def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False, execute: bool = False,
+           extra: tuple = ()) -> list:
     """Distinct launches of a decode step, mixed prefill + decode steps (short runs, and long runs that fold their
     attention splits), (``fp8``) the FP8-weight, GGUF-block and 16-bit row-tile launches of :func:`record_fp8`,
-    :func:`record_gguf` and :func:`record_row_tiles`, and (``checks``) every registered kernel self-check, with the
-    GPU's launcher paths. ``execute``: run each kernel (the self-checks need it; see the module docstring)."""
+    :func:`record_gguf` and :func:`record_row_tiles`, (``extra``) those of each callable given, and (``checks``)
+    every registered kernel self-check, with the GPU's launcher paths. ``execute``: run each kernel (the
+    self-checks need it; see the module docstring)."""
     import ds4t
 
     if not ds4t.backend.INTERPRET:
@@ -309,6 +311,8 @@ def record(presets, checks: bool, fp8: bool = True, gguf_tables: bool = False, e
                 record_row_tiles()
             if gguf_tables:
                 record_gguf_tables()
+            for fn in extra:
+                fn()
             if checks:
                 for check in registry.all_checks():
                     check("cpu")
@@ -448,8 +452,22 @@ def sass_report(cubin: bytes, label: str) -> str:
     return "\n".join(out)
 
 
-def compile_all(records: list, arch: int, sass: str = "") -> list:
-    """Compile each recorded launch; returns [(kernel, ok, seconds, error)]."""
+def dot_layouts(ttgir: str) -> str:
+    """The MMA a TTGIR listing's dots became (wgmma / mma.sync) and the ``kWidth`` of their operand layouts: how many
+    consecutive K elements a thread holds. 16-bit operands get 2; operands converted from 8-bit loads get 4 on
+    mma.sync (Triton follows the conversion back to the load), which permutes the K order inside each MMA step and
+    so changes the sums' bits against any tile with kWidth 2 (docs/kernel-conventions.md)."""
+    import re
+
+    kind = "wgmma" if "ttng.warp_group_dot" in ttgir else "mma.sync" if re.search(r"\btt\.dot\b", ttgir) else "no dot"
+    ops = sorted(set(re.findall(r"dot_op<\{opIdx = (\d), parent = #[\w]+, kWidth = (\d+)\}>", ttgir)))
+    return f"dot layouts: {kind}; " + ", ".join(f"operand {i} kWidth {w}" for i, w in ops)
+
+
+def compile_all(records: list, arch: int, sass: str = "", layouts: str = "") -> list:
+    """Compile each recorded launch; returns [(kernel, ok, seconds, error)]. ``sass`` / ``layouts``: launches of
+    kernels whose name contains it report their SASS mix (:func:`sass_report`) / dot layouts (:func:`dot_layouts`)
+    in place of the error."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
 
@@ -475,6 +493,8 @@ def compile_all(records: list, arch: int, sass: str = "") -> list:
                 shown = {k: v for k, v in {**rec["args"], **consts}.items()
                          if k.isupper() and isinstance(v, (int, str)) and not isinstance(v, bool)}
                 report = sass_report(ck.asm["cubin"], f"{label} {opts} {shown}")
+            if layouts and layouts in rec["name"]:
+                report = "\n".join(r for r in (report, f"{label}: {dot_layouts(ck.asm['ttgir'])}") if r)
             results.append((label, True, time.time() - t0, report))
         except Exception as e:  # report every failure, keep compiling the rest
             root = e
@@ -498,6 +518,8 @@ def main():
                     help="run each kernel while recording (the default notes launches without running them)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sass", default="", help="print the SASS instruction mix of kernels whose name contains this")
+    ap.add_argument("--layouts", default="", help="print the dot operand layouts (kWidth) of kernels whose name "
+                                                  "contains this")
     ap.add_argument("--triton", default="",
                     help="compile with the Triton package in this folder (e.g. the GPU machine's version, unpacked "
                          "from its wheel: `pip download --no-deps triton==3.6.0`, then unzip); the interpreter "
@@ -507,7 +529,7 @@ def main():
     if args.records_file:   # child: compile and print JSON results
         with open(args.records_file) as f:
             records = json.load(f)
-        results = compile_all(records, args.arch, args.sass)
+        results = compile_all(records, args.arch, args.sass, args.layouts)
         import triton
 
         print(f"triton {triton.__version__}")   # the release that compiled (--triton may put another first)
@@ -521,7 +543,8 @@ def main():
     env = dict(os.environ, TRITON_INTERPRET="0")
     if args.triton:   # ahead of everything on the path: its triton shadows the installed one
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.triton), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch), "--sass", args.sass],
+    proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch), "--sass", args.sass,
+                           "--layouts", args.layouts],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     os.unlink(f.name)
     if proc.returncode != 0:

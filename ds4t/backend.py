@@ -261,6 +261,30 @@ def fp8_operand(w, s, dtype: tl.constexpr, ROUTE: tl.constexpr):
     return out
 
 
+FP8_LAYOUT_BARRIER: bool = os.environ.get("DS4T_FP8_BARRIER", "0") == "1" and not INTERPRET
+"""``DS4T_FP8_BARRIER=1`` (GPU only; off by default, an experiment not yet run on a GPU): every fp8 weight tile, once
+converted (:func:`fp8_to`), passes an identity ``mov`` marked as having side effects. Triton picks a dot operand's
+layout from the narrowest load it can trace the operand back to, through side-effect-free elementwise ops only
+(AccelerateMatmul's ``computeOrigBitWidth``): traced to an 8-bit load, an mma.sync operand gets kWidth 4, whose K
+order inside each MMA step differs from wgmma's kWidth 2 -- why an FP8 row's bits change with the tile where a bf16
+row's do not. Stopped at the barrier, the converted tile gets the 16-bit layout (kWidth 2; compiled for sm_90,
+tests/test_gpu_compile.py) and the decode K loop of a 7168-column FP8 linear is 1762 SASS instructions instead of
+1945. Whether that gives FP8 rows the bits of wgmma row tiles is the GPU's to say: with the switch on,
+``tests/kernels/test_linear.py`` and ``test_moe.py`` run their FP8 row-tile tests on the GPU (skipped without it),
+and :func:`ds4t.kernels.linear._gpu_row_tiles` gives FP8 weights a row tile. The interpreter ignores it."""
+FP8_BARRIER = tl.constexpr(FP8_LAYOUT_BARRIER)
+
+
+@triton.jit
+def _layout_barrier(v):
+    """v unchanged, through an inline-asm ``mov`` Triton must keep (not pure): see :data:`FP8_LAYOUT_BARRIER`."""
+    if v.dtype.primitive_bitwidth == 16:
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
+    else:
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=1)
+    return v
+
+
 @triton.jit
 def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
     """An fp8 (e4m3) weight tile as the MMA operand of :data:`FP8_ROUTES` route ROUTE for activation
@@ -278,6 +302,9 @@ def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
             out = cast(w.to(tl.float32), dtype)
     else:
         out = w.to(dtype)
+    if FP8_BARRIER:
+        if ROUTE != 4:
+            out = _layout_barrier(out)
     return out
 
 

@@ -162,3 +162,42 @@ def test_sass_digest_ignores_addresses_and_sees_instructions(tmp_path):
     moved = "        /*0010*/  LDC R1, c[0x0][0x28] ;  /* 0x0000000000000000 */\n"
     assert cc.sass_digest(one) == cc.sass_digest(moved) != cc.sass_digest(one.replace("R1,", "R2,"))
     assert cc.sass_digest(one)[1] == 1
+
+
+@pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="records launches in the interpreter")
+def test_fp8_layout_barrier_gives_converted_fp8_weights_the_16_bit_operand_layout(tmp_path):
+    """``DS4T_FP8_BARRIER=1`` (``ds4t.backend.FP8_LAYOUT_BARRIER``): an FP8 decode linear's converted weight tile
+    reaches its mma.sync dot in the 16-bit operands' layout (kWidth 2, the layout wgmma tiles use too), compiled
+    for sm_90 with the GPUs' Triton. Control: without it the same launch gets kWidth 4 (Triton follows the
+    conversion back to the 8-bit load), the layout whose K order inside an MMA step differs from wgmma's."""
+    code = """
+import json, sys, torch
+sys.path.insert(0, "bench")
+import compile_check as cc
+from ds4t.kernels import linear as L
+from ds4t.kernels.weights import quantize
+def fp8_decode():
+    g = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(128, 512, generator=g) / 16)
+    L.linear(torch.randn(1, 512, generator=g), w, None, act_dtype=torch.bfloat16,
+             config=L.LinearConfig(block_n=64, block_k=128, split=1, num_warps=2, fp8_route="f32"))
+print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(fp8_decode,)) if r["name"] == "_linear_kernel"]))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(recs) == 1 and recs[0]["args"]["SCALE_BK"] == 128
+    f = tmp_path / "records.json"
+    f.write_text(json.dumps(recs))
+    reports = {}
+    for barrier in ("0", "1"):
+        env = dict(os.environ, TRITON_INTERPRET="0", DS4T_FP8_BARRIER=barrier)
+        if _gpu_triton_args():
+            env["PYTHONPATH"] = os.pathsep.join(q for q in (GPU_TRITON, env.get("PYTHONPATH")) if q)
+        p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--layouts", "_linear"], capture_output=True,
+                           text=True, cwd=ROOT, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        (label, ok, _, reports[barrier]), = json.loads(p.stdout.strip().splitlines()[-1])
+        assert ok, reports[barrier]
+    assert "mma.sync" in reports["0"] and "kWidth 4" in reports["0"] and "kWidth 2" not in reports["0"], reports
+    assert "mma.sync" in reports["1"] and "kWidth 2" in reports["1"] and "kWidth 4" not in reports["1"], reports

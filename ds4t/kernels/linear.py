@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4t.backend import (INTERPRET, LAUNCH, TMA, cast, f16_rows, fp8_operand, fp8_pieces, fp8_route, grid_dependency,
-                          mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32, scaled_add, split_sum,
-                          split_sum_bias, timer, tl_dtype)
+from ds4t.backend import (FP8_LAYOUT_BARRIER, INTERPRET, LAUNCH, TMA, cast, f16_rows, fp8_operand, fp8_pieces,
+                          fp8_route, grid_dependency, mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32,
+                          scaled_add, split_sum, split_sum_bias, timer, tl_dtype)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -683,15 +683,19 @@ def _gpu_row_tiles(K: int, N: int, w_dtype: torch.dtype, scale_bk: int = 0, act_
     decode config's mma.sync ones, and in the grouped MoE kernels 32- against 16-row tiles), so FP8 launches
     keep the decode config at every size. Cause
     (``bench/mma_shapes.py --kwidth``): a dot fed from 8-bit loads gets operand layouts with kWidth 4 on
-    mma.sync, which permute the K order inside the MMA steps, and kWidth 2 on wgmma."""
+    mma.sync, which permute the K order inside the MMA steps, and kWidth 2 on wgmma (``DS4T_FP8_BARRIER=1`` gives
+    them kWidth 2 everywhere and FP8 weights :data:`_ROW_TILES_FP8`; an experiment, see the backend)."""
     if w_dtype == FP8_DTYPE:
-        return ()
+        return _ROW_TILES_FP8 if FP8_LAYOUT_BARRIER else ()
     return _ROW_TILES_FP32 if w_dtype == torch.float32 else _ROW_TILES_16BIT
 
 
 _ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64, tma=True),)
 """One object, not one a call: every linear launch looks its row tiles up."""
 _ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, num_warps=4),)
+_ROW_TILES_FP8 = (RowTile(min_rows=128, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),)
+"""FP8 row tiles, only under ``DS4T_FP8_BARRIER=1`` (:data:`ds4t.backend.FP8_LAYOUT_BARRIER`: converted fp8 tiles in
+the 16-bit operand layout); untimed, and their bits against the decode tiles not yet checked on a GPU."""
 
 
 def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False,
