@@ -724,7 +724,8 @@ LINEAR_ROW_TILES: ConfigTable[tuple] = ConfigTable(
     "linear_rows", gpu=_GPU_ROW_TILES, gpu_rule=_gpu_row_tiles,
     interp_rule=lambda K, N, w_dtype, scale_bk=0, act_dtype=None: (),
     source="bench/mma_shapes.py (tile shape vs bits and TFLOP/s on an H200); bench/linear_rows.py (per-shape "
-           "tiles, folded splits; bench/results/2026-12-06-h100-linear-rows.md)")
+           "tiles, folded splits; bench/results/2026-12-06-h100-linear-rows.md; descriptor loads: "
+           "bench/results/2026-12-06-h100-tma-row-tiles.md)")
 """Keyed like :data:`LINEAR_CONFIGS`: the :class:`RowTile` s of a weight shape (empty: every launch
 uses the decode config). The interpreter has none by default (tests force them)."""
 
