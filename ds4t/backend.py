@@ -269,7 +269,8 @@ layout from the narrowest load it can trace the operand back to, through side-ef
 order inside each MMA step differs from wgmma's kWidth 2 -- why an FP8 row's bits change with the tile where a bf16
 row's do not. Stopped at the barrier, the converted tile gets the 16-bit layout (kWidth 2; compiled for sm_90,
 tests/test_gpu_compile.py) and the decode K loop of a 7168-column FP8 linear is 1762 SASS instructions instead of
-1945. Whether that gives FP8 rows the bits of wgmma row tiles is the GPU's to say: with the switch on,
+1945. Whether that gives FP8 rows the bits of wgmma row tiles is the GPU's to say (``bench/fp8_layout.py``: bits
+and times with the switch off and on, in one call): with the switch on,
 ``tests/kernels/test_linear.py`` and ``test_moe.py`` run their FP8 row-tile tests on the GPU (skipped without it),
 and :func:`ds4t.kernels.linear._gpu_row_tiles` gives FP8 weights a row tile. The interpreter ignores it."""
 FP8_BARRIER = tl.constexpr(FP8_LAYOUT_BARRIER)
