@@ -14,7 +14,10 @@ weight shape (128 x 128 scale blocks, x in bf16 as the models hand it over, the 
   config's tiles (whose rows are each row alone's: the batch-invariance tests) -- equal or not. With the switch
   off they are expected to differ (the control: the comparison sees a tile's K order);
 * time: the decode config at B = 1 and 16 (us, % of copy bandwidth over the fp8 values + scales), and the
-  ``--rows``-row launch on the decode tiles and on each row tile (TFLOP/s, % of the bf16 matmul peak).
+  ``--rows``-row launch on the decode tiles and on each row tile (TFLOP/s, % of the bf16 matmul peak);
+* the grouped MoE over FP8 experts (GLM-4.5's and Qwen3-Next's shapes, random top-k routing, ``--rows`` rows):
+  the table's rows entries against wgmma-sized pair tiles (``--moe-rows``), the combined output bit for bit and
+  the call timed.
 
 The tables of the two children come last, side by side. Needs a CUDA GPU.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +38,52 @@ from bench.report import Report  # noqa: E402
 
 SHAPES = "7168x18432,18432x7168,16384x7168,2048x12352"
 TILES = "128x128x64w8s3,64x128x64w4s3"
+MOE_SHAPES = {"glm-4.5": (160, 8, 5120, 1536), "qwen3-next": (512, 10, 2048, 512)}
+"""Routed experts E, top-k, D, I of the grouped MoE's FP8 launches (plus one shared expert of the same size)."""
+MOE_ROWS = "64x64x64w4s3,32x64x64w4s3"
+"""Candidate FP8 rows entries of the grouped kernels: pairs x weight rows x K a step, warps, stages (one config for
+gate/up and down), in place of the table's ("rows",) entries (the decode tiles, 16 or 2 x 16 pairs). Compiled for
+sm_90 (Triton 3.6): 64 x 64 on 4 warps fits (gate/up 255 registers, 48 bytes of stack; down 247, none); 64 x 128
+spills in the gate/up loop on 4 or 8 warps (its f32 route holds a block's dot and the running sum for gate and up)."""
+
+
+def moe_rows(args, gen, dev) -> list:
+    """The grouped MoE over FP8 experts at ``--rows`` rows (random routing): the table's rows entries against
+    each candidate of ``--moe-rows`` -- the combined output bit for bit, and the call timed."""
+    from bench.bench_kernels import time_calls
+    from ds4t.kernels import moe as M
+    from ds4t.kernels.config import overridden
+    from ds4t.kernels.weights import quantize
+
+    out = []
+    for name in args.moe_shapes.split(","):
+        E, k, D, I = MOE_SHAPES[name]
+        wg, wu, wd = (quantize(torch.randn(E + 1, n, kk, generator=gen, device=dev) / kk ** 0.5)
+                      for n, kk in ((I, D), (I, D), (D, I)))
+        h = torch.randn(args.rows, D, generator=gen, device=dev).to(torch.bfloat16)
+        scores = torch.rand(args.rows, E, generator=gen, device=dev)
+        ids = scores.topk(k, dim=-1).indices.to(torch.int32)
+        wts = torch.rand(args.rows, k, generator=gen, device=dev)
+        y = torch.empty(args.rows, D, device=dev)
+
+        def call(out_=None):
+            return M.moe_experts(h, ids, wts, wg, wu, wd, shared_expert=E, act_dtype=torch.bfloat16, out=out_)
+
+        base = call().clone()
+        ms, _ = time_calls([lambda: call(y)])
+        out.append(dict(shape=f"MoE {name}", what=f"{args.rows} rows, table", us=ms * 1e3, bits="base", of="-"))
+        for spec in (t for t in args.moe_rows.split(",") if t):
+            bm, bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec).groups())
+            fields = dict(tile_n=bn, tile_k=bk, num_warps=warps, num_stages=stages, block_m=bm, m_sub=1,
+                          m_sub_pairs=0, swap=False)
+            with overridden({"moe": [{"key": [kernel, "fp8", "rows"], "fields": fields}
+                                     for kernel in ("gate_up", "down")]}):
+                got = call().clone()
+                ms, _ = time_calls([lambda: call(y)])
+            out.append(dict(shape=f"MoE {name}", what=f"{args.rows} rows, {spec}", us=ms * 1e3,
+                            bits="=" if torch.equal(got.view(torch.int32), base.view(torch.int32)) else "DIFFER",
+                            of="-"))
+    return out
 
 
 def child(args) -> list:
@@ -71,7 +121,7 @@ def child(args) -> list:
             out.append(dict(shape=shape, what=f"{args.rows} rows, {label}", us=ms * 1e3,
                             bits="base" if not row_tiles else ("=" if same_bits(got, base) else "DIFFER"),
                             of=f"{100 * flop / (ms * 1e-3) / peak:.0f} % of the bf16 peak"))
-    return out
+    return out + moe_rows(args, gen, dev)
 
 
 def main(argv=None) -> int:
@@ -79,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=SHAPES, help="FP8 weights KxN,...")
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--tiles", default=TILES, help="row tiles BMxBNxBKwWARPSsSTAGES,...")
+    ap.add_argument("--moe-shapes", default=",".join(MOE_SHAPES), help="grouped MoE shapes: " + ",".join(MOE_SHAPES))
+    ap.add_argument("--moe-rows", default=MOE_ROWS, help="FP8 MoE rows entries BMxBNxBKwWARPSsSTAGES,...")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)
@@ -91,7 +143,7 @@ def main(argv=None) -> int:
     runs = {}
     for barrier in ("0", "1"):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--shapes", args.shapes, "--rows", str(args.rows),
-               "--tiles", args.tiles]
+               "--tiles", args.tiles, "--moe-shapes", args.moe_shapes, "--moe-rows", args.moe_rows]
         p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, DS4T_FP8_BARRIER=barrier))
         if p.returncode != 0:
             log(f"barrier {barrier}: the child failed\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
