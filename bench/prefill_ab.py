@@ -67,6 +67,13 @@ def prefill_prompt(model, prompt: list, chunk: int, n: int, collect: bool = True
             s.close()
 
 
+def random_prompt(vocab_size: int, n: int, seed: int = 0) -> list:
+    """n tokens drawn uniformly from the vocabulary by one seeded generator: rows of a chunk route to the experts as
+    a real prompt's spread over them (one token repeated would send every row to the same few)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
 def run(model, prompt: list, chunk: int, ns, variants, rounds: int, device, log):
     """Rows {n, variant, ms (median of rounds), lo, hi, tok_s, vs_base, bits, rounds}."""
     rows = []
@@ -129,8 +136,7 @@ def models_ab(specs: str, ns, variants, device, log, prompts: bool = True) -> bo
             (f"prompt {P} in chunks of {C}; " if prompts else "") + f"decode at {CTX} tokens")
         rows = []
         if prompts:
-            rng = random.Random(0)   # one generator: a prompt of P random tokens, not one token P times
-            prompt = [rng.randrange(model.vocab_size) for _ in range(P)]
+            prompt = random_prompt(model.vocab_size, P)
             rows += run(model, prompt, C, [1], variants, R, dev, log)
         rows += step_run(model, list(ns), CTX, variants, R, IT, bw, log)
         ok &= all(r["bits"] and r.get("exact") is not False for r in rows)
@@ -156,8 +162,7 @@ def main(argv=None) -> int:
         raise SystemExit("prefill_ab: --rounds, --prompt and --chunk must be at least 1")
     variants, dev, model, log = ab_setup(args, "prefill_ab")
     ns = [int(x) for x in args.sessions.split(",") if x.strip()]
-    rng = random.Random(0)
-    prompt = [rng.randrange(model.vocab_size) for _ in range(args.prompt)]
+    prompt = random_prompt(model.vocab_size, args.prompt)
     log(f"# prefill A/B: {args.model}, {args.prompt}-token prompt, chunks of {args.chunk}, commit {args.commit or '?'}")
     log(f"{args.rounds} rounds, variant order alternating")
     for n_, spec in variants[1:]:

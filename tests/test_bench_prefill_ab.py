@@ -54,3 +54,13 @@ def test_refusals():
         ab.main(["--model", "tiny-qwen", "--device", "cpu"])
     with pytest.raises(SystemExit, match="names must differ"):
         ab.main(["--model", "tiny-qwen", "--device", "cpu", "--variant", "a={}", "--variant", "a={}"])
+
+
+def test_the_prompt_is_random_tokens_not_one_token_repeated():
+    """The A/B prompts spread over the vocabulary (a prompt of one repeated token routes every row to the same
+    experts: a MoE chunk then reads a handful of them), and the same seed gives the same prompt."""
+    p = ab.random_prompt(151_000, 4096)
+    assert len(p) == 4096 and len(set(p)) > 3000 and max(p) < 151_000
+    assert p == ab.random_prompt(151_000, 4096) != ab.random_prompt(151_000, 4096, seed=1)
+    control = [ab.random.Random(0).randrange(151_000) for _ in range(4096)]   # the old construction
+    assert len(set(control)) == 1
