@@ -258,12 +258,15 @@ def fp8_operand(w, s, dtype: tl.constexpr, ROUTE: tl.constexpr):
         out = fp8_scaled_to(w, s, dtype)
     else:
         out = fp8_to(w, dtype, ROUTE)
+    if FP8_BARRIER:
+        if ROUTE != 4:   # "x2" feeds the fp8 tile itself to an fp8 MMA
+            out = _layout_barrier(out)
     return out
 
 
 FP8_LAYOUT_BARRIER: bool = os.environ.get("DS4T_FP8_BARRIER", "0") == "1" and not INTERPRET
 """``DS4T_FP8_BARRIER=1`` (GPU only; off by default, an experiment not yet run on a GPU): every fp8 weight tile, once
-converted (:func:`fp8_to`), passes an identity ``mov`` marked as having side effects. Triton picks a dot operand's
+converted (:func:`fp8_operand`), passes an identity ``mov`` marked as having side effects. Triton picks a dot operand's
 layout from the narrowest load it can trace the operand back to, through side-effect-free elementwise ops only
 (AccelerateMatmul's ``computeOrigBitWidth``): traced to an 8-bit load, an mma.sync operand gets kWidth 4, whose K
 order inside each MMA step differs from wgmma's kWidth 2 -- why an FP8 row's bits change with the tile where a bf16
@@ -303,9 +306,6 @@ def fp8_to(w, dtype: tl.constexpr, ROUTE: tl.constexpr):
             out = cast(w.to(tl.float32), dtype)
     else:
         out = w.to(dtype)
-    if FP8_BARRIER:
-        if ROUTE != 4:
-            out = _layout_barrier(out)
     return out
 
 
