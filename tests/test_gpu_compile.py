@@ -22,6 +22,15 @@ def _gpu_triton_args() -> list:
     return ["--triton", GPU_TRITON] if os.path.isdir(os.path.join(GPU_TRITON, "triton")) else []
 
 
+def _gpu_compile_env(**extra) -> dict:
+    """The environment of a ``compile_check.py --compile`` child that compiles with the GPUs' Triton (when installed:
+    it goes first on the path, as ``--triton`` does), plus ``extra``."""
+    env = dict(os.environ, TRITON_INTERPRET="0", **extra)
+    if _gpu_triton_args():
+        env["PYTHONPATH"] = os.pathsep.join(q for q in (GPU_TRITON, env.get("PYTHONPATH")) if q)
+    return env
+
+
 @pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="on a GPU the other tests compile every kernel for real")
 def test_model_kernels_compile_for_the_gpu():
     p = subprocess.run([sys.executable, TOOL, *_gpu_triton_args()], capture_output=True, text=True, cwd=ROOT,
@@ -191,13 +200,51 @@ print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(fp8_decode,)
     f.write_text(json.dumps(recs))
     reports = {}
     for barrier in ("0", "1"):
-        env = dict(os.environ, TRITON_INTERPRET="0", DS4T_FP8_BARRIER=barrier)
-        if _gpu_triton_args():
-            env["PYTHONPATH"] = os.pathsep.join(q for q in (GPU_TRITON, env.get("PYTHONPATH")) if q)
         p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--layouts", "_linear"], capture_output=True,
-                           text=True, cwd=ROOT, env=env, timeout=300)
+                           text=True, cwd=ROOT, env=_gpu_compile_env(DS4T_FP8_BARRIER=barrier), timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         (label, ok, _, reports[barrier]), = json.loads(p.stdout.strip().splitlines()[-1])
         assert ok, reports[barrier]
     assert "mma.sync" in reports["0"] and "kWidth 4" in reports["0"] and "kWidth 2" not in reports["0"], reports
     assert "mma.sync" in reports["1"] and "kWidth 2" in reports["1"] and "kWidth 4" not in reports["1"], reports
+
+
+@pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="records launches in the interpreter")
+def test_gguf_moe_gate_up_with_fp32_activations_keeps_its_registers(tmp_path):
+    """The GGUF grouped gate/up kernel at Qwen3-Next's expert shape (D 2048, I 512), the GPU table's Q4_K entry and
+    fp32 activations (a GGUF file's default), compiled for sm_90: at most 256 bytes of stack a thread (one weight
+    after the other, ``qmoe.interleaves``). Control: the same launch interleaved spills kilobytes (what it did)."""
+    code = """
+import json, sys, torch
+sys.path.insert(0, "bench")
+import compile_check as cc
+from ds4t.kernels import moe as M
+from ds4t.kernels import qmoe as QM
+from ds4t.kernels.quant_blocks import quantize
+table = dict(QM.QMOE_CONFIGS.gpu)
+def q4k_fp32():
+    g = torch.Generator().manual_seed(0)
+    E, I, D = 3, 512, 2048
+    wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, "Q4_K") for _ in range(2))
+    wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, "Q4_K")
+    with QM.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: table.get((kernel, qt, *rows))):
+        M.moe_experts(torch.randn(2, D, generator=g), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+                      torch.rand(2, 2, generator=g), wg, wu, wd, shared_expert=E - 1, act_dtype=torch.float32)
+print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(q4k_fp32,)) if r["name"] == "_qmoe_gate_up_kernel"]))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec, = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rec["args"]["INTERLEAVE"] is False and rec["args"]["FMT"] == 1 and rec["args"]["D"] == 2048
+    control = json.loads(json.dumps(rec))
+    control["args"]["INTERLEAVE"] = True
+    f = tmp_path / "records.json"
+    f.write_text(json.dumps([rec, control]))
+    p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--sass", "_qmoe"], capture_output=True, text=True,
+                       cwd=ROOT, env=_gpu_compile_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import re
+
+    (_, ok, _, rep), (_, ok2, _, rep2) = json.loads(p.stdout.strip().splitlines()[-1])
+    stack = [int(re.search(r"STACK:(\d+)", r).group(1)) for r in (rep, rep2)]
+    assert ok and ok2 and stack[0] <= 256 and stack[1] > 2048, stack

@@ -206,6 +206,16 @@ def check_weights(w_gate, w_up, w_down) -> None:
         raise ValueError("w_gate, w_up, w_down must share one act_dtype")
 
 
+def interleaves(cfg: QMoEConfig, adt: torch.dtype) -> bool:
+    """Whether a gate/up launch steps gate and up through K together (``cfg.interleave``; the same bits either way):
+    never with fp32 activations, whose exact-route dots for both weights at once overflow the registers -- compiled
+    for sm_90 at Qwen3-Next's experts (D 2048, the table's entries) the interleaved kernel keeps 32 registers and
+    6.8-9.6 KB of stack a thread for Q8_0 / Q4_K / Q6_K, one weight after the other 188-255 registers and at most
+    120 bytes (tests/test_gpu_compile.py). A GGUF file of quantized matrices loads with fp32 activations unless
+    ``dtype`` says otherwise (``GGUFReader.default_dtype``), so that is the default launch."""
+    return cfg.interleave and adt != torch.float32
+
+
 def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: GGUFWeight, w_up: GGUFWeight,
            w_down: GGUFWeight, act, y, KT: int, adt: torch.dtype, slots=None) -> None:
     """Steps 2 and 3 of :func:`ds4t.kernels.moe.moe_experts` (gate/up into ``act`` [P, I], down into
@@ -231,7 +241,7 @@ def launch(h, order, bounds, experts, n_slots: int, device_list: bool, w_gate: G
     _qmoe_gate_up_kernel[(row_program_count(E, P, BM) if gu_rows else n_slots, triton.cdiv(I, BN))](
         h, h.stride(0), order, bounds, experts, wg, wu, wg.stride(0), wg.stride(1), act, act.stride(0),
         I, KT, E, D=D, FMT=kernel_format(w_gate, folds(cfg, adt)), G=G, ADT=ADT, BM=BM, BN=BN,
-        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=cfg.interleave, FOLD=folds(cfg, adt),
+        DEVICE_LIST=device_list, BE=BE, INTERLEAVE=interleaves(cfg, adt), FOLD=folds(cfg, adt),
         slots_ptr=slots, ROW_PROGRAMS=gu_rows, AHEAD=cfg.prefetch_l2, NP=nibble_pack(cfg.num_warps, BN),
         **launch_kwargs(cfg),
         **LAUNCH)

@@ -632,6 +632,15 @@ def test_moe_interleave_changes_no_bit():
     assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
 
 
+def test_fp32_activations_never_interleave():
+    """An interleaved gate/up with fp32 activations spills its registers on the GPU (qmoe.interleaves): such a
+    launch steps gate and up one after the other whatever the config says; 16-bit activations follow the config."""
+    cfg = qmoe.QMoEConfig(tile_n=32, interleave=True)
+    assert not qmoe.interleaves(cfg, torch.float32)
+    assert qmoe.interleaves(cfg, torch.bfloat16) and qmoe.interleaves(cfg, torch.float16)
+    assert not qmoe.interleaves(dataclasses.replace(cfg, interleave=False), torch.bfloat16)
+
+
 def _moe_row_programs(gu, dn, B=24, block_m=16):
     """moe_experts over GGUF experts (Q4_K gate/up, Q8_0 down; a shared expert holding all B rows: 2 row
     tiles) with ("rows",) entries from 8 rows whose ``row_programs`` are ``gu`` / ``dn`` and whose tiles hold
