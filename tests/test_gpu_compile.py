@@ -248,3 +248,45 @@ print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(q4k_fp32,)) 
     (_, ok, _, rep), (_, ok2, _, rep2) = json.loads(p.stdout.strip().splitlines()[-1])
     stack = [int(re.search(r"STACK:(\d+)", r).group(1)) for r in (rep, rep2)]
     assert ok and ok2 and stack[0] <= 256 and stack[1] > 2048, stack
+
+
+@pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="records launches in the interpreter")
+def test_fp8_moe_down_rows_with_fp32_activations_keep_their_registers(tmp_path):
+    """The FP8 grouped down kernel of a 64-row launch (the table's rows entry: row programs, two 16-pair sub-tiles
+    with 16-bit activations) at Qwen3-Next's expert shape with fp32 activations, compiled for sm_90: one sub-tile
+    (``moe.sub_tiles``), at most 2 KB of stack a thread. Control: the same launch with two sub-tiles spills ~10 KB."""
+    code = """
+import json, sys, torch
+sys.path.insert(0, "bench")
+import compile_check as cc
+from ds4t.kernels import moe as M
+from ds4t.kernels.weights import quantize
+table, rule = dict(M.MOE_CONFIGS.gpu), M.MOE_CONFIGS.gpu_rule
+def fp8_fp32_rows():
+    g = torch.Generator().manual_seed(0)
+    E, I, D, B = 4, 512, 2048, 64
+    wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5) for _ in range(2))
+    wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    ids = torch.randint(0, E - 1, (B, 2), generator=g, dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % (E - 1)
+    with M.MOE_CONFIGS.forced(lambda kernel, *f: table[(kernel, *f)] if (kernel, *f) in table else rule(kernel, *f)):
+        M.moe_experts(torch.randn(B, D, generator=g), ids, torch.rand(B, 2, generator=g), wg, wu, wd,
+                      shared_expert=E - 1, act_dtype=torch.float32)
+print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(fp8_fp32_rows,)) if r["name"] == "_moe_down_kernel"]))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec, = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rec["args"].get("M_SUB", 1) == 1 and rec["args"]["ROW_PROGRAMS"] and rec["args"]["SBK"] == 128
+    control = json.loads(json.dumps(rec))
+    control["args"]["M_SUB"] = 2
+    f = tmp_path / "records.json"
+    f.write_text(json.dumps([rec, control]))
+    p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--sass", "_moe_down"], capture_output=True,
+                       text=True, cwd=ROOT, env=_gpu_compile_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import re
+
+    (_, ok, _, rep), (_, ok2, _, rep2) = json.loads(p.stdout.strip().splitlines()[-1])
+    stack = [int(re.search(r"STACK:(\d+)", r).group(1)) for r in (rep, rep2)]
+    assert ok and ok2 and stack[0] <= 2048 and stack[1] > 8192, stack

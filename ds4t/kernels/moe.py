@@ -928,10 +928,12 @@ def sub_tiles(cfg: MoEConfig, fp8: bool, self_group: bool, adt, P: int = 0, E: i
     (its scale is per tile), and only once the launch has ``cfg.m_sub_pairs`` pairs an expert on average
     (P >= m_sub_pairs * E: fewer leave the second sub-tile mostly empty and halve the programs; timed on an
     H100, bench/results/2026-12-06-h100-fp8-moe-sub-tiles.md). Each sub-tile's dots are a 1-sub-tile
-    program's, so the bits do not depend on it. ValueError for another count."""
+    program's, so the bits do not depend on it. Not with fp32 activations either: compiled for sm_90 at
+    Qwen3-Next's experts the two-sub-tile down kernel keeps 32 registers and 10.6 KB of stack a thread (one
+    sub-tile: 1 KB; bf16 activations: 320 bytes; tests/test_gpu_compile.py). ValueError for another count."""
     if cfg.m_sub not in (1, 2):
         raise ValueError(f"moe_experts: m_sub must be 1 or 2, got {cfg.m_sub}")
-    if cfg.m_sub == 1 or self_group or P < cfg.m_sub_pairs * E:
+    if cfg.m_sub == 1 or self_group or P < cfg.m_sub_pairs * E or adt == torch.float32:
         return 1
     if not fp8 or _fp8_route(cfg, adt) == 5:
         raise ValueError(f"moe_experts: m_sub 2 needs FP8 weights on a route other than 'f16' ({cfg})")

@@ -728,7 +728,7 @@ def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(blocks, split, swap):
 
 @pytest.mark.parametrize("split,swap,B,adt,m_sub", [(2, True, 1, torch.float32, 1), (3, True, 24, torch.float32, 1),
                                                    (6, False, 5, torch.float32, 1), (2, True, 2, torch.bfloat16, 1),
-                                                   (2, True, 24, torch.float32, 2)], ids=str)
+                                                   (2, True, 24, torch.bfloat16, 2)], ids=str)
 def test_fp8_ordered_split_keeps_the_unsplit_bits(device, split, swap, B, adt, m_sub):
     """``MoEConfig.ordered_split``: FP8 gate/up K splits that store every scale block's dot, added in block
     order by the activation kernel (D = 768: 6 blocks of 128), give the unsplit launch's bits at any split
@@ -834,6 +834,7 @@ def test_sub_tiles_need_fp8_weights_and_a_tile_scale_route():
     base = M.MoEConfig(tile_n=32, tile_k=64, m_sub=2)
     assert M.sub_tiles(base, True, False, torch.bfloat16) == 2
     assert M.sub_tiles(base, True, True, torch.bfloat16) == 1        # a self-grouped launch: one tile
+    assert M.sub_tiles(base, True, False, torch.float32) == 1        # fp32 activations: one (registers)
     with pytest.raises(ValueError, match="m_sub 2 needs FP8"):
         M.sub_tiles(base, False, False, torch.bfloat16)
     with pytest.raises(ValueError, match="m_sub 2 needs FP8"):
