@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -51,6 +50,7 @@ def moe_rows(args, gen, dev) -> list:
     """The grouped MoE over FP8 experts at ``--rows`` rows (random routing): the table's rows entries against
     each candidate of ``--moe-rows`` -- the combined output bit for bit, and the call timed."""
     from bench.bench_kernels import time_calls
+    from bench.linear_rows import parse_tile
     from ds4t.kernels import moe as M
     from ds4t.kernels.config import overridden
     from ds4t.kernels.weights import quantize
@@ -73,9 +73,9 @@ def moe_rows(args, gen, dev) -> list:
         ms, _ = time_calls([lambda: call(y)])
         out.append(dict(shape=f"MoE {name}", what=f"{args.rows} rows, table", us=ms * 1e3, bits="base", of="-"))
         for spec in (t for t in args.moe_rows.split(",") if t):
-            bm, bn, bk, warps, stages = (int(v) for v in re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec).groups())
-            fields = dict(tile_n=bn, tile_k=bk, num_warps=warps, num_stages=stages, block_m=bm, m_sub=1,
-                          m_sub_pairs=0, swap=False)
+            t = parse_tile(spec)
+            fields = dict(tile_n=t.block_n, tile_k=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+                          block_m=t.block_m, m_sub=1, m_sub_pairs=0, swap=False)
             with overridden({"moe": [{"key": [kernel, "fp8", "rows"], "fields": fields}
                                      for kernel in ("gate_up", "down")]}):
                 got = call().clone()

@@ -84,6 +84,13 @@ TMA: bool = _tma_supported()
 """True when kernels may load tiles through tensor descriptors (the Tensor Memory Accelerator: Hopper and later,
 and the interpreter)."""
 
+
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can address ``t``: its last dim contiguous, its base and every outer stride a
+    multiple of 16 bytes (what the TMA needs; a launch that fails it takes pointer loads)."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]))
+
 LAUNCH: dict = {"launch_pdl": True} if PDL else {}
 """Keywords every ds4t kernel launch passes (``kernel[grid](..., **LAUNCH)``)."""
 

@@ -22,6 +22,23 @@ def _gpu_triton_args() -> list:
     return ["--triton", GPU_TRITON] if os.path.isdir(os.path.join(GPU_TRITON, "triton")) else []
 
 
+def _recorded(setup: str, fn: str, kernel: str) -> list:
+    """The records of ``kernel``'s launches made by ``fn`` -- defined in the code ``setup``, which may use json, sys,
+    torch and compile_check as ``cc`` -- recorded in an interpreter child as compile_check records them."""
+    code = ("import json, sys, torch\nsys.path.insert(0, 'bench')\nimport compile_check as cc\n" + setup +
+            f"\nprint(json.dumps([r for r in cc.record([], False, fp8=False, extra=({fn},)) if r['name'] == {kernel!r}]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _stack_bytes(report: str) -> int:
+    """The stack a thread of a ``--sass`` report's launch (its spills)."""
+    import re
+
+    return int(re.search(r"STACK:(\d+)", report).group(1))
+
+
 def _gpu_compile_env(**extra) -> dict:
     """The environment of a ``compile_check.py --compile`` child that compiles with the GPUs' Triton (when installed:
     it goes first on the path, as ``--triton`` does), plus ``extra``."""
@@ -80,11 +97,13 @@ def test_a_kernel_only_the_interpreter_accepts_is_caught(tmp_path):
     assert label.endswith("_loop_with_break_kernel") and not ok and err
 
 
-def _compile_records(tmp_path, recs, *extra):
+def _compile_records(tmp_path, recs, *extra, env=None):
+    """compile_check's [(label, ok, seconds, report)] of ``recs``, compiled in a child (``env``: its environment,
+    default the venv's Triton; :func:`_gpu_compile_env` for the GPUs')."""
     f = tmp_path / "records.json"
     f.write_text(json.dumps(recs))
     p = subprocess.run([sys.executable, TOOL, "--compile", str(f), *extra], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, TRITON_INTERPRET="0"), timeout=300)
+                       env=env or dict(os.environ, TRITON_INTERPRET="0"), timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -179,10 +198,7 @@ def test_fp8_layout_barrier_gives_converted_fp8_weights_the_16_bit_operand_layou
     reaches its mma.sync dot in the 16-bit operands' layout (kWidth 2, the layout wgmma tiles use too), compiled
     for sm_90 with the GPUs' Triton. Control: without it the same launch gets kWidth 4 (Triton follows the
     conversion back to the 8-bit load), the layout whose K order inside an MMA step differs from wgmma's."""
-    code = """
-import json, sys, torch
-sys.path.insert(0, "bench")
-import compile_check as cc
+    recs = _recorded("""
 from ds4t.kernels import linear as L
 from ds4t.kernels.weights import quantize
 def fp8_decode():
@@ -190,20 +206,12 @@ def fp8_decode():
     w = quantize(torch.randn(128, 512, generator=g) / 16)
     L.linear(torch.randn(1, 512, generator=g), w, None, act_dtype=torch.bfloat16,
              config=L.LinearConfig(block_n=64, block_k=128, split=1, num_warps=2, fp8_route="f32"))
-print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(fp8_decode,)) if r["name"] == "_linear_kernel"]))
-"""
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    recs = json.loads(p.stdout.strip().splitlines()[-1])
+""", "fp8_decode", "_linear_kernel")
     assert len(recs) == 1 and recs[0]["args"]["SCALE_BK"] == 128
-    f = tmp_path / "records.json"
-    f.write_text(json.dumps(recs))
     reports = {}
     for barrier in ("0", "1"):
-        p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--layouts", "_linear"], capture_output=True,
-                           text=True, cwd=ROOT, env=_gpu_compile_env(DS4T_FP8_BARRIER=barrier), timeout=300)
-        assert p.returncode == 0, p.stderr[-2000:]
-        (label, ok, _, reports[barrier]), = json.loads(p.stdout.strip().splitlines()[-1])
+        (label, ok, _, reports[barrier]), = _compile_records(tmp_path, recs, "--layouts", "_linear",
+                                                             env=_gpu_compile_env(DS4T_FP8_BARRIER=barrier))
         assert ok, reports[barrier]
     assert "mma.sync" in reports["0"] and "kWidth 4" in reports["0"] and "kWidth 2" not in reports["0"], reports
     assert "mma.sync" in reports["1"] and "kWidth 2" in reports["1"] and "kWidth 4" not in reports["1"], reports
@@ -214,10 +222,7 @@ def test_gguf_moe_gate_up_with_fp32_activations_keeps_its_registers(tmp_path):
     """The GGUF grouped gate/up kernel at Qwen3-Next's expert shape (D 2048, I 512), the GPU table's Q4_K entry and
     fp32 activations (a GGUF file's default), compiled for sm_90: at most 256 bytes of stack a thread (one weight
     after the other, ``qmoe.interleaves``). Control: the same launch interleaved spills kilobytes (what it did)."""
-    code = """
-import json, sys, torch
-sys.path.insert(0, "bench")
-import compile_check as cc
+    rec, = _recorded("""
 from ds4t.kernels import moe as M
 from ds4t.kernels import qmoe as QM
 from ds4t.kernels.quant_blocks import quantize
@@ -230,23 +235,13 @@ def q4k_fp32():
     with QM.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: table.get((kernel, qt, *rows))):
         M.moe_experts(torch.randn(2, D, generator=g), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
                       torch.rand(2, 2, generator=g), wg, wu, wd, shared_expert=E - 1, act_dtype=torch.float32)
-print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(q4k_fp32,)) if r["name"] == "_qmoe_gate_up_kernel"]))
-"""
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    rec, = json.loads(p.stdout.strip().splitlines()[-1])
+""", "q4k_fp32", "_qmoe_gate_up_kernel")
     assert rec["args"]["INTERLEAVE"] is False and rec["args"]["FMT"] == 1 and rec["args"]["D"] == 2048
     control = json.loads(json.dumps(rec))
     control["args"]["INTERLEAVE"] = True
-    f = tmp_path / "records.json"
-    f.write_text(json.dumps([rec, control]))
-    p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--sass", "_qmoe"], capture_output=True, text=True,
-                       cwd=ROOT, env=_gpu_compile_env(), timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    import re
-
-    (_, ok, _, rep), (_, ok2, _, rep2) = json.loads(p.stdout.strip().splitlines()[-1])
-    stack = [int(re.search(r"STACK:(\d+)", r).group(1)) for r in (rep, rep2)]
+    (_, ok, _, rep), (_, ok2, _, rep2) = _compile_records(tmp_path, [rec, control], "--sass", "_qmoe",
+                                                          env=_gpu_compile_env())
+    stack = [_stack_bytes(rep), _stack_bytes(rep2)]
     assert ok and ok2 and stack[0] <= 256 and stack[1] > 2048, stack
 
 
@@ -255,10 +250,7 @@ def test_fp8_moe_down_rows_with_fp32_activations_keep_their_registers(tmp_path):
     """The FP8 grouped down kernel of a 64-row launch (the table's rows entry: row programs, two 16-pair sub-tiles
     with 16-bit activations) at Qwen3-Next's expert shape with fp32 activations, compiled for sm_90: one sub-tile
     (``moe.sub_tiles``), at most 2 KB of stack a thread. Control: the same launch with two sub-tiles spills ~10 KB."""
-    code = """
-import json, sys, torch
-sys.path.insert(0, "bench")
-import compile_check as cc
+    rec, = _recorded("""
 from ds4t.kernels import moe as M
 from ds4t.kernels.weights import quantize
 table, rule = dict(M.MOE_CONFIGS.gpu), M.MOE_CONFIGS.gpu_rule
@@ -272,21 +264,11 @@ def fp8_fp32_rows():
     with M.MOE_CONFIGS.forced(lambda kernel, *f: table[(kernel, *f)] if (kernel, *f) in table else rule(kernel, *f)):
         M.moe_experts(torch.randn(B, D, generator=g), ids, torch.rand(B, 2, generator=g), wg, wu, wd,
                       shared_expert=E - 1, act_dtype=torch.float32)
-print(json.dumps([r for r in cc.record([], False, fp8=False, extra=(fp8_fp32_rows,)) if r["name"] == "_moe_down_kernel"]))
-"""
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    rec, = json.loads(p.stdout.strip().splitlines()[-1])
+""", "fp8_fp32_rows", "_moe_down_kernel")
     assert rec["args"].get("M_SUB", 1) == 1 and rec["args"]["ROW_PROGRAMS"] and rec["args"]["SBK"] == 128
     control = json.loads(json.dumps(rec))
     control["args"]["M_SUB"] = 2
-    f = tmp_path / "records.json"
-    f.write_text(json.dumps([rec, control]))
-    p = subprocess.run([sys.executable, TOOL, "--compile", str(f), "--sass", "_moe_down"], capture_output=True,
-                       text=True, cwd=ROOT, env=_gpu_compile_env(), timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    import re
-
-    (_, ok, _, rep), (_, ok2, _, rep2) = json.loads(p.stdout.strip().splitlines()[-1])
-    stack = [int(re.search(r"STACK:(\d+)", r).group(1)) for r in (rep, rep2)]
+    (_, ok, _, rep), (_, ok2, _, rep2) = _compile_records(tmp_path, [rec, control], "--sass", "_moe_down",
+                                                          env=_gpu_compile_env())
+    stack = [_stack_bytes(rep), _stack_bytes(rep2)]
     assert ok and ok2 and stack[0] <= 2048 and stack[1] > 8192, stack

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ds4t.backend import (FP8_LAYOUT_BARRIER, INTERPRET, LAUNCH, TMA, cast, f16_rows, fp8_operand, fp8_pieces,
                           fp8_route, grid_dependency, mma, mma_fp8_pieces, mma_rows, mma_tf32_exact, round_in_f32,
-                          scaled_add, split_sum, split_sum_bias, timer, tl_dtype)
+                          scaled_add, split_sum, split_sum_bias, timer, tl_dtype, tma_aligned)
 from ds4t.kernels.config import ConfigTable
 from ds4t.kernels.registry import GPU, INTERP, CheckResult, register_check, register_op, rows_invariant, variant
 from ds4t.kernels import qlinear
@@ -833,9 +833,8 @@ def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, t: _Tiles) -> dict:
     registers), or a base or row stride is not a multiple of 16 bytes (what the TMA needs)."""
     if not (t.tma and TMA) or x.dtype != w.dtype or w.dtype not in (torch.bfloat16, torch.float16):
         return {}
-    for a in (x, w):
-        if a.stride(-1) != 1 or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
-            return {}
+    if not (tma_aligned(x) and tma_aligned(w)):
+        return {}
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return dict(x_desc=TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]),

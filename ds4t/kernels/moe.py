@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ds4t.backend import (INTERPRET, LAUNCH, TMA, cast, f16_scaled, fp8_operand, fp8_pieces, fp8_route,
                           grid_dependency, mma, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add,
-                          sigmoid, split_sum, timer, tl_dtype)
+                          sigmoid, split_sum, timer, tl_dtype, tma_aligned)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, differs_only_in, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -826,10 +826,8 @@ def weight_descriptors(cfg: "MoEConfig", weights: dict, BN: int, BK: int) -> dic
     tiles are converted in registers), or a base or outer stride is not a multiple of 16 bytes."""
     if not (cfg.tma and TMA):
         return {}
-    for w in weights.values():
-        if w.dtype not in (torch.bfloat16, torch.float16) or w.stride(-1) != 1 or w.data_ptr() % 16 or any(
-                (s * w.element_size()) % 16 for s in w.stride()[:-1]):
-            return {}
+    if not all(w.dtype in (torch.bfloat16, torch.float16) and tma_aligned(w) for w in weights.values()):
+        return {}
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return dict({k: TensorDescriptor(w, list(w.shape), list(w.stride()), [1, BN, BK]) for k, w in weights.items()},
