@@ -161,6 +161,21 @@ def mma(a, b, acc):
 
 
 @triton.jit
+def mma_batched(a, b, acc):
+    """acc + a @ b for each entry of a leading batch axis: a [S, M, K], b [S, K, N] tiles of one 16-bit dtype,
+    acc fp32 [S, M, N] -- entry s the sums :func:`mma` gives a[s], b[s] (the interpreter: the same broadcast
+    product summed over K in order; the GPU: one 3-D dot, which Triton builds from the same mma.sync
+    instructions a batch entry and spreads over the warps by entry). What a K-loop step of several scale
+    blocks uses to run each block on its own warps (``MoEConfig.batched_blocks``)."""
+    if _INTERPRET_C:
+        acc += tl.sum(a.to(tl.float32)[:, :, :, None] * b.to(tl.float32)[:, None, :, :], axis=2)
+    else:
+        tl.static_assert(a.dtype.primitive_bitwidth == 16, "mma_batched: 16-bit tiles")
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def round_bf16_in_f32(x):
     """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, with integer ops (NaN and
     Inf keep their bits; adding the bias could carry a NaN into Inf): what ``x.to(bf16)`` rounds
