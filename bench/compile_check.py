@@ -129,10 +129,6 @@ def record_fp8() -> None:
             gpu_entry(kernel, *fmt), fp8_route="f16")
         x2 = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), fp8_route="x2", tile_n=64, num_warps=4)
-        # two scale blocks a step as one 3-D dot (MoEConfig.batched_blocks), gate/up and down (D = I = 256)
-        batched = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
-            gpu_entry(kernel, *fmt), scale_blocks=2, batched_blocks=True, num_warps=4, num_stages=2)
-        wgb, wub, wdb = (quantize(torch.randn(8, 256, 256, generator=g) / 16) for _ in range(3))
         try:
             for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, split K
                 M.MOE_CONFIGS.interp_rule = tiles
@@ -141,9 +137,6 @@ def record_fp8() -> None:
             for tiles in (gpu_entry, *((f16, x2) if adt == torch.bfloat16 else ())):
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wga, wua, wda, act_dtype=adt)
-            if adt == torch.bfloat16:
-                M.MOE_CONFIGS.interp_rule = batched
-                M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wgb, wub, wdb, act_dtype=adt)
         finally:
             M.MOE_CONFIGS.interp_rule = rule
 

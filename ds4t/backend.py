@@ -161,21 +161,6 @@ def mma(a, b, acc):
 
 
 @triton.jit
-def mma_batched(a, b, acc):
-    """acc + a @ b for each entry of a leading batch axis: a [S, M, K], b [S, K, N] tiles of one 16-bit dtype,
-    acc fp32 [S, M, N] -- entry s the sums :func:`mma` gives a[s], b[s] (the interpreter: the same broadcast
-    product summed over K in order; the GPU: one 3-D dot, which Triton builds from the same mma.sync
-    instructions a batch entry and spreads over the warps by entry). What a K-loop step of several scale
-    blocks uses to run each block on its own warps (``MoEConfig.batched_blocks``)."""
-    if _INTERPRET_C:
-        acc += tl.sum(a.to(tl.float32)[:, :, :, None] * b.to(tl.float32)[:, None, :, :], axis=2)
-    else:
-        tl.static_assert(a.dtype.primitive_bitwidth == 16, "mma_batched: 16-bit tiles")
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def round_bf16_in_f32(x):
     """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32, with integer ops (NaN and
     Inf keep their bits; adding the bias could carry a NaN into Inf): what ``x.to(bf16)`` rounds
@@ -287,17 +272,18 @@ def fp8_operand(w, s, dtype: tl.constexpr, ROUTE: tl.constexpr):
 
 
 FP8_LAYOUT_BARRIER: bool = os.environ.get("DS4T_FP8_BARRIER", "0") == "1" and not INTERPRET
-"""``DS4T_FP8_BARRIER=1`` (GPU only; off by default, an experiment not yet run on a GPU): every fp8 weight tile, once
+"""``DS4T_FP8_BARRIER=1`` (GPU only; off by default, an experiment): every fp8 weight tile, once
 converted (:func:`fp8_operand`), passes an identity ``mov`` marked as having side effects. Triton picks a dot operand's
 layout from the narrowest load it can trace the operand back to, through side-effect-free elementwise ops only
 (AccelerateMatmul's ``computeOrigBitWidth``): traced to an 8-bit load, an mma.sync operand gets kWidth 4, whose K
 order inside each MMA step differs from wgmma's kWidth 2 -- why an FP8 row's bits change with the tile where a bf16
 row's do not. Stopped at the barrier, the converted tile gets the 16-bit layout (kWidth 2; compiled for sm_90,
 tests/test_gpu_compile.py) and the decode K loop of a 7168-column FP8 linear is 1762 SASS instructions instead of
-1945. Whether that gives FP8 rows the bits of wgmma row tiles is the GPU's to say (``bench/fp8_layout.py``: bits
-and times with the switch off and on, in one call): with the switch on,
-``tests/kernels/test_linear.py`` and ``test_moe.py`` run their FP8 row-tile tests on the GPU (skipped without it),
-and :func:`ds4t.kernels.linear._gpu_row_tiles` gives FP8 weights a row tile. The interpreter ignores it."""
+1945. On an H100 that gave FP8 rows the bits of the row tiles: with the switch on, the FP8 row-tile tests of
+``tests/kernels/test_linear.py`` and ``test_moe.py`` (skipped on the GPU without it) passed, and GLM-4.5-4l in FP8
+kept its chunk invariance (bench/results/2026-12-07-h100-batched-blocks-fp8-barrier.md); its 4096-token prompt
+ran no faster (110.2 against 109.4 ms). :func:`ds4t.kernels.linear._gpu_row_tiles` gives FP8 weights a row tile
+under it. Off by default until the FP8 row tiles are timed (``bench/fp8_layout.py``). The interpreter ignores it."""
 FP8_BARRIER = tl.constexpr(FP8_LAYOUT_BARRIER)
 
 

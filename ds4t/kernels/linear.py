@@ -695,7 +695,8 @@ _ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64, 
 _ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, num_warps=4),)
 _ROW_TILES_FP8 = (RowTile(min_rows=128, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),)
 """FP8 row tiles, only under ``DS4T_FP8_BARRIER=1`` (:data:`ds4t.backend.FP8_LAYOUT_BARRIER`: converted fp8 tiles in
-the 16-bit operand layout); untimed, and their bits against the decode tiles not yet checked on a GPU."""
+the 16-bit operand layout): each row's bits the decode tiles' on an H100 (the row-tile tests); untimed as kernels
+(bench/results/2026-12-07-h100-batched-blocks-fp8-barrier.md)."""
 
 
 def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False,
@@ -794,6 +795,7 @@ class _Tiles:
     num_stages: int
     fold: bool = False
     tma: bool = False
+    scale_blocks: int = 1   # FP8 scale blocks a loop step: the decode config's; a row tile takes one (same bits)
 
 
 def launch_m_sub(m_sub: int, B: int) -> int:
@@ -811,7 +813,9 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
     """The tiles of a B-row launch: the largest row tile whose ``min_rows`` B reaches, else the decode
     config's. Only the tile shape changes; the split and K order are ``cfg``'s (:class:`RowTile`). A
     row tile whose BLOCK_K does not divide the columns per split (per scale block for FP8) takes the
-    decode BLOCK_K, as it always does in the interpreter."""
+    decode BLOCK_K, as it always does in the interpreter. A row tile steps one FP8 scale block at a time
+    (``LinearConfig.scale_blocks`` is a decode latency knob, the same bits either way): two blocks a step of a
+    128 x 128 FP8 tile ask sm_90 for 344 KB of shared memory (one: 176 KB; the H100 / H200 hold 227 KB)."""
     tile = None
     for t in tiles:
         if B >= t.min_rows:
@@ -819,7 +823,8 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
     if tile is None:
         m_sub = launch_m_sub(cfg.m_sub, B)
         return _Tiles(BLOCK_M, cfg.block_n, cfg.block_k, m_sub, cfg.swap,
-                      _clamp_rows(op_name) and m_sub == 1, cfg.num_warps, cfg.num_stages)
+                      _clamp_rows(op_name) and m_sub == 1, cfg.num_warps, cfg.num_stages,
+                      scale_blocks=cfg.scale_blocks)
     bk = tile.block_k
     if INTERPRET or kps % bk or kstep % bk:
         bk = cfg.block_k
@@ -861,7 +866,7 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
     b_arg = bias if has_bias else w  # unused pointer when HAS_BIAS is False
     w_dt = tl_dtype(w.dtype if scale is None else act_dtype)
     fp8 = {} if scale is None else dict(s_ptr=scale, SCALE_BK=sbk, KSTEP=kstep, FP8_ROUTE=_fp8_route(cfg, act_dtype),
-                                        SCALE_BLOCKS=cfg.scale_blocks)
+                                        SCALE_BLOCKS=t.scale_blocks)
     tiles = dict(SWAP=t.swap, EVEN_K=even_k, M_SUB=t.m_sub, EVICT=cfg.evict, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                  BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
     if B == 0:

@@ -60,9 +60,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4t.backend import (FP8_ROUTES, INTERPRET, LAUNCH, TMA, cast, f16_scaled, fp8_operand, fp8_pieces, fp8_route,
-                          grid_dependency, mma, mma_batched, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32,
-                          scaled_add, sigmoid, split_sum, timer, tl_dtype, tma_aligned)
+from ds4t.backend import (INTERPRET, LAUNCH, TMA, cast, f16_scaled, fp8_operand, fp8_pieces, fp8_route,
+                          grid_dependency, mma, mma_fp8_pieces, mma_tf32_exact, pow2_scale, round_in_f32, scaled_add,
+                          sigmoid, split_sum, timer, tl_dtype, tma_aligned)
 from ds4t.backend import silu as _silu
 from ds4t.kernels.config import ConfigTable, differs_only_in, launch_kwargs
 from ds4t.kernels.registry import GPU, HOST_LIST, INTERP, CheckResult, register_check, register_op, variant
@@ -471,89 +471,6 @@ def _block_end(acc, pd, s, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _w_blocks(w_ptr, base, n, nm, kk, sw_n, sw_k, EVEN_N: tl.constexpr):
-    """A batched step's SWAP weight tiles (:data:`MoEConfig.batched_blocks`): rows n, columns kk [SB, BK] (a row
-    of kk a scale block) as [SB, BN, BK]; rows past N 0 unless EVEN_N (the columns are whole blocks)."""
-    ptrs = w_ptr + base + n[None, :, None] * sw_n + kk[:, None, :] * sw_k
-    if EVEN_N:
-        w = tl.load(ptrs)
-    else:
-        w = tl.load(ptrs, mask=nm[None, :, None], other=0.0)
-    return w
-
-
-@triton.jit
-def _pair_blocks(h_ptr, sh_b, b, qm, kk):
-    """A batched step's pair tiles: rows b (the tile's pairs, mask qm), columns kk [SB, BK] of a row-major
-    buffer (row stride sh_b) as [SB, BK, BM] -- :func:`_h_tile` transposed, an entry a scale block. Loaded as
-    [SB, BM, BK] and permuted, as the 2-D tile is transposed: the interpreter's MMA then sums K in the same
-    order (numpy orders a reduction by the operands' memory layout)."""
-    t = tl.load(h_ptr + b[None, :, None] * sh_b + kk[:, None, :], mask=qm[None, :, None], other=0.0)
-    return tl.permute(t, (0, 2, 1))
-
-
-@triton.jit
-def _add_block(acc, p, s_ptr, j, nm, EVEN_N: tl.constexpr):
-    """:func:`_block_end` of scale block j (a route whose blocks start from zero; SWAP): acc + p times the
-    block's per-row scales at s_ptr + j."""
-    return _block_end(acc, p, _row_scales(s_ptr + j, nm, True, EVEN_N), False)
-
-
-@triton.jit
-def _add_block_dots(acc, p, s_ptr, j0, nm, SB: tl.constexpr, EVEN_N: tl.constexpr):
-    """acc after the SB scale blocks j0, j0 + 1, ... of a batched step, whose dots are p [SB, BN, BM]: each block's
-    dot split out of the batch and added times its scales (:func:`_add_block`) in block order -- the sequential
-    step's operations in its order, so its bits."""
-    tl.static_assert(SB == 2 or SB == 4 or SB == 8)
-    pp = tl.permute(p, (1, 2, 0))   # [BN, BM, SB]: the block axis last, for tl.split
-    if SB == 2:
-        p0, p1 = tl.split(pp)
-        acc = _add_block(acc, p0, s_ptr, j0, nm, EVEN_N)
-        acc = _add_block(acc, p1, s_ptr, j0 + 1, nm, EVEN_N)
-    elif SB == 4:
-        ev, od = tl.split(tl.reshape(pp, (pp.shape[0], pp.shape[1], 2, 2)))   # block 2 hi + lo: lo 0 -> ev
-        p0, p2 = tl.split(ev)
-        p1, p3 = tl.split(od)
-        acc = _add_block(acc, p0, s_ptr, j0, nm, EVEN_N)
-        acc = _add_block(acc, p1, s_ptr, j0 + 1, nm, EVEN_N)
-        acc = _add_block(acc, p2, s_ptr, j0 + 2, nm, EVEN_N)
-        acc = _add_block(acc, p3, s_ptr, j0 + 3, nm, EVEN_N)
-    else:
-        ev, od = tl.split(tl.reshape(pp, (pp.shape[0], pp.shape[1], 2, 2, 2)))   # block 4 a + 2 b + c: c 0 -> ev
-        e0, e1 = tl.split(ev)   # b 0: blocks 0, 4; b 1: 2, 6
-        o0, o1 = tl.split(od)   # b 0: blocks 1, 5; b 1: 3, 7
-        p0, p4 = tl.split(e0)
-        p2, p6 = tl.split(e1)
-        p1, p5 = tl.split(o0)
-        p3, p7 = tl.split(o1)
-        acc = _add_block(acc, p0, s_ptr, j0, nm, EVEN_N)
-        acc = _add_block(acc, p1, s_ptr, j0 + 1, nm, EVEN_N)
-        acc = _add_block(acc, p2, s_ptr, j0 + 2, nm, EVEN_N)
-        acc = _add_block(acc, p3, s_ptr, j0 + 3, nm, EVEN_N)
-        acc = _add_block(acc, p4, s_ptr, j0 + 4, nm, EVEN_N)
-        acc = _add_block(acc, p5, s_ptr, j0 + 5, nm, EVEN_N)
-        acc = _add_block(acc, p6, s_ptr, j0 + 6, nm, EVEN_N)
-        acc = _add_block(acc, p7, s_ptr, j0 + 7, nm, EVEN_N)
-    return acc
-
-
-@triton.jit
-def _block_dots(h_ptr, sh_b, b, qm, kb0, w_ptr, wbase, n, nm, sw_n, sw_k, WDT: tl.constexpr, FP8_ROUTE: tl.constexpr,
-                SB: tl.constexpr, KSTEP: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, EVEN_N: tl.constexpr):
-    """The dots [SB, BN, BM] of the SB scale blocks from column kb0 (KSTEP columns each, BK a dot) of one FP8
-    weight with the pairs' rows (SWAP): every block's BK sub-tiles chained from zero as the sequential step
-    chains them, the SB blocks as the batch of one 3-D dot (:func:`ds4t.backend.mma_batched`)."""
-    blk = tl.arange(0, SB)[:, None] * KSTEP
-    p = tl.zeros([SB, n.shape[0], BM], dtype=tl.float32)
-    for ks in tl.static_range(0, KSTEP, BK):
-        kk = kb0 + ks + blk + tl.arange(0, BK)[None, :]   # [SB, BK]
-        a = _route_act(_pair_blocks(h_ptr, sh_b, b, qm, kk), WDT, False)
-        w = fp8_operand(_w_blocks(w_ptr, wbase, n, nm, kk, sw_n, sw_k, EVEN_N), 1.0, WDT, FP8_ROUTE)
-        p = mma_batched(w, a, p)
-    return p
-
-
-@triton.jit
 def _route_act(a, WDT: tl.constexpr, TF32: tl.constexpr):
     """A pair tile's activations (any float dtype) as the MMA operand of an FP8 route: rounded to WDT and
     held in fp32 for "tf32", else cast to WDT."""
@@ -594,7 +511,6 @@ def _moe_gate_up_kernel(
     ids_ptr=None, si_b=0, P=0, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     ROW_PROGRAMS: tl.constexpr = False, SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1,
     ORDERED: tl.constexpr = False, wg_desc=None, wu_desc=None, USE_TMA: tl.constexpr = False,
-    BATCHED: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N (from the shapes): D is a whole number of loop steps / I of N tiles, so no weight,
     scale or activation load needs a column or row mask (the same values).
@@ -611,10 +527,8 @@ def _moe_gate_up_kernel(
     columns (BK sub-tiles each, BK divides SBK); a block's dot starts from zero and is added to the
     accumulator times its per-row scale, as in :func:`ds4t.kernels.linear.linear`. SB (> 1: each split a
     whole number of SB-block steps, :func:`blocks_a_step`): a loop step takes SB blocks in turn, each with
-    the one-block step's operations. BATCHED (SB > 1, SWAP, M_SUB 1, not ORDERED, route "direct" or "f32",
-    ``MoEConfig.batched_blocks``): the step's SB blocks as the batch of one 3-D dot, so each block runs on its
-    own warps, then added in block order (:func:`_block_dots`, :func:`_add_block_dots`: the same operations,
-    so the same bits). SWAP: the tiles are computed transposed (:func:`_pair_dot`); a pair's K order is the same.
+    the one-block step's operations. SWAP: the tiles are computed transposed (:func:`_pair_dot`); a pair's
+    K order is the same.
 
     SPLIT > 1 (grid axis 2 = split s): the program sums columns s*K_PER_SPLIT .. (s+1)*K_PER_SPLIT of D
     (whole loop steps) and stores its fp32 partials g, u at act[s, p, :I], act[s, p, I:] (strides sa_s,
@@ -634,8 +548,6 @@ def _moe_gate_up_kernel(
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
     tl.static_assert(not USE_TMA or SBK == 0)
     tl.static_assert(not ORDERED or (SBK > 0 and FP8_ROUTE != 3 and FP8_ROUTE != 5))
-    tl.static_assert(not BATCHED or (SBK > 0 and SB > 1 and SWAP and M_SUB == 1 and not ORDERED and EVEN_K
-                                     and (FP8_ROUTE == 0 or FP8_ROUTE == 1)))
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
@@ -665,52 +577,44 @@ def _moe_gate_up_kernel(
             else:
                 a_scale = 1.0
             for kb0 in range(k_lo, k_hi, KSTEP * SB):
-                if BATCHED:
-                    pg3 = _block_dots(h_ptr, sh_b, b, qm, kb0, wg_ptr, wbase, n, nm, sw_n, sw_k, WDT, FP8_ROUTE, SB,
-                                      KSTEP, BK, BM, EVEN_N)
-                    pu3 = _block_dots(h_ptr, sh_b, b, qm, kb0, wu_ptr, wbase, n, nm, sw_n, sw_k, WDT, FP8_ROUTE, SB,
-                                      KSTEP, BK, BM, EVEN_N)
-                    acc_g = _add_block_dots(acc_g, pg3, sg_ptr + s_row, kb0 // SBK, nm, SB, EVEN_N)
-                    acc_u = _add_block_dots(acc_u, pu3, su_ptr + s_row, kb0 // SBK, nm, SB, EVEN_N)
-                else:
-                    for sbi in tl.static_range(SB):
-                        kb = kb0 + sbi * KSTEP
-                        j = kb // SBK
-                        sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
-                        su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
-                        pg = _block_start(acc_g, FOLD)
-                        pu = _block_start(acc_u, FOLD)
+                for sbi in tl.static_range(SB):
+                    kb = kb0 + sbi * KSTEP
+                    j = kb // SBK
+                    sg = _row_scales(sg_ptr + s_row + j, nm, SWAP, EVEN_N)
+                    su = _row_scales(su_ptr + s_row + j, nm, SWAP, EVEN_N)
+                    pg = _block_start(acc_g, FOLD)
+                    pu = _block_start(acc_u, FOLD)
+                    if M_SUB == 2:
+                        pg1 = _block_start(acc_g1, FOLD)
+                        pu1 = _block_start(acc_u1, FOLD)
+                    for ks in tl.static_range(0, KSTEP, BK):
+                        kk = kb + ks + tl.arange(0, BK)
+                        km = kk < D
+                        a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
+                        wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
+                                         FP8_ROUTE)
+                        wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
+                                         FP8_ROUTE)
+                        a = _route_act(a, WDT, FP8_ROUTE == 2)
+                        pg = _route_dot(a, wg, pg, a_scale, FP8_ROUTE, SWAP)
+                        pu = _route_dot(a, wu, pu, a_scale, FP8_ROUTE, SWAP)
                         if M_SUB == 2:
-                            pg1 = _block_start(acc_g1, FOLD)
-                            pu1 = _block_start(acc_u1, FOLD)
-                        for ks in tl.static_range(0, KSTEP, BK):
-                            kk = kb + ks + tl.arange(0, BK)
-                            km = kk < D
-                            a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
-                            wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
-                                             FP8_ROUTE)
-                            wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
-                                             FP8_ROUTE)
-                            a = _route_act(a, WDT, FP8_ROUTE == 2)
-                            pg = _route_dot(a, wg, pg, a_scale, FP8_ROUTE, SWAP)
-                            pu = _route_dot(a, wu, pu, a_scale, FP8_ROUTE, SWAP)
-                            if M_SUB == 2:
-                                a1 = _route_act(_h_tile(h_ptr, sh_b, b1, qm1, kk, km, EVEN_K), WDT, FP8_ROUTE == 2)
-                                pg1 = _route_dot(a1, wg, pg1, a_scale, FP8_ROUTE, SWAP)
-                                pu1 = _route_dot(a1, wu, pu1, a_scale, FP8_ROUTE, SWAP)
-                        if ORDERED:   # the block's dots, for _moe_act_kernel to add in block order
-                            blk = act_ptr + j * sa_s
-                            _store_tile(blk, p, sa_p, n, qm, nm, pg, SWAP)
-                            _store_tile(blk + I, p, sa_p, n, qm, nm, pu, SWAP)
-                            if M_SUB == 2:
-                                _store_tile(blk, p1, sa_p, n, qm1, nm, pg1, SWAP)
-                                _store_tile(blk + I, p1, sa_p, n, qm1, nm, pu1, SWAP)
-                        else:
-                            acc_g = _block_end(acc_g, pg, sg, FOLD)
-                            acc_u = _block_end(acc_u, pu, su, FOLD)
-                            if M_SUB == 2:
-                                acc_g1 = _block_end(acc_g1, pg1, sg, FOLD)
-                                acc_u1 = _block_end(acc_u1, pu1, su, FOLD)
+                            a1 = _route_act(_h_tile(h_ptr, sh_b, b1, qm1, kk, km, EVEN_K), WDT, FP8_ROUTE == 2)
+                            pg1 = _route_dot(a1, wg, pg1, a_scale, FP8_ROUTE, SWAP)
+                            pu1 = _route_dot(a1, wu, pu1, a_scale, FP8_ROUTE, SWAP)
+                    if ORDERED:   # the block's dots, for _moe_act_kernel to add in block order
+                        blk = act_ptr + j * sa_s
+                        _store_tile(blk, p, sa_p, n, qm, nm, pg, SWAP)
+                        _store_tile(blk + I, p, sa_p, n, qm, nm, pu, SWAP)
+                        if M_SUB == 2:
+                            _store_tile(blk, p1, sa_p, n, qm1, nm, pg1, SWAP)
+                            _store_tile(blk + I, p1, sa_p, n, qm1, nm, pu1, SWAP)
+                    else:
+                        acc_g = _block_end(acc_g, pg, sg, FOLD)
+                        acc_u = _block_end(acc_u, pu, su, FOLD)
+                        if M_SUB == 2:
+                            acc_g1 = _block_end(acc_g1, pg1, sg, FOLD)
+                            acc_u1 = _block_end(acc_u1, pu1, su, FOLD)
             if FP8_ROUTE == 5:
                 acc_g = acc_g * _pair_vec(a_inv, SWAP)
                 acc_u = acc_u * _pair_vec(a_inv, SWAP)
@@ -765,7 +669,6 @@ def _moe_down_kernel(
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
     SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1, wd_desc=None, USE_TMA: tl.constexpr = False,
-    BATCHED: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)], SB blocks a
     loop step as there; EVEN_K /
@@ -773,13 +676,11 @@ def _moe_down_kernel(
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
     or the host-made list; DEVICE_LIST: found from ``bounds`` as the gate/up kernel does (when that kernel ran
-    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`). M_SUB,
-    BATCHED and USE_TMA (wd_desc) as there."""
+    row programs and wrote no slots); ROW_PROGRAMS: one row tile a program (:func:`_program_tile`). M_SUB and
+    USE_TMA (wd_desc) as there."""
     grid_dependency()
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
     tl.static_assert(not USE_TMA or SBK == 0)
-    tl.static_assert(not BATCHED or (SBK > 0 and SB > 1 and SWAP and M_SUB == 1 and EVEN_K
-                                     and (FP8_ROUTE == 0 or FP8_ROUTE == 1)))
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
@@ -803,30 +704,25 @@ def _moe_down_kernel(
             else:
                 a_scale = 1.0
             for kb0 in range(k_lo, k_hi, KSTEP * SB):
-                if BATCHED:
-                    pd3 = _block_dots(act_ptr, sa_p, p, qm, kb0, wd_ptr, wbase, n, nm, sw_n, sw_k, WDT, FP8_ROUTE, SB,
-                                      KSTEP, BK, BM, EVEN_N)
-                    acc = _add_block_dots(acc, pd3, sd_ptr + s_row, kb0 // SBK, nm, SB, EVEN_N)
-                else:
-                    for sbi in tl.static_range(SB):
-                        kb = kb0 + sbi * KSTEP
-                        sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
-                        pd = _block_start(acc, FOLD)
+                for sbi in tl.static_range(SB):
+                    kb = kb0 + sbi * KSTEP
+                    sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
+                    pd = _block_start(acc, FOLD)
+                    if M_SUB == 2:
+                        pd1 = _block_start(acc1, FOLD)
+                    for ks in tl.static_range(0, KSTEP, BK):
+                        kk = kb + ks + tl.arange(0, BK)
+                        km = kk < I
+                        a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
+                        w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT,
+                                        FP8_ROUTE)
+                        pd = _route_dot(_route_act(a, WDT, FP8_ROUTE == 2), w, pd, a_scale, FP8_ROUTE, SWAP)
                         if M_SUB == 2:
-                            pd1 = _block_start(acc1, FOLD)
-                        for ks in tl.static_range(0, KSTEP, BK):
-                            kk = kb + ks + tl.arange(0, BK)
-                            km = kk < I
-                            a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
-                            w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT,
-                                            FP8_ROUTE)
-                            pd = _route_dot(_route_act(a, WDT, FP8_ROUTE == 2), w, pd, a_scale, FP8_ROUTE, SWAP)
-                            if M_SUB == 2:
-                                a1 = _act_tile(act_ptr, sa_p, p1, qm1, kk, km, EVEN_K)
-                                pd1 = _route_dot(_route_act(a1, WDT, FP8_ROUTE == 2), w, pd1, a_scale, FP8_ROUTE, SWAP)
-                        acc = _block_end(acc, pd, sd, FOLD)
-                        if M_SUB == 2:
-                            acc1 = _block_end(acc1, pd1, sd, FOLD)
+                            a1 = _act_tile(act_ptr, sa_p, p1, qm1, kk, km, EVEN_K)
+                            pd1 = _route_dot(_route_act(a1, WDT, FP8_ROUTE == 2), w, pd1, a_scale, FP8_ROUTE, SWAP)
+                    acc = _block_end(acc, pd, sd, FOLD)
+                    if M_SUB == 2:
+                        acc1 = _block_end(acc1, pd1, sd, FOLD)
             if FP8_ROUTE == 5:
                 acc = acc * _pair_vec(a_inv, SWAP)
         else:
@@ -984,8 +880,6 @@ class MoEConfig:
                                  # after (the unsplit bits at any split count: sum_order())
     tma: bool = False           # 16-bit weights: weight tiles through tensor descriptors where the launch allows it
                                 # (:func:`weight_descriptors`; the same operands, so the same bits)
-    batched_blocks: bool = False  # FP8: a loop step's scale_blocks as the batch of one 3-D dot, each block on its
-                                  # own warps, added in block order (the same bits; :func:`batches`)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -1003,7 +897,7 @@ def k_step(K: int, BK: int, scale_bk: int) -> int:
     return min(scale_bk, triton.cdiv(K, BK) * BK)
 
 
-FEW_ROWS_FREE = {"fp8": ("num_stages", "scale_blocks", "batched_blocks"),
+FEW_ROWS_FREE = {"fp8": ("num_stages", "scale_blocks"),
                  "16-bit": ("num_stages", "num_warps", "tile_n", "tile_k", "tma")}
 """The fields a few-rows entry may change from the decode entry, per weight format (:func:`_config`).
 16-bit weights: the fields a row tile may change as well -- on an H200 every bf16 tile shape, K tile and
@@ -1023,18 +917,6 @@ def blocks_a_step(cfg: MoEConfig, K: int, step: int, kps: int) -> int:
         raise ValueError(f"moe_experts: scale_blocks must be a positive int, got {cfg.scale_blocks!r}")
     whole = step * cfg.scale_blocks
     return cfg.scale_blocks if K % whole == 0 and kps % whole == 0 else 1
-
-
-def batches(cfg: MoEConfig, blocks: int, m_sub: int, route: int, adt, ordered: bool = False) -> bool:
-    """Whether an FP8 launch takes each loop step's ``blocks`` scale blocks (:func:`blocks_a_step`) as the batch of
-    one 3-D dot (``cfg.batched_blocks``): 2, 4 or 8 blocks a step, SWAP tiles, one pair sub-tile, no ordered
-    split, 16-bit activations ``adt`` (fp32 tiles take the IEEE FMA dot, not the MMA the batch runs on) and a
-    route that converts the weight tile alone ("direct", "f32"). A one-row launch has a few
-    two-warp programs, each chaining its K steps (bench/results/2026-12-06-h100-n1-anatomy.md); batched, a
-    program's warps take a block each, a program chains a step per ``blocks`` blocks, and every block's dot and
-    scaled add are the sequential step's, in its order -- the same bits, so a few-rows entry may take it."""
-    return (bool(cfg.batched_blocks) and blocks in (2, 4, 8) and cfg.swap and m_sub == 1 and not ordered
-            and adt in (torch.bfloat16, torch.float16) and route in (FP8_ROUTES["direct"], FP8_ROUTES["f32"]))
 
 
 def sub_tiles(cfg: MoEConfig, fp8: bool, self_group: bool, adt, P: int = 0, E: int = 1) -> int:
@@ -1075,8 +957,6 @@ def few_entry_keeps_bits(few: MoEConfig, cfg: MoEConfig, kernel: str, fp8: bool)
     """Whether a few-rows entry gives every pair the bits of its decode entry ``cfg``: it differs only in
     :data:`FEW_ROWS_FREE` and in an ordered K split (the same :func:`sum_order`)."""
     free = FEW_ROWS_FREE["fp8" if fp8 else "16-bit"]
-    if fp8 and few.batched_blocks:   # its dots are 3-D: mma.sync a block on any warps and tile, never wgmma
-        free = (*free, "num_warps", "tile_n")
     return (sum_order(few, kernel, fp8) == sum_order(cfg, kernel, fp8)
             and differs_only_in(few, cfg, ("max_rows", "split", "ordered_split", *free)))
 
@@ -1397,8 +1277,6 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
     if msub > 1:
         kw.update(M_SUB=msub)
-    if fp8 and batches(cfg, kw["SB"], msub, kw["FP8_ROUTE"], adt, ordered):
-        kw.update(BATCHED=True)
     kw.update(weight_descriptors(cfg, dict(wg_desc=wg_t, wu_desc=wu_t), BN, BK))
     _moe_gate_up_kernel[(row_program_count(E, P, cfg.block_m * msub) if gu_rows else n_slots, triton.cdiv(I, BN),
                          split)](
@@ -1439,8 +1317,6 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
     msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
     if msub > 1:
         kw.update(M_SUB=msub)
-    if fp8 and batches(cfg, kw["SB"], msub, kw["FP8_ROUTE"], adt):
-        kw.update(BATCHED=True)
     kw.update(weight_descriptors(cfg, dict(wd_desc=wd_t), BN, BK))
     _moe_down_kernel[(row_program_count(E, P, cfg.block_m * msub) if dn_rows else n_slots, triton.cdiv(D, BN),
                       dn_split)](

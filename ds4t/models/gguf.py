@@ -587,14 +587,22 @@ class GGUFSource(TensorSource):
             return torch.float16
         return torch.float32
 
-    def log_dequantized(self, dtype: torch.dtype) -> None:
-        """The one log line of a load that kept or dequantized quantized tensors (nothing when none was)."""
+    def log_dequantized(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+        """The one log line of a load that kept or dequantized quantized tensors (nothing when none was). Blocks
+        kept for a GPU with fp32 activations (a quantized file's default dtype) get a hint: there the block kernels
+        take their exact route, fp32 dots on the FMA units, where bf16 activations take the fold route on the
+        tensor cores (an H100, Qwen3-Next-80B-4l in Q4_K at N = 16: 17.6 ms a step with fp32 activations,
+        bench/results/2026-12-07-h100-batched-blocks-fp8-barrier.md; 1.3 ms with bf16 in an earlier run,
+        bench/results/2026-12-06-h100-gguf-row-tiles.md)."""
         def kinds(c):
             return ", ".join(f"{k} ({n} tensors)" for k, n in sorted(c.items()))
 
         parts = []
         if self.kept:
             parts.append(f"kept {kinds(self.kept)} as blocks (quantized kernels)")
+            if dtype == torch.float32 and device is not None and torch.device(device).type == "cuda":
+                parts.append("activations in float32, so the block kernels take their exact route (fp32 FMA dots): "
+                             "load with dtype='bf16' for the tensor-core fold route, many times faster on a GPU")
         if self.dequantized:
             why = "dequantize=True" if self.dequantize else "no kernel reads those blocks"
             parts.append(f"dequantized {kinds(self.dequantized)} to {str(dtype).replace('torch.', '')} at load ({why})")

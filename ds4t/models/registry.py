@@ -178,5 +178,5 @@ def load(path_or_preset: str, device=None, dtype=None, progress: Optional[bool] 
     if text_meta is not None:
         model.text_meta = text_meta
     if hasattr(source, "log_dequantized"):
-        source.log_dequantized(dtype)
+        source.log_dequantized(dtype, device)
     return model

@@ -623,10 +623,11 @@ def _row_tile_case(fmt, device, B=70, K=300, N=200):
     return x, w, b, {}
 
 
-def _rows_vs_alone(monkeypatch, fmt, device, split, tile):
-    """(the B-row launch, each row launched alone, the tiles the B-row launch used)."""
+def _rows_vs_alone(monkeypatch, fmt, device, split, tile, scale_blocks=1):
+    """(the B-row launch, each row launched alone, the tiles the B-row launch used); ``scale_blocks``: the
+    decode config's FP8 scale blocks a loop step."""
     x, w, b, kw = _row_tile_case(fmt, device)
-    dec = LinearConfig(block_n=64, block_k=64, split=split, swap=True)
+    dec = LinearConfig(block_n=64, block_k=64, split=split, swap=True, scale_blocks=scale_blocks)
     monkeypatch.setattr(L, "linear_config", lambda *a, **k: dec)
     monkeypatch.setattr(L, "linear_row_tiles", lambda *a, **k: (tile,))
     used = []
@@ -652,6 +653,21 @@ def test_row_tile_keeps_every_rows_bits(device, monkeypatch, fmt, split):
     full, alone, used = _rows_vs_alone(monkeypatch, fmt, device, split, tile)
     assert (used[0].block_m, used[0].block_n, used[0].swap) == (32, 128, False)
     assert all(u.block_m == L.BLOCK_M for u in used[1:])
+    assert not torch.isnan(full).any()
+    assert torch.equal(full, alone)
+
+
+@pytest.mark.skipif(not (INTERPRET or FP8_LAYOUT_BARRIER), reason="the GPU has FP8 row tiles only under "
+                    "DS4T_FP8_BARRIER=1 (see test_row_tile_keeps_every_rows_bits)")
+def test_fp8_row_tile_steps_one_scale_block(device, monkeypatch):
+    """A row tile steps one FP8 scale block at a time whatever the decode config's ``scale_blocks`` (two blocks a
+    step of the 128 x 128 FP8 row tile need 344 KB of sm_90 shared memory, over the H100's 227 KB: DeepSeek-V3's
+    o_proj and dense down_proj failed to launch under the barrier on an H100); every row keeps the bits of that
+    row alone, which the decode config steps two blocks at a time (K = 300: the second step's block ragged)."""
+    tile = L.RowTile(min_rows=32, block_m=32, block_n=128, block_k=32, num_warps=4, num_stages=2)
+    full, alone, used = _rows_vs_alone(monkeypatch, "fp8", device, 1, tile, scale_blocks=2)
+    assert used[0].block_m == 32 and used[0].scale_blocks == 1
+    assert all(u.block_m == L.BLOCK_M and u.scale_blocks == 2 for u in used[1:])
     assert not torch.isnan(full).any()
     assert torch.equal(full, alone)
 

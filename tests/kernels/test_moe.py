@@ -769,36 +769,6 @@ def test_ordered_split_is_a_few_rows_field_only_where_the_kernel_has_it():
             M.sum_order(cfg, kernel, fp8)
 
 
-@pytest.mark.parametrize("blocks,route,tile_k,warps", [(2, "f32", 64, 4), (4, "direct", 128, 8)], ids=str)
-def test_fp8_batched_blocks_keep_the_sequential_bits(device, blocks, route, tile_k, warps):
-    """``MoEConfig.batched_blocks``: a loop step's scale blocks as the batch of one 3-D dot (each block on its own
-    warps), then added in block order, give the sequential step's bits (D = 512: 4 blocks of 128, I = 256: 2;
-    with 4 blocks a step the down kernel cannot take them and falls back). Control: a K split of the same config
-    differs (the comparison sees a change of summation order)."""
-    E, I, D, k, B = 6, 256, 512, 3, 19
-    wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 97))
-    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=98))
-    h = torch.randn(B, D, generator=gen(99)).to(device)
-    base = M.MoEConfig(tile_n=32, tile_k=tile_k, fp8_route=route, swap=True, scale_blocks=blocks)
-    batched = dataclasses.replace(base, batched_blocks=True, num_warps=warps)
-    code = M.FP8_ROUTES[route]
-    taken = [M.batches(batched, M.blocks_a_step(batched, K, 128, K), 1, code, torch.bfloat16) for K in (D, I)]
-    assert taken == [True, blocks == 2]
-    assert not M.batches(batched, blocks, 1, code, torch.float32)   # fp32 tiles: the IEEE dot, never batched
-    assert M.few_entry_keeps_bits(dataclasses.replace(batched, max_rows=4), base, "gate_up", True)
-    assert not M.few_entry_keeps_bits(dataclasses.replace(base, num_warps=warps, max_rows=4), base, "gate_up", True)
-
-    def run(cfg):
-        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *f: cfg):
-            return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=torch.bfloat16,
-                               out=poisoned((B, D), device=device))
-
-    y = run(batched)
-    assert not torch.isnan(y).any()
-    assert torch.equal(y, run(base))
-    assert not torch.equal(run(dataclasses.replace(batched, split=2)), y)
-
-
 def test_split_must_leave_no_split_empty_and_row_tiles_keep_it():
     with pytest.raises(ValueError, match="empty"):
         M.k_per_split(256, 3, 128)

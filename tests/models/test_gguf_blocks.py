@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 
 import ds4t
 from ds4t.kernels.quant_blocks import GGUFWeight
@@ -47,6 +48,28 @@ def test_llama_gguf_keeps_q8_0_blocks(tmp_path, caplog):
     # q/k rows un-permuted as blocks: HF on the dequantized, un-permuted weights agrees
     check_against_hf(model, oracle(hf, held), [3, 1, 4, 1, 5, 9], 4, 1e-4)
     assert_native_exact(model, sessions=3, steps=2)
+
+
+def test_fp32_blocks_for_a_gpu_get_the_bf16_hint(tmp_path, caplog):
+    """The load line of blocks kept with fp32 activations (a quantized file's default) for a GPU says to load with
+    dtype='bf16' (fp32 activations take the block kernels' exact FMA route there); bf16, or the CPU, say nothing
+    of it. Control: the line without the hint is the plain one."""
+    from ds4t.models.gguf import open_gguf
+    from tests.models.test_gguf import tiny_llama
+
+    write_gguf(tiny_llama(num_key_value_heads=2), tmp_path / "m.gguf", types={"matrix": "Q8_0"})
+    source = open_gguf(str(tmp_path / "m.gguf"))[1]
+    source.kept["Q8_0"] += 3
+    lines = {}
+    for dtype, dev in [(torch.float32, "cuda"), (torch.bfloat16, "cuda"), (torch.float32, "cpu")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ds4t.gguf"):
+            source.log_dequantized(dtype, torch.device(dev))
+        lines[dtype, dev] = [r.getMessage() for r in caplog.records if r.name == "ds4t.gguf"]
+    assert all(len(v) == 1 and "kept Q8_0 (3 tensors)" in v[0] for v in lines.values()), lines
+    assert "dtype='bf16'" in lines[torch.float32, "cuda"][0]
+    assert lines[torch.bfloat16, "cuda"] == lines[torch.float32, "cpu"]
+    assert "dtype=" not in lines[torch.float32, "cpu"][0]
 
 
 def test_dequantize_option_runs_the_files_weights_in_float(tmp_path, caplog):
