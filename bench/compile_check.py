@@ -143,11 +143,12 @@ def record_fp8() -> None:
 
 def record_gguf() -> None:
     """Launches with GGUF block weights (every kernel type), which the presets do not load: linear with the
-    interpreter's config, the GPU rule's and split-K; moe_experts with the interpreter's and the GPU's tiles
-    (gate/up and down of different types); fp32 and bf16 activations. Types beyond Q8_0 / Q4_K / Q6_K take the
-    same config paths (split, pair, tiles) through their own block steps, so they compile at the GPU rule's
-    configs only, their MoE with bf16 activations (the suite's compile time; their exact routes and scale
-    planes compile in the linear). Call inside the GPU-variant selection."""
+    GPU rule's config, split-K, pair and fold; moe_experts with the GPU table's tiles (gate/up and down of
+    different types; the table has an entry for every expert type, so a GPU never runs the rule's); fp32 and
+    bf16 activations. Types beyond Q8_0 / Q4_K / Q6_K take the same config paths (split, pair, tiles) through
+    their own block steps, so their linear compiles at the GPU rule's config only, their MoE with bf16
+    activations (the suite's compile time; their exact routes and scale planes compile in the linear). The
+    interpreter's configs are left out: a GPU never runs them. Call inside the GPU-variant selection."""
     import torch
 
     from ds4t.kernels import linear as L
@@ -157,14 +158,15 @@ def record_gguf() -> None:
     from ds4t.kernels.quant_blocks import K_HEADER, QTYPES, quantize
 
     g = torch.Generator().manual_seed(0)
-    full_types = ("Q8_0", "Q4_K", "Q6_K")   # every config path; the others at their GPU rule's
+    table = dict(QM.QMOE_CONFIGS.gpu)
+    full_types = ("Q8_0", "Q4_K", "Q6_K")   # every config path; the others' linear at the GPU rule's
     for adt in (torch.float32, torch.bfloat16):
         for qt in QTYPES:
             K, N = 512, 80
             x = torch.randn(3, K, generator=g)
             w = quantize(torch.randn(N, K, generator=g) / K ** 0.5, qt)
             b = torch.randn(N, generator=g)
-            paths = (None, Q.QLinearConfig(block_n=32, split=2, group=2),
+            paths = (Q.QLinearConfig(block_n=32, split=2, group=2),
                      Q.QLinearConfig(block_n=32, split=2, group=2, pair=True),
                      Q.QLinearConfig(block_n=32, split=2, group=2, fold=True))   # fold: bf16 only
             for cfg in (Q._gpu_rule(K, N, qt, adt), *(paths if qt in full_types else ())):
@@ -180,13 +182,15 @@ def record_gguf() -> None:
             wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, qd)
             ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
             wts = torch.rand(3, 2, generator=g)
-            with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_rule):
+            # the GPU table's entries (every expert type has one; the rule is for types without), with a shared
+            # expert and without (the same specialization: a Triton cache hit)
+            with QM.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: table.get((kernel, qt, *rows))):
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
                 if qg in K_HEADER and full:   # gate / up rows with a scale plane
                     M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg.with_scale_plane(),
                                   wu.with_scale_plane(), wd, shared_expert=E - 1, act_dtype=adt)
-            if full:
-                M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
+                if full:
+                    M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, act_dtype=adt)
 
 
 def record_gguf_tables() -> None:

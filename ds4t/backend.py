@@ -283,7 +283,13 @@ tests/test_gpu_compile.py) and the decode K loop of a 7168-column FP8 linear is 
 ``tests/kernels/test_linear.py`` and ``test_moe.py`` (skipped on the GPU without it) passed, and GLM-4.5-4l in FP8
 kept its chunk invariance (bench/results/2026-12-07-h100-batched-blocks-fp8-barrier.md); its 4096-token prompt
 ran no faster (110.2 against 109.4 ms). :func:`ds4t.kernels.linear._gpu_row_tiles` gives FP8 weights a row tile
-under it. Off by default until the FP8 row tiles are timed (``bench/fp8_layout.py``). The interpreter ignores it."""
+under it. Off by default: timed (``bench/fp8_layout.py``, an H100), a 1024-row FP8 linear on its row tile takes 31-39 %
+less time than on the decode tiles, but the decode tiles themselves get 20-56 % slower and the grouped MoE's 24-41 %
+(DeepSeek-V3-4l's FP8 prompt 9 % slower as a whole): in the 16-bit layout the converted tile goes through shared
+memory once more each K step (``STS.128`` + ``LDSM`` in the sm_90 loop), where the 8-bit layout converts the
+operand in registers as it comes from shared memory. A side-effect-free stop of the trace (a reduction over
+``tl.join(v, v)``) compiles to the same SASS, so the cost is the layout's, not the barrier's
+(bench/results/2026-12-07-h100-fp8-barrier-row-tiles.md). The interpreter ignores it."""
 FP8_BARRIER = tl.constexpr(FP8_LAYOUT_BARRIER)
 
 

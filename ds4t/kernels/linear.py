@@ -695,8 +695,9 @@ _ROW_TILES_16BIT = (RowTile(min_rows=128, block_m=128, block_n=256, block_k=64, 
 _ROW_TILES_FP32 = (RowTile(min_rows=128, block_m=128, block_n=64, block_k=64, num_warps=4),)
 _ROW_TILES_FP8 = (RowTile(min_rows=128, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),)
 """FP8 row tiles, only under ``DS4T_FP8_BARRIER=1`` (:data:`ds4t.backend.FP8_LAYOUT_BARRIER`: converted fp8 tiles in
-the 16-bit operand layout): each row's bits the decode tiles' on an H100 (the row-tile tests); untimed as kernels
-(bench/results/2026-12-07-h100-batched-blocks-fp8-barrier.md)."""
+the 16-bit operand layout): each row's bits the decode tiles' on an H100 (the row-tile tests); 31-39 % faster than the
+decode tiles at 1024 rows, but the barrier slows every decode launch 20-56 %
+(bench/results/2026-12-07-h100-fp8-barrier-row-tiles.md)."""
 
 
 def _row_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, fold_splits: bool = False,
