@@ -200,8 +200,10 @@ def main() -> int:
     if args.kernels:
         log("## Kernels\n")
         krows = kernel_rows(bw, log)
+        log.write(args.out, "fp8.md")   # so far: a run cut short (a device's time limit) keeps each finished part
     for spec in [m for m in args.models.split(",") if m]:
         ok &= bench_model(spec, args, bw, log, mrows)
+        log.write(args.out, "fp8.md")
     with open(os.path.join(args.out, "fp8.jsonl"), "w") as f:
         for r in krows + mrows:
             f.write(json.dumps(r) + "\n")
