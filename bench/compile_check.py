@@ -116,7 +116,7 @@ def record_fp8() -> None:
         ids = torch.tensor([[0, 2], [1, 2], [3, 0]], dtype=torch.int32)
         wts = torch.rand(3, 2, generator=g)
         rule = M.MOE_CONFIGS.interp_rule
-        gpu_entry = lambda kernel, *fmt: M.MOE_CONFIGS.gpu.get((kernel, *fmt) if fmt else kernel)  # noqa: E731
+        gpu_entry = M.MOE_CONFIGS.gpu_entries()
         other = lambda fmt: "rows" in fmt or "few" in fmt   # noqa: E731  (row-tile / few-rows keys: none here)
         split = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), split=2)
@@ -158,7 +158,6 @@ def record_gguf() -> None:
     from ds4t.kernels.quant_blocks import K_HEADER, QTYPES, quantize
 
     g = torch.Generator().manual_seed(0)
-    table = dict(QM.QMOE_CONFIGS.gpu)
     full_types = ("Q8_0", "Q4_K", "Q6_K")   # every config path; the others' linear at the GPU rule's
     for adt in (torch.float32, torch.bfloat16):
         for qt in QTYPES:
@@ -184,7 +183,7 @@ def record_gguf() -> None:
             wts = torch.rand(3, 2, generator=g)
             # the GPU table's entries (every expert type has one; the rule is for types without), with a shared
             # expert and without (the same specialization: a Triton cache hit)
-            with QM.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: table.get((kernel, qt, *rows))):
+            with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_entries()):
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1, act_dtype=adt)
                 if qg in K_HEADER and full:   # gate / up rows with a scale plane
                     M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg.with_scale_plane(),

@@ -226,13 +226,12 @@ def test_gguf_moe_gate_up_with_fp32_activations_keeps_its_registers(tmp_path):
 from ds4t.kernels import moe as M
 from ds4t.kernels import qmoe as QM
 from ds4t.kernels.quant_blocks import quantize
-table = dict(QM.QMOE_CONFIGS.gpu)
 def q4k_fp32():
     g = torch.Generator().manual_seed(0)
     E, I, D = 3, 512, 2048
     wg, wu = (quantize(torch.randn(E, I, D, generator=g) / D ** 0.5, "Q4_K") for _ in range(2))
     wd = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, "Q4_K")
-    with QM.QMOE_CONFIGS.forced(lambda kernel, qt, *rows: table.get((kernel, qt, *rows))):
+    with QM.QMOE_CONFIGS.forced(QM.QMOE_CONFIGS.gpu_entries()):
         M.moe_experts(torch.randn(2, D, generator=g), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
                       torch.rand(2, 2, generator=g), wg, wu, wd, shared_expert=E - 1, act_dtype=torch.float32)
 """, "q4k_fp32", "_qmoe_gate_up_kernel")

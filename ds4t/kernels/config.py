@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 import json
 import pkgutil
-from typing import Callable, Dict, Generic, Hashable, List, TypeVar
+from typing import Callable, Dict, Generic, Hashable, List, Optional, TypeVar
 
 from ds4t.backend import INTERPRET
 
@@ -53,6 +53,13 @@ class ConfigTable(Generic[C]):
         key_ = key[0] if len(key) == 1 else key
         cfg = self.gpu.get(key_)
         return cfg if cfg is not None else self.gpu_rule(*key)
+
+    def gpu_entries(self) -> Callable[..., Optional[C]]:
+        """The measured GPU entries alone, as a rule for :meth:`forced` (None for a key without one; keys looked up
+        as :meth:`__call__` looks them up): the GPU's table on either backend. A copy taken now, so
+        ``table.forced(table.gpu_entries())`` works although :meth:`forced` empties ``gpu``."""
+        entries = dict(self.gpu)
+        return lambda *key: entries.get(key[0] if len(key) == 1 else key)
 
     @contextlib.contextmanager
     def forced(self, rule: Callable[..., C]):

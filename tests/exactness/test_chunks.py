@@ -104,7 +104,7 @@ def test_fp8_moe_table_tiles_keep_chunk_invariance(preset):
 
     table = dict(M.MOE_CONFIGS.gpu)
     assert table[("gate_up", "fp8")].swap and table[("down", "fp8")].swap
-    with M.MOE_CONFIGS.forced(lambda kernel, *f: table.get((kernel, *f))), use_variants({"moe_experts": GPU}):
+    with M.MOE_CONFIGS.forced(M.MOE_CONFIGS.gpu_entries()), use_variants({"moe_experts": GPU}):
         rep = run_chunk_check(ds4t.load(preset, quantize="fp8"), PROMPT, chunks=(1, 5, len(PROMPT)))
     assert rep.ok, rep.first_mismatch
 

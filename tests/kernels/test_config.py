@@ -179,6 +179,20 @@ def test_forced_overrides_both_rules_and_restores():
     assert (table.gpu, table.gpu_rule, table.interp_rule) == before
 
 
+def test_gpu_entries_run_the_gpu_table_under_forced():
+    """``gpu_entries()``: the GPU table's entries as a rule, copied before ``forced`` empties the table -- every
+    key with an entry gets that entry on either backend, a key without one None; after the block the table is
+    as it was."""
+    table = _m("moe").MOE_CONFIGS
+    entries = dict(table.gpu)
+    with table.forced(table.gpu_entries()):
+        assert table.gpu == {}
+        for key, cfg in entries.items():
+            assert table(*(key if isinstance(key, tuple) else (key,))) is cfg
+        assert table("no such kernel", "fp8") is None
+    assert table.gpu == entries
+
+
 # ----------------------------------------------------------------------------- overrides (benchmarks)
 
 
