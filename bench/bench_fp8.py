@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth, exactness, log_profile, step_floor_bytes  # noqa: E402
-from bench.report import Report  # noqa: E402
+from bench.report import Report, bandwidth_table  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402,F401  (bench_gguf and bench_tp import it from here)
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.config import overridden  # noqa: E402
@@ -82,11 +82,7 @@ def kernel_rows(bw: float, log):
             ms, _ = time_calls([lambda ids=ids: M.moe_experts(h, ids, wts, *ws) for ids in idss])
             rows.append(dict(kernel="moe_experts", fmt=fmt, shape=f"E={E} I={I} D={D} top{k} ({touched:.0f} experts)",
                              B=B, mb=nbytes / 1e6, ms=ms, gbs=nbytes / ms / 1e6, pct=100 * nbytes / ms / 1e-3 / bw))
-    log("| kernel | weights | shape | B | MB read | ms | GB/s | % of copy BW |")
-    log("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.4f} | "
-            f"{r['gbs']:.0f} | {r['pct']:.0f}% |")
+    bandwidth_table(log, rows)
     return rows
 
 

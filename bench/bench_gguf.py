@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth  # noqa: E402
-from bench.report import Report  # noqa: E402
+from bench.report import Report, bandwidth_table  # noqa: E402
 from bench.bench_fp8 import bench_model, median_ms  # noqa: E402
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
 from ds4t.kernels.qlinear import (QLINEAR_CONFIGS, QLinearConfig, _q8_group, folds, nibble_pack,  # noqa: E402
@@ -184,11 +184,7 @@ def kernel_rows(bw: float, dev, log, shapes=SHAPES, moe=MOE, types=QTYPES):
             ms = _timed([lambda ws=ws: M.moe_experts(h, ids, wts, *ws)], dev)
             rows.append(dict(kernel="moe_experts", fmt=fmt, shape=f"E={E} I={I} D={D} top{k} ({touched} experts)",
                              B=B, mb=nb / 1e6, ms=ms, gbs=nb / ms / 1e6, pct=100 * nb / ms / 1e-3 / bw))
-    log("| kernel | weights | shape | B | MB read | ms | GB/s | % of copy BW |")
-    log("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.4f} | "
-            f"{r['gbs']:.0f} | {r['pct']:.0f}% |")
+    bandwidth_table(log, rows)
     return rows
 
 

@@ -23,6 +23,16 @@ class Report:
         return p
 
 
+def bandwidth_table(log, rows) -> None:
+    """The kernel-table lines of bench_fp8 / bench_gguf: one row per dict of ``rows`` (kernel, fmt, shape, B, mb
+    (MB a call reads), ms, gbs, pct (% of copy bandwidth))."""
+    log("| kernel | weights | shape | B | MB read | ms | GB/s | % of copy BW |")
+    log("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['kernel']} | {r['fmt']} | {r['shape']} | {r['B']} | {r['mb']:.0f} | {r['ms']:.4f} | "
+            f"{r['gbs']:.0f} | {r['pct']:.0f}% |")
+
+
 def checked_run(tool: str, args, kernels, models) -> int:
     """The driver of a bench script with a GPU-only ``kernels`` mode and a ``models`` mode (``args.what``), each
     ``mode(args, log) -> ok`` (every variant kept the base's bits): the device line, the mode's lines, PASS / FAIL
