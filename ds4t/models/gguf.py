@@ -593,16 +593,23 @@ class GGUFSource(TensorSource):
         take their exact route, fp32 dots on the FMA units, where bf16 activations take the fold route on the
         tensor cores (an H100, Qwen3-Next-80B-4l in Q4_K at N = 16: 17.6 ms a step with fp32 activations,
         bench/results/2026-12-07-h100-batched-blocks-fp8-barrier.md; 1.3 ms with bf16 in an earlier run,
-        bench/results/2026-12-06-h100-gguf-row-tiles.md)."""
+        bench/results/2026-12-06-h100-gguf-row-tiles.md). Blocks kept on the CPU get the other hint: the
+        interpreter pays per op, and a 32-block costs its block kernel ~35 ops (measured on 2 cores: the SmolLM2-135M
+        GGUF ~38 s a decode step on its Q4_1 blocks, ~6 s dequantized)."""
         def kinds(c):
             return ", ".join(f"{k} ({n} tensors)" for k, n in sorted(c.items()))
 
         parts = []
         if self.kept:
             parts.append(f"kept {kinds(self.kept)} as blocks (quantized kernels)")
-            if dtype == torch.float32 and device is not None and torch.device(device).type == "cuda":
+            on = None if device is None else torch.device(device).type
+            if dtype == torch.float32 and on == "cuda":
                 parts.append("activations in float32, so the block kernels take their exact route (fp32 FMA dots): "
                              "load with dtype='bf16' for the tensor-core fold route, many times faster on a GPU")
+            elif on == "cpu":
+                parts.append("the CPU interpreter runs block kernels several times slower than float weights "
+                             "(SmolLM2-135M: ~38 s a decode step against ~6 s): dequantize=True (--dequantize) "
+                             "for speed")
         if self.dequantized:
             why = "dequantize=True" if self.dequantize else "no kernel reads those blocks"
             parts.append(f"dequantized {kinds(self.dequantized)} to {str(dtype).replace('torch.', '')} at load ({why})")

@@ -52,8 +52,9 @@ def test_llama_gguf_keeps_q8_0_blocks(tmp_path, caplog):
 
 def test_fp32_blocks_for_a_gpu_get_the_bf16_hint(tmp_path, caplog):
     """The load line of blocks kept with fp32 activations (a quantized file's default) for a GPU says to load with
-    dtype='bf16' (fp32 activations take the block kernels' exact FMA route there); bf16, or the CPU, say nothing
-    of it. Control: the line without the hint is the plain one."""
+    dtype='bf16' (fp32 activations take the block kernels' exact FMA route there); bf16 on a GPU says nothing of
+    it; the CPU says instead that dequantize=True is faster in the interpreter, whatever the dtype. Control: the
+    line without a hint is the plain one."""
     from ds4t.models.gguf import open_gguf
     from tests.models.test_gguf import tiny_llama
 
@@ -61,15 +62,20 @@ def test_fp32_blocks_for_a_gpu_get_the_bf16_hint(tmp_path, caplog):
     source = open_gguf(str(tmp_path / "m.gguf"))[1]
     source.kept["Q8_0"] += 3
     lines = {}
-    for dtype, dev in [(torch.float32, "cuda"), (torch.bfloat16, "cuda"), (torch.float32, "cpu")]:
+    for dtype, dev in [(torch.float32, "cuda"), (torch.bfloat16, "cuda"), (torch.float32, "cpu"),
+                       (torch.bfloat16, "cpu")]:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="ds4t.gguf"):
             source.log_dequantized(dtype, torch.device(dev))
         lines[dtype, dev] = [r.getMessage() for r in caplog.records if r.name == "ds4t.gguf"]
     assert all(len(v) == 1 and "kept Q8_0 (3 tensors)" in v[0] for v in lines.values()), lines
     assert "dtype='bf16'" in lines[torch.float32, "cuda"][0]
-    assert lines[torch.bfloat16, "cuda"] == lines[torch.float32, "cpu"]
-    assert "dtype=" not in lines[torch.float32, "cpu"][0]
+    assert "dequantize" not in lines[torch.float32, "cuda"][0] + lines[torch.bfloat16, "cuda"][0]
+    plain = lines[torch.bfloat16, "cuda"][0]
+    assert "dtype=" not in plain and plain.endswith("as blocks (quantized kernels)")
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = lines[dtype, "cpu"][0]
+        assert cpu.startswith(plain) and "dequantize=True" in cpu and "dtype=" not in cpu
 
 
 def test_dequantize_option_runs_the_files_weights_in_float(tmp_path, caplog):
