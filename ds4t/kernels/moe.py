@@ -669,11 +669,9 @@ def _moe_down_kernel(
     ids_ptr=None, si_b=0, P=0, KT=1, SHARED=-1, KR: tl.constexpr = 0, SELF: tl.constexpr = False,
     DEVICE_LIST: tl.constexpr = False, BE: tl.constexpr = 1, ROW_PROGRAMS: tl.constexpr = False,
     SB: tl.constexpr = 1, M_SUB: tl.constexpr = 1, wd_desc=None, USE_TMA: tl.constexpr = False,
-    SCALES_AHEAD: tl.constexpr = False,
 ):
     """FP8 weights (SBK > 0): as :func:`_moe_gate_up_kernel`, over I, scales [E, D, cdiv(I, SBK)], SB blocks a
-    loop step as there; SCALES_AHEAD (SB 1): each step loads the next step's scales (the last step reloads its
-    own), so their load is a step ahead of the layout change that waits for it -- the same values; EVEN_K /
+    loop step as there; EVEN_K /
     EVEN_N as there (I a whole number of loop steps, D of N tiles). SELF as there.
     SPLIT > 1 (grid axis 2): the program sums its split of I and stores fp32 partials at y + split * sy_s, which the combine
     kernel adds in split order. ``experts`` lists each slot's expert (-1: none): the gate/up kernel's ``slots``
@@ -705,17 +703,10 @@ def _moe_down_kernel(
                 a_scale, a_inv = _f16_row_scales(act_ptr, sa_p, p, qm, k_lo, k_hi, I, BK, EVEN_K, WDT, BM)
             else:
                 a_scale = 1.0
-            if SCALES_AHEAD:
-                sd_next = _row_scales(sd_ptr + s_row + k_lo // SBK, nm, SWAP, EVEN_N)
             for kb0 in range(k_lo, k_hi, KSTEP * SB):
                 for sbi in tl.static_range(SB):
                     kb = kb0 + sbi * KSTEP
-                    if SCALES_AHEAD:
-                        sd = sd_next
-                        sd_next = _row_scales(sd_ptr + s_row + tl.where(kb + KSTEP < k_hi, kb + KSTEP, kb) // SBK, nm, SWAP,
-                                              EVEN_N)
-                    else:
-                        sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
+                    sd = _row_scales(sd_ptr + s_row + kb // SBK, nm, SWAP, EVEN_N)
                     pd = _block_start(acc, FOLD)
                     if M_SUB == 2:
                         pd1 = _block_start(acc1, FOLD)
@@ -889,9 +880,6 @@ class MoEConfig:
                                  # after (the unsplit bits at any split count: sum_order())
     tma: bool = False           # 16-bit weights: weight tiles through tensor descriptors where the launch allows it
                                 # (:func:`weight_descriptors`; the same operands, so the same bits)
-    scales_ahead: bool = False  # FP8 down, one scale block a step: load the next step's scales a step ahead (the
-                                # same values; on sm_90 the scale vector goes through shared memory to the
-                                # accumulator's layout, and that store waited on its own step's load)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):
         """(BN, BK) for an [N, K] weight: from the weight shape only (and for FP8 weights the scale
@@ -1324,7 +1312,6 @@ def moe_partials(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_ga
         kw.update(SPLIT=dn_split, K_PER_SPLIT=kps, sy_s=y.stride(0))
     if fp8:
         kw.update(SB=blocks_a_step(cfg, I, step, kps))
-        kw.update(SCALES_AHEAD=bool(cfg.scales_ahead) and kw["SB"] == 1)
     kw.update(evenness(I, step, D, BN))
     kw.update(down_finder(gu_rows, dn_rows, BE))
     msub = sub_tiles(cfg, fp8, self_group, adt, P, E)
