@@ -330,6 +330,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-budget-s", type=float, default=240.0)
+    ap.add_argument("--sweep-cells", default=None,
+                    help="LxB cells the sweep ranks configs on (sum of times), e.g. 4096x1,32768x1,8192x64 "
+                         "(default: " + ",".join(f"{L}x{B}" for L, B in SWEEP_CASES) + ")")
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
@@ -350,6 +353,8 @@ def main():
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    if args.sweep_cells:
+        SWEEP_CASES[:] = [tuple(int(v) for v in c.split("x")) for c in args.sweep_cells.split(",")]
     os.makedirs(args.out, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]

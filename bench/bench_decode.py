@@ -455,7 +455,8 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             paths = p.split(",")
     log(f"\n# {name}\n")
     t0 = time.time()
-    model = ds4t.load(name, device=DEVICE)
+    preset, _, quant = name.partition(":")   # "preset:fp8" quantizes at load, as bench_fp8 / step_ab take it
+    model = ds4t.load(preset, device=DEVICE, quantize=quant or None)
     _sync()
     log(f"loaded in {time.time() - t0:.0f} s: {model.family}, {model.dtype}, weights {model.weight_bytes() / 1e9:.2f} GB")
     if getattr(model, "native_window", None) is not None and model.native_window < max(ctxs) + extra:
@@ -555,7 +556,9 @@ def bench_model(name, args, bw, log, rows, hf_budget):
     _empty_cache()
     if DEVICE.type == "cuda":   # what still holds the ds4t model shows here (DeepSeek's HF twin then OOMs)
         log(f"\nGPU memory allocated before the HF part: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-    hf = _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) if args.hf else {}
+    if args.hf and quant:
+        log(f"\nHF skipped: its twin would hold {preset}'s unquantized weights, not the {quant} ones timed here")
+    hf = _hf_part(name, args, ctxs, ns, ref_prompt, ref_logits, log, hf_budget) if args.hf and not quant else {}
     for r in mine:
         h = hf.get((r["ctx"], r["n"]))
         r["hf_eager_ms"] = h.eager_ms if h else None
@@ -737,7 +740,8 @@ _OVERRIDES = contextlib.ExitStack()   # --configs: held for the whole run
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", "--model", default="qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l")
+    ap.add_argument("--models", "--model", default="qwen3-next-80b-4l,glm-4.5-4l,deepseek-v3-4l",
+                    help="presets or paths; PRESET:fp8 quantizes at load (no HF peer then)")
     ap.add_argument("--ns", default="1,2,4,8,16,32")
     ap.add_argument("--ctx", default="256", help="contexts (tokens per session before timing), e.g. 256,8192,32768")
     ap.add_argument("--iters", type=int, default=10)
