@@ -171,7 +171,7 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps, *, bias=None, zer
 
 
 def gated_rms_norm(x, z, weight, eps, *, out=None, out_dtype=torch.float32):
-    return _out((rms_norm(x, weight, eps) * F.silu(z.float())).to(out_dtype), out)
+    return _out((rms_norm(x, weight, eps) * F.silu(z.reshape(x.shape).float())).to(out_dtype), out)
 
 
 def silu_mul(gate, up, *, out=None):

@@ -338,7 +338,7 @@ def _launch(q, k, v, a, b, A_log, dt_bias, state, slots, out, prefill, gated_nor
     )
     if gated_norm is not None:
         z, norm_w, eps = gated_norm
-        out = norm.gated_rms_norm(out.view(R * Hv, Dv), z.reshape(R * Hv, Dv), norm_w, eps,
+        out = norm.gated_rms_norm(out.view(R * Hv, Dv), z, norm_w, eps,
                                   out_dtype=out_dtype).view(R, Hv, Dv)
     return out
 

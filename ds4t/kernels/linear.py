@@ -590,7 +590,17 @@ def _gpu_heuristic(K: int, N: int, wbytes: int) -> LinearConfig:
         split *= 2
     if triton.cdiv(N, block_n) * split < 192 and block_n > narrowest:
         block_n = narrowest
-    return LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
+    cfg = LinearConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=4, swap=True)
+    if latency and wbytes == 4:
+        # An fp32 router's IEEE product runs as FMA chains, each output summing its split's K in order whatever
+        # the K tile, so a narrower tile keeps the bits while the split's columns stay the same. 16 columns a
+        # step: DeepSeek-V3's 7168 x 256 router 19.3 -> 12.9 us, GLM-4.5's 5120 x 160 14.1 -> 9.5 us at one row
+        # (the best of 55 same-split tiles, all bitwise the old; 16 rows the same), N = 1 steps 1.0-1.1 % faster
+        # (an H100, bench/results/2026-12-07-h100-router-tiles.md; not timed on an H200).
+        narrow = dataclasses.replace(cfg, block_k=16)
+        if narrow.k_per_split(K) == cfg.k_per_split(K):
+            return narrow
+    return cfg
 
 
 def _fp8_block_k(K: int, scale_bk: int, cap: int) -> int:

@@ -159,7 +159,7 @@ def _norm_kernel(
     ADD_RESIDUAL: tl.constexpr, GATED: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     SPLIT: tl.constexpr = 0, stride_ps=0, pb_ptr=None, HAS_PB: tl.constexpr = False,
     KT: tl.constexpr = 0, KTOP: tl.constexpr = 0, SHARED=-1, GATED_SHARED: tl.constexpr = False,
-    cw_ptr=None, sw_b=0, gate_ptr=None, sg_b=0, ids_ptr=None, si_b=0,
+    cw_ptr=None, sw_b=0, gate_ptr=None, sg_b=0, ids_ptr=None, si_b=0, Z_HEADS: tl.constexpr = 1, stride_zh=0,
 ):
     """ROWS rows per program. Optional residual add (writes the sum to s), optional silu(z) gate.
     SPLIT > 0: x is a linear's split-K partials [SPLIT, R, D] (split stride ``stride_ps``) plus its bias
@@ -167,7 +167,9 @@ def _norm_kernel(
     KT > 0: x is the grouped MoE's pair outputs [R KT, D] (row stride ``stride_x``; SPLIT > 1: the down
     kernel's partials, split stride ``stride_ps``), combined over the KT ranks of each row with the routing
     weights ``cw_ptr`` [R, KTOP], expert ids ``ids_ptr`` [R, KTOP], the shared expert ``SHARED`` (-1: none) and
-    its router logit ``gate_ptr`` [R] (GATED_SHARED), as the MoE's combine kernel does (:func:`_load_x`)."""
+    its router logit ``gate_ptr`` [R] (GATED_SHARED), as the MoE's combine kernel does (:func:`_load_x`).
+    Z_HEADS > 1 (a per-head gated norm): row r's gate is head r % Z_HEADS of z row r // Z_HEADS (strides
+    ``stride_z``, ``stride_zh``), so a z of heads inside wider rows needs no copy."""
     grid_dependency()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < R)[:, None]
@@ -209,7 +211,10 @@ def _norm_kernel(
     # (the sum of squares needs the whole row first).
     y_row = y_ptr + rows64 * stride_y
     if GATED:
-        z_row = z_ptr + rows64 * stride_z
+        if Z_HEADS > 1:
+            z_row = z_ptr + (rows64 // Z_HEADS) * stride_z + (rows64 % Z_HEADS) * stride_zh
+        else:
+            z_row = z_ptr + rows64 * stride_z
     for c in tl.static_range(NUM_CHUNKS):
         cc = (cols if c == 0 else c * BLOCK_D + cols)[None, :]
         if EVEN:
@@ -272,10 +277,20 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
         residual = rows_view(residual, "residual")
         if residual.shape != x.shape:
             raise ValueError(f"residual must be {tuple(x.shape)}, got {tuple(residual.shape)}")
+    z_heads = {}
     if z is not None:
-        z = rows_view(z, "z")
-        if z.shape != x.shape:
-            raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
+        if z.dim() == 3:   # [R / H, H, D]: head h of a row's gate, rows of any stride (no copy)
+            if z.shape[0] * z.shape[1] != R or z.shape[2] != D:
+                raise ValueError(f"z must be [{R}, {D}] or [rows, heads, {D}] with rows * heads = {R}, "
+                                 f"got {tuple(z.shape)}")
+            if z.stride(2) != 1:
+                z = z.contiguous()
+            if z.shape[1] > 1:
+                z_heads = dict(Z_HEADS=z.shape[1], stride_zh=z.stride(1))
+        else:
+            z = rows_view(z, "z")
+            if z.shape != x.shape:
+                raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     y = float_out(out, (R, D), x.device, dtype=out_dtype)
@@ -301,7 +316,7 @@ def _launch(x, weight, eps, *, residual=None, z=None, zero_centered=False, out=N
         R, x.stride(0), r_arg.stride(0), z_arg.stride(0), y.stride(0), s_arg.stride(0), float(eps),
         D=D, ROWS=rows, BLOCK_D=cfg.block_d,
         ADD_RESIDUAL=residual is not None, GATED=z is not None, ZERO_CENTERED=bool(zero_centered),
-        num_warps=cfg.warps(moe is not None), **split, **LAUNCH,
+        num_warps=cfg.warps(moe is not None), **split, **z_heads, **LAUNCH,
     )
     return y, summed
 
@@ -324,8 +339,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
                    out: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[R, D] = x̂ · w · silu(z) (plain weight) in fp32, stored as ``out_dtype``. For per-head norms pass
-    [B*H, D] views."""
+    """[R, D] = x̂ · w · silu(z) (plain weight) in fp32, stored as ``out_dtype``; x [R, D], z [R, D] or, for
+    per-head norms (x a [B*H, D] view), [B, H, D] with unit last stride and any other strides -- e.g. heads
+    sliced out of a wider projection row, read in place (a [B*H, D] view of those does not exist, and
+    ``reshape`` would copy them)."""
     return _launch(x, weight, eps, z=z, out=out, out_dtype=out_dtype)[0]
 
 
@@ -345,6 +362,7 @@ def add_rms_norm_ref(x, residual, weight, eps, *, zero_centered=False, out_dtype
 
 
 def gated_rms_norm_ref(x, z, weight, eps, *, out=None, out_dtype=torch.float32):
+    z = z.reshape(x.shape)   # [B, H, D] per-head gates as x's [B*H, D] rows
     return (rms_norm_ref(x, weight, eps) * torch.nn.functional.silu(z.float())).to(out_dtype)
 
 

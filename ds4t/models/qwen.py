@@ -377,7 +377,7 @@ class QwenModel(DecoderModel):
             q, k, v = split(m1)
             ops.gdn_prefill_segments(q, k, v, a, b, w.A_log, w.dt_bias, rec, batch.multi_segments, out=o,
                                      states_out=states)
-        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.reshape(R * hv, dv), w.norm_w, c.eps,
+        y = ops.gated_rms_norm(o.reshape(R * hv, dv), z.unflatten(1, (hv, dv)), w.norm_w, c.eps,
                                **narrow_store(proj, w.w_out))
         return Projection(y.view(R, hv * dv), w.w_out)
 

@@ -136,6 +136,19 @@ def test_latency_bound_weights_get_programs(K, N, wbytes):
     assert cfg.k_per_split(K) >= 4 * cfg.block_k
 
 
+@pytest.mark.parametrize("K,N", [(5120, 160), (7168, 256), (2048, 513), (1100, 100), (4000, 130)])
+def test_fp32_routers_take_narrow_k_tiles_without_moving_a_split(K, N):
+    # the FMA chains of an fp32 router sum each split's K in order whatever the K tile: a narrower tile keeps
+    # the bits only while every split keeps its columns, so the tile narrows only then
+    cfg = L._gpu_heuristic(K, N, 4)
+    assert L._latency_bound(K, N, 4)
+    wide = dataclasses.replace(cfg, block_k=64)
+    assert cfg.block_k in (16, 64) and cfg.k_per_split(K) == wide.k_per_split(K)
+    if cfg.block_k == 64:   # the control: a 16-column tile would have moved a split boundary here
+        assert dataclasses.replace(cfg, block_k=16).k_per_split(K) != cfg.k_per_split(K)
+    assert L._gpu_heuristic(K, N, 2).block_k == 128   # 16-bit weights (tensor cores) keep 256-byte rows
+
+
 @pytest.mark.parametrize("K,N,wbytes", [(7168, 2112, 2), (4096, 2048, 2), (5120, 14336, 4), (14336, 4096, 4),
                                         (512, 128, 4), (128, 512, 2)])
 def test_bandwidth_bound_weights_keep_long_splits(K, N, wbytes):

@@ -98,6 +98,25 @@ def test_per_head_views_and_strided_rows(device):
                                **TOL[torch.float32])
 
 
+def test_per_head_gates_read_in_place(device):
+    # z as [B, H, D] heads sliced out of wider rows (a projection's z columns): no [B*H, D] view of them
+    # exists; the kernel reads them in place and gives bitwise the copied rows' result
+    B, H, D = 5, 4, 16
+    x, _, _, w = _data(B, H * D, torch.float32, device, seed=4)
+    proj = torch.randn(B, 7 + H * D + 3, device=device).bfloat16()
+    z = proj[:, 7:7 + H * D].unflatten(1, (H, D))
+    assert z.stride(0) == proj.shape[1]
+    xh = x.view(B * H, D)
+    y = gated_rms_norm(xh, z, w[:D], EPS)
+    assert torch.equal(y, gated_rms_norm(xh, z.reshape(B * H, D), w[:D], EPS))
+    torch.testing.assert_close(y, gated_rms_norm_ref(xh, z, w[:D], EPS), **TOL[torch.float32])
+    # the control: the heads read with a wrong head stride differ
+    wrong = proj[:, 7:7 + H * D].as_strided((B, H, D), (proj.shape[1], 0, 1))
+    assert not torch.equal(gated_rms_norm(xh, wrong, w[:D], EPS), y)
+    with pytest.raises(ValueError):
+        gated_rms_norm(xh, z[:, :2], w[:D], EPS)
+
+
 def test_rejects_bad_shapes(device):
     x, r, z, w = _data(2, 8, torch.float32, device)
     with pytest.raises(ValueError):
