@@ -651,7 +651,8 @@ LINEAR_CONFIGS: ConfigTable[LinearConfig] = ConfigTable(
            "bench/results/2026-12-01-h200-fp8-options.md (FP8 18432 x 7168 with bf16 x), "
            "bench/results/2026-12-01-h200-fp8-x2-32k.md (FP8 16384 x 7168 with bf16 x), "
            "bench/results/2026-12-06-h100-fp8-waves.md (two scale blocks a step, same bits; H100), "
-           "bench/results/2026-12-06-h100-gguf-row-tiles.md (FP8 m_sub 2; H100)")
+           "bench/results/2026-12-06-h100-gguf-row-tiles.md (FP8 m_sub 2; H100), "
+           "bench/results/2026-12-07-h100-router-tiles.md (fp32 routers' 16-column K steps, same bits; H100)")
 """Launch configs keyed on (K, N, weight dtype) for float weights and on (K, N, float8_e4m3fn,
 block_k, activation dtype) for FP8 weights: the H200 sweep above, else the heuristics."""
 
