@@ -7,8 +7,8 @@ An fp32 weight's product is IEEE fp32 (``backend.mma``), which Triton lowers to 
 split's K columns in order whatever the tile, so every tile that keeps the split's columns (``k_per_split``) keeps
 the bits. bf16 tiles keep them on Hopper too (``bench/mma_shapes.py``; checked here again). This script times each
 such tile (rows of N, K columns a step, warps, stages) -- the weights rotated past L2 (routers) or in 4 copies
-(per-head weights) in a CUDA graph, median us a call -- checks each output against the table's bit for bit, and
-writes the best same-bits tile of each shape (summed over the row counts) in the
+(per-head weights) in a CUDA graph (``bench_kernels.time_calls``), median us a call -- checks each output against
+the table's bit for bit, and writes the best same-bits tile of each shape (summed over the row counts) in the
 ``ds4t.kernels.config.overridden`` format, which ``bench/step_ab.py --variant`` takes: a tile goes into the table
 only once a whole step says so (the per-head tiles were 13-17 % faster alone and moved no step).
 
@@ -21,13 +21,13 @@ import dataclasses
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402,F401  (first: it picks the backend before triton loads)
 import torch  # noqa: E402
+from bench.bench_kernels import time_calls  # noqa: E402
 from ds4t.kernels import config as C  # noqa: E402
 from ds4t.kernels import linear as L  # noqa: E402
 
@@ -62,26 +62,6 @@ def same_split_tiles(base: "L.LinearConfig", K: int, grid: dict = GRID) -> list:
     return out
 
 
-def graph_us(fns, iters: int = 15) -> float:
-    """Median us per call of the callables ``fns`` replayed one after another in a CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(iters):
-        st.record()
-        g.replay()
-        en.record()
-        torch.cuda.synchronize()
-        ts.append(st.elapsed_time(en) * 1e3 / len(fns))
-    return statistics.median(ts)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", action="store_true", help="MLA's per-head weights instead of the routers")
@@ -109,7 +89,7 @@ def main():
                     break
                 with C.overridden({"linear": [{"key": key, "fields": f}]}):
                     same = torch.equal(call(x, ws[0]), ref)
-                    us = graph_us([lambda w=w: call(x, w) for w in ws])
+                    us = time_calls([lambda w=w: call(x, w) for w in ws])[0] * 1e3
                 rows.append((us, f, same))
                 if same:
                     k = (K, N, str(wdt), json.dumps(f, sort_keys=True))

@@ -38,7 +38,7 @@ class ModelOps(TorchDispatchMode):
             if "/triton/" in name:
                 in_triton = True
                 break
-            if where == "?" and "/ds4t/" in name and "torch/utils" not in name:
+            if where == "?" and "/ds4t/" in name:
                 where = "ds4t/" + name.rsplit("/ds4t/", 1)[1]
             f = f.f_back
         if not in_triton:
