@@ -14,8 +14,10 @@ changing a bit, so a table may take them for a few rows only:
     python bench/one_row_programs.py kernels [--out DIR]
         decode attention (Qwen3-Next's 16 / 2 heads at d 256, GLM-4.5's 96 / 8 at d 128) at 4096 and 32768 tokens,
         1 / 2 / 4 / 8 rows: the table against 2 and 4 value-column parts; the FP8 grouped MoE at Qwen3-Next's and
-        GLM-4.5's expert shapes at 1 and 2 rows: the table against ordered splits 2 / 4 / 8. us a call (CUDA
-        graphs over rotated inputs), bits against the table.
+        GLM-4.5's expert shapes at 1 and 2 rows: the table against ordered splits 2 / 4 / 8; absorbed MLA
+        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table's few-row stages (``MLAConfig.few_rows``) against
+        none, 2- and 4-row entries and 4 stages (``--only mla``: this section alone). us a call (CUDA graphs over
+        rotated inputs), bits against the table.
     python bench/one_row_programs.py models --models qwen3-next-80b-4l:fp8 [--ns 1,2]
         whole decode steps (4096 tokens of context) under the table and each candidate (``bench/step_ab.py``'s
         rounds, bits and native == ordered compared).
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import ds4t  # noqa: E402
-from ds4t.kernels import attention as A, moe as M  # noqa: E402
+from ds4t.kernels import attention as A, mla as MLA, moe as M  # noqa: E402
 from bench.report import checked_run  # noqa: E402
 
 PARTS = (2, 4)
@@ -100,10 +102,51 @@ def _against_table(candidates, fns):
     return us, same
 
 
+@contextlib.contextmanager
+def mla_few_rows(rows: int, stages=None):
+    """Every MLA entry of the GPU table with ``few_rows`` = rows (and ``few_stages`` = stages, None: the table's)."""
+    table, rule = dict(MLA.MLA_CONFIGS.gpu), MLA.MLA_CONFIGS.gpu_rule
+
+    def few(*key):
+        c = table.get(key) or rule(*key)
+        return dataclasses.replace(c, few_rows=rows, few_stages=c.few_stages if stages is None else stages)
+
+    with MLA.MLA_CONFIGS.forced(few):
+        yield
+
+
+def mla_kernels(log) -> bool:
+    """Absorbed MLA (DeepSeek-V3's 128 heads, 512 + 64, bf16 cache) at 1-8 rows: the table (its few-row stages)
+    against no few-row entry, a 4-row one, and 4 stages for one or two rows; us a call, bits against the table."""
+    from bench.bench_attention import MLA_SHAPE, mla_problem, run_mla
+
+    ok = True
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sched = MLA.default_split_schedule(MLA_SHAPE[1], MLA_SHAPE[2], torch.bfloat16)
+    cfg = MLA.MLA_CONFIGS(*MLA_SHAPE, sched.min_split)
+    log(f"\n## Absorbed MLA, bf16 cache: us a call; table {cfg}\n")
+    variants = [("no few-row entry", lambda: mla_few_rows(0)), ("few rows <= 2", lambda: mla_few_rows(2)),
+                ("few rows <= 4", lambda: mla_few_rows(4)), ("few stages 4", lambda: mla_few_rows(cfg.few_rows, 4))]
+    log("| L | B | table | " + " | ".join(n for n, _ in variants) + " | bits as table |")
+    log("|---|---|---|" + "---|" * len(variants) + "---|")
+    for L in (4096, 8192, 32768):
+        for B in (1, 2, 4, 8):
+            p = mla_problem(*MLA_SHAPE, L, B, gen)
+            fns = [lambda s=s, p=p: run_mla(p, s, sched, None) for s in p["slot_sets"]]
+            us, same = _against_table([v for _, v in variants], fns)
+            ok &= same
+            log(f"| {L} | {B} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {'yes' if same else 'NO'} |")
+            del p
+            torch.cuda.empty_cache()
+    return ok
+
+
 def kernels(args, log) -> bool:
     from bench.bench_attention import gqa_problem, run_gqa
     from ds4t.kernels.weights import quantize
 
+    if args.only == "mla":
+        return mla_kernels(log)
     ok = True
     gen = torch.Generator(device="cuda").manual_seed(0)
     log("\n## Decode attention, bf16 cache: us a call; value-column parts\n")
@@ -143,7 +186,7 @@ def kernels(args, log) -> bool:
                 f" | {'yes' if same else 'NO'} |")
         del ws
         torch.cuda.empty_cache()
-    return ok
+    return mla_kernels(log) and ok
 
 
 def models(args, log) -> bool:
@@ -160,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=["kernels", "models"])
     ap.add_argument("--models", default="qwen3-next-80b-4l:fp8")
     ap.add_argument("--ns", default="1,2", help="models: decode rows")
+    ap.add_argument("--only", choices=["all", "mla"], default="all", help="kernels: every section, or MLA's alone")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)

@@ -33,3 +33,18 @@ def test_models_smoke_on_a_tiny_preset(tmp_path, device):
     for name in ("attn-parts-2", "attn-parts-4", "moe-ordered-2", "moe-ordered-8"):
         assert f"N=2 {name}:" in text and "bits same" in text
     assert text.rstrip().endswith("PASS")
+
+
+def test_mla_candidates_set_the_few_row_fields_on_the_gpu_table():
+    """``mla_few_rows``: every MLA key of the GPU table with the named few-row rows (and stages), the rest of the
+    entry kept; a launch of more rows takes the entry's own stages. Control: outside it the table's own entry."""
+    key = (128, 512, 64, 128)
+    table = orp.MLA.MLA_CONFIGS.gpu.get(key) or orp.MLA.MLA_CONFIGS.gpu_rule(*key)
+    assert (table.few_rows, table.few_stages) == (1, 3)
+    with orp.mla_few_rows(4, 5):
+        cfg = orp.MLA.MLA_CONFIGS(*key)
+    assert (cfg.few_rows, cfg.few_stages, cfg.block_h, cfg.num_stages) == (4, 5, table.block_h, table.num_stages)
+    assert cfg.split_stages(4) == 5 and cfg.split_stages(5) == table.num_stages
+    with orp.mla_few_rows(0):
+        assert orp.MLA.MLA_CONFIGS(*key).split_stages(1) == table.num_stages
+    assert orp.MLA.MLA_CONFIGS.gpu_rule(*key) == table

@@ -114,6 +114,14 @@ class MLAConfig:
     merge_warps: int = 4
     merge_stages: int = 4   # merge: loads of this many splits in flight (1: one split at a time)
     fuse_rows: Optional[int] = None
+    few_rows: int = 0       # launches of at most this many rows run the split kernel with few_stages
+    few_stages: Optional[int] = None   # pipeline stages (None: num_stages); stages never change a bit
+
+    def split_stages(self, rows: int) -> int:
+        """Pipeline stages of the split kernel in a launch of ``rows`` rows."""
+        if rows <= self.few_rows and self.few_stages is not None:
+            return self.few_stages
+        return self.num_stages
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -128,10 +136,15 @@ def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
     # (bench/results/2026-12-05-h200-prefill-runs.md; same bits). Timed at 128 heads (4 head blocks a row);
     # below 64 heads (tensor-parallel ranks of 8) a chunk's fused programs would be a row's 1 head block
     # alone: untimed, so off there.
+    # few_rows / few_stages: a one-row launch has one program a SM, each tile's loads a serial wait; a third
+    # stage keeps them ahead (H200, one row: 4k 25.4 -> 24.3 us, 8k 38.9 -> 35.4, 32k 79.9 -> 69.1, the same
+    # bits; bench/results/2026-12-02-h200-n1-launches.md) but costs many rows (4k x 16 rows 140 -> 162 us,
+    # 8k x 8 121 -> 131, 32k x 64 +25 %). Stages keep every bit, so a launch may choose them by its rows; the
+    # ordered fallback's launches are all one row. Two to eight rows are untimed: they keep two stages.
     return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
                      block_n=max(16, min(64, triton.next_power_of_2(split))),
                      merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
-                     num_warps=4, num_stages=2, fuse_rows=512 if H >= 64 else None)
+                     num_warps=4, num_stages=2, fuse_rows=512 if H >= 64 else None, few_rows=1, few_stages=3)
 
 
 def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -590,7 +603,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             po_c, pm_c, pl_c,
             qk_scale, H, L, NS, *table, b0,
             R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, NHB=NHB, **sched.kernel_args(),
-            FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=warps, num_stages=cfg.num_stages, **LAUNCH,
+            FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=warps, num_stages=cfg.split_stages(B), **LAUNCH,
         )
         if NS > 1:
             _mla_merge_kernel[(triton.cdiv(H, MH), nb)](

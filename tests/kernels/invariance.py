@@ -29,6 +29,23 @@ def launcher_path(module, rows_path: bool):
         yield
 
 
+class Launches:
+    """Counts launches of a Triton kernel (``kernel[grid](...)``) and keeps each one's keyword arguments:
+    monkeypatch a module's kernel with it to see what a launch passed."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n, self.kwargs = kernel, 0, []
+
+    def __getitem__(self, grid):
+        self.n += 1
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
+
+
 def poison_empty(patch, keep=None) -> list:
     """``torch.empty`` replaced, through ``patch`` (a pytest MonkeyPatch), by NaN-filled float and zeroed
     integer buffers: a kernel that leaves part of a launcher's buffer unwritten then shows, where a freed

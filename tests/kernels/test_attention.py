@@ -25,7 +25,7 @@ from ds4t.kernels.attention import (
 )
 from ds4t.kernels.splits import SplitSchedule
 from tests.kernels.devices import gen
-from tests.kernels.invariance import assert_rows_invariant, launcher_path, poison_empty, poisoned
+from tests.kernels.invariance import Launches, assert_rows_invariant, launcher_path, poison_empty, poisoned
 
 pytestmark = pytest.mark.usefixtures("on_kernel_device")
 
@@ -344,22 +344,6 @@ def test_a_batch_dependent_split_is_caught(path, pool):
 # ----------------------------------------------------------------------------- same-slot runs
 
 
-class _Launches:
-    """Counts launches of a Triton kernel (``kernel[grid](...)``) and keeps each one's keyword arguments."""
-
-    def __init__(self, kernel):
-        self.kernel, self.n, self.kwargs = kernel, 0, []
-
-    def __getitem__(self, grid):
-        self.n += 1
-        launch = self.kernel[grid]
-
-        def call(*args, **kwargs):
-            self.kwargs.append(kwargs)
-            return launch(*args, **kwargs)
-        return call
-
-
 def _run_rows(runs, device):
     """(slots, lengths) int32 of prefill-like runs ``[(slot, rows, first length), ...]``: each run's rows at
     consecutive lengths of its slot."""
@@ -393,7 +377,7 @@ def test_same_slot_runs_give_the_split_kernels_bits(device, dtype, shape, monkey
         vc[sl, used:] = float("nan")
     q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
     sched = SplitSchedule(16, 64, 4)
-    spy = _Launches(A._attn_runs_kernel)
+    spy = Launches(A._attn_runs_kernel)
     monkeypatch.setattr(A, "_attn_runs_kernel", spy)
     with launcher_path(A, False):
         split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched)
@@ -434,7 +418,7 @@ def test_packed_runs_of_any_length_give_the_split_kernels_bits(device, shape, ru
     base = A.ATTENTION_CONFIGS(16, max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV)))
     cfg = dataclasses.replace(base, run_rows=run_rows, run_stages=2)
     assert A.run_tile(run_rows, HQ // HKV) == max(16, triton.next_power_of_2(run_rows * HQ // HKV))
-    spy = _Launches(A._attn_runs_kernel)
+    spy = Launches(A._attn_runs_kernel)
     monkeypatch.setattr(A, "_attn_runs_kernel", spy)
     with launcher_path(A, False), A.ATTENTION_CONFIGS.forced(lambda *k: cfg):
         split = _run(q, kc, vc, slots, lengths, 0.2, split_size=sched)
@@ -492,7 +476,7 @@ def test_fused_runs_give_the_split_kernels_bits(device, dtype_name, products, pa
     gate = torch.randn(B, HQ * DV, generator=g).to(device)
     sched = SplitSchedule(16, 64, 4)
     base = A.ATTENTION_CONFIGS(16, 64, 64)
-    spy = _Launches(A._attn_runs_kernel)
+    spy = Launches(A._attn_runs_kernel)
     monkeypatch.setattr(A, "_attn_runs_kernel", spy)
     got = {}
     with launcher_path(A, False):
@@ -604,7 +588,7 @@ def test_cache_products_match_the_reference_and_keep_every_invariance(device, dt
     q = torch.randn(slots.numel(), HQ, D, generator=g).to(device)
     sched = SplitSchedule(16, 64, 4)
     kw = dict(split_size=sched, products="cache")
-    spy = _Launches(A._attn_runs_kernel)
+    spy = Launches(A._attn_runs_kernel)
     monkeypatch.setattr(A, "_attn_runs_kernel", spy)
     with launcher_path(A, False):
         split = _run(q, kc, vc, slots, lengths, 0.2, **kw)
@@ -813,7 +797,7 @@ def test_value_column_parts_keep_every_rows_bits(device, parts, products, gated)
     base = A.ATTENTION_CONFIGS(16, D, DV)
     split_cfg = dataclasses.replace(base, dv_parts=parts, dv_rows=3)
     assert A.dv_parts_of(split_cfg, 3, DV) == parts and A.dv_parts_of(split_cfg, 4, DV) == 1
-    spy = _Launches(A._attn_split_kernel)
+    spy = Launches(A._attn_split_kernel)
 
     def run(cfg, sp=sched):
         with launcher_path(A, False), A.ATTENTION_CONFIGS.forced(lambda *k: cfg):

@@ -26,7 +26,7 @@ from ds4t.kernels.mla import (
 from ds4t.kernels import mla as MLA
 from ds4t.kernels import norm, rope
 from ds4t.kernels.splits import SplitSchedule
-from tests.kernels.invariance import assert_rows_invariant, poison_empty, poisoned
+from tests.kernels.invariance import Launches, assert_rows_invariant, poison_empty, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(4, 16, 8), (6, 48, 16)]  # (H, R, Dr): the tiny config, and odd non-power-of-two dims
@@ -299,6 +299,39 @@ def test_merge_stages_change_no_bit(dtype, device):
     assert torch.isfinite(got[4]).all() and torch.equal(got[4], got[1])
     other = mla_decode(q, qp, cache, sl, ln, 0.2, kv_lora_rank=R, split_size=32)
     assert not torch.equal(other[[0, 3]], got[4][[0, 3]])
+
+
+def test_few_row_stages_change_no_bit(device, monkeypatch):
+    """``MLAConfig.few_rows`` / ``few_stages``: a launch of at most ``few_rows`` rows runs the split kernel with
+    ``few_stages`` pipeline stages, a larger one with ``num_stages`` -- and a row's bits are the same either way
+    (each row alone, the few-rows launch, against the same rows inside a larger launch), for rows of one and of
+    several splits. Control: another split schedule changes the rows of several splits."""
+    import dataclasses
+
+    H, R, Dr, S, L = 40, 64, 16, 3, 200
+    slots, lengths = [0, 1, 2, 1, 0], [200, 1, 70, 129, 33]
+    q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.bfloat16, slots, lengths, seed=29, device=device)
+    rule = MLA._interp_config if INTERPRET else MLA._gpu_config
+    few = lambda *k: dataclasses.replace(rule(*k), num_stages=2, few_rows=2, few_stages=3)  # noqa: E731
+    spy = Launches(MLA._mla_split_kernel)
+    monkeypatch.setattr(MLA, "_mla_split_kernel", spy)
+
+    def run(idx, split=SplitSchedule(16, 64, 4)):
+        with MLA_CONFIGS.forced(few):
+            return mla_decode(q[idx], qp[idx], cache, sl[idx], ln[idx], 0.2, kv_lora_rank=R,
+                              split_size=split, out=poisoned((len(idx), H, R), device=device))
+
+    full = run(list(range(5)))
+    assert spy.kwargs[-1]["num_stages"] == 2 and torch.isfinite(full).all()
+    for i in range(5):
+        alone = run([i])
+        assert spy.kwargs[-1]["num_stages"] == 3
+        assert torch.equal(alone[0], full[i]), i
+    pair = run([0, 3])
+    assert spy.kwargs[-1]["num_stages"] == 3 and torch.equal(pair, full[[0, 3]])
+    assert MLAConfig(32, 64, 8, 4, num_stages=2, few_rows=0, few_stages=3).split_stages(1) == 2
+    other = run(list(range(5)), 32)
+    assert not torch.equal(other[[0, 3]], full[[0, 3]])
 
 
 def test_default_split_schedule():
