@@ -15,8 +15,8 @@ changing a bit, so a table may take them for a few rows only:
         decode attention (Qwen3-Next's 16 / 2 heads at d 256, GLM-4.5's 96 / 8 at d 128) at 4096 and 32768 tokens,
         1 / 2 / 4 / 8 rows: the table against 2 and 4 value-column parts; the FP8 grouped MoE at Qwen3-Next's and
         GLM-4.5's expert shapes at 1 and 2 rows: the table against ordered splits 2 / 4 / 8; absorbed MLA
-        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table's few-row stages (``MLAConfig.few_rows``) against
-        none, 2- and 4-row entries and 4 stages (``--only mla``: this section alone). us a call (CUDA graphs over
+        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table against few-row entries of three stages
+        (``MLAConfig.few_rows``) for 1 / 2 / 4 rows (``--only mla``: this section alone). us a call (CUDA graphs over
         rotated inputs), bits against the table.
     python bench/one_row_programs.py models --models qwen3-next-80b-4l:fp8 [--ns 1,2]
         whole decode steps (4096 tokens of context) under the table and each candidate (``bench/step_ab.py``'s
@@ -116,8 +116,9 @@ def mla_few_rows(rows: int, stages=None):
 
 
 def mla_kernels(log) -> bool:
-    """Absorbed MLA (DeepSeek-V3's 128 heads, 512 + 64, bf16 cache) at 1-8 rows: the table (its few-row stages)
-    against no few-row entry, a 4-row one, and 4 stages for one or two rows; us a call, bits against the table."""
+    """Absorbed MLA (DeepSeek-V3's 128 heads, 512 + 64, bf16 cache) at 1-8 rows: the table against few-row
+    entries (``MLAConfig.few_rows``) of three stages for 1 / 2 / 4 rows (four stages do not fit shared memory:
+    262 KB); us a call, bits against the table."""
     from bench.bench_attention import MLA_SHAPE, mla_problem, run_mla
 
     ok = True
@@ -125,8 +126,9 @@ def mla_kernels(log) -> bool:
     sched = MLA.default_split_schedule(MLA_SHAPE[1], MLA_SHAPE[2], torch.bfloat16)
     cfg = MLA.MLA_CONFIGS(*MLA_SHAPE, sched.min_split)
     log(f"\n## Absorbed MLA, bf16 cache: us a call; table {cfg}\n")
-    variants = [("no few-row entry", lambda: mla_few_rows(0)), ("few rows <= 2", lambda: mla_few_rows(2)),
-                ("few rows <= 4", lambda: mla_few_rows(4)), ("few stages 4", lambda: mla_few_rows(cfg.few_rows, 4))]
+    variants = [("3 stages at 1 row", lambda: mla_few_rows(1, 3)),
+                ("few rows <= 2", lambda: mla_few_rows(2, 3)),
+                ("few rows <= 4", lambda: mla_few_rows(4, 3))]
     log("| L | B | table | " + " | ".join(n for n, _ in variants) + " | bits as table |")
     log("|---|---|---|" + "---|" * len(variants) + "---|")
     for L in (4096, 8192, 32768):

@@ -136,15 +136,16 @@ def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
     # (bench/results/2026-12-05-h200-prefill-runs.md; same bits). Timed at 128 heads (4 head blocks a row);
     # below 64 heads (tensor-parallel ranks of 8) a chunk's fused programs would be a row's 1 head block
     # alone: untimed, so off there.
-    # few_rows / few_stages: a one-row launch has one program a SM, each tile's loads a serial wait; a third
-    # stage keeps them ahead (H200, one row: 4k 25.4 -> 24.3 us, 8k 38.9 -> 35.4, 32k 79.9 -> 69.1, the same
-    # bits; bench/results/2026-12-02-h200-n1-launches.md) but costs many rows (4k x 16 rows 140 -> 162 us,
-    # 8k x 8 121 -> 131, 32k x 64 +25 %). Stages keep every bit, so a launch may choose them by its rows; the
-    # ordered fallback's launches are all one row. Two to eight rows are untimed: they keep two stages.
+    # few_rows / few_stages (stages keep every bit, so a launch may choose them by its rows) stay off: a third
+    # stage takes a one-row launch 4-10 % faster alone (H100, 4k / 8k / 32k: 23.3 / 35.7 / 77.6 -> 22.4 / 32.2 /
+    # 74.6 us; H200 4-14 %) and two rows 9-15 % slower, but DeepSeek-V3-4l's N = 1 step moved -0.7 % at 4k and
+    # +0.4 % at 32k (one process, 3 rounds; bench/results/2026-12-07-h100-one-row-attention.md) -- presumably
+    # because a program then holds nearly all of a SM's shared memory (189 KB at two stages), so under PDL the
+    # next kernel's programs cannot start beside it. bench/one_row_programs.py kernels --only mla re-times it.
     return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
                      block_n=max(16, min(64, triton.next_power_of_2(split))),
                      merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
-                     num_warps=4, num_stages=2, fuse_rows=512 if H >= 64 else None, few_rows=1, few_stages=3)
+                     num_warps=4, num_stages=2, fuse_rows=512 if H >= 64 else None)
 
 
 def _interp_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
