@@ -15,8 +15,8 @@ changing a bit, so a table may take them for a few rows only:
         decode attention (Qwen3-Next's 16 / 2 heads at d 256, GLM-4.5's 96 / 8 at d 128) at 4096 and 32768 tokens,
         1 / 2 / 4 / 8 rows: the table against 2 and 4 value-column parts; the FP8 grouped MoE at Qwen3-Next's and
         GLM-4.5's expert shapes at 1 and 2 rows: the table against ordered splits 2 / 4 / 8; absorbed MLA
-        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table against few-row entries of three stages
-        (``MLAConfig.few_rows``) for 1 / 2 / 4 rows (``--only mla``: this section alone). us a call (CUDA graphs over
+        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table against few-row entries (``MLAConfig.few_rows``:
+        three stages, 16 heads a program) (``--only mla``: this section alone). us a call (CUDA graphs over
         rotated inputs), bits against the table.
     python bench/one_row_programs.py models --models qwen3-next-80b-4l:fp8 [--ns 1,2]
         whole decode steps (4096 tokens of context) under the table and each candidate (``bench/step_ab.py``'s
@@ -103,13 +103,15 @@ def _against_table(candidates, fns):
 
 
 @contextlib.contextmanager
-def mla_few_rows(rows: int, stages=None):
-    """Every MLA entry of the GPU table with ``few_rows`` = rows (and ``few_stages`` = stages, None: the table's)."""
+def mla_few_rows(rows: int, stages=None, heads=None):
+    """Every MLA entry of the GPU table with ``few_rows`` = rows, ``few_stages`` = stages and ``few_heads`` = heads
+    (None: the table's)."""
     table, rule = dict(MLA.MLA_CONFIGS.gpu), MLA.MLA_CONFIGS.gpu_rule
 
     def few(*key):
         c = table.get(key) or rule(*key)
-        return dataclasses.replace(c, few_rows=rows, few_stages=c.few_stages if stages is None else stages)
+        return dataclasses.replace(c, few_rows=rows, few_stages=c.few_stages if stages is None else stages,
+                                   few_heads=c.few_heads if heads is None else heads)
 
     with MLA.MLA_CONFIGS.forced(few):
         yield
@@ -117,8 +119,8 @@ def mla_few_rows(rows: int, stages=None):
 
 def mla_kernels(log) -> bool:
     """Absorbed MLA (DeepSeek-V3's 128 heads, 512 + 64, bf16 cache) at 1-8 rows: the table against few-row
-    entries (``MLAConfig.few_rows``) of three stages for 1 / 2 / 4 rows (four stages do not fit shared memory:
-    262 KB); us a call, bits against the table."""
+    entries (``MLAConfig.few_rows``): three stages for 1 / 2 rows, 16 heads a program (twice the programs) at one
+    row, both (four stages do not fit shared memory: 262 KB); us a call, bits against the table."""
     from bench.bench_attention import MLA_SHAPE, mla_problem, run_mla
 
     ok = True
@@ -126,9 +128,9 @@ def mla_kernels(log) -> bool:
     sched = MLA.default_split_schedule(MLA_SHAPE[1], MLA_SHAPE[2], torch.bfloat16)
     cfg = MLA.MLA_CONFIGS(*MLA_SHAPE, sched.min_split)
     log(f"\n## Absorbed MLA, bf16 cache: us a call; table {cfg}\n")
-    variants = [("3 stages at 1 row", lambda: mla_few_rows(1, 3)),
-                ("few rows <= 2", lambda: mla_few_rows(2, 3)),
-                ("few rows <= 4", lambda: mla_few_rows(4, 3))]
+    variants = [("3 stages at 1 row", lambda: mla_few_rows(1, 3)), ("3 stages at <= 2 rows", lambda: mla_few_rows(2, 3)),
+                ("16 heads at 1 row", lambda: mla_few_rows(1, heads=16)),
+                ("16 heads, 3 stages at 1 row", lambda: mla_few_rows(1, 3, 16))]
     log("| L | B | table | " + " | ".join(n for n, _ in variants) + " | bits as table |")
     log("|---|---|---|" + "---|" * len(variants) + "---|")
     for L in (4096, 8192, 32768):

@@ -40,10 +40,10 @@ def test_mla_candidates_set_the_few_row_fields_on_the_gpu_table():
     entry kept; a launch of more rows takes the entry's own stages. Control: outside it the table's own entry."""
     key = (128, 512, 64, 128)
     table = orp.MLA.MLA_CONFIGS.gpu.get(key) or orp.MLA.MLA_CONFIGS.gpu_rule(*key)
-    with orp.mla_few_rows(4, 5):
+    with orp.mla_few_rows(4, 5, 16):
         cfg = orp.MLA.MLA_CONFIGS(*key)
-    assert (cfg.few_rows, cfg.few_stages, cfg.block_h, cfg.num_stages) == (4, 5, table.block_h, table.num_stages)
-    assert cfg.split_stages(4) == 5 and cfg.split_stages(5) == table.num_stages
+    assert (cfg.few_rows, cfg.few_stages, cfg.few_heads, cfg.block_h) == (4, 5, 16, table.block_h)
+    assert cfg.split_tile(4) == (16, 5) and cfg.split_tile(5) == (table.block_h, table.num_stages)
     with orp.mla_few_rows(0):
-        assert orp.MLA.MLA_CONFIGS(*key).split_stages(1) == table.num_stages
+        assert orp.MLA.MLA_CONFIGS(*key).split_tile(1) == (table.block_h, table.num_stages)
     assert orp.MLA.MLA_CONFIGS.gpu_rule(*key) == table

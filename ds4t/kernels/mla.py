@@ -114,14 +114,16 @@ class MLAConfig:
     merge_warps: int = 4
     merge_stages: int = 4   # merge: loads of this many splits in flight (1: one split at a time)
     fuse_rows: Optional[int] = None
-    few_rows: int = 0       # launches of at most this many rows run the split kernel with few_stages
+    few_rows: int = 0       # launches of at most this many rows run the split kernel with few_stages / few_heads
     few_stages: Optional[int] = None   # pipeline stages (None: num_stages); stages never change a bit
+    few_heads: Optional[int] = None    # heads a split program (None: block_h); see split_tile
 
-    def split_stages(self, rows: int) -> int:
-        """Pipeline stages of the split kernel in a launch of ``rows`` rows."""
-        if rows <= self.few_rows and self.few_stages is not None:
-            return self.few_stages
-        return self.num_stages
+    def split_tile(self, rows: int) -> tuple:
+        """(heads a program, pipeline stages) of the split kernel in a launch of ``rows`` rows."""
+        if rows <= self.few_rows:
+            return (self.few_heads or self.block_h,
+                    self.num_stages if self.few_stages is None else self.few_stages)
+        return self.block_h, self.num_stages
 
 
 def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
@@ -574,7 +576,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         else None
     fuse = NS > 1 and runs is not None and cfg.fuse_rows is not None and runs.longest >= cfg.fuse_rows
     table = table_args(runs if fuse else None, slots)
-    BH, BLOCK_N, MH, warps = cfg.block_h, cfg.block_n, cfg.merge_heads, cfg.num_warps
+    BH, stages = cfg.split_tile(B)
+    BLOCK_N, MH, warps = cfg.block_n, cfg.merge_heads, cfg.num_warps
     RP = triton.next_power_of_2(R)
     DRP = max(16, triton.next_power_of_2(max(Dr, 1)))
     NHB = triton.cdiv(H, BH)
@@ -604,7 +607,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             po_c, pm_c, pl_c,
             qk_scale, H, L, NS, *table, b0,
             R=R, DR=Dr, RP=RP, DRP=DRP, BH=BH, BLOCK_N=BLOCK_N, NHB=NHB, **sched.kernel_args(),
-            FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=warps, num_stages=cfg.split_stages(B), **LAUNCH,
+            FUSE_ROWS=cfg.fuse_rows if fuse else 0, num_warps=warps, num_stages=stages, **LAUNCH,
         )
         if NS > 1:
             _mla_merge_kernel[(triton.cdiv(H, MH), nb)](

@@ -301,18 +301,21 @@ def test_merge_stages_change_no_bit(dtype, device):
     assert not torch.equal(other[[0, 3]], got[4][[0, 3]])
 
 
-def test_few_row_stages_change_no_bit(device, monkeypatch):
-    """``MLAConfig.few_rows`` / ``few_stages``: a launch of at most ``few_rows`` rows runs the split kernel with
-    ``few_stages`` pipeline stages, a larger one with ``num_stages`` -- and a row's bits are the same either way
-    (each row alone, the few-rows launch, against the same rows inside a larger launch), for rows of one and of
-    several splits. Control: another split schedule changes the rows of several splits."""
+@pytest.mark.parametrize("heads", [None, 16])
+def test_few_row_tiles_change_no_bit(device, monkeypatch, heads):
+    """``MLAConfig.few_rows`` / ``few_stages`` / ``few_heads``: a launch of at most ``few_rows`` rows runs the split
+    kernel with ``few_stages`` pipeline stages (and ``few_heads`` heads a program), a larger one with the entry's
+    own -- and a row's bits are the same either way (each row alone, the few-rows launch, against the same rows
+    inside a larger launch), for rows of one and of several splits. Control: another split schedule changes the
+    rows of several splits."""
     import dataclasses
 
     H, R, Dr, S, L = 40, 64, 16, 3, 200
     slots, lengths = [0, 1, 2, 1, 0], [200, 1, 70, 129, 33]
     q, qp, cache, sl, ln = _make(H, R, Dr, S, L, torch.bfloat16, slots, lengths, seed=29, device=device)
     rule = MLA._interp_config if INTERPRET else MLA._gpu_config
-    few = lambda *k: dataclasses.replace(rule(*k), num_stages=2, few_rows=2, few_stages=3)  # noqa: E731
+    few = lambda *k: dataclasses.replace(rule(*k), block_h=32, num_stages=2, few_rows=2, few_stages=3,  # noqa: E731
+                                         few_heads=heads)
     spy = Launches(MLA._mla_split_kernel)
     monkeypatch.setattr(MLA, "_mla_split_kernel", spy)
 
@@ -329,7 +332,8 @@ def test_few_row_stages_change_no_bit(device, monkeypatch):
         assert torch.equal(alone[0], full[i]), i
     pair = run([0, 3])
     assert spy.kwargs[-1]["num_stages"] == 3 and torch.equal(pair, full[[0, 3]])
-    assert MLAConfig(32, 64, 8, 4, num_stages=2, few_rows=0, few_stages=3).split_stages(1) == 2
+    assert MLAConfig(32, 64, 8, 4, num_stages=2, few_rows=0, few_stages=3, few_heads=16).split_tile(1) == (32, 2)
+    assert MLAConfig(32, 64, 8, 4, num_stages=2, few_rows=1, few_heads=16).split_tile(1) == (16, 2)
     other = run(list(range(5)), 32)
     assert not torch.equal(other[[0, 3]], full[[0, 3]])
 
