@@ -15,8 +15,8 @@ changing a bit, so a table may take them for a few rows only:
         decode attention (Qwen3-Next's 16 / 2 heads at d 256, GLM-4.5's 96 / 8 at d 128) at 4096 and 32768 tokens,
         1 / 2 / 4 / 8 rows: the table against 2 and 4 value-column parts; the FP8 grouped MoE at Qwen3-Next's and
         GLM-4.5's expert shapes at 1 and 2 rows: the table against ordered splits 2 / 4 / 8; absorbed MLA
-        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table against few-row entries (``MLAConfig.few_rows``:
-        three stages, 16 heads a program) (``--only mla``: this section alone). us a call (CUDA graphs over
+        (DeepSeek-V3) at 4k / 8k / 32k and 1-8 rows: the table against few-row entries of ``MLAConfig.few_rows``
+        -- three stages, 16 heads a program -- (``--only mla``: this section alone). us a call (CUDA graphs over
         rotated inputs), bits against the table.
     python bench/one_row_programs.py models --models qwen3-next-80b-4l:fp8 [--ns 1,2]
         whole decode steps (4096 tokens of context) under the table and each candidate (``bench/step_ab.py``'s

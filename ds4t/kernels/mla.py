@@ -116,7 +116,9 @@ class MLAConfig:
     fuse_rows: Optional[int] = None
     few_rows: int = 0       # launches of at most this many rows run the split kernel with few_stages / few_heads
     few_stages: Optional[int] = None   # pipeline stages (None: num_stages); stages never change a bit
-    few_heads: Optional[int] = None    # heads a split program (None: block_h); see split_tile
+    few_heads: Optional[int] = None    # heads a split program (None: block_h): only a head block that gives
+                                       # block_h's bits (a few-row launch must equal the same rows in a larger
+                                       # one: tests/kernels/test_mla.py::test_few_row_tiles_change_no_bit)
 
     def split_tile(self, rows: int) -> tuple:
         """(heads a program, pipeline stages) of the split kernel in a launch of ``rows`` rows."""
