@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ds4t  # noqa: E402
-from bench import hf_peer, twin  # noqa: E402
+from bench import hf_peer, model_spec, twin  # noqa: E402
 from ds4t.batch import graphs  # noqa: E402
 from ds4t.exactness.harness import plant, random_scenario, run_scenario  # noqa: E402
 
@@ -455,8 +455,8 @@ def bench_model(name, args, bw, log, rows, hf_budget):
             paths = p.split(",")
     log(f"\n# {name}\n")
     t0 = time.time()
-    preset, _, quant = name.partition(":")   # "preset:fp8" quantizes at load, as bench_fp8 / step_ab take it
-    model = ds4t.load(preset, device=DEVICE, quantize=quant or None)
+    preset, quant = model_spec.split(name)
+    model = model_spec.load(name, DEVICE)
     _sync()
     log(f"loaded in {time.time() - t0:.0f} s: {model.family}, {model.dtype}, weights {model.weight_bytes() / 1e9:.2f} GB")
     if getattr(model, "native_window", None) is not None and model.native_window < max(ctxs) + extra:

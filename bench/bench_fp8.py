@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ds4t  # noqa: E402
 from bench.bench_decode import copy_bandwidth, exactness, log_profile, step_floor_bytes  # noqa: E402
+from bench import model_spec  # noqa: E402
 from bench.report import Report, bandwidth_table  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402,F401  (bench_gguf and bench_tp import it from here)
 from ds4t.kernels import linear as L, moe as M  # noqa: E402
@@ -122,13 +123,12 @@ def time_native(model, n: int, ctx: int, iters: int) -> float:
 def bench_model(spec: str, args, bw: float, log, out_rows, label: str = None):
     """Load ``spec`` ("preset" or "preset:quantize"), check it on the GPU, time its decode steps; rows and
     headings say ``label`` (default: the spec)."""
-    name, _, q = spec.partition(":")
     label = label or spec
     log(f"\n# {label}\n")
     cuda = torch.device(args.device).type == "cuda"
     free0 = torch.cuda.mem_get_info()[0] if cuda else 0
     t0 = time.time()
-    model = ds4t.load(name, device=args.device, quantize=q or None)
+    model = model_spec.load(spec, args.device)
     if cuda:
         torch.cuda.synchronize()
     load_s = time.time() - t0

@@ -33,8 +33,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import ds4t  # noqa: E402  (first: it picks the backend before triton loads)
+import ds4t  # noqa: E402,F401  (first: it picks the backend before triton loads)
 import torch  # noqa: E402
+from bench import model_spec  # noqa: E402
 from bench.hf_peer import median_ms  # noqa: E402
 from bench.step_ab import ab_setup, applied, same_result  # noqa: E402
 from ds4t.batch.engine import run_segments  # noqa: E402
@@ -129,9 +130,8 @@ def models_ab(specs: str, ns, variants, device, log, prompts: bool = True) -> bo
     bw = bench_decode.copy_bandwidth(dev)
     ok = True
     for spec in specs.split(","):
-        name, _, qt = spec.partition(":")
         t0 = time.time()
-        model = ds4t.load(name, device=dev, quantize=qt or None)
+        model = model_spec.load(spec, dev)
         log(f"\n## {spec} (load {time.time() - t0:.0f} s): " +
             (f"prompt {P} in chunks of {C}; " if prompts else "") + f"decode at {CTX} tokens")
         rows = []

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ds4t  # noqa: E402
-from bench import bench_decode  # noqa: E402
+from bench import bench_decode, model_spec  # noqa: E402
 from bench.report import Report  # noqa: E402
 from bench.bench_fp8 import synthetic_sessions  # noqa: E402
 from ds4t.batch.graphs import capture_overrides, graphs_for  # noqa: E402
@@ -239,8 +239,7 @@ def ab_setup(args, tool: str):
     os.makedirs(args.out, exist_ok=True)
     log = Report()
 
-    name, _, q = args.model.partition(":")
-    return variants, dev, ds4t.load(name, device=dev, quantize=q or None), log
+    return variants, dev, model_spec.load(args.model, dev), log
 
 
 def main(argv=None) -> int:
