@@ -538,7 +538,11 @@ _GPU_TABLE: dict = {
 #   The three big entries then take two scale blocks a K step in two stages (the same splits and bits: the
 #   one-block step's operations on each block), each shape's best same-bits cell on an H100 in two calls,
 #   B = 1 / 16: 7168 x 18432 88.9 / 81.0 -> 90.7 / 85.9 %, 18432 x 7168 89.1 / 85.2 -> 88.9 / 86.4 %,
-#   16384 x 7168 89.3 / 84.8 -> 88.9 / 85.5 % (bench/results/2026-12-06-h100-fp8-waves.md; not yet timed on an H200).
+#   16384 x 7168 89.3 / 84.8 -> 88.9 / 85.5 % (bench/results/2026-12-06-h100-fp8-waves.md). Timed on an H200
+#   (bench/results/2026-12-07-h200-fp8-table-80b-n1.md, bf16 x, the sweep's best cells B = 1 / 16): two blocks in two
+#   stages stay the best of 7168 x 18432 (3.50 / 3.37 TB/s, 84 / 80 %), but lose to one block in three stages at
+#   18432 x 7168 (3.30 / 3.21 against 3.47 / 3.36) and 16384 x 7168 (3.29 / 3.20 against 3.43 / 3.35), where the
+#   H100 had them level within its spread: those two entries are one block a step again.
 #   Every FP8 entry (and the rule) runs two 16-row sub-tiles a program once a launch has more than 16 rows
 #   (m_sub 2: the weight tile converted once for both; each sub-tile its own dot, the same bits -- rows alone
 #   == in the launch, checked): on an H100 (bench/results/2026-12-06-h100-gguf-row-tiles.md) 64 rows 8-21 %
@@ -548,10 +552,10 @@ _FP8_BF16 = (torch.float8_e4m3fn, 128, torch.bfloat16)
 _GPU_TABLE.update({
     (7168, 18432, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=2, num_warps=2, num_stages=2, swap=True,
                                             fp8_route="f32", scale_blocks=2, m_sub=2),
-    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=2, swap=True,
-                                            fp8_route="f32", scale_blocks=2, m_sub=2),
-    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=2, swap=True,
-                                            fp8_route="f32", scale_blocks=2, m_sub=2),
+    (18432, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
+                                            fp8_route="f32", m_sub=2),
+    (16384, 7168, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=4, num_warps=2, num_stages=3, swap=True,
+                                            fp8_route="f32", m_sub=2),
     (1536, 24576, *_FP8_BF16): LinearConfig(block_n=32, block_k=128, split=1, num_warps=2, num_stages=3, swap=True,
                                             fp8_route="f32", m_sub=2),
     (2048, 12288, *_FP8_BF16): LinearConfig(block_n=64, block_k=64, split=2, num_warps=2, num_stages=3, swap=True,
