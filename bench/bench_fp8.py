@@ -1,7 +1,7 @@
 """Block-FP8 (W8A16) on the GPU, in one call: exactness, kernel bandwidth, decode steps against the floor.
 
 1. Kernels (``--kernels``): the FP8 linear at weights >= 100 MB and the grouped MoE at Qwen3-Next-80B's expert
-   shape, B = 1, 4, 16, next to the same kernels on bf16 weights. Bytes = fp8 values + per-row scales (the
+   shape, B = 1, 4, 16, next to the same kernels on bf16 weights. Bytes = fp8 values + block scales (the
    weight bytes a step must read); % of the measured device-to-device copy bandwidth. CUDA events, warm-up,
    median of 20.
 2. Models (``--models``): each loaded in FP8 (a ``*-fp8`` preset, or any preset with ``:fp8`` to quantize it at
@@ -45,7 +45,11 @@ from ds4t.kernels.weights import quantize  # noqa: E402
 def kernel_rows(bw: float, log):
     """FP8 vs bf16 linear and MoE at real shapes: ms, GB/s, % of copy bandwidth. Timed as decode runs
     them (bench_kernels.time_calls: CUDA graphs of back-to-back calls, rotating over weight copies /
-    expert sets beyond the L2); activations fp32 as the models pass them (rounded to bf16 in-kernel)."""
+    expert sets beyond the L2). Activations in bf16, as a bf16 model stores every tensor whose only readers round
+    it to bf16 (``Decoder.norm_dtype``, ``blocks.narrow_store``): the norms before the linears and before
+    Qwen3-Next's experts (its router is bf16). fp32 activations, which the kernel rounds as it loads them, cost the
+    FP8 linear 15-27 points of copy bandwidth on an H200 (bench/results/2026-12-07-h200-fp8-table-80b-n1.md) and
+    reach these shapes only in fp32 models or behind an fp32 router (DeepSeek-V3's and GLM-4.5's experts)."""
     from bench.bench_kernels import ROTATE_BYTES, time_calls
 
     rows = []
@@ -56,7 +60,7 @@ def kernel_rows(bw: float, log):
         ws = [torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5 for _ in range(n_rot)]
         qs = [quantize(w.float()).with_act_dtype(torch.bfloat16) for w in ws]
         for B in (1, 4, 16):
-            x = torch.randn(B, K, device=dev, generator=g)
+            x = torch.randn(B, K, device=dev, generator=g, dtype=torch.bfloat16)
             out = torch.empty(B, N, device=dev)
             for fmt, pool, nbytes in (("bf16", ws, ws[0].numel() * 2), ("fp8", qs, qs[0].nbytes)):
                 ms, _ = time_calls([lambda w=w: L.linear(x, w, out=out) for w in pool])
@@ -69,7 +73,7 @@ def kernel_rows(bw: float, log):
     wd = torch.randn(E, D, I, device=dev, generator=g, dtype=torch.bfloat16) * I ** -0.5
     qg, qu, qd = (quantize(t.float()).with_act_dtype(torch.bfloat16) for t in (wg, wu, wd))
     for B in (1, 4, 16):
-        h = torch.randn(B, D, device=dev, generator=g, dtype=torch.float32)
+        h = torch.randn(B, D, device=dev, generator=g, dtype=torch.bfloat16)
         # 4 routings, consecutive k-slices of one permutation (disjoint while 4 * B * k <= E): the
         # rotation leaves the L2 at B = 1 and 4
         perm = torch.randperm(E, device=dev, generator=g)
