@@ -145,7 +145,10 @@ def _gpu_config(H: int, R: int, Dr: int, split: int) -> MLAConfig:
     # 74.6 us; H200 4-14 %) and two rows 9-15 % slower, but DeepSeek-V3-4l's N = 1 step moved -0.7 % at 4k and
     # +0.4 % at 32k (one process, 3 rounds; bench/results/2026-12-07-h100-one-row-attention.md) -- presumably
     # because a program then holds nearly all of a SM's shared memory (189 KB at two stages), so under PDL the
-    # next kernel's programs cannot start beside it. bench/one_row_programs.py kernels --only mla re-times it.
+    # next kernel's programs cannot start beside it. few_heads 16 at one row (twice the programs, the same bits)
+    # on an H200: the kernel alone 4-17 % faster at 4k / 8k and 1 % slower at 32k, the DeepSeek-V3-4l (FP8) N = 1
+    # step -2.3 % at 4k and +0.8 % at 32k (bench/results/2026-12-07-h200-fp8-table-80b-n1.md) -- an entry cannot
+    # see the context length, so it stays off too. bench/one_row_programs.py kernels --only mla re-times both.
     return MLAConfig(block_h=max(16, min(32, triton.next_power_of_2(H))),
                      block_n=max(16, min(64, triton.next_power_of_2(split))),
                      merge_heads=max(1, min(triton.next_power_of_2(H), 4096 // triton.next_power_of_2(R))),
