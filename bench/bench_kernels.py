@@ -214,11 +214,12 @@ FP8_ROUTES_SWEPT = ["f32"]
 is measured on request."""
 
 
-FP8_GRID = {"block_n": (32, 64, 128), "num_stages": (2, 3), "num_warps": (1, 2), "scale_blocks": (1, 2)}
+FP8_GRID = {"block_n": (32, 64, 128), "num_stages": (2, 3), "num_warps": (1, 2), "scale_blocks": (1, 2), "tma": (0,)}
 """The FP8 sweep's tile rows, pipeline stages, warps and scale blocks a K step (``--fp8-grid``, e.g.
 ``"scale_blocks=1"``; routes: :data:`FP8_ROUTES_SWEPT`). Two scale blocks a step in 2 stages keep the bytes in
 flight of one block in 4, with half the waits: on an H100 the best cell of each big shape at the table's own
-splits (bench/results/2026-12-06-h100-fp8-waves.md)."""
+splits (bench/results/2026-12-06-h100-fp8-waves.md). ``tma=0,1``: weight tiles also through a tensor descriptor
+(``LinearConfig.tma``, the same bits)."""
 
 
 def fp8_candidates(K, N):
@@ -245,9 +246,9 @@ def fp8_candidates(K, N):
                             for sb in FP8_GRID["scale_blocks"]:
                                 if sb > 1 and (K // split) % (sb * bk_scale):
                                     continue   # whole steps a split: the same splits as one block a step
-                                out.append(LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
-                                                        num_stages=stages, swap=True, fp8_route=route,
-                                                        scale_blocks=sb))
+                                out += [LinearConfig(block_n=bn, block_k=bk, split=split, num_warps=warps,
+                                                     num_stages=stages, swap=True, fp8_route=route,
+                                                     scale_blocks=sb, tma=bool(tma)) for tma in FP8_GRID["tma"]]
     return out
 
 
@@ -255,7 +256,7 @@ def cfg_str(c):
     return (f"BN{c.block_n}/BK{c.block_k}/S{c.split}/w{c.num_warps}/st{c.num_stages}/{'swap' if c.swap else 'xw'}"
             + (f"/m{c.m_sub}" if c.m_sub != 1 else "") + (f"/ev{c.evict}" if c.evict != 1 else "")
             + (f"/{c.fp8_route}" if c.fp8_route != "direct" else "")
-            + (f"/sb{c.scale_blocks}" if c.scale_blocks != 1 else ""))
+            + (f"/sb{c.scale_blocks}" if c.scale_blocks != 1 else "") + ("/tma" if c.tma else ""))
 
 
 # Variants of each shape's table config timed beside it (--variants). Run 2 (2026-11-29) tried
@@ -264,7 +265,8 @@ def cfg_str(c):
 # timed again. The weight loads' cache hint (evict 0 / 2) and the fused split-K sum were timed on
 # 2026-12-01 (bench/results/2026-12-01-h200-fp8-options.md): no gain / 5-25 % slower.
 VARIANTS = {"ds4t-m2": dict(m_sub=2), "ds4t-m4": dict(m_sub=4), "ds4t-fused": dict(fused_sum=True),
-            "ds4t-sb2": dict(scale_blocks=2), "ds4t-sb2st2": dict(scale_blocks=2, num_stages=2)}
+            "ds4t-sb2": dict(scale_blocks=2), "ds4t-sb2st2": dict(scale_blocks=2, num_stages=2),
+            "ds4t-tma": dict(tma=True)}
 
 
 def _inv_word(inv) -> str:
@@ -301,7 +303,7 @@ def variant_cfgs(K, N, fp8=False):
     import dataclasses
     base = table_config(K, N, fp8)
     return [(name, dataclasses.replace(base, **kw)) for name, kw in VARIANTS.items()
-            if (base.split > 1 or "fused_sum" not in kw) and (fp8 or "scale_blocks" not in kw)]
+            if (base.split > 1 or "fused_sum" not in kw) and (fp8 or ("scale_blocks" not in kw and "tma" not in kw))]
 
 
 def _compile_worker(jobs):

@@ -262,6 +262,8 @@ def _linear_kernel(
     USE_TMA (a row tile's ``tma``; 16-bit weights with x in their dtype, M_SUB 1, no SWAP): x and w tiles come
     through the tensor descriptors ``x_desc`` [B, K] (block BLOCK_M x BLOCK_K) and ``w_desc`` [N, K] (block
     BLOCK_N x BLOCK_K) instead of pointer loads: the same operands, the same MMA steps, so the same bits.
+    With FP8 (a decode config's ``tma``, SWAP) only the fp8 weight tiles come through ``w_desc``; rows past N
+    load zeros there instead of row N - 1, and with SWAP a weight row is its own MMA row, never stored.
     """
     grid_dependency()
     pid_m = tl.program_id(0)
@@ -349,7 +351,10 @@ def _linear_kernel(
                     k_ok = None
                     if not EVEN_K:
                         k_ok = (k0 + kb + ks + rk) < K
-                    wt = _load_w_step(w_ptrs, k_ok, EVEN_K, SWAP, EVICT)
+                    if USE_TMA:   # SWAP: the descriptor's [BLOCK_N, BLOCK_K] box is the tile (zeros past K)
+                        wt = w_desc.load([pid_n * BLOCK_N, k0 + kb + ks])
+                    else:
+                        wt = _load_w_step(w_ptrs, k_ok, EVEN_K, SWAP, EVICT)
                     wt = fp8_operand(wt, sc2, W_DTYPE, FP8_ROUTE)   # exact but for "fold" (backend.FP8_ROUTES)
                     if CLAMP_ROWS:
                         p0 = _sub_tile_dot(x_ptrs, None, k_ok, wt, p0, W_DTYPE, SWAP, EVEN_K, False, FP8_ROUTE)
@@ -484,6 +489,7 @@ class LinearConfig:
     fused_sum: bool = False  # split-K: the tile's last split sums the partials (same bits; 2-25 % slower on the H200)
     fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
     scale_blocks: int = 1   # FP8: scale blocks a K-loop step takes in turn (the one-block steps' operations)
+    tma: bool = False       # FP8 with swap: weight tiles through a tensor descriptor (the same values, the same bits)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
         """Columns per K-loop step: BLOCK_K, or for FP8 one scale block (min(scale_bk, K rounded up
@@ -840,7 +846,7 @@ def _row_launch(cfg: LinearConfig, tiles: tuple, B: int, kps: int, kstep: int, o
         m_sub = launch_m_sub(cfg.m_sub, B)
         return _Tiles(BLOCK_M, cfg.block_n, cfg.block_k, m_sub, cfg.swap,
                       _clamp_rows(op_name) and m_sub == 1, cfg.num_warps, cfg.num_stages,
-                      scale_blocks=cfg.scale_blocks)
+                      tma=cfg.tma, scale_blocks=cfg.scale_blocks)
     bk = tile.block_k
     if INTERPRET or kps % bk or kstep % bk:
         bk = cfg.block_k
@@ -852,7 +858,7 @@ def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, t: _Tiles) -> dict:
     """The kernel keywords of a tensor-descriptor launch (``x_desc``, ``w_desc``, ``USE_TMA``), or {} where the
     launch cannot take one: the tile does not ask for it, x is not in the weight's dtype (fp32 x is rounded in
     registers), or a base or row stride is not a multiple of 16 bytes (what the TMA needs)."""
-    if not (t.tma and TMA) or x.dtype != w.dtype or w.dtype not in (torch.bfloat16, torch.float16):
+    if not (t.tma and TMA) or t.swap or x.dtype != w.dtype or w.dtype not in (torch.bfloat16, torch.float16):
         return {}
     if not (tma_aligned(x) and tma_aligned(w)):
         return {}
@@ -860,6 +866,17 @@ def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, t: _Tiles) -> dict:
 
     return dict(x_desc=TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]),
                 w_desc=TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]), USE_TMA=True)
+
+
+def _fp8_tma_descriptor(w: torch.Tensor, t: _Tiles) -> dict:
+    """The keywords of an FP8 launch whose weight tiles come through a tensor descriptor (``w_desc``, ``USE_TMA``):
+    a decode config with ``tma`` and ``swap`` on fp8 data whose base and row stride are multiples of 16 bytes;
+    else {} (pointer loads, the same bits)."""
+    if not (t.tma and TMA and t.swap) or not tma_aligned(w):
+        return {}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return dict(w_desc=TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]), USE_TMA=True)
 
 
 def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: tuple = (), defer_sum: bool = False):
@@ -889,6 +906,8 @@ def _launch(x, weight, bias, out, cfg: LinearConfig, act_dtype=None, row_tiles: 
         return out
     if scale is None:
         tiles.update(_tma_descriptors(x, w, t))
+    else:
+        tiles.update(_fp8_tma_descriptor(w, t))
     if split == 1:
         grid = (m_tiles, triton.cdiv(N, t.block_n), 1)
         _linear_kernel[grid](

@@ -457,6 +457,21 @@ def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(device, adt, K, split, 
     with pytest.raises(ValueError, match="scale_blocks"):
         linear(x, w, config=dataclasses.replace(one, scale_blocks=0))
 
+@pytest.mark.parametrize("B, N, K, split, blocks", [(1, 96, 1024, 2, 1), (5, 100, 640, 1, 2), (17, 96, 640, 2, 1)],
+                         ids=["one-row", "ragged-N-K", "two-sub-tiles"])
+def test_fp8_weight_tiles_through_a_descriptor_keep_the_bits(device, B, N, K, split, blocks):
+    """LinearConfig.tma: the fp8 weight tiles through a tensor descriptor (rows past N zero instead of row N - 1,
+    columns past K zero as the masked loads give) -- the bits of pointer loads. Control: another split differs."""
+    x, w, b = _fp8_data(B, K, N, torch.bfloat16, device=device, seed=11)
+    ptr = LinearConfig(block_n=32, block_k=64, split=split, num_warps=2, num_stages=3, swap=True, scale_blocks=blocks,
+                       m_sub=2)
+    with use_variants({"linear": GPU}):
+        base = linear(x, w, b, config=ptr, act_dtype=torch.bfloat16)
+        assert torch.equal(linear(x, w, b, config=dataclasses.replace(ptr, tma=True), act_dtype=torch.bfloat16), base)
+        assert not torch.equal(linear(x, w, b, config=dataclasses.replace(ptr, split=split + 2),
+                                      act_dtype=torch.bfloat16), base)
+
+
 def test_fp8_block_k_must_divide_the_scale_block(device):
     x, w, _ = _fp8_data(2, 200, 40, device=device, block=(128, 64), bias=False)
     with pytest.raises(ValueError, match="must divide"):
