@@ -140,7 +140,7 @@ def applied(model, spec):
         return
     table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order", "options")}
     options = spec.get("options") or {}
-    bad = [k for k in options if k not in model.load_options() and k != "weight_prefetch"]
+    bad = [k for k in options if k not in model.load_options()]
     if bad:
         raise SystemExit(f"variant option {bad[0]!r}: {model.family} models take {list(model.load_options())}")
     kept = {k: getattr(model, k) for k in options}

@@ -124,10 +124,6 @@ class DenseMLP:
     gate_up: Weight   # [2I, D]: rows [gate | up]
     down: Weight      # [D, I]
 
-    def whole_reads(self) -> list:
-        """The weights a decode step reads whole: both."""
-        return [self.gate_up, self.down]
-
 
 @dataclasses.dataclass(eq=False)
 class MoEWeights:
@@ -148,14 +144,6 @@ class MoEWeights:
     expert_range: Optional[Tuple[int, int]] = None
     """Expert parallel (:mod:`ds4t.parallel`): this rank holds routed experts [lo, hi) of the router's E,
     stacked as local experts 0 .. hi - lo; None: all E."""
-
-    def whole_reads(self) -> list:
-        """The weights a decode step reads whole whatever the routing, in the order it reads them: the router,
-        then the shared expert (its slot of the stacks once fused in)."""
-        if self.shared_index is not None:
-            e = self.shared_index
-            return [self.router, self.w_gate[e], self.w_up[e], self.w_down[e]]
-        return [self.router] + [w for w in (self.shared_gate_up, self.shared_down) if w is not None]
 
     def routed_only(self) -> "MoEWeights":
         """The routed experts alone, for a caller that runs the shared expert itself: the same

@@ -15,7 +15,6 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ds4t.kernels import ops
-from ds4t.kernels.prefetch import WeightPrefetch, parse_option
 from ds4t.models.base import Model, StepBatch
 from ds4t.models.blocks import Layer, Output, store_kwargs
 from ds4t.models.checkpoint import CheckpointError
@@ -136,46 +135,6 @@ class DecoderModel(Model):
     def mixer(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         raise NotImplementedError
 
-    weight_prefetch: str = "off"
-    """Whether a step asks L2 for the next weights on a side stream (:mod:`ds4t.kernels.prefetch`; "off", or
-    "l2[:cap=MB][:last]"); never changes a value."""
-    prefetch_min_bytes: int = 1 << 16
-    """Tensors smaller than this are left out of :meth:`prefetch_schedule` (a chunk costs more than they do)."""
-
-    def prefetch_schedule(self) -> List[List[torch.Tensor]]:
-        """What a step prefetches at each point of :meth:`forward`: entry 2i (issued as layer i's mixer starts)
-        the tensors of layer i's FFN that a step reads whole (``whole_reads``: a dense MLP, or the router and
-        shared expert of a MoE); entry 2i + 1 (as its FFN starts) layer i + 1's mixer weights, or the LM head
-        after the last layer; tensors under ``prefetch_min_bytes`` left out."""
-        def big(ws):
-            return [t for w in ws for _, t in named_tensors(w, "")
-                    if t.numel() * t.element_size() >= self.prefetch_min_bytes]
-
-        out = []
-        for i in range(self.num_layers):
-            out.append(big(self.layers[i].ffn.whole_reads()))
-            out.append(big([self.layers[i + 1].mixer if i + 1 < self.num_layers else self.lm_head]))
-        return out
-
-    def _prefetcher(self):
-        """(WeightPrefetch, one plan per schedule entry) for the current ``weight_prefetch``, built on first use
-        (outside capture: the first step of a graph runs eagerly) and kept while the option stays; None when off,
-        under tensor parallel, or where prefetches cannot launch."""
-        opt = parse_option(self.weight_prefetch)
-        if opt is None or self.tp is not None:
-            return None
-        kept = self.__dict__.get("_prefetch_kept")
-        if kept is not None and kept[0] == self.weight_prefetch:
-            return kept[1]
-        pf = WeightPrefetch(self.device, opt["evict_last"])
-        made = (pf, [pf.plan(ts, opt["cap_bytes"]) for ts in self.prefetch_schedule()]) if pf.active else None
-        self._prefetch_kept = (self.weight_prefetch, made)
-        return made
-
-    def graph_key(self, rows: int):
-        key = super().graph_key(rows)
-        return key if self.weight_prefetch == "off" else (*key, self.weight_prefetch)
-
     def ffn(self, i: int, x: torch.Tensor, batch: StepBatch) -> Output:
         raise NotImplementedError
 
@@ -220,16 +179,11 @@ class DecoderModel(Model):
         final-norm output (the LM head's input) of those rows, fp32 [len(hidden_rows), D]: what an MTP
         head reads."""
         zc, tp = self.zero_centered_norms, self.tp
-        pf = self._prefetcher()
         h = ops.embedding(batch.tokens, self.embed) if tp is None else tp.embedding(batch.tokens, self.embed)
         x = ops.rms_norm(h, self.input_norms[0], self.eps, zero_centered=zc, **self._narrow(0, "mixer"))
         res = h
         for i in range(self.num_layers):
-            if pf is not None:
-                pf[0].issue(pf[1][2 * i])
             x, res = self._add_norm(self.mixer(i, x, batch), res, self.post_norms[i], **self._narrow(i, "ffn"))
-            if pf is not None:
-                pf[0].issue(pf[1][2 * i + 1])
             last = i + 1 == self.num_layers   # the final norm's output stays fp32: MTP heads read it as hidden
             x, res = self._add_norm(self.ffn(i, x, batch), res, self.final_norm if last else self.input_norms[i + 1],
                                     **({} if last else self._narrow(i + 1, "mixer")))
@@ -238,8 +192,6 @@ class DecoderModel(Model):
         if batch.out_rows.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.out_rows)
         logits = ops.linear(x, self.lm_head)
-        if pf is not None:
-            pf[0].join()
         return logits if tp is None else tp.logits(logits, self.vocab_size)
 
     def mtp_forward(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:

@@ -271,7 +271,7 @@ class DeepseekModel(DecoderModel):
         return [None] * len(rows)   # both native paths take any batch
 
     def graph_key(self, rows: int):
-        return (*super().graph_key(rows), self._native_path)   # the two paths launch different kernels
+        return ("decode", rows, self._native_path)   # the two paths launch different kernels
 
     # -- state -------------------------------------------------------------------------------
     def state_specs(self) -> Dict[str, StateSpec]:
