@@ -208,6 +208,8 @@ def main():
     ap.add_argument("--swaps", default="0", help="--fp8: operand orders to try (1: MoEConfig.swap, w @ h^T)")
     ap.add_argument("--scale-blocks", default="1",
                     help="--fp8: scale blocks a K step to try (MoEConfig.scale_blocks; the same bits)")
+    ap.add_argument("--tma", default="0",
+                    help="--fp8: weight tiles through tensor descriptors to try (0, 1: MoEConfig.tma; the same bits)")
     args = ap.parse_args()
     for field, value in _GRID_DEFAULTS["rows" if args.rows else "fp8"].items():
         if getattr(args, field) is None:
@@ -264,12 +266,14 @@ def main():
                 splits = ints(args.splits)
                 grid = (itertools.product(ints(args.tiles_n), ints(args.tiles_k), ints(args.stages),
                                           args.routes.split(","), ints(args.warps), ints(args.swaps), splits,
-                                          ints(args.scale_blocks))
-                        if fp8 else itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,), (0,), (1,), (1,)))
-                for tn, tk, st, via, wp, sw, sp, sb in grid:
+                                          ints(args.scale_blocks), ints(args.tma))
+                        if fp8 else itertools.product(TILES_N, TILES_K, STAGES, ("direct",), (4,), (0,), (1,), (1,),
+                                                      (0,)))
+                for tn, tk, st, via, wp, sw, sp, sb, tm in grid:
                     M.MOE_CONFIGS.gpu.update(default)
                     M.MOE_CONFIGS.gpu[key_] = M.MoEConfig(tile_n=tn, tile_k=tk, num_warps=wp, num_stages=st,
-                                                          fp8_route=via, swap=bool(sw), split=sp, scale_blocks=sb)
+                                                          fp8_route=via, swap=bool(sw), split=sp, scale_blocks=sb,
+                                                          tma=bool(tm))
                     try:
                         out = run()
                         ok = bool(((out - ref).abs().max() / ref.abs().max()).item() < 2e-2)
@@ -279,17 +283,18 @@ def main():
                         ms = _time(runs)
                     except Exception as e:  # a config that does not compile (shared memory)
                         rows.append(dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st,
-                                         warps=wp, via=via, swap=sw, split=sp, sb=sb, status=f"{type(e).__name__}"))
+                                         warps=wp, via=via, swap=sw, split=sp, sb=sb, tma=tm,
+                                         status=f"{type(e).__name__}"))
                         continue
                     r = dict(shape=name, n=n, kernel=kernel, tile_n=tn, tile_k=tk, stages=st, warps=wp, via=via,
-                             swap=sw, split=sp, sb=sb, us=ms * 1e3,
+                             swap=sw, split=sp, sb=sb, tma=tm, us=ms * 1e3,
                              ok=ok, inv=inv, bits=bits, status="ok", default_us=base_ms * 1e3)
                     rows.append(r)
-                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via} swap={sw} split={sp} sb={sb}: "
+                    print(f"     {kernel} tile_n={tn} tile_k={tk} warps={wp} stages={st} route={via} swap={sw} split={sp} sb={sb} tma={tm}: "
                           f"{ms * 1e3:.1f} us"
                           f" ok={ok} inv={inv} same-bits={bits}", flush=True)
                     if ok and inv and (best is None or ms < best[0]):
-                        best = (ms, tn, tk, st, via, wp, sw, sp, sb)
+                        best = (ms, tn, tk, st, via, wp, sw, sp, sb, tm)
                 # The default again, after the sweep: the first timing of a cell (straight after the host built
                 # its weights) read 10-30 % slower than the same config later in the cell on an H100 even after
                 # _warm (bench/results/2026-12-06-h100-block-dots.md): compare configs with this one.
@@ -302,7 +307,7 @@ def main():
                         r["default_again_us"] = again * 1e3
                 if best:
                     print(f"   {kernel:8s} best tile_n={best[1]} tile_k={best[2]} warps={best[5]} stages={best[3]} "
-                          f"route={best[4]} swap={best[6]} split={best[7]} sb={best[8]}: "
+                          f"route={best[4]} swap={best[6]} split={best[7]} sb={best[8]} tma={best[9]}: "
                           f"{best[0] * 1e3:.1f} us ({nbytes / (best[0] / 1e3) / bw * 100:.0f}% of copy BW over "
                           f"both kernels' bytes)", flush=True)
             with open(os.path.join(args.out, "moe_tiles.json"), "w") as f:
@@ -320,19 +325,19 @@ def main():
         for r in rows:
             if r["kernel"] == kernel and r["status"] == "ok" and r["ok"] and r["inv"]:
                 key = (r["tile_n"], r["tile_k"], r["stages"], r["via"], r["warps"], r["swap"], r.get("split", 1),
-                       r.get("sb", 1))
+                       r.get("sb", 1), r.get("tma", 0))
                 tot.setdefault(key, []).append(r["us"])
         cells = len({(r["shape"], r["n"]) for r in rows})
         full = {k_: sum(v) for k_, v in tot.items() if len(v) == cells}
         ranked = sorted(full.items(), key=lambda t: t[1])
         for key, us in ranked[:6]:
             print(f"  {kernel:8s} tile_n={key[0]:3d} tile_k={key[1]:3d} stages={key[2]} route={key[3]} warps={key[4]} "
-                  f"swap={key[5]} split={key[6]} sb={key[7]}: {us:8.1f}")
+                  f"swap={key[5]} split={key[6]} sb={key[7]} tma={key[8]}: {us:8.1f}")
         if ranked:
             k_ = ranked[0][0]
             best.append({"key": [kernel, "fp8"] if fp8 else [kernel],
                          "fields": dict(tile_n=k_[0], tile_k=k_[1], num_stages=k_[2], fp8_route=k_[3], num_warps=k_[4],
-                                        swap=bool(k_[5]), split=k_[6], scale_blocks=k_[7])})
+                                        swap=bool(k_[5]), split=k_[6], scale_blocks=k_[7], tma=bool(k_[8]))})
     # the winners as config overrides: python bench/bench_fp8.py --configs $OUT/best_configs.json ...
     with open(os.path.join(args.out, "best_configs.json"), "w") as f:
         json.dump({"moe": best}, f, indent=1)

@@ -542,11 +542,11 @@ def _moe_gate_up_kernel(
     M_SUB (2; FP8 weights, not SELF, not the "f16" route): a program's tile is two BM-pair sub-tiles, each with
     its own dots on the same converted weight tiles (``MoEConfig.m_sub``): each pair's operations as with M_SUB 1.
 
-    USE_TMA (16-bit weights, ``MoEConfig.tma``): the weight tiles come through the tensor descriptors wg_desc /
-    wu_desc (:func:`_w_desc_tile`) instead of pointer loads -- the same operands, so the same bits."""
+    USE_TMA (``MoEConfig.tma``): the weight tiles (16-bit, or fp8 before their conversion) come through the tensor
+    descriptors wg_desc / wu_desc (:func:`_w_desc_tile`) instead of pointer loads -- the same operands, so the same
+    bits."""
     grid_dependency()
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
-    tl.static_assert(not USE_TMA or SBK == 0)
     tl.static_assert(not ORDERED or (SBK > 0 and FP8_ROUTE != 3 and FP8_ROUTE != 5))
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KTOP, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
@@ -591,10 +591,14 @@ def _moe_gate_up_kernel(
                         kk = kb + ks + tl.arange(0, BK)
                         km = kk < D
                         a = _h_tile(h_ptr, sh_b, b, qm, kk, km, EVEN_K)
-                        wg = fp8_operand(_w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sg, WDT,
-                                         FP8_ROUTE)
-                        wu = fp8_operand(_w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), su, WDT,
-                                         FP8_ROUTE)
+                        if USE_TMA:
+                            wg = _w_desc_tile(wg_desc, e, pid_n * BN, kb + ks, BN, BK, SWAP)
+                            wu = _w_desc_tile(wu_desc, e, pid_n * BN, kb + ks, BN, BK, SWAP)
+                        else:
+                            wg = _w_tile(wg_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                            wu = _w_tile(wu_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                        wg = fp8_operand(wg, sg, WDT, FP8_ROUTE)
+                        wu = fp8_operand(wu, su, WDT, FP8_ROUTE)
                         a = _route_act(a, WDT, FP8_ROUTE == 2)
                         pg = _route_dot(a, wg, pg, a_scale, FP8_ROUTE, SWAP)
                         pu = _route_dot(a, wu, pu, a_scale, FP8_ROUTE, SWAP)
@@ -680,7 +684,6 @@ def _moe_down_kernel(
     USE_TMA (wd_desc) as there."""
     grid_dependency()
     tl.static_assert(M_SUB == 1 or (M_SUB == 2 and SBK > 0 and not SELF and FP8_ROUTE != 5))
-    tl.static_assert(not USE_TMA or SBK == 0)
     TILE: tl.constexpr = BM * M_SUB
     e, start, end, pairs = _program_pairs(ids_ptr, si_b, P, KT, SHARED, KR, TILE, bounds_ptr, experts_ptr, E, BE,
                                           SELF, ROW_PROGRAMS, DEVICE_LIST)
@@ -714,8 +717,11 @@ def _moe_down_kernel(
                         kk = kb + ks + tl.arange(0, BK)
                         km = kk < I
                         a = _act_tile(act_ptr, sa_p, p, qm, kk, km, EVEN_K)
-                        w = fp8_operand(_w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W), sd, WDT,
-                                        FP8_ROUTE)
+                        if USE_TMA:
+                            w = _w_desc_tile(wd_desc, e, pid_n * BN, kb + ks, BN, BK, SWAP)
+                        else:
+                            w = _w_tile(wd_ptr, wbase, n, nm, kk, km, sw_n, sw_k, SWAP, EVEN_W)
+                        w = fp8_operand(w, sd, WDT, FP8_ROUTE)
                         pd = _route_dot(_route_act(a, WDT, FP8_ROUTE == 2), w, pd, a_scale, FP8_ROUTE, SWAP)
                         if M_SUB == 2:
                             a1 = _act_tile(act_ptr, sa_p, p1, qm1, kk, km, EVEN_K)
@@ -822,11 +828,13 @@ def _fp8_route(cfg: MoEConfig, act_dtype) -> int:
 def weight_descriptors(cfg: "MoEConfig", weights: dict, BN: int, BK: int) -> dict:
     """The kernel keywords of a launch whose weight tiles come through tensor descriptors (``weights``: keyword ->
     [E, N, K] tensor; block [1, BN, BK]) plus ``USE_TMA``, or {} where the launch cannot take them: the config
-    does not ask (``MoEConfig.tma``), the backend has no tensor descriptors, the weights are not 16-bit (FP8
-    tiles are converted in registers), or a base or outer stride is not a multiple of 16 bytes."""
+    does not ask (``MoEConfig.tma``), the backend has no tensor descriptors, the weights are neither 16-bit nor
+    fp8 (the fp8 tiles are converted in registers after the load), or a base or outer stride is not a multiple of
+    16 bytes."""
     if not (cfg.tma and TMA):
         return {}
-    if not all(w.dtype in (torch.bfloat16, torch.float16) and tma_aligned(w) for w in weights.values()):
+    wanted = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+    if not all(w.dtype in wanted and tma_aligned(w) for w in weights.values()):
         return {}
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -878,7 +886,7 @@ class MoEConfig:
     m_sub_pairs: int = 0        # m_sub applies to launches of at least this many pairs an expert on average
     ordered_split: bool = False  # FP8 gate/up: the K splits store each scale block's dot, added in block order
                                  # after (the unsplit bits at any split count: sum_order())
-    tma: bool = False           # 16-bit weights: weight tiles through tensor descriptors where the launch allows it
+    tma: bool = False           # weight tiles through tensor descriptors where the launch allows it
                                 # (:func:`weight_descriptors`; the same operands, so the same bits)
 
     def tiles(self, N: int, K: int, scale_bk: int = 0):

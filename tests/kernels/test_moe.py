@@ -879,6 +879,39 @@ def test_row_tile_tma_keeps_every_pairs_bits(device, monkeypatch, row_programs):
     assert torch.equal(full, alone)
 
 
+@pytest.mark.skipif(not M.TMA, reason="tensor descriptors need a Hopper GPU (or the interpreter)")
+@pytest.mark.parametrize("B, swap, row_programs", [(1, True, False), (24, True, True), (5, False, False)],
+                         ids=["one-row-swap", "rows-swap", "expert-programs"])
+def test_fp8_tma_keeps_every_pairs_bits(device, monkeypatch, B, swap, row_programs):
+    """FP8 experts whose fp8 weight tiles come through tensor descriptors (``MoEConfig.tma``, converted in registers
+    after the load) give every pair the bits of pointer loads, both kernels; I = 80 and D = 400 end inside a tile
+    (zeros past them from the descriptors; fp8 rows of 80 / 400 bytes: the 16-byte strides a descriptor needs).
+    Control: the same launch with fp32 activations differs."""
+    E, I, D, k = 6, 80, 400, 2
+    wg, wu, wd = (w.to(device) for w in _fp8_weights(E, I, D, 71))
+    ids, w = (t.to(device) for t in _routing(B, E - 1, k, seed=72))
+    h = torch.randn(B, D, generator=gen(73)).to(device)
+    base = M.MoEConfig(tile_n=32, tile_k=64, fp8_route="f32", swap=swap, row_programs=row_programs, num_warps=2)
+    took = []
+    real = M.weight_descriptors
+    monkeypatch.setattr(M, "weight_descriptors", lambda *a: took.append(real(*a)) or took[-1])
+
+    def run(cfg, adt=torch.bfloat16):
+        with use_variants({"moe_experts": GPU}), M.MOE_CONFIGS.forced(lambda kernel, *f: cfg):
+            return moe_experts(h, ids, w, wg, wu, wd, shared_expert=E - 1, act_dtype=adt,
+                               out=poisoned((B, D), device=device))
+
+    ptr = run(base)
+    assert not any(took)
+    took.clear()
+    desc = run(dataclasses.replace(base, tma=True))
+    assert len(took) == 2 and all(t.get("USE_TMA") for t in took)   # gate/up and down
+    assert not torch.isnan(desc).any()
+    assert torch.equal(desc, ptr)
+    if B == 1:
+        assert not torch.equal(run(dataclasses.replace(base, tma=True), torch.float32), ptr)
+
+
 def test_tma_needs_16_bit_weights_with_16_byte_strides():
     """Where a launch cannot take descriptors it takes the pointer loads: the config does not ask, fp32 weights,
     an expert or row stride that is no multiple of 16 bytes."""
