@@ -16,16 +16,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ds4t
 from ds4t.step import StepBatch
 
-NO_WORK = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "expand", "as_strided", "t",
-           "transpose", "permute", "alias", "detach", "unbind", "split", "split_with_sizes", "empty", "new_empty",
-           "empty_strided", "lift_fresh", "set_"}
-"""aten ops that move no data: views and allocations."""
+NO_WORK = {"_unsafe_view", "empty", "new_empty", "empty_strided", "set_"}
+"""aten ops that move no data besides the views (an op whose schema says it returns a view: ``OpOverload.is_view``):
+allocations, metadata changes, and ``_unsafe_view`` (a view its schema does not declare)."""
 ALLOWED = {("index_select", "ds4t/models/decoder.py"),   # the rows the LM head reads (a chunk's last row)
            ("zero_", "ds4t/models/base.py")}              # a new session's state, zeroed when its slot is taken
 
 
 class ModelOps(TorchDispatchMode):
-    """(aten op, ds4t file) of each op called while active, outside Triton's interpreter."""
+    """(aten op, ds4t file) of each op called while active, outside Triton's interpreter, views left out."""
 
     def __init__(self):
         super().__init__()
@@ -41,7 +40,7 @@ class ModelOps(TorchDispatchMode):
             if where == "?" and "/ds4t/" in name:
                 where = "ds4t/" + name.rsplit("/ds4t/", 1)[1]
             f = f.f_back
-        if not in_triton:
+        if not in_triton and not func.is_view:
             self.ops[(func.overloadpacket.__name__, where)] += 1
         return func(*args, **(kwargs or {}))
 
