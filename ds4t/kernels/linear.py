@@ -489,7 +489,8 @@ class LinearConfig:
     fused_sum: bool = False  # split-K: the tile's last split sums the partials (same bits; 2-25 % slower on the H200)
     fp8_route: str = "direct"  # FP8 weights: how fp8 tiles become MMA operands (ds4t.backend.FP8_ROUTES)
     scale_blocks: int = 1   # FP8: scale blocks a K-loop step takes in turn (the one-block steps' operations)
-    tma: bool = False       # FP8 with swap: weight tiles through a tensor descriptor (the same values, the same bits)
+    tma: bool = False       # weight tiles through a tensor descriptor (the same values, the same bits): FP8 with
+                            # swap; 16-bit launches of one sub-tile without swap (x tiles too, when x has w's dtype)
 
     def k_step(self, K: int, scale_bk: int = 0) -> int:
         """Columns per K-loop step: BLOCK_K, or for FP8 one scale block (min(scale_bk, K rounded up
@@ -858,8 +859,9 @@ def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, t: _Tiles) -> dict:
     """The kernel keywords of a tensor-descriptor launch (``x_desc``, ``w_desc``, ``USE_TMA``), or {} where the
     launch cannot take one: the tile does not ask for it, x is not in the weight's dtype (fp32 x is rounded in
     registers), or a base or row stride is not a multiple of 16 bytes (what the TMA needs)."""
-    if not (t.tma and TMA) or t.swap or x.dtype != w.dtype or w.dtype not in (torch.bfloat16, torch.float16):
-        return {}
+    if not (t.tma and TMA) or t.swap or t.m_sub != 1 or t.clamp_rows or x.dtype != w.dtype \
+            or w.dtype not in (torch.bfloat16, torch.float16):
+        return {}   # (the descriptor path computes one sub-tile, x @ w^T, from unclamped rows)
     if not (tma_aligned(x) and tma_aligned(w)):
         return {}
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -472,6 +472,18 @@ def test_fp8_weight_tiles_through_a_descriptor_keep_the_bits(device, B, N, K, sp
                                       act_dtype=torch.bfloat16), base)
 
 
+@pytest.mark.parametrize("swap, m_sub", [(False, 2), (True, 1), (False, 1)], ids=["sub-tiles", "swap", "one-tile"])
+def test_16_bit_decode_config_with_tma_keeps_the_bits(device, swap, m_sub):
+    """A 16-bit decode config asking for descriptors takes them only where the descriptor path computes the
+    launch's tile (one sub-tile, no swap); elsewhere the pointer loads -- the bits of ``tma=False`` either way."""
+    x, w, b = _data(20, 256, 96, torch.bfloat16, torch.bfloat16, device=device, seed=5)
+    cfg = LinearConfig(block_n=32, block_k=64, split=2, num_warps=4, num_stages=2, swap=swap, m_sub=m_sub)
+    with use_variants({"linear": GPU}):
+        base = linear(x, w, b, config=cfg)
+        assert not torch.isnan(base).any()
+        assert torch.equal(linear(x, w, b, config=dataclasses.replace(cfg, tma=True)), base)
+
+
 def test_fp8_block_k_must_divide_the_scale_block(device):
     x, w, _ = _fp8_data(2, 200, 40, device=device, block=(128, 64), bias=False)
     with pytest.raises(ValueError, match="must divide"):
