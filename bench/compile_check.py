@@ -102,6 +102,9 @@ def record_fp8() -> None:
                        L.LinearConfig(block_n=64, block_k=128, split=2, swap=True, num_warps=4, fp8_route="x2"))
                       if adt == torch.bfloat16 else ())
             for cfg in (None, L._gpu_fp8_heuristic(K, N, 128),
+                        # fp8 weight tiles through a descriptor (taken where the fp8 rows are 16-byte multiples)
+                        dataclasses.replace(L._gpu_fp8_heuristic(K, N, 128), tma=True),
+                        L.LinearConfig(block_n=32, block_k=128, split=2, swap=True, num_warps=2, m_sub=2, tma=True),
                         L.LinearConfig(block_n=64, block_k=64, split=2, swap=False, m_sub=2),
                         L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4),
                         L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4, fused_sum=True),
@@ -129,12 +132,15 @@ def record_fp8() -> None:
             gpu_entry(kernel, *fmt), fp8_route="f16")
         x2 = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
             gpu_entry(kernel, *fmt), fp8_route="x2", tile_n=64, num_warps=4)
+        # the GPU table's tiles with the fp8 weight tiles through tensor descriptors (MoEConfig.tma)
+        tma = lambda kernel, *fmt: None if other(fmt) else dataclasses.replace(  # noqa: E731
+            gpu_entry(kernel, *fmt), tma=True)
         try:
             for tiles in (rule, gpu_entry, split):   # the interpreter's, the GPU table's, split K
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)
-            for tiles in (gpu_entry, *((f16, x2) if adt == torch.bfloat16 else ())):
+            for tiles in (gpu_entry, tma, *((f16, x2) if adt == torch.bfloat16 else ())):
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wga, wua, wda, act_dtype=adt)
         finally:
