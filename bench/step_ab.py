@@ -33,7 +33,10 @@ memory as ``StateSpec.order`` ORDER says (a list, or null for row-major) for the
 kernels' tiles follow the layout). And an optional ``"options": {NAME: VALUE}``: load options the model reads
 at every call set for the variant, then restored -- ``{"options": {"attention_products": "cache"}}`` times a
 GQA family with its attention products in the cache dtype (other numerics: its bits differ from the base's,
-its native step must still equal its ordered one). ``--device cpu`` runs the script
+its native step must still equal its ordered one). And an optional ``"fp8_fields": {TABLE: {FIELD: VALUE}}``: the
+fields replaced in every config of that table whose key is an FP8 one (entries and rule) --
+``{"fp8_fields": {"linear": {"tma": true}, "moe": {"tma": true}}}`` times every FP8 weight tile through a tensor
+descriptor. ``--device cpu`` runs the script
 on tiny presets (a smoke run: the interpreter ignores GPU config entries, so every variant keeps the base's
 bits there).
 """
@@ -124,6 +127,17 @@ def relaid(model, orders: dict):
         pool.generation += 1
 
 
+def fp8_fields(table_name: str, fields: dict):
+    """The config table ``table_name`` with ``fields`` replaced in every config of an FP8 key (entries and rule):
+    a variant's ``"fp8_fields"``."""
+    from ds4t.kernels.config import tables
+
+    known = tables()
+    if table_name not in known:
+        raise SystemExit(f"fp8_fields: no config table {table_name!r}; tables: {sorted(known)}")
+    return known[table_name].with_fields(fields, lambda *key: torch.float8_e4m3fn in key or "fp8" in key)
+
+
 @contextlib.contextmanager
 def applied(model, spec):
     """The variant's table entries (and pass-through overrides, state layouts) in force, the model's CUDA
@@ -138,7 +152,7 @@ def applied(model, spec):
             finally:
                 _clear_graphs(model)
         return
-    table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order", "options")}
+    table = {k: v for k, v in spec.items() if k not in ("passthrough", "state_order", "options", "fp8_fields")}
     options = spec.get("options") or {}
     bad = [k for k in options if k not in model.load_options()]
     if bad:
@@ -150,6 +164,8 @@ def applied(model, spec):
             setattr(model, k, v)
         if spec.get("state_order"):
             stack.enter_context(relaid(model, spec["state_order"]))
+        for name, fields in (spec.get("fp8_fields") or {}).items():
+            stack.enter_context(fp8_fields(name, fields))
         for name in spec.get("passthrough", []):
             stack.enter_context(override(name, op(name).fn))
         if spec.get("passthrough"):

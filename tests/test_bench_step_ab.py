@@ -101,3 +101,22 @@ def test_options_variant_sets_load_options_for_its_block_only():
         with ab.applied(model, {"options": {"native_path": "ds4"}}):
             pass
     assert model.attention_products == "split"
+
+
+def test_fp8_fields_variant_patches_fp8_keys_for_its_block_only():
+    from ds4t.kernels import linear as L
+    from ds4t.kernels import moe as M
+
+    import ds4t
+
+    model = ds4t.load("tiny-glm")
+    key = (4096, 4096, torch.float8_e4m3fn, 128, torch.bfloat16)
+    with ab.applied(model, {"fp8_fields": {"linear": {"tma": True}, "moe": {"tma": True}}}):
+        assert L.LINEAR_CONFIGS.gpu_rule(*key).tma
+        assert M.MOE_CONFIGS.gpu_rule("gate_up", "fp8").tma
+        assert not L.LINEAR_CONFIGS.gpu_rule(4096, 4096, torch.bfloat16).tma
+    assert not L.LINEAR_CONFIGS.gpu_rule(*key).tma
+    with pytest.raises(SystemExit, match="no config table"):
+        with ab.applied(model, {"fp8_fields": {"nope": {"tma": True}}}):
+            pass
+

@@ -62,6 +62,28 @@ class ConfigTable(Generic[C]):
         return lambda *key: entries.get(key[0] if len(key) == 1 else key)
 
     @contextlib.contextmanager
+    def with_fields(self, fields: dict, where: Callable[..., bool]):
+        """Inside the block every GPU key for which ``where(*key)`` holds gets its config (entry or rule) with
+        ``fields`` replaced; other keys keep theirs. How a benchmark times one field across a whole table, e.g.
+        ``LINEAR_CONFIGS.with_fields({"tma": True}, lambda *key: torch.float8_e4m3fn in key)``. The interpreter
+        keeps its own rule (as :func:`overridden`). Unknown fields raise on the first lookup."""
+        entries, rule = dict(self.gpu), self.gpu_rule
+
+        def patched(*key):
+            cfg = entries.get(key[0] if len(key) == 1 else key)
+            cfg = cfg if cfg is not None else rule(*key)
+            return dataclasses.replace(cfg, **fields) if cfg is not None and where(*key) else cfg
+
+        saved = self.gpu, self.gpu_rule
+        self.gpu, self.gpu_rule = {}, patched
+        self.clear_caches()
+        try:
+            yield self
+        finally:
+            self.gpu, self.gpu_rule = saved
+            self.clear_caches()
+
+    @contextlib.contextmanager
     def forced(self, rule: Callable[..., C]):
         """Inside the block every key gets ``rule(*key)``, on either backend (tests run the GPU's
         tiles in the interpreter this way)."""

@@ -270,3 +270,25 @@ def test_overridden_rejects_unknown_tables_fields_and_keys():
         with overridden({"linear": [{"key": [1, 2, "torch.nonsense"], "fields": {}}]}):
             pass
     assert M.MOE_CONFIGS.gpu == before
+
+
+def test_with_fields_patches_the_keys_it_is_told_of_and_restores_them():
+    """``ConfigTable.with_fields``: every GPU key ``where`` accepts gets its config (entry or rule) with the fields
+    replaced, the others keep theirs, and the table is as before after the block (also when it raises)."""
+    L = _m("linear")
+    fp8 = (7168, 18432, torch.float8_e4m3fn, 128, torch.bfloat16)   # a table entry
+    ruled = (4096, 4096, torch.float8_e4m3fn, 128, torch.bfloat16)  # the rule's
+    bf16 = (2048, 12352, torch.bfloat16)
+    before = {k: (L.LINEAR_CONFIGS.gpu.get(k) or L.LINEAR_CONFIGS.gpu_rule(*k)) for k in (fp8, ruled, bf16)}
+    assert not any(c.tma for c in before.values())
+    with pytest.raises(RuntimeError):
+        with L.LINEAR_CONFIGS.with_fields({"tma": True}, lambda *key: torch.float8_e4m3fn in key) as t:
+            assert t.gpu_rule(*fp8) == dataclasses.replace(before[fp8], tma=True)
+            assert t.gpu_rule(*ruled) == dataclasses.replace(before[ruled], tma=True)
+            assert t.gpu_rule(*bf16) == before[bf16]   # negative control: a key ``where`` refuses
+            raise RuntimeError
+    assert {k: (L.LINEAR_CONFIGS.gpu.get(k) or L.LINEAR_CONFIGS.gpu_rule(*k)) for k in before} == before
+    with L.LINEAR_CONFIGS.with_fields({"no_such_field": 1}, lambda *key: True) as t:
+        with pytest.raises(TypeError):
+            t.gpu_rule(*bf16)
+
