@@ -101,10 +101,11 @@ def record_fp8() -> None:
             routes = ((L.LinearConfig(block_n=32, block_k=128, split=2, swap=True, num_warps=2, fp8_route="f16"),
                        L.LinearConfig(block_n=64, block_k=128, split=2, swap=True, num_warps=4, fp8_route="x2"))
                       if adt == torch.bfloat16 else ())
-            for cfg in (None, L._gpu_fp8_heuristic(K, N, 128),
-                        # fp8 weight tiles through a descriptor (taken where the fp8 rows are 16-byte multiples)
-                        dataclasses.replace(L._gpu_fp8_heuristic(K, N, 128), tma=True),
-                        L.LinearConfig(block_n=32, block_k=128, split=2, swap=True, num_warps=2, m_sub=2, tma=True),
+            # fp8 weight tiles through a descriptor (bf16 x, fp8 rows of 16-byte multiples: where a launch takes it)
+            tma = ((dataclasses.replace(L._gpu_fp8_heuristic(K, N, 128), tma=True),
+                    L.LinearConfig(block_n=32, block_k=128, split=2, swap=True, num_warps=2, m_sub=2, tma=True))
+                   if adt == torch.bfloat16 and K % 16 == 0 else ())
+            for cfg in (None, L._gpu_fp8_heuristic(K, N, 128), *tma,
                         L.LinearConfig(block_n=64, block_k=64, split=2, swap=False, m_sub=2),
                         L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4),
                         L.LinearConfig(block_n=32, block_k=128, split=3, swap=True, m_sub=4, fused_sum=True),
@@ -140,7 +141,7 @@ def record_fp8() -> None:
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, D, generator=g), ids, wts, wg, wu, wd, shared_expert=E - 1,
                               act_dtype=adt)
-            for tiles in (gpu_entry, tma, *((f16, x2) if adt == torch.bfloat16 else ())):
+            for tiles in (gpu_entry, *((tma, f16, x2) if adt == torch.bfloat16 else ())):
                 M.MOE_CONFIGS.interp_rule = tiles
                 M.moe_experts(torch.randn(3, 256, generator=g), ids, wts, wga, wua, wda, act_dtype=adt)
         finally:
