@@ -50,8 +50,12 @@ class ConfigTable(Generic[C]):
     def __call__(self, *key) -> C:
         if INTERPRET:
             return self.interp_rule(*key)
-        key_ = key[0] if len(key) == 1 else key
-        cfg = self.gpu.get(key_)
+        return self.gpu_config(*key)
+
+    def gpu_config(self, *key) -> C:
+        """The GPU's config for ``key`` on either backend: its measured entry, else ``gpu_rule(*key)`` (a one-part
+        key is stored bare)."""
+        cfg = self.gpu.get(key[0] if len(key) == 1 else key)
         return cfg if cfg is not None else self.gpu_rule(*key)
 
     def gpu_entries(self) -> Callable[..., Optional[C]]:
@@ -67,31 +71,30 @@ class ConfigTable(Generic[C]):
         ``fields`` replaced; other keys keep theirs. How a benchmark times one field across a whole table, e.g.
         ``LINEAR_CONFIGS.with_fields({"tma": True}, lambda *key: torch.float8_e4m3fn in key)``. The interpreter
         keeps its own rule (as :func:`overridden`). Unknown fields raise on the first lookup."""
-        entries, rule = dict(self.gpu), self.gpu_rule
+        table = ConfigTable(self.kernel, dict(self.gpu), self.gpu_rule, self.interp_rule, self.source)
 
         def patched(*key):
-            cfg = entries.get(key[0] if len(key) == 1 else key)
-            cfg = cfg if cfg is not None else rule(*key)
+            cfg = table.gpu_config(*key)
             return dataclasses.replace(cfg, **fields) if cfg is not None and where(*key) else cfg
 
-        saved = self.gpu, self.gpu_rule
-        self.gpu, self.gpu_rule = {}, patched
-        self.clear_caches()
-        try:
+        with self._rules(patched, self.interp_rule):
             yield self
-        finally:
-            self.gpu, self.gpu_rule = saved
-            self.clear_caches()
 
     @contextlib.contextmanager
     def forced(self, rule: Callable[..., C]):
         """Inside the block every key gets ``rule(*key)``, on either backend (tests run the GPU's
         tiles in the interpreter this way)."""
+        with self._rules(rule, rule):
+            yield self
+
+    @contextlib.contextmanager
+    def _rules(self, gpu_rule: Callable[..., C], interp_rule: Callable[..., C]):
+        """No GPU entries and these two rules inside the block; the table as it was after it (also on error)."""
         saved = self.gpu, self.gpu_rule, self.interp_rule
-        self.gpu, self.gpu_rule, self.interp_rule = {}, rule, rule
+        self.gpu, self.gpu_rule, self.interp_rule = {}, gpu_rule, interp_rule
         self.clear_caches()
         try:
-            yield self
+            yield
         finally:
             self.gpu, self.gpu_rule, self.interp_rule = saved
             self.clear_caches()
@@ -150,9 +153,7 @@ def overridden(spec):
         table = known[name]
         for entry in entries:
             key = _key(entry["key"])
-            base = table.gpu.get(key)
-            if base is None:
-                base = table.gpu_rule(*(key if isinstance(key, tuple) else (key,)))
+            base = table.gpu_config(*(key if isinstance(key, tuple) else (key,)))
             if base is None:
                 raise KeyError(f"config table {name!r} has no entry or rule for key {entry['key']!r}")
             if "tiles" in entry:   # a table of tile tuples (linear_rows): each item the first tile with its fields
