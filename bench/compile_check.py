@@ -502,7 +502,10 @@ def compile_all(records: list, arch: int, sass: str = "", layouts: str = "") -> 
             if sass and sass in rec["name"]:
                 shown = {k: v for k, v in {**rec["args"], **consts}.items()
                          if k.isupper() and isinstance(v, (int, str)) and not isinstance(v, bool)}
-                report = sass_report(ck.asm["cubin"], f"{label} {opts} {shown}")
+                # the cubin's SHARED is the static part; Triton sizes the dynamic shared memory (pipeline
+                # buffers, layout conversions) itself and asks for it at launch
+                report = sass_report(ck.asm["cubin"], f"{label} {opts} {shown} dynamic shared "
+                                                      f"{ck.metadata.shared} B")
             if layouts and layouts in rec["name"]:
                 report = "\n".join(r for r in (report, f"{label}: {dot_layouts(ck.asm['ttgir'])}") if r)
             results.append((label, True, time.time() - t0, report))

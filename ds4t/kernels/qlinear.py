@@ -614,7 +614,7 @@ def _gpu_rule(K: int, N: int, qtype: str, act_dtype=None, *rows) -> Optional[QLi
         bm = ROWS_BLOCK_M.get(qtype, ROWS_BLOCK_M_DEFAULT)
         if bm <= BLOCK_M:
             return None
-        dec = QLINEAR_CONFIGS.gpu.get((K, N, qtype, act_dtype)) or _gpu_rule(K, N, qtype, act_dtype)
+        dec = QLINEAR_CONFIGS.gpu_config(K, N, qtype, act_dtype)
         return dataclasses.replace(dec, block_m=bm, min_rows=ROWS_MIN_ROWS)
     fold = act_dtype == torch.bfloat16 and qtype in FOLD_TYPES
     group = _q8_group(K, 8 if fold else 4) if qtype in BLOCKS_32 else 1
