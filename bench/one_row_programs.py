@@ -120,8 +120,7 @@ def mla_few_rows(rows: int, stages=None, heads=None):
 def mla_kernels(log) -> bool:
     """Absorbed MLA (DeepSeek-V3's 128 heads, 512 + 64, bf16 cache) at 1-8 rows: the table against few-row
     entries (``MLAConfig.few_rows``): three stages for 1 / 2 rows, 16 heads a program (twice the programs) at one
-    row, both (four stages do not fit shared memory: 262 KB); one stage (a third of the shared memory, so two
-    programs may share a SM), alone and with 16 heads; us a call, bits against the table."""
+    row, both (four stages do not fit shared memory: 262 KB); us a call, bits against the table."""
     from bench.bench_attention import MLA_SHAPE, mla_problem, run_mla
 
     ok = True
@@ -131,9 +130,7 @@ def mla_kernels(log) -> bool:
     log(f"\n## Absorbed MLA, bf16 cache: us a call; table {cfg}\n")
     variants = [("3 stages at 1 row", lambda: mla_few_rows(1, 3)), ("3 stages at <= 2 rows", lambda: mla_few_rows(2, 3)),
                 ("16 heads at 1 row", lambda: mla_few_rows(1, heads=16)),
-                ("16 heads, 3 stages at 1 row", lambda: mla_few_rows(1, 3, 16)),
-                ("1 stage at 1 row", lambda: mla_few_rows(1, 1)),
-                ("16 heads, 1 stage at 1 row", lambda: mla_few_rows(1, 1, 16))]
+                ("16 heads, 3 stages at 1 row", lambda: mla_few_rows(1, 3, 16))]
     log("| L | B | table | " + " | ".join(n for n, _ in variants) + " | bits as table |")
     log("|---|---|---|" + "---|" * len(variants) + "---|")
     for L in (4096, 8192, 32768):
