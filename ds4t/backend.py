@@ -10,7 +10,10 @@ Interpreter defects handled here (docs/design.md, "The Triton interpreter"), eac
   whose result for a row depends on the row's place in the tile (OpenBLAS works in 6-row
   panels) -> :func:`mma` computes a broadcast product summed over K in fp32 (bf16*bf16 products
   are exact in fp32, so only the summation order differs from the GPU).
-* fp32 -> bf16 ``.to()`` truncates instead of rounding to nearest even -> :func:`cast`.
+* fp32 -> bf16 ``.to()`` truncates instead of rounding to nearest even -> :func:`_fast_float_conversions`
+  rounds it as the GPU does (:func:`round_bf16_in_f32`'s bits) and serves every float conversion from a
+  table (16-bit and 8-bit sources) or a shift, where Triton's own ``_convert_float`` ran ~20 numpy passes
+  (with ``DS4T_INTERPRETER_REPATCH=1`` :func:`cast` rounds with integer ops instead).
 * autotune with several configs and ``do_bench`` need a GPU -> kernels use one fixed config
   per weight shape (which batch invariance wants anyway); :func:`timer` times with CUDA events
   on the GPU and wall clock on the CPU.
@@ -49,6 +52,8 @@ if not INTERPRET and not torch.cuda.is_available():
     )
 
 _INTERPRET_C = tl.constexpr(INTERPRET)
+_ROUND_BF16_C = tl.constexpr(INTERPRET and os.environ.get("DS4T_INTERPRETER_REPATCH") == "1")
+"""Whether :func:`cast` rounds fp32 -> bf16 itself: in the interpreter without :func:`_fast_float_conversions`."""
 
 
 def _pdl_supported() -> bool:
@@ -190,7 +195,7 @@ def cast(x, dtype: tl.constexpr):
 
     (The interpreter still flushes fp32 denormals to zero on this cast.)
     """
-    if _INTERPRET_C:
+    if _ROUND_BF16_C:
         if dtype == tl.bfloat16:
             if x.dtype == tl.float32:
                 x = round_bf16_in_f32(x)
@@ -963,9 +968,74 @@ def _gather_loads() -> None:
     builder.create_masked_load = create_masked_load
 
 
+def _fast_float_conversions() -> None:
+    """Float conversions in the interpreter: the GPU's fp32 -> bf16 rounding, and each conversion one numpy pass.
+
+    Triton's ``_convert_float`` decodes sign, exponent and significand in ~20 numpy passes (with a Python loop
+    over the mantissa bits when any element is subnormal): a quarter of an interpreted FP8 MoE call. Here a
+    source of at most 16 bits is looked up in a table of that function's own results for every bit pattern
+    (built once per conversion, so the same bits by construction); fp32 -> bf16 is the top half of the word
+    (what that function gives for every exponent but zero; zero-exponent words still go through it).
+
+    And ``create_fp_trunc`` (``x.to(tl.bfloat16)`` of fp32, and a store's implicit cast) truncated where the GPU
+    rounds to nearest even: it now rounds with :func:`round_bf16_in_f32`'s integer operations (ties to even,
+    NaN and Inf keep their bits) before taking the top half, the bits :func:`cast` gave."""
+    import numpy as np
+    from triton.runtime import interpreter as _interp
+
+    original = _interp._convert_float
+    if getattr(original, "_ds4t_fast", False):
+        return
+    tables = {}
+    half = np.uint32(16)
+
+    def top_half(bits):
+        """fp32 words -> bf16 words as ``original`` truncates them."""
+        out = (bits >> half).astype(np.uint16)
+        odd = ((bits & np.uint32(0x7F800000)) == 0) & ((bits & np.uint32(0x7FFFFF)) != 0)
+        if odd.any():
+            out[odd] = original(bits[odd], tl.float32, tl.bfloat16, None)
+        return out
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        width = input_dtype.primitive_bitwidth
+        if width <= 16:
+            key = (str(input_dtype), str(output_dtype), rounding_mode)
+            if key not in tables:
+                try:
+                    tables[key] = original(np.arange(1 << width, dtype=f"uint{width}"), input_dtype, output_dtype,
+                                           rounding_mode)
+                except (OverflowError, ValueError):   # Triton's function fails on some pattern: keep it per call
+                    tables[key] = None
+            table = tables[key]
+            if table is not None:
+                return table[np.frombuffer(input.tobytes(), dtype=f"uint{width}")].reshape(input.shape)
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode is None:
+            return top_half(np.frombuffer(input.tobytes(), dtype=np.uint32)).reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    builder = _interp.InterpreterBuilder
+    trunc = builder.create_fp_trunc
+
+    def create_fp_trunc(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data).view(np.uint32)
+            bias = ((bits >> half) & np.uint32(1)) + np.uint32(0x7FFF)
+            finite = (bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+            rounded = np.where(finite, bits + bias, bits) & np.uint32(0xFFFF0000)
+            return _interp.TensorHandle(top_half(rounded).reshape(src.data.shape), dst_type.scalar)
+        return trunc(self, src, dst_type)
+
+    convert._ds4t_fast = True
+    convert._ds4t_original = original
+    _interp._convert_float = convert
+    builder.create_fp_trunc = create_fp_trunc
+
+
 # DS4T_INTERPRETER_REPATCH=1 keeps Triton's own interpreter behaviour (none of the work-arounds below).
 if INTERPRET and os.environ.get("DS4T_INTERPRETER_REPATCH") != "1":
     _keep_interpreter_patched()
     _memoize_np_dtype()
     _reuse_block_types()
     _gather_loads()
+    _fast_float_conversions()

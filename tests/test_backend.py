@@ -414,6 +414,74 @@ def test_gathered_loads_equal_tritons_own(dtype):
             assert np.array_equal(a.data.view(np.uint8), w.data.view(np.uint8))
 
 
+@triton.jit
+def _to_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r, mask=r < n)
+    tl.store(y_ptr + r, x.to(y_ptr.dtype.element_ty), mask=r < n)
+
+
+@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+def test_fast_float_conversions_equal_tritons_own():
+    # ds4t.backend._fast_float_conversions: every conversion from a 16- or 8-bit float for every bit pattern, and
+    # fp32 -> bf16 (truncating, as Triton's own) for every top half beside low halves at the rounding edges and for
+    # subnormal, zero, Inf and NaN words, give Triton's own function's bits.
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    fast = interp._convert_float
+    assert getattr(fast, "_ds4t_fast", False)
+    own = fast._ds4t_original
+    from triton._C.libtriton import ir
+
+    rtne = ir.ROUNDING_MODE.RTNE
+    pairs = [(tl.bfloat16, tl.float32, None), (tl.float8e4nv, tl.float32, None), (tl.float8e4nv, tl.float16, None),
+             (tl.float8e4nv, tl.bfloat16, None), (tl.float8e5, tl.float32, None), (tl.float8e5, tl.bfloat16, None),
+             (tl.bfloat16, tl.float8e4nv, rtne), (tl.float16, tl.float8e4nv, rtne), (tl.bfloat16, tl.float8e5, rtne)]
+    for src, dst, rounding in pairs:
+        width = src.primitive_bitwidth
+        codes = np.arange(1 << width, dtype=f"uint{width}").reshape(-1, 1 << (width // 2))   # any shape
+        a, w = fast(codes, src, dst, rounding), own(codes, src, dst, rounding)
+        assert a.dtype == w.dtype and a.shape == w.shape and np.array_equal(a, w), (src, dst)
+    tops = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234, 0xBEEF], dtype=np.uint32)
+    words = (tops[:, None] | lows[None, :]).reshape(-1)
+    words = np.concatenate([words, np.arange(1, 1 << 16, dtype=np.uint32) * np.uint32(97) % np.uint32(1 << 23)])
+    a, w = fast(words.view(np.float32), tl.float32, tl.bfloat16, None), own(words.view(np.float32), tl.float32,
+                                                                            tl.bfloat16, None)
+    assert a.dtype == w.dtype and np.array_equal(a, w)
+
+
+@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+def test_plain_to_bf16_rounds_to_nearest_even_as_cast_did(device):
+    # `.to(tl.bfloat16)` of fp32 in the interpreter rounds as the GPU does: torch's bits for finite values (ties to
+    # even), Inf and NaN kept; the bits the integer-op rounding of ds4t.backend.cast gave. Control: Triton's own
+    # truncating conversion differs on these values.
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1000, generator=g)
+    halfway = ((base.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.4e38, 1e-40, -3e-39])
+    x = torch.cat([base, halfway, specials])
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _to_kernel[(1,)](x, y, x.numel(), triton.next_power_of_2(x.numel()))
+    normal = torch.isfinite(x) & (x.abs() >= torch.finfo(torch.float32).tiny)
+    assert torch.equal(y[normal], x[normal].to(torch.bfloat16))
+    assert torch.isnan(y[x.isnan()]).all() and torch.equal(y[x.isinf()], x[x.isinf()].to(torch.bfloat16))
+    # every word, subnormals too: ds4t.backend.round_bf16_in_f32's integer rounding, then Triton's own truncation
+    from triton.runtime import interpreter as interp
+    own = interp._convert_float._ds4t_original
+    bits = x.view(torch.int32).numpy().view(np.uint32)
+    bias = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    kept = (bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+    rounded = np.where(kept, bits, bits + bias) & np.uint32(0xFFFF0000)
+    assert np.array_equal(y.view(torch.int16).numpy().view(np.uint16), own(rounded.view(np.float32), tl.float32,
+                                                                            tl.bfloat16, None))
+    truncated = own(x.numpy(), tl.float32, tl.bfloat16, None)   # the control: Triton's own .to() differs
+    assert not np.array_equal(truncated, y.view(torch.int16).numpy().view(np.uint16))
+
+
 def test_packed_asm_gives_the_interpreters_values():
     """The GPU's packed bit tricks (PTX strings the interpreter never runs), emulated instruction by
     instruction: each gives the value the interpreter's formula gives, for every byte in every lane (int8,
