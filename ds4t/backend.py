@@ -52,7 +52,10 @@ if not INTERPRET and not torch.cuda.is_available():
     )
 
 _INTERPRET_C = tl.constexpr(INTERPRET)
-_ROUND_BF16_C = tl.constexpr(INTERPRET and os.environ.get("DS4T_INTERPRETER_REPATCH") == "1")
+PATCH_INTERPRETER = INTERPRET and os.environ.get("DS4T_INTERPRETER_REPATCH") != "1"
+"""Whether the interpreter work-arounds at the end of this module are applied (``DS4T_INTERPRETER_REPATCH=1`` keeps
+Triton's own interpreter behaviour)."""
+_ROUND_BF16_C = tl.constexpr(INTERPRET and not PATCH_INTERPRETER)
 """Whether :func:`cast` rounds fp32 -> bf16 itself: in the interpreter without :func:`_fast_float_conversions`."""
 
 
@@ -1032,8 +1035,7 @@ def _fast_float_conversions() -> None:
     builder.create_fp_trunc = create_fp_trunc
 
 
-# DS4T_INTERPRETER_REPATCH=1 keeps Triton's own interpreter behaviour (none of the work-arounds below).
-if INTERPRET and os.environ.get("DS4T_INTERPRETER_REPATCH") != "1":
+if PATCH_INTERPRETER:
     _keep_interpreter_patched()
     _memoize_np_dtype()
     _reuse_block_types()

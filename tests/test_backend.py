@@ -421,7 +421,7 @@ def _to_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + r, x.to(y_ptr.dtype.element_ty), mask=r < n)
 
 
-@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+@pytest.mark.skipif(not backend.PATCH_INTERPRETER, reason="an interpreter work-around (DS4T_INTERPRETER_REPATCH=1: off)")
 def test_fast_float_conversions_equal_tritons_own():
     # ds4t.backend._fast_float_conversions: every conversion from a 16- or 8-bit float for every bit pattern, and
     # fp32 -> bf16 (truncating, as Triton's own) for every top half beside low halves at the rounding edges and for
@@ -452,7 +452,7 @@ def test_fast_float_conversions_equal_tritons_own():
     assert a.dtype == w.dtype and np.array_equal(a, w)
 
 
-@pytest.mark.skipif(not backend.INTERPRET, reason="an interpreter work-around")
+@pytest.mark.skipif(not backend.PATCH_INTERPRETER, reason="an interpreter work-around (DS4T_INTERPRETER_REPATCH=1: off)")
 def test_plain_to_bf16_rounds_to_nearest_even_as_cast_did(device):
     # `.to(tl.bfloat16)` of fp32 in the interpreter rounds as the GPU does: torch's bits for finite values (ties to
     # even), Inf and NaN kept; the bits the integer-op rounding of ds4t.backend.cast gave. Control: Triton's own
