@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-gpu $(TRITON_GPU)
 	touch $@
 
-.PHONY: demo test check bench-kernels
+.PHONY: demo test test-long check bench-kernels
 demo: $(VENV)/.installed
 	$(VENV)/bin/ds4t demo
 
@@ -31,8 +31,13 @@ check: $(VENV)/.installed
 
 # -n 2: the suite is CPU-bound in the Triton interpreter; CI machines have 2 cores. worksteal: an idle
 # worker takes tests queued on the busy one (the minutes-long tests run first: tests/conftest.py).
+# -m "not long": tests marked long repeat a default test's property at a larger size, more ranks or more cases
+# (pyproject.toml); `make test-long` runs them.
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist worksteal --durations=15 tests
+	$(PY) -m pytest -n 2 --dist worksteal --durations=15 -m "not long" tests
+
+test-long: $(VENV)/.installed
+	$(PY) -m pytest -n 2 --dist worksteal --durations=15 -m long tests
 
 # pytest-benchmark over every kernel op (bench/micro): small shapes in the interpreter, real layer
 # shapes on a GPU (DS4T_MICRO_SIZE=small|real overrides). Not part of `make test`, which only runs

@@ -474,11 +474,13 @@ def dot_layouts(ttgir: str) -> str:
     return f"dot layouts: {kind}; " + ", ".join(f"operand {i} kWidth {w}" for i, w in ops)
 
 
-def compile_all(records: list, arch: int, sass: str = "", layouts: str = "") -> list:
+def compile_all(records: list, arch: int, sass: str = "", layouts: str = "", paths_only: bool = False) -> list:
     """Compile each distinct launch (records the GPU's launcher would specialize alike count once); returns
     [(kernel, ok, seconds, error)]. ``sass`` / ``layouts``: launches of
     kernels whose name contains it report their SASS mix (:func:`sass_report`) / dot layouts (:func:`dot_layouts`)
-    in place of the error."""
+    in place of the error. ``paths_only``: one compile per code path -- launches that differ only in integer
+    constexprs (sizes, tile shapes, split counts) or in the launcher's divisibility specializations count once;
+    argument types, flags, dtypes and launch options (warps, stages) still tell paths apart."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
 
@@ -501,6 +503,10 @@ def compile_all(records: list, arch: int, sass: str = "", layouts: str = "") -> 
             # to one binary: compiled once (a third of the records of a model step)
             key = json.dumps([rec["module"], rec["name"], sig, sorted(attrs.items()), opts,
                               sorted((str(k), repr(v)) for k, v in consts.items())], default=repr)
+            if paths_only:
+                key = json.dumps([rec["module"], rec["name"], sig, opts,
+                                  sorted((str(k), repr(v)) for k, v in consts.items() if type(v) is not int)],
+                                 default=repr)
             if key in seen:
                 continue
             seen.add(key)
@@ -545,12 +551,15 @@ def main():
                     help="compile with the Triton package in this folder (e.g. the GPU machine's version, unpacked "
                          "from its wheel: `pip download --no-deps triton==3.6.0`, then unzip); the interpreter "
                          "that records stays this environment's")
+    ap.add_argument("--paths-only", action="store_true",
+                    help="one compile per code path: launches that differ only in integer constexprs (sizes, tile "
+                         "shapes) or divisibility specializations compile once (about half the compiles)")
     ap.add_argument("--compile", dest="records_file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.records_file:   # child: compile and print JSON results
         with open(args.records_file) as f:
             records = json.load(f)
-        results = compile_all(records, args.arch, args.sass, args.layouts)
+        results = compile_all(records, args.arch, args.sass, args.layouts, args.paths_only)
         import triton
 
         print(f"triton {triton.__version__}")   # the release that compiled (--triton may put another first)
@@ -565,7 +574,7 @@ def main():
     if args.triton:   # ahead of everything on the path: its triton shadows the installed one
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.triton), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, __file__, "--compile", f.name, "--arch", str(args.arch), "--sass", args.sass,
-                           "--layouts", args.layouts],
+                           "--layouts", args.layouts] + (["--paths-only"] if args.paths_only else []),
                           capture_output=True, text=True, env=env, cwd=ROOT)
     os.unlink(f.name)
     if proc.returncode != 0:

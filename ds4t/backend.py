@@ -856,8 +856,17 @@ def _reuse_block_types() -> None:
         return
     # Triton's shapes are ``tl.tuple`` objects (a values list and a tuple_type); each instance gets its
     # own tl.tuple over the kept values and type, as Triton's constructors give each their own.
+    new_tuple = object.__new__
     blocks = {}     # (element type name, dims) -> (dims, shape's tuple_type, numel, name)
     tensors = {}    # dims -> (numel, dims as constexprs, shape's tuple_type)
+
+    def shape_of(values, shape_type):
+        """A new ``tl.tuple`` over a copy of ``values`` with type ``shape_type``: what ``tl.tuple(values,
+        shape_type)`` builds, without its per-element copy loop and type checks."""
+        shape = new_tuple(core.tuple)
+        shape.values = values.copy()
+        shape.type = shape_type
+        return shape
 
     def plain_dims(shape):
         dims = shape if type(shape) is list else shape.values if type(shape) is core.tuple else None
@@ -879,7 +888,7 @@ def _reuse_block_types() -> None:
             return
         values, shape_type, self.numel, self.name = hit
         self.element_ty = element_ty
-        self.shape = core.tuple(values, shape_type)
+        self.shape = shape_of(values, shape_type)
 
     def tensor_init(self, handle, type_):
         # a block type's shape holds the ints its constructor unwrapped and checked
@@ -894,7 +903,7 @@ def _reuse_block_types() -> None:
         self.type = type_
         self.dtype = type_.scalar
         self.numel, values, shape_type = hit
-        self.shape = core.tuple(values, shape_type)
+        self.shape = shape_of(values, shape_type)
 
     block_type_init._ds4t_reuse = True
     block_type_init._ds4t_original = block_init
@@ -1035,9 +1044,122 @@ def _fast_float_conversions() -> None:
     builder.create_fp_trunc = create_fp_trunc
 
 
+def _fast_binary_semantics() -> None:
+    """The interpreter's type promotion and broadcasting of a binary op, without Triton's ``tl.tuple`` round trips.
+
+    Every binary ``tl`` op runs ``binary_op_type_checking_impl`` (scalar types, pointer rules, a computation
+    type, a cast of each operand) and then ``broadcast_impl_value``, which compares the two block shapes
+    through ``tl.tuple`` objects rebuilt on every comparison and index: a quarter to a half of an interpreted
+    kernel's Python (py-spy over tests/kernels/test_attention.py and tests/exactness, 2026-12-07). Two cases
+    are answered here with plain lists, the same tensors, types and numpy broadcasts as Triton's code:
+
+    - both operands tensors of one non-pointer element type (the computation type is that type and both casts
+      are no-ops), or a pointer and an integer tensor where the op allows that pointer: straight to broadcasting
+      -- except a division or modulo of floats narrower than fp32, which Triton promotes to fp32;
+    - broadcasting two blocks of equal rank whose shapes are lists of ints: each dimension is the other's, or
+      1; the result shape is computed once per pair of shapes.
+
+    Anything else (Python scalars, mixed element types, ranks that differ, incompatible shapes) takes Triton's
+    own functions, errors included. Compiled kernels never run this. DS4T_INTERPRETER_REPATCH=1 keeps Triton's
+    functions."""
+    from triton.language import core
+    from triton.runtime import interpreter as _interp
+
+    semantic = type(_interp.interpreter_semantic)
+    check, broadcast = semantic.binary_op_type_checking_impl, semantic.broadcast_impl_value
+    if getattr(check, "_ds4t_fast", False):
+        return
+    tensor, tuple_, block_type = core.tensor, core.tuple, core.block_type
+    shapes = {}   # (lhs dims, rhs dims) -> result dims (a list), or None where Triton must decide
+
+    def result_dims(lv, rv):
+        key = (tuple(lv), tuple(rv))
+        if key in shapes:
+            return shapes[key]
+        out = []
+        for left, right in zip(lv, rv):
+            if type(left) is not int or type(right) is not int or not (left == 1 or right == 1 or left == right):
+                out = None
+                break
+            out.append(right if left == 1 else left)
+        shapes[key] = out
+        return out
+
+    def broadcast_impl_value(self, lhs, rhs):
+        lt, rt = lhs.type, rhs.type
+        if lt.is_block() and rt.is_block():
+            ls, rs = lt.shape, rt.shape
+            if type(ls) is tuple_ and type(rs) is tuple_:
+                lv, rv = ls.values, rs.values
+                if lv == rv:
+                    return lhs, rhs
+                if len(lv) == len(rv):
+                    dims = result_dims(lv, rv)
+                    if dims is not None:
+                        if lv != dims:
+                            lhs = self.make_tensor(self.builder.create_broadcast(lhs.handle, dims),
+                                                   block_type(lt.scalar, dims))
+                        if rv != dims:
+                            rhs = self.make_tensor(self.builder.create_broadcast(rhs.handle, dims),
+                                                   block_type(rt.scalar, dims))
+                        return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                                     arithmetic_check=True, div_or_mod=False):
+        if type(lhs) is tensor and type(rhs) is tensor:
+            ld, rd = lhs.dtype, rhs.dtype
+            if ld.is_ptr():
+                if allow_lhs_ptr and rd.is_int():
+                    return broadcast_impl_value(self, lhs, rhs)
+            elif rd.is_ptr():
+                if allow_rhs_ptr and ld.is_int():
+                    return broadcast_impl_value(self, lhs, rhs)
+            elif (ld is rd or ld.name == rd.name) and not (
+                    div_or_mod and ld.is_floating() and ld.primitive_bitwidth < 32):
+                return broadcast_impl_value(self, lhs, rhs)
+        return check(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    binary_op_type_checking_impl._ds4t_fast = True
+    binary_op_type_checking_impl._ds4t_original = check
+    broadcast_impl_value._ds4t_original = broadcast
+    semantic.binary_op_type_checking_impl = binary_op_type_checking_impl
+    semantic.broadcast_impl_value = broadcast_impl_value
+
+
+def _fast_constexpr_unwrap() -> None:
+    """``tl.core._unwrap_if_constexpr`` answering its common arguments before Triton's isinstance chain.
+
+    Triton calls it on nearly every argument of every ``tl`` op (2.2 million calls in six tiny-GLM exactness
+    tests): a ``constexpr`` gives its value, an int, float, bool, string, None or tensor is returned as it is,
+    anything else (lists, tuples, subclasses) goes to Triton's function. Compiled kernels never run this.
+    DS4T_INTERPRETER_REPATCH=1 keeps Triton's function."""
+    from triton.language import core
+
+    original = core._unwrap_if_constexpr
+    if getattr(original, "_ds4t_fast", False):
+        return
+    constexpr = core.constexpr
+    plain = frozenset((int, float, bool, str, type(None), core.tensor))
+
+    def unwrap(o):
+        t = type(o)
+        if t is constexpr:
+            return o.value
+        if t in plain:
+            return o
+        return original(o)
+
+    unwrap._ds4t_fast = True
+    unwrap._ds4t_original = original
+    core._unwrap_if_constexpr = unwrap
+
+
 if PATCH_INTERPRETER:
     _keep_interpreter_patched()
     _memoize_np_dtype()
     _reuse_block_types()
     _gather_loads()
     _fast_float_conversions()
+    _fast_binary_semantics()
+    _fast_constexpr_unwrap()

@@ -49,9 +49,13 @@ def _gpu_compile_env(**extra) -> dict:
 
 
 @pytest.mark.skipif(not ds4t.backend.INTERPRET, reason="on a GPU the other tests compile every kernel for real")
-def test_model_kernels_compile_for_the_gpu():
-    p = subprocess.run([sys.executable, TOOL, *_gpu_triton_args()], capture_output=True, text=True, cwd=ROOT,
-                       timeout=900)
+@pytest.mark.parametrize("scope", ["paths", pytest.param("every-size", marks=pytest.mark.long)])
+def test_model_kernels_compile_for_the_gpu(scope):
+    """``paths``: every code path of every launch (``--paths-only``: ~100 compiles); ``every-size``: every
+    distinct specialization (~210, the tool's default; ``make test-long``)."""
+    flags = ["--paths-only"] if scope == "paths" else []
+    p = subprocess.run([sys.executable, TOOL, *_gpu_triton_args(), *flags], capture_output=True, text=True,
+                       cwd=ROOT, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert " 0 failed" in p.stdout
     if _gpu_triton_args():   # the summary names the release that compiled

@@ -432,10 +432,14 @@ _TILE_PATHS = {"masked": (False, False), "interior": (True, False), "interior-pe
 """run_interior / run_peel as the tables set them: GPU d 128, GPU d 256, the interpreter."""
 _FUSED_CASES = [(dt, products, path) for dt in ("float32", "bfloat16") for products in ("split", "cache")
                 for path in _TILE_PATHS]
-if INTERPRET:   # every pair of the three factors once (6 of the 12 cases; ~8-18 s each in the interpreter)
-    _FUSED_CASES = [("float32", "split", "masked"), ("bfloat16", "cache", "masked"),
-                    ("float32", "cache", "interior"), ("bfloat16", "split", "interior"),
-                    ("bfloat16", "cache", "interior-peel"), ("float32", "split", "interior-peel")]
+if INTERPRET:
+    # every pair of the three factors once (6 of the 12 cases; 20-50 s each in the interpreter); make test runs
+    # three that hold each dtype, each products option and each tile path (make test-long the other three)
+    _LONG = pytest.mark.long
+    _FUSED_CASES = [("float32", "split", "masked"), pytest.param("bfloat16", "cache", "masked", marks=_LONG),
+                    ("float32", "cache", "interior"), pytest.param("bfloat16", "split", "interior", marks=_LONG),
+                    ("bfloat16", "cache", "interior-peel"),
+                    pytest.param("float32", "split", "interior-peel", marks=_LONG)]
 
 
 _SHORTEST = (True, 8) if not INTERPRET else (8,)

@@ -36,6 +36,14 @@ WIDE = {
                       num_experts=16, num_experts_per_tok=4, shared_expert_intermediate_size=128),
 }
 # (llama's sharding is GQA's, which GLM's structure covers; tp = 2 runs it in test_tp.py)
+
+
+def _eight_ranks(*default):
+    """The families, those not in ``default`` marked long: at tp = 2 (test_tp.py) every family runs each of these
+    checks; at tp = 8 ``make test`` runs the family whose structure only eight ranks show (Qwen3-Next's 2 kv
+    heads, a copy a rank), ``make test-long`` all of them (eight gloo ranks of the interpreter are ~8x a tp = 1
+    run)."""
+    return [n if n in default else pytest.param(n, marks=pytest.mark.long) for n in WIDE]
 MTP_FAMILIES = ("tiny-deepseek", "tiny-qwen")
 """GLM-4.5's MTP layer is DeepSeek-V3's nextn layer (ds4t.models.mtp) over GQA heads, which Qwen3-Next's covers at
 eight ranks (2 kv heads: a copy a rank); all three families' speculative decoding runs at tp = 2 (test_tp.py)."""
@@ -71,20 +79,20 @@ def _same_and_close(rs, ref, tol=1e-5):
     assert err < tol, f"TP={TP} vs TP=1 relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", list(WIDE))
+@pytest.mark.parametrize("name", _eight_ranks("tiny-qwen"))
 def test_tp8_agrees_with_tp1(ranks, wide, name):
     rs = ranks.run(jobs.tp_logits, wide[name], PROMPT, 3)
     _same_and_close(rs, jobs.reference_logits(ds4t.load(wide[name]), PROMPT, 3))
 
 
-@pytest.mark.parametrize("name", list(WIDE))
+@pytest.mark.parametrize("name", _eight_ranks("tiny-qwen"))
 def test_native_equals_ordered_under_tp8(ranks, wide, name):
     """Its negative controls: test_planted_reductions_are_caught_at_tp8 (the same check, a planted collective)."""
     for rep in ranks.run(jobs.tp_native_exact, wide[name], 3, 2, 0, negative_control=False):
         assert rep["paths"].get("native") and rep["native_batches"] > 0, rep
 
 
-@pytest.mark.parametrize("name", list(WIDE))
+@pytest.mark.parametrize("name", _eight_ranks("tiny-qwen"))
 def test_prefill_chunks_bitwise_under_tp8(ranks, wide, name):
     assert ranks.run(jobs.tp_chunk_invariant, wide[name], PROMPT, (1, 5)) == [True] * TP
 
@@ -100,6 +108,7 @@ def test_planted_reductions_are_caught_at_tp8(ranks, wide, kind):
         assert rep["native_batches"] > 0 and rep["mismatches"] > 0, rep
 
 
+@pytest.mark.long   # tp = 2 runs every family's speculative decoding (test_tp.py)
 @pytest.mark.parametrize("name", MTP_FAMILIES)
 def test_speculative_decoding_under_tp8(ranks, wide, name):
     rs = ranks.run(jobs.tp_mtp, wide[name], PROMPT, 2, 3, 5, 0)
@@ -108,7 +117,7 @@ def test_speculative_decoding_under_tp8(ranks, wide, name):
     _same_and_close([r["mtp_logits"] for r in rs], jobs.mtp_logits(ds4t.load(wide[name]), PROMPT))
 
 
-@pytest.mark.parametrize("name", ["tiny-deepseek", "tiny-glm"])
+@pytest.mark.parametrize("name", [pytest.param("tiny-deepseek", marks=pytest.mark.long), "tiny-glm"])
 def test_fp8_under_tp8(ranks, wide, name):
     """The full-depth runs' format: block-FP8 weights cut on their blocks over 8 ranks (GLM's shared expert
     unevenly: 2 blocks on ranks 0-3, 1 on ranks 4-7), logits within tolerance of tp = 1, native == ordered."""
