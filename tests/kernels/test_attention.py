@@ -573,8 +573,18 @@ def test_fusion_decision_of_each_hint():
 CACHE_TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq%d-Hkv%d-D%d-Dv%d" % s)
+def _cache_case(i, shape, j, dtype):
+    """A (shape, dtype) case; in the interpreter three of the six -- every shape and each dtype once -- run in make
+    test, the other three in make test-long."""
+    name = "Hq%d-Hkv%d-D%d-Dv%d-%s" % (*shape, str(dtype).replace("torch.", ""))
+    return pytest.param(shape, dtype, id=name, marks=[pytest.mark.long] if INTERPRET and (i + j) % 2 == 0 else [])
+
+
+_CACHE_CASES = [_cache_case(i, s, j, dt) for i, s in enumerate(SHAPES)
+                for j, dt in enumerate((torch.bfloat16, torch.float16))]
+
+
+@pytest.mark.parametrize("shape,dtype", _CACHE_CASES)
 def test_cache_products_match_the_reference_and_keep_every_invariance(device, dtype, shape, monkeypatch):
     """products="cache": within bf16 / fp16 bounds of the reference (q rounded as the kernel rounds it), gated
     too; a row alone == the row in the batch; the runs kernel == the split kernel, bit for bit, across
