@@ -36,6 +36,9 @@ WIDE = {
                       num_experts=16, num_experts_per_tok=4, shared_expert_intermediate_size=128),
 }
 # (llama's sharding is GQA's, which GLM's structure covers; tp = 2 runs it in test_tp.py)
+MTP_FAMILIES = ("tiny-deepseek", "tiny-qwen")
+"""GLM-4.5's MTP layer is DeepSeek-V3's nextn layer (ds4t.models.mtp) over GQA heads, which Qwen3-Next's covers at
+eight ranks (2 kv heads: a copy a rank); all three families' speculative decoding runs at tp = 2 (test_tp.py)."""
 
 
 def _eight_ranks(*default):
@@ -44,9 +47,6 @@ def _eight_ranks(*default):
     heads, a copy a rank), ``make test-long`` all of them (eight gloo ranks of the interpreter are ~8x a tp = 1
     run)."""
     return [n if n in default else pytest.param(n, marks=pytest.mark.long) for n in WIDE]
-MTP_FAMILIES = ("tiny-deepseek", "tiny-qwen")
-"""GLM-4.5's MTP layer is DeepSeek-V3's nextn layer (ds4t.models.mtp) over GQA heads, which Qwen3-Next's covers at
-eight ranks (2 kv heads: a copy a rank); all three families' speculative decoding runs at tp = 2 (test_tp.py)."""
 
 
 @pytest.fixture(scope="module")
