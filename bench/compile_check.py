@@ -501,12 +501,13 @@ def compile_all(records: list, arch: int, sass: str = "", layouts: str = "", pat
             opts = {k: rec["args"][k] for k in _LAUNCH_OPTIONS if rec["args"].get(k) is not None}
             # launches that differ only in values the launcher does not specialize on (sizes, strides) compile
             # to one binary: compiled once (a third of the records of a model step)
-            key = json.dumps([rec["module"], rec["name"], sig, sorted(attrs.items()), opts,
-                              sorted((str(k), repr(v)) for k, v in consts.items())], default=repr)
             if paths_only:
                 key = json.dumps([rec["module"], rec["name"], sig, opts,
                                   sorted((str(k), repr(v)) for k, v in consts.items() if type(v) is not int)],
                                  default=repr)
+            else:
+                key = json.dumps([rec["module"], rec["name"], sig, sorted(attrs.items()), opts,
+                                  sorted((str(k), repr(v)) for k, v in consts.items())], default=repr)
             if key in seen:
                 continue
             seen.add(key)
