@@ -795,6 +795,8 @@ def _keep_interpreter_patched() -> None:
         return _NoRestore()
 
     patch_once._ds4t_cached = True
+    patch_once._ds4t_original = original
+    patch_once._ds4t_scopes = state   # key -> the scope of Triton's patching (restore() undoes it)
     _interp._patch_lang = patch_once
     # Compiled kernels only check integer overflow in debug mode; the interpreter checks every
     # int32 multiply/add by default, which costs ~30% of its time. Match the compiled default.
@@ -1155,7 +1157,42 @@ def _fast_constexpr_unwrap() -> None:
     core._unwrap_if_constexpr = unwrap
 
 
+def _direct_builtin_calls() -> None:
+    """The interpreter's stand-ins for ``tl`` builtins call the builtin's own function with the semantic, directly.
+
+    The interpreter replaces every builtin of ``triton.language`` (``tl.load``, ``tensor.__add__``, ...) by a
+    lambda that copies its keyword arguments into a new dict without ``_semantic`` and calls the builtin, whose
+    ``@builtin`` wrapper then checks that ``_semantic`` was given and calls the function: two Python frames and a
+    dict comprehension on every op, ~7 % of an interpreted FP8 MoE test's time (py-spy, 2026-12-08). Here the
+    stand-in sets ``_semantic`` in the keyword arguments it received and calls the function ``@builtin``
+    wrapped (its check always passes: the stand-in gives the semantic); a member that is not ``@builtin``'s
+    wrapper is called as Triton's stand-in calls it. The same function runs with the same arguments. Compiled
+    kernels never run this; DS4T_INTERPRETER_REPATCH=1 keeps Triton's stand-ins."""
+    from triton.language import core
+    from triton.runtime import interpreter as _interp
+
+    original = _interp._patch_attr
+    if getattr(original, "_ds4t_direct", False):
+        return
+    wrapper_code = core.builtin(lambda _semantic=None: None).__code__   # the code of every @builtin wrapper
+
+    def patch_attr(obj, name, member, builder, scope):
+        target = member.__wrapped__ if getattr(member, "__code__", None) is wrapper_code else member
+        semantic = _interp.interpreter_semantic
+
+        def stand_in(*args, **kwargs):
+            kwargs["_semantic"] = semantic
+            return target(*args, **kwargs)
+
+        scope.set_attr(obj, name, stand_in)
+
+    patch_attr._ds4t_direct = True
+    patch_attr._ds4t_original = original
+    _interp._patch_attr = patch_attr
+
+
 if PATCH_INTERPRETER:
+    _direct_builtin_calls()
     _keep_interpreter_patched()
     _memoize_np_dtype()
     _reuse_block_types()

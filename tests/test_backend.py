@@ -603,3 +603,65 @@ def test_fast_binary_semantics_give_tritons_own_results(monkeypatch):
 
     monkeypatch.setattr(semantic, "broadcast_impl_value", swapped)
     assert not torch.equal(run(), own)
+
+
+@triton.jit
+def _builtin_calls_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r, mask=r < n, other=-1.0)               # keyword arguments through the stand-in
+    y = tl.maximum(x, 0.25) - tl.sum(x, axis=0) / BLOCK           # a tl function, a reduction with a keyword
+    z = tl.where(r % 3 == 0, tl.exp(y), y * x).to(tl.bfloat16)    # tl.math, a method, a conversion
+    tl.store(out_ptr + r, z.to(tl.float32), mask=r < BLOCK)
+
+
+@pytest.mark.skipif(not backend.PATCH_INTERPRETER, reason="an interpreter work-around (DS4T_INTERPRETER_REPATCH=1: off)")
+def test_direct_builtin_calls_give_tritons_own_results():
+    # ds4t.backend._direct_builtin_calls: with its stand-ins for the tl builtins (positional and keyword arguments,
+    # tl functions, tensor methods and operators, tl.math) a kernel gives the bits it gives with Triton's own
+    # stand-ins patched back in. Control: a stand-in that loses one keyword argument (``other``: the masked lanes
+    # read 0 instead of -1) is caught by the same comparison.
+    from triton.language import core
+    from triton.runtime import interpreter as interp
+
+    patch_attr = interp._patch_attr
+    assert getattr(patch_attr, "_ds4t_direct", False)
+    n, BLOCK = 13, 16
+    x = torch.randn(n, generator=torch.Generator().manual_seed(7))
+
+    def run():
+        out = torch.full((BLOCK,), float("nan"))
+        _builtin_calls_kernel[(1,)](x, out, n, BLOCK=BLOCK)
+        return out
+
+    ours = run()
+    assert core.tensor.__add__.__qualname__.endswith("stand_in") and not torch.isnan(ours).any()
+
+    def patched_with(attr):
+        """The kernel's result with tl / tl.core patched afresh by ``attr``; ds4t's stand-ins come back at the next
+        launch (the patching is undone and forgotten before and after)."""
+        scopes = interp._patch_lang._ds4t_scopes
+
+        def unpatch():
+            for scope in reversed(list(scopes.values())):
+                scope.restore()
+            scopes.clear()
+
+        unpatch()
+        interp._patch_attr = attr
+        try:
+            out = run()
+            assert not core.tensor.__add__.__qualname__.endswith("stand_in")
+            return out
+        finally:
+            unpatch()
+            interp._patch_attr = patch_attr
+
+    assert torch.equal(patched_with(patch_attr._ds4t_original), ours)
+
+    def losing_other(obj, name, member, builder, scope):
+        patch_attr._ds4t_original(obj, name, member, builder, scope)
+        stand_in = getattr(obj, name)
+        scope.set_attr(obj, name, lambda *a, **k: stand_in(*a, **{key: v for key, v in k.items() if key != "other"}))
+
+    assert not torch.equal(patched_with(losing_other), ours)
+    assert torch.equal(run(), ours) and core.tensor.__add__.__qualname__.endswith("stand_in")   # ds4t's are back
