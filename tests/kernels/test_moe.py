@@ -690,8 +690,9 @@ def test_swapped_tiles(fmt, route, adt, tile_n, warps):
     ("bf16", "direct", None, 2, False, "gate_up"),
     ("bf16", "direct", None, 3, True, "down"),
     ("fp8", "f32", torch.float32, 2, True, "both"),
-    ("fp8", "f32", torch.bfloat16, 3, True, "gate_up"),
-    ("fp8", "f32", torch.bfloat16, 2, True, "down"),
+    # (make test-long: the f32 route with bf16 activations, each kernel alone; make test splits both)
+    pytest.param("fp8", "f32", torch.bfloat16, 3, True, "gate_up", marks=pytest.mark.long),
+    pytest.param("fp8", "f32", torch.bfloat16, 2, True, "down", marks=pytest.mark.long),
     ("fp8", "tf32", torch.bfloat16, 2, False, "both"),
     ("fp8", "f16", torch.bfloat16, 2, True, "both"),    # a pair's scale over its split's columns only
 ], ids=str)
@@ -726,8 +727,12 @@ def test_fp8_scale_blocks_a_step_keep_the_one_block_bits(blocks, split, swap):
         M.blocks_a_step(dataclasses.replace(base, scale_blocks=0), 768, 128, 768)
 
 
-@pytest.mark.parametrize("split,swap,B,adt,m_sub", [(2, True, 1, torch.float32, 1), (3, True, 24, torch.float32, 1),
-                                                   (6, False, 5, torch.float32, 1), (2, True, 2, torch.bfloat16, 1),
+# make test: each split count but 3, each swap, dtype and sub-tile count once (with the fp32 control);
+# make test-long: split 3 over 24 rows and bf16 one-sub-tile too
+@pytest.mark.parametrize("split,swap,B,adt,m_sub", [(2, True, 1, torch.float32, 1),
+                                                   pytest.param(3, True, 24, torch.float32, 1, marks=pytest.mark.long),
+                                                   (6, False, 5, torch.float32, 1),
+                                                   pytest.param(2, True, 2, torch.bfloat16, 1, marks=pytest.mark.long),
                                                    (2, True, 24, torch.bfloat16, 2)], ids=str)
 def test_fp8_ordered_split_keeps_the_unsplit_bits(device, split, swap, B, adt, m_sub):
     """``MoEConfig.ordered_split``: FP8 gate/up K splits that store every scale block's dot, added in block

@@ -92,7 +92,7 @@ def test_native_equals_ordered_under_tp8(ranks, wide, name):
         assert rep["paths"].get("native") and rep["native_batches"] > 0, rep
 
 
-@pytest.mark.parametrize("name", _eight_ranks("tiny-qwen"))
+@pytest.mark.parametrize("name", _eight_ranks())   # make test: every family's chunks at tp = 2 (test_tp.py)
 def test_prefill_chunks_bitwise_under_tp8(ranks, wide, name):
     assert ranks.run(jobs.tp_chunk_invariant, wide[name], PROMPT, (1, 5)) == [True] * TP
 
