@@ -245,6 +245,29 @@ def _same(what: str, parts: Sequence[FP8Weight]) -> None:
         raise ValueError(f"{what}: parts have different act_dtype {[p.act_dtype for p in parts]}")
 
 
+def _cat_tensors(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(tensors, dim)``; meta tensors of one dtype and joinable shapes answered from their shapes alone.
+
+    torch's meta ``cat`` and ``stack`` are Python decompositions whose first call imports ``torch._dynamo``: ~2 s
+    of a ``--device meta --plan-only`` process (a fifth of planning Qwen3-Next-80B). Anything else, mismatches
+    included, goes to torch.cat, which joins or raises as it does."""
+    t0 = tensors[0] if tensors else None
+    if t0 is not None and all(t.is_meta and t.dtype == t0.dtype and t.dim() == t0.dim() for t in tensors):
+        d = dim % max(t0.dim(), 1)
+        if t0.dim() and all(t.shape[:d] == t0.shape[:d] and t.shape[d + 1:] == t0.shape[d + 1:] for t in tensors):
+            shape = list(t0.shape)
+            shape[d] = sum(t.shape[d] for t in tensors)
+            return torch.empty(shape, dtype=t0.dtype, device="meta")
+    return torch.cat(list(tensors), dim=dim)
+
+
+def _stack_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)`` through :func:`_cat_tensors` (meta tensors from their shapes)."""
+    if tensors and all(t.is_meta and t.shape == tensors[0].shape for t in tensors):
+        return _cat_tensors([t.unsqueeze(0) for t in tensors])
+    return torch.stack(list(tensors))
+
+
 def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     """Concatenate weights along ``dim`` (rows of [N, K], or experts of [E, N, K]; never K): plain
     tensors with torch.cat, FP8 weights with their row scales (all parts must share block_k), GGUF
@@ -253,14 +276,14 @@ def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     (float and GGUF parts, expert stacks of different types) are dequantized and joined in float (check
     :func:`joinable` first where that would cost too much memory)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(list(parts), dim=dim).contiguous()
+        return _cat_tensors(parts, dim).contiguous()
     if any(isinstance(p, RowParts) for p in parts):   # flatten: a RowParts is its parts in row order
         parts = [q for p in parts for q in (p.parts if isinstance(p, RowParts) else (p,))]
     if any(isinstance(p, GGUFWeight) for p in parts):
         if dim % parts[0].dim() == parts[0].dim() - 1:
             raise ValueError("cat: GGUF weights cannot be joined along K (their blocks run along K)")
         if all(isinstance(p, GGUFWeight) for p in parts) and same_format(parts):
-            return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous())
+            return dataclasses.replace(parts[0], data=_cat_tensors([p.data for p in parts], dim).contiguous())
         if all(isinstance(p, GGUFWeight) and p.dim() == 2 for p in parts) \
                 and len({(p.k, p.act_dtype, p.device) for p in parts}) == 1:
             runs = [[parts[0]]]
@@ -275,7 +298,7 @@ def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
         # launch, so these run in float (the parts' activation dtype).
         dt = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), None)
         dt = dt or next((p.act_dtype for p in parts if p.act_dtype is not None), torch.float32)
-        return torch.cat([as_float(p, dt) for p in parts], dim=dim).contiguous()
+        return _cat_tensors([as_float(p, dt) for p in parts], dim).contiguous()
     if not all(isinstance(p, FP8Weight) for p in parts):
         raise TypeError("cat: cannot mix FP8 and float weights in one fused matrix")
     nd = parts[0].dim()
@@ -284,24 +307,24 @@ def cat(parts: Sequence[Weight], dim: int = 0) -> Weight:
     if len({p.block_k for p in parts}) != 1:
         raise ValueError(f"cat: parts have different block_k {[p.block_k for p in parts]}")
     _same("cat", parts)
-    return dataclasses.replace(parts[0], data=torch.cat([p.data for p in parts], dim=dim).contiguous(),
-                               scale=torch.cat([p.scale for p in parts], dim=dim).contiguous())
+    return dataclasses.replace(parts[0], data=_cat_tensors([p.data for p in parts], dim).contiguous(),
+                               scale=_cat_tensors([p.scale for p in parts], dim).contiguous())
 
 
 def stack(parts: Sequence[Weight]) -> Weight:
     """Stack weights along a new leading dim (MoE experts): [E, N, K] (and scales [E, N, KB])."""
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.stack(list(parts)).contiguous()
+        return _stack_tensors(parts).contiguous()
     if all(isinstance(p, GGUFWeight) for p in parts):
         _gguf_joinable("stack", parts)
-        return dataclasses.replace(parts[0], data=torch.stack([p.data for p in parts]).contiguous())
+        return dataclasses.replace(parts[0], data=_stack_tensors([p.data for p in parts]).contiguous())
     if not all(isinstance(p, FP8Weight) for p in parts):
         raise TypeError("stack: cannot mix FP8 and float weights")
     if len({p.block_k for p in parts}) != 1:
         raise ValueError(f"stack: parts have different block_k {[p.block_k for p in parts]}")
     _same("stack", parts)
-    return dataclasses.replace(parts[0], data=torch.stack([p.data for p in parts]).contiguous(),
-                               scale=torch.stack([p.scale for p in parts]).contiguous())
+    return dataclasses.replace(parts[0], data=_stack_tensors([p.data for p in parts]).contiguous(),
+                               scale=_stack_tensors([p.scale for p in parts]).contiguous())
 
 
 def activation_dtype(what: str, x: torch.Tensor, weight: Weight, act_dtype: Optional[torch.dtype]) -> torch.dtype:

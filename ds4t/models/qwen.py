@@ -254,7 +254,7 @@ class QwenModel(DecoderModel):
             router_w = get(m + "gate.weight")
             shared = {}
             if c.shared_intermediate_size:   # read first, so float experts can stack it in place (moe_weights)
-                router_w = torch.cat([router_w, get(m + "shared_expert_gate.weight")]).contiguous()
+                router_w = weights.cat([router_w, get(m + "shared_expert_gate.weight")])
                 shared = dict(shared_gate_up=weights.cat([get(m + "shared_expert.gate_proj.weight"),
                                                           get(m + "shared_expert.up_proj.weight")]),
                               shared_down=get(m + "shared_expert.down_proj.weight"), shared_gated=True)

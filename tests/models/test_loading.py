@@ -393,3 +393,29 @@ def test_experts_load_without_a_second_copy(family, monkeypatch):
     assert _load_peak(family) < 1.1   # measured 1.015-1.02
     monkeypatch.setattr(WeightReader, "_stack_in_place", lambda self, names, tail: stack([self(n) for n in names]))
     assert _load_peak(family) > 1.2   # measured 1.32-1.47
+
+
+def test_meta_joins_are_torchs_shapes_without_its_meta_decompositions():
+    """weights.cat / stack of meta tensors give torch.cat / torch.stack's shape and dtype from the shapes alone, and
+    mismatches raise as torch does. A Qwen3-Next-80B load on meta (``serve --device meta --plan-only``) then never
+    imports torch._dynamo, which torch's meta cat and stack do on first use (~2 s a planning process). Control: a
+    torch.cat of meta tensors in the same fresh process imports it."""
+    import subprocess
+    import sys
+
+    from ds4t.kernels import weights as W
+
+    a, b = torch.empty(4, 8, device="meta"), torch.empty(2, 8, device="meta")
+    for got, want in [(W.cat([a, b]), (6, 8)), (W.cat([a, a], dim=1), (4, 16)), (W.cat([a, a], dim=-1), (4, 16)),
+                      (W.stack([a, a, a]), (3, 4, 8))]:
+        assert got.is_meta and tuple(got.shape) == want and got.dtype == a.dtype
+    with pytest.raises(RuntimeError):
+        W.cat([a, torch.empty(2, 7, device="meta")])
+    with pytest.raises(RuntimeError):
+        W.stack([a, b])
+    assert W.cat([a, b.half()]).dtype == torch.cat([a, b.half()]).dtype   # mixed dtypes: torch's promotion
+    code = ("import sys, torch, ds4t\nds4t.load('qwen3-next-80b', device='meta')\nbefore = 'torch._dynamo' in sys.modules\n"
+            "torch.cat([torch.empty(2, device='meta')] * 2)\nprint(before, 'torch._dynamo' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split()[-2:] == ["False", "True"], p.stdout
