@@ -252,9 +252,10 @@ def _cat_tensors(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     of a ``--device meta --plan-only`` process (a fifth of planning Qwen3-Next-80B). Anything else, mismatches
     included, goes to torch.cat, which joins or raises as it does."""
     t0 = tensors[0] if tensors else None
-    if t0 is not None and all(t.is_meta and t.dtype == t0.dtype and t.dim() == t0.dim() for t in tensors):
-        d = dim % max(t0.dim(), 1)
-        if t0.dim() and all(t.shape[:d] == t0.shape[:d] and t.shape[d + 1:] == t0.shape[d + 1:] for t in tensors):
+    if t0 is not None and -t0.dim() <= dim < t0.dim() and \
+            all(t.is_meta and t.dtype == t0.dtype and t.dim() == t0.dim() for t in tensors):
+        d = dim % t0.dim()
+        if all(t.shape[:d] == t0.shape[:d] and t.shape[d + 1:] == t0.shape[d + 1:] for t in tensors):
             shape = list(t0.shape)
             shape[d] = sum(t.shape[d] for t in tensors)
             return torch.empty(shape, dtype=t0.dtype, device="meta")

@@ -413,6 +413,8 @@ def test_meta_joins_are_torchs_shapes_without_its_meta_decompositions():
         W.cat([a, torch.empty(2, 7, device="meta")])
     with pytest.raises(RuntimeError):
         W.stack([a, b])
+    with pytest.raises(IndexError):   # a dim past the tensors' own, as torch.cat refuses it
+        W.cat([a, a], dim=2)
     assert W.cat([a, b.half()]).dtype == torch.cat([a, b.half()]).dtype   # mixed dtypes: torch's promotion
     code = ("import sys, torch, ds4t\nds4t.load('qwen3-next-80b', device='meta')\nbefore = 'torch._dynamo' in sys.modules\n"
             "torch.cat([torch.empty(2, device='meta')] * 2)\nprint(before, 'torch._dynamo' in sys.modules)")
